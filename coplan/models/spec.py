@@ -1,0 +1,215 @@
+"""Model specs: a transformer family described by a handful of numbers, plus named presets.
+
+A spec is enough both to build a real ``nn.Module`` (``coplan.models.transformer``) and to build the
+IR directly (``coplan.capture.synthetic``); the two agree by test.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import asdict, dataclass, fields
+from pathlib import Path
+from typing import Any
+
+from coplan.errors import SpecError
+
+ACTIVATIONS = ("gelu", "swiglu")
+NORMS = ("layernorm", "rmsnorm")
+POSITIONS = ("learned", "rope")
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ModelSpec:
+    """A decoder-only transformer. Sizes are counts (not bytes); ``seq_len`` is the default context."""
+
+    n_layers: int
+    d_model: int
+    n_heads: int
+    vocab_size: int
+    name: str = "custom"
+    ffn_hidden: int | None = None  # None: 4 * d_model
+    n_kv_heads: int | None = None  # None: n_heads (multi-head); fewer: grouped-query attention
+    seq_len: int = 1024
+    activation: str = "gelu"
+    norm: str = "layernorm"
+    position: str = "learned"
+    tied_embeddings: bool = True
+    bias: bool = True
+    n_experts: int = 0  # 0 or 1: dense MLP; >1: mixture of experts in every block
+    top_k: int = 1
+    capacity_factor: float = 1.0  # experts process ceil(tokens * top_k / n_experts * factor) tokens
+    norm_eps: float = 1e-5
+    rope_theta: float = 10000.0
+
+    def __post_init__(self) -> None:
+        src = f"model '{self.name}'"
+        for f in ("n_layers", "d_model", "n_heads", "vocab_size", "seq_len"):
+            v = getattr(self, f)
+            if not isinstance(v, int) or isinstance(v, bool) or v <= 0:
+                raise SpecError(src, f, f"must be a positive integer, got {v!r}")
+        if self.d_model % self.n_heads:
+            raise SpecError(src, "n_heads", f"{self.n_heads} does not divide d_model={self.d_model}")
+        if self.ffn_hidden is not None and (not isinstance(self.ffn_hidden, int) or self.ffn_hidden <= 0):
+            raise SpecError(src, "ffn_hidden", f"must be a positive integer, got {self.ffn_hidden!r}")
+        if self.n_kv_heads is not None:
+            if not isinstance(self.n_kv_heads, int) or self.n_kv_heads <= 0:
+                raise SpecError(src, "n_kv_heads", f"must be a positive integer, got {self.n_kv_heads!r}")
+            if self.n_heads % self.n_kv_heads:
+                raise SpecError(src, "n_kv_heads", f"{self.n_kv_heads} does not divide n_heads={self.n_heads}")
+        for f, allowed in (("activation", ACTIVATIONS), ("norm", NORMS), ("position", POSITIONS)):
+            if getattr(self, f) not in allowed:
+                raise SpecError(src, f, f"must be one of {', '.join(allowed)}, got {getattr(self, f)!r}")
+        if not isinstance(self.n_experts, int) or self.n_experts < 0:
+            raise SpecError(src, "n_experts", f"must be a non-negative integer, got {self.n_experts!r}")
+        if self.is_moe and not (isinstance(self.top_k, int) and 1 <= self.top_k <= self.n_experts):
+            raise SpecError(src, "top_k", f"must be between 1 and n_experts={self.n_experts}, got {self.top_k!r}")
+        if self.capacity_factor <= 0:
+            raise SpecError(src, "capacity_factor", f"must be positive, got {self.capacity_factor!r}")
+        if self.position == "rope" and self.head_dim % 2:
+            raise SpecError(src, "n_heads", f"rotary embeddings need an even head dim, got {self.head_dim}")
+
+    # Derived sizes -------------------------------------------------------------------------------
+
+    @property
+    def ffn(self) -> int:
+        return self.ffn_hidden if self.ffn_hidden is not None else 4 * self.d_model
+
+    @property
+    def kv_heads(self) -> int:
+        return self.n_kv_heads if self.n_kv_heads is not None else self.n_heads
+
+    @property
+    def head_dim(self) -> int:
+        return self.d_model // self.n_heads
+
+    @property
+    def is_moe(self) -> bool:
+        return self.n_experts > 1
+
+    def expert_capacity(self, tokens: int) -> int:
+        """Tokens each expert processes for a microbatch of ``tokens`` tokens (static shape)."""
+        return max(1, math.ceil(tokens * self.top_k / self.n_experts * self.capacity_factor))
+
+    def block_params(self) -> int:
+        d, f, hd = self.d_model, self.ffn, self.head_dim
+        kv = self.kv_heads * hd
+        b = 1 if self.bias else 0
+        norm = 2 * d if self.norm == "layernorm" else d
+        attn = d * (d + 2 * kv) + b * (d + 2 * kv) + d * d + b * d
+        n_mats = 3 if self.activation == "swiglu" else 2
+        mlp = n_mats * d * f + b * ((n_mats - 1) * f + d)
+        if self.is_moe:
+            mlp = self.n_experts * mlp + d * self.n_experts  # experts + router (router has no bias)
+        return 2 * norm + attn + mlp
+
+    def param_count(self) -> int:
+        """Exact trainable-parameter count of the model this spec builds (tied weights once)."""
+        d = self.d_model
+        emb = self.vocab_size * d
+        pos = self.seq_len * d if self.position == "learned" else 0
+        final_norm = 2 * d if self.norm == "layernorm" else d
+        head = 0 if self.tied_embeddings else self.vocab_size * d
+        return emb + pos + self.n_layers * self.block_params() + final_norm + head
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: Any, source: str = "<dict>") -> ModelSpec:
+        if not isinstance(data, dict):
+            raise SpecError(source, None, f"expected a JSON object, got {type(data).__name__}")
+        known = {f.name for f in fields(cls)}
+        for key in data:
+            if key not in known:
+                raise SpecError(source, key, f"unknown field (known: {', '.join(sorted(known))})")
+        for key in ("n_layers", "d_model", "n_heads", "vocab_size"):
+            if key not in data:
+                raise SpecError(source, key, "required field is missing")
+        types = {f.name: f.type for f in fields(cls)}
+        for key, value in data.items():
+            _check_type(source, key, str(types[key]), value)
+        try:
+            return cls(**data)
+        except SpecError as e:
+            raise SpecError(source, e.field, e.reason) from None
+
+
+def _check_type(source: str, key: str, type_name: str, value: Any) -> None:
+    if value is None and "None" in type_name:
+        return
+    if type_name.startswith("int") and (not isinstance(value, int) or isinstance(value, bool)):
+        raise SpecError(source, key, f"must be an integer, got {value!r}")
+    if type_name.startswith("float") and (not isinstance(value, int | float) or isinstance(value, bool)):
+        raise SpecError(source, key, f"must be a number, got {value!r}")
+    if type_name == "bool" and not isinstance(value, bool):
+        raise SpecError(source, key, f"must be true or false, got {value!r}")
+    if type_name == "str" and not isinstance(value, str):
+        raise SpecError(source, key, f"must be a string, got {value!r}")
+
+
+def _gpt2(name: str, n_layers: int, d_model: int, n_heads: int) -> ModelSpec:
+    return ModelSpec(name=name, n_layers=n_layers, d_model=d_model, n_heads=n_heads, vocab_size=50257)
+
+
+def _llama(name: str, n_layers: int, d_model: int, n_heads: int, ffn: int, **kw: Any) -> ModelSpec:
+    base: dict[str, Any] = dict(
+        vocab_size=32000, seq_len=4096, activation="swiglu", norm="rmsnorm", position="rope",
+        tied_embeddings=False, bias=False, norm_eps=1e-5,
+    )
+    base.update(kw)
+    return ModelSpec(name=name, n_layers=n_layers, d_model=d_model, n_heads=n_heads, ffn_hidden=ffn, **base)
+
+
+# Published configurations: GPT-2 (Radford et al. 2019, nanoGPT's configs), LLaMA 2 (Touvron et al.
+# 2023), Llama 3 (Meta 2024), GPT-3 175B (Brown et al. 2020), Mixtral 8x7B (Jiang et al. 2024),
+# Megatron-LM's 1T configuration (Narayanan et al. 2021, table 1). The tiny presets are for tests.
+PRESETS: dict[str, ModelSpec] = {
+    s.name: s
+    for s in (
+        _gpt2("gpt2-124m", 12, 768, 12),
+        _gpt2("gpt2-350m", 24, 1024, 16),
+        _gpt2("gpt2-774m", 36, 1280, 20),
+        _gpt2("gpt2-1.5b", 48, 1600, 25),
+        _llama("llama2-7b", 32, 4096, 32, 11008),
+        _llama("llama2-13b", 40, 5120, 40, 13824),
+        _llama("llama2-70b", 80, 8192, 64, 28672, n_kv_heads=8),
+        _llama("llama3-8b", 32, 4096, 32, 14336, n_kv_heads=8, vocab_size=128256, seq_len=8192,
+               rope_theta=500000.0),
+        _llama("llama3-70b", 80, 8192, 64, 28672, n_kv_heads=8, vocab_size=128256, seq_len=8192,
+               rope_theta=500000.0),
+        ModelSpec(name="gpt3-175b", n_layers=96, d_model=12288, n_heads=96, vocab_size=50257, seq_len=2048),
+        ModelSpec(name="megatron-1t", n_layers=128, d_model=25600, n_heads=160, vocab_size=51200,
+                  seq_len=2048),
+        _llama("mixtral-8x7b", 32, 4096, 32, 14336, n_kv_heads=8, seq_len=4096, n_experts=8, top_k=2,
+               rope_theta=1e6),
+        _llama("moe-small", 8, 512, 8, 1408, n_kv_heads=4, seq_len=1024, n_experts=8, top_k=2),
+        ModelSpec(name="gpt-tiny", n_layers=2, d_model=64, n_heads=4, vocab_size=512, seq_len=64),
+        _llama("llama-tiny", 2, 64, 4, 176, n_kv_heads=2, vocab_size=512, seq_len=64),
+        _llama("moe-tiny", 2, 64, 4, 96, n_kv_heads=2, vocab_size=512, seq_len=64, n_experts=4, top_k=2),
+    )
+}
+
+
+def load_model_spec(name_or_path: str) -> ModelSpec:
+    """A preset by name, or a JSON spec file. Errors name the file (or preset) and the field."""
+    if name_or_path in PRESETS:
+        return PRESETS[name_or_path]
+    path = Path(name_or_path)
+    if path.suffix.lower() == ".json" or path.exists():
+        if not path.is_file():
+            raise SpecError(name_or_path, None, "model spec file not found")
+        try:
+            data = json.loads(path.read_text())
+        except json.JSONDecodeError as e:
+            raise SpecError(name_or_path, None, f"invalid JSON at line {e.lineno}, column {e.colno}: {e.msg}") from None
+        except (OSError, UnicodeDecodeError) as e:
+            raise SpecError(name_or_path, None, f"cannot read: {e}") from None
+        if isinstance(data, dict) and "name" not in data:
+            data = {**data, "name": path.stem}
+        return ModelSpec.from_dict(data, source=name_or_path)
+    import difflib
+
+    close = difflib.get_close_matches(name_or_path, PRESETS, n=3)
+    hint = f" (did you mean {', '.join(close)}?)" if close else f" (presets: {', '.join(PRESETS)})"
+    raise SpecError(f"model '{name_or_path}'", None, f"not a preset or a spec file{hint}")

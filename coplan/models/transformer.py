@@ -1,0 +1,181 @@
+"""Built-in decoder-only transformers (nanoGPT-style GPT, LLaMA-style, mixture of experts) from a spec.
+
+Module names are chosen so that IR module paths read naturally: ``h.3.attn.c_attn``,
+``h.3.mlp.c_fc``, ``lm_head``. Every shape is static (the MoE uses fixed expert capacity), so the
+model traces under fake tensors and its graph is the same for every batch of the same size.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from coplan.models.spec import ModelSpec
+
+
+def _norm(spec: ModelSpec) -> nn.Module:
+    if spec.norm == "rmsnorm":
+        return nn.RMSNorm(spec.d_model, eps=spec.norm_eps)
+    return nn.LayerNorm(spec.d_model, eps=spec.norm_eps, bias=spec.bias)
+
+
+class Rotary(nn.Module):
+    """Rotary position embedding tables (non-persistent buffers, not parameters)."""
+
+    def __init__(self, spec: ModelSpec) -> None:
+        super().__init__()
+        hd = spec.head_dim
+        inv_freq = 1.0 / (spec.rope_theta ** (torch.arange(0, hd, 2, dtype=torch.float32) / hd))
+        t = torch.arange(spec.seq_len, dtype=torch.float32)
+        freqs = torch.outer(t, inv_freq)
+        emb = torch.cat((freqs, freqs), dim=-1)
+        self.register_buffer("cos", emb.cos(), persistent=False)
+        self.register_buffer("sin", emb.sin(), persistent=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # x: (B, H, T, hd). Rotate-half formulation, as in LLaMA's reference code.
+        t = x.shape[-2]
+        cos, sin = self.cos[:t], self.sin[:t]
+        x1, x2 = x.chunk(2, dim=-1)
+        return x * cos + torch.cat((-x2, x1), dim=-1) * sin
+
+
+class Attention(nn.Module):
+    def __init__(self, spec: ModelSpec) -> None:
+        super().__init__()
+        self.n_heads, self.kv_heads, self.hd = spec.n_heads, spec.kv_heads, spec.head_dim
+        kv = self.kv_heads * self.hd
+        self.c_attn = nn.Linear(spec.d_model, spec.d_model + 2 * kv, bias=spec.bias)
+        self.c_proj = nn.Linear(spec.d_model, spec.d_model, bias=spec.bias)
+        self.rotary = Rotary(spec) if spec.position == "rope" else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, t, c = x.shape
+        kv = self.kv_heads * self.hd
+        q, k, v = self.c_attn(x).split([c, kv, kv], dim=2)
+        q = q.view(b, t, self.n_heads, self.hd).transpose(1, 2)
+        k = k.view(b, t, self.kv_heads, self.hd).transpose(1, 2)
+        v = v.view(b, t, self.kv_heads, self.hd).transpose(1, 2)
+        if self.rotary is not None:
+            q, k = self.rotary(q), self.rotary(k)
+        gqa = self.kv_heads != self.n_heads
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
+        y = y.transpose(1, 2).contiguous().view(b, t, c)
+        return self.c_proj(y)
+
+
+class MLP(nn.Module):
+    def __init__(self, spec: ModelSpec) -> None:
+        super().__init__()
+        self.swiglu = spec.activation == "swiglu"
+        self.c_fc = nn.Linear(spec.d_model, spec.ffn, bias=spec.bias)
+        if self.swiglu:
+            self.c_gate = nn.Linear(spec.d_model, spec.ffn, bias=spec.bias)
+        self.c_proj = nn.Linear(spec.ffn, spec.d_model, bias=spec.bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.swiglu:
+            return self.c_proj(F.silu(self.c_gate(x)) * self.c_fc(x))
+        return self.c_proj(F.gelu(self.c_fc(x), approximate="tanh"))
+
+
+class MoE(nn.Module):
+    """Token-choice top-k routing with a fixed expert capacity (GShard/Switch style).
+
+    Each expert takes the ``capacity`` tokens with the largest routing weight for it; tokens that
+    did not pick the expert have weight 0, so a slot they fill contributes nothing (padding). Shapes
+    never depend on data, which keeps tracing and the cost model exact.
+    """
+
+    def __init__(self, spec: ModelSpec) -> None:
+        super().__init__()
+        self.spec = spec
+        e, d, f = spec.n_experts, spec.d_model, spec.ffn
+        self.router = nn.Linear(d, e, bias=False)
+        self.swiglu = spec.activation == "swiglu"
+        scale = d**-0.5
+        self.w_fc = nn.Parameter(torch.randn(e, d, f) * scale)
+        self.w_gate = nn.Parameter(torch.randn(e, d, f) * scale) if self.swiglu else None
+        self.w_proj = nn.Parameter(torch.randn(e, f, d) * f**-0.5)
+        if spec.bias:
+            self.b_fc = nn.Parameter(torch.zeros(e, 1, f))
+            self.b_gate = nn.Parameter(torch.zeros(e, 1, f)) if self.swiglu else None
+            self.b_proj = nn.Parameter(torch.zeros(e, 1, d))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, t, d = x.shape
+        n = b * t
+        flat = x.reshape(n, d)
+        probs = F.softmax(self.router(flat), dim=-1, dtype=torch.float32)
+        top_w, top_i = probs.topk(self.spec.top_k, dim=-1)
+        top_w = (top_w / top_w.sum(dim=-1, keepdim=True)).to(x.dtype)
+        weights = torch.zeros(n, self.spec.n_experts, dtype=x.dtype, device=x.device)
+        weights = weights.scatter(1, top_i, top_w)
+        cap = self.spec.expert_capacity(n)
+        slot_w, slot_i = weights.t().topk(cap, dim=1)  # (E, C): each expert's chosen tokens
+        xe = flat[slot_i]  # (E, C, d)
+        h = torch.bmm(xe, self.w_fc)
+        if self.spec.bias:
+            h = h + self.b_fc
+        if self.swiglu:
+            g = torch.bmm(xe, self.w_gate)
+            if self.spec.bias:
+                g = g + self.b_gate
+            h = F.silu(g) * h
+        else:
+            h = F.gelu(h, approximate="tanh")
+        ye = torch.bmm(h, self.w_proj)
+        if self.spec.bias:
+            ye = ye + self.b_proj
+        ye = ye * slot_w.unsqueeze(-1)
+        out = torch.zeros_like(flat).index_add(0, slot_i.reshape(-1), ye.reshape(-1, d))
+        return out.view(b, t, d)
+
+
+class Block(nn.Module):
+    def __init__(self, spec: ModelSpec) -> None:
+        super().__init__()
+        self.ln_1 = _norm(spec)
+        self.attn = Attention(spec)
+        self.ln_2 = _norm(spec)
+        self.mlp: nn.Module = MoE(spec) if spec.is_moe else MLP(spec)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.attn(self.ln_1(x))
+        return x + self.mlp(self.ln_2(x))
+
+
+class Transformer(nn.Module):
+    """``forward(idx, targets)`` returns the mean cross-entropy loss of next-token prediction."""
+
+    def __init__(self, spec: ModelSpec) -> None:
+        super().__init__()
+        self.spec = spec
+        self.wte = nn.Embedding(spec.vocab_size, spec.d_model)
+        self.wpe = nn.Embedding(spec.seq_len, spec.d_model) if spec.position == "learned" else None
+        self.h = nn.ModuleList(Block(spec) for _ in range(spec.n_layers))
+        self.ln_f = _norm(spec)
+        self.lm_head = nn.Linear(spec.d_model, spec.vocab_size, bias=False)
+        if spec.tied_embeddings:
+            self.lm_head.weight = self.wte.weight
+
+    def forward(self, idx: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        _, t = idx.shape
+        x = self.wte(idx)
+        if self.wpe is not None:
+            x = x + self.wpe(torch.arange(t, device=idx.device))
+        for block in self.h:
+            x = block(x)
+        logits = self.lm_head(self.ln_f(x))
+        return F.cross_entropy(logits.view(-1, logits.size(-1)), targets.view(-1))
+
+
+def build_model(spec: ModelSpec) -> Transformer:
+    return Transformer(spec)
+
+
+def example_batch(spec: ModelSpec, batch: int, seq: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    s = seq or spec.seq_len
+    idx = torch.randint(0, spec.vocab_size, (batch, s))
+    return idx, torch.randint(0, spec.vocab_size, (batch, s))
