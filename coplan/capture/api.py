@@ -50,3 +50,17 @@ def capture_spec(spec: ModelSpec, batch: int = 1, seq: int | None = None,
         model = Transformer(spec)
         idx, targets = example_batch(spec, batch, s)
     return capture_module(model, (idx, targets), optimizer=optimizer, name=spec.name, batch=batch, seq=s)
+
+
+def capture_hf(spec: ModelSpec, batch: int = 1, seq: int | None = None,
+               optimizer: OptimizerFactory = default_optimizer) -> Graph:
+    """Capture the Hugging Face ``transformers`` model of ``spec`` (built from a config, no weights)."""
+    from coplan.models.hf import hf_model
+
+    s = _check_seq(spec, seq)
+    with FakeTensorMode(allow_non_fake_inputs=True):
+        model = hf_model(spec)
+        idx, targets = example_batch(spec, batch, s)
+    model.train()
+    return capture_module(model, (), {"input_ids": idx, "labels": targets}, optimizer=optimizer,
+                          name=spec.name, batch=batch, seq=s, source="hf")
