@@ -1,0 +1,220 @@
+"""One accelerator (or CPU) as data: the numbers a roofline cost model needs.
+
+Units are SI throughout the data model: bytes, bytes/s, FLOP/s, seconds. Only ``summary()`` rounds
+for display. Peak numbers are *dense* data-sheet peaks (NVIDIA and others often headline the 2:4
+structured-sparsity figure, which is exactly twice the dense one; a planner for dense training must
+not use it).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from coplan.hardware._fields import (
+    FieldError,
+    FrozenMap,
+    Reader,
+    anchored,
+    check_int,
+    check_number,
+    check_str,
+    fail,
+    kind,
+)
+
+#: Matrix-unit dtypes a device may list in ``peak_flops``. fp8 covers both e4m3 and e5m2.
+DTYPES: tuple[str, ...] = ("fp32", "tf32", "bf16", "fp16", "fp8")
+
+#: Kinds of work a device's ``efficiency`` may derate.
+EFFICIENCY_KINDS: tuple[str, ...] = ("matmul", "vector", "memory")
+
+# torch / numpy spellings accepted by ``canonical_dtype`` so callers can pass IR dtype names as-is.
+_DTYPE_ALIASES: dict[str, str] = {
+    "float32": "fp32",
+    "float": "fp32",
+    "tf32": "tf32",
+    "bfloat16": "bf16",
+    "float16": "fp16",
+    "half": "fp16",
+    "float8_e4m3fn": "fp8",
+    "float8_e4m3fnuz": "fp8",
+    "float8_e5m2": "fp8",
+    "float8_e5m2fnuz": "fp8",
+}
+
+
+def canonical_dtype(name: str) -> str:
+    """Map ``"bf16"``, ``"bfloat16"`` or ``"torch.bfloat16"`` to the ``DTYPES`` key ``"bf16"``.
+
+    Raises ``SpecError`` for names that are not matrix dtypes (e.g. ``"int8"``, ``"fp64"``).
+    """
+    key = str(name).removeprefix("torch.").lower()
+    key = _DTYPE_ALIASES.get(key, key)
+    if key not in DTYPES:
+        raise FieldError("dtype", None, f"unknown dtype {name!r}; expected one of: {', '.join(DTYPES)}")
+    return key
+
+
+_REQUIRED = (
+    "name",
+    "vendor",
+    "peak_flops",
+    "vector_flops",
+    "memory_bytes",
+    "memory_bandwidth",
+    "sram_bytes",
+    "kernel_launch_s",
+)
+_OPTIONAL = ("source", "efficiency")
+
+
+@dataclass(frozen=True, slots=True)
+class DeviceSpec:
+    """One device. Hashable and immutable; build from JSON with ``from_dict``.
+
+    Attributes:
+        name: preset-style identifier, e.g. ``"h100-sxm"``.
+        vendor: e.g. ``"nvidia"``, ``"amd"``, ``"google"``, ``"aws"``.
+        peak_flops: dense matrix-unit peak in FLOP/s per dtype (keys among ``DTYPES``). A missing
+            key means the matrix units do not support that dtype (fp8 on A100); a 0 given on input
+            means the same and is dropped. ``"fp32"`` is what a plain fp32 matmul gets (on NVIDIA
+            that is the CUDA-core figure, since TF32 is opt-in in PyTorch).
+        vector_flops: non-matrix fp32 FLOP/s (elementwise, reductions, softmax...).
+        memory_bytes: device memory (HBM/GDDR/DRAM) capacity in bytes.
+        memory_bandwidth: device memory bandwidth in bytes/s.
+        sram_bytes: on-chip cache/scratchpad in bytes (L2, Infinity Cache, SBUF, VMEM, or LLC).
+        kernel_launch_s: fixed cost in seconds per kernel/op dispatched, paid even by tiny kernels.
+        source: free text naming the data sheets (and any estimate) behind the numbers.
+        efficiency: achievable fraction of peak per kind of work (``EFFICIENCY_KINDS``), in (0, 1].
+            These are *starting values* for the cost model, meant to be calibrated by measurement;
+            a missing kind means no derating (1.0).
+    """
+
+    name: str
+    vendor: str
+    peak_flops: Mapping[str, float]
+    vector_flops: float
+    memory_bytes: int
+    memory_bandwidth: float
+    sram_bytes: int
+    kernel_launch_s: float
+    source: str = ""
+    efficiency: Mapping[str, float] = field(default_factory=FrozenMap)
+
+    def __post_init__(self) -> None:
+        named = isinstance(self.name, str) and bool(self.name.strip())
+        src = f"device {self.name!r}" if named else "device"
+        put = object.__setattr__  # frozen dataclass: normalising in __post_init__ needs the raw setter
+        check_str(src, "name", self.name)
+        check_str(src, "vendor", self.vendor)
+        put(self, "peak_flops", _peaks(src, self.peak_flops))
+        put(self, "vector_flops", check_number(src, "vector_flops", self.vector_flops))
+        put(self, "memory_bytes", check_int(src, "memory_bytes", self.memory_bytes))
+        put(self, "memory_bandwidth", check_number(src, "memory_bandwidth", self.memory_bandwidth))
+        put(self, "sram_bytes", check_int(src, "sram_bytes", self.sram_bytes))
+        # 0 is allowed: an idealised device, or one whose dispatch cost is modelled elsewhere.
+        put(self, "kernel_launch_s", check_number(src, "kernel_launch_s", self.kernel_launch_s, strict=False))
+        check_str(src, "source", self.source, allow_empty=True)
+        put(self, "efficiency", _efficiency(src, self.efficiency))
+
+    # --- queries -------------------------------------------------------------------------------
+
+    def peak(self, dtype: str) -> float:
+        """Dense matrix peak in FLOP/s for ``dtype`` (any spelling ``canonical_dtype`` accepts);
+        0.0 when the device's matrix units do not support it."""
+        return self.peak_flops.get(canonical_dtype(dtype), 0.0)
+
+    def supports(self, dtype: str) -> bool:
+        """Whether the matrix units run ``dtype`` natively (peak > 0)."""
+        return self.peak(dtype) > 0.0
+
+    def efficiency_of(self, work: str) -> float:
+        """Achievable fraction of peak for ``work`` in ``EFFICIENCY_KINDS`` (1.0 when not given)."""
+        if work not in EFFICIENCY_KINDS:
+            raise ValueError(f"unknown efficiency kind {work!r}; expected one of {EFFICIENCY_KINDS}")
+        return self.efficiency.get(work, 1.0)
+
+    def summary(self) -> str:
+        """One human-readable line (memory in GiB, bandwidth in TB/s, peaks in TFLOP/s)."""
+        peaks = ", ".join(f"{d} {self.peak_flops[d] / 1e12:g}" for d in DTYPES if d in self.peak_flops)
+        return (
+            f"{self.name} ({self.vendor}): {self.memory_bytes / 2**30:.0f} GiB @ "
+            f"{self.memory_bandwidth / 1e12:.3g} TB/s; TFLOP/s {peaks}"
+        )
+
+    # --- serialisation -------------------------------------------------------------------------
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain JSON-ready dict; ``DeviceSpec.from_dict(d.to_dict()) == d``."""
+        return {
+            "name": self.name,
+            "vendor": self.vendor,
+            "peak_flops": dict(self.peak_flops),
+            "vector_flops": self.vector_flops,
+            "memory_bytes": self.memory_bytes,
+            "memory_bandwidth": self.memory_bandwidth,
+            "sram_bytes": self.sram_bytes,
+            "kernel_launch_s": self.kernel_launch_s,
+            "source": self.source,
+            "efficiency": dict(self.efficiency),
+        }
+
+    @classmethod
+    def from_dict(cls, data: object, source: str = "<dict>", *, path: str = "") -> DeviceSpec:
+        """Build from a parsed JSON object. Errors are ``SpecError(source, field, reason)`` naming the
+        unknown, missing or badly typed field; ``path`` prefixes field names when nested."""
+        r = Reader(data, source, path)
+        r.check_keys(_REQUIRED, _OPTIONAL)
+        efficiency = r.numbers("efficiency") if "efficiency" in r.data else {}
+        name, vendor, peaks = r.text("name"), r.text("vendor"), r.numbers("peak_flops")
+        vector, memory = r.number("vector_flops"), r.integer("memory_bytes")
+        bandwidth, sram = r.number("memory_bandwidth"), r.integer("sram_bytes")
+        launch, text = r.number("kernel_launch_s", strict=False), r.text("source", default="")
+        # Readers above already name ``source`` and the full path; only __post_init__ errors need
+        # re-anchoring, so nothing else may run inside this block.
+        with anchored(source, path):
+            return cls(
+                name=name,
+                vendor=vendor,
+                peak_flops=peaks,
+                vector_flops=vector,
+                memory_bytes=memory,
+                memory_bandwidth=bandwidth,
+                sram_bytes=sram,
+                kernel_launch_s=launch,
+                source=text,
+                efficiency=efficiency,
+            )
+
+
+def _peaks(src: str, value: object) -> FrozenMap:
+    if not isinstance(value, Mapping):
+        fail(src, "peak_flops", f"expected an object of dtype -> FLOP/s, got {kind(value)}")
+    peaks: dict[str, float] = {}
+    for dtype, flops in value.items():
+        where = f"peak_flops.{dtype}"
+        if dtype not in DTYPES:
+            fail(src, where, f"unknown dtype; expected one of: {', '.join(DTYPES)}")
+        number = check_number(src, where, flops, strict=False)
+        if number > 0.0:  # 0 means unsupported, same as absent: drop it so equality is not fooled
+            peaks[dtype] = number
+    if not peaks:
+        fail(src, "peak_flops", "needs at least one dtype with a positive peak")
+    return FrozenMap(peaks)
+
+
+def _efficiency(src: str, value: object) -> FrozenMap:
+    if not isinstance(value, Mapping):
+        fail(src, "efficiency", f"expected an object of kind -> fraction, got {kind(value)}")
+    out: dict[str, float] = {}
+    for work, fraction in value.items():
+        where = f"efficiency.{work}"
+        if work not in EFFICIENCY_KINDS:
+            fail(src, where, f"unknown kind; expected one of: {', '.join(EFFICIENCY_KINDS)}")
+        number = check_number(src, where, fraction)
+        if number > 1.0:
+            fail(src, where, f"must be a fraction of peak in (0, 1], got {fraction!r}")
+        out[work] = number
+    return FrozenMap(out)
