@@ -16,8 +16,10 @@ from typing import Any
 import torch
 from torch.utils.flop_counter import flop_registry
 
+from coplan.capture.flops import register_missing_formulas
 from coplan.capture.trace import TracedStep
 from coplan.ir.oprules import TensorInfo, rule_for
+from coplan.ir.saved import mark_saved
 from coplan.ir.types import Graph, GraphMeta, Op, OpKind, Phase, Tensor, TensorRole, relink
 
 _FOLD = {"detach", "alias", "lift_fresh", "_record_function_enter_new", "_record_function_exit"}
@@ -85,6 +87,7 @@ def _module_of_param(name: str) -> str:
 
 def to_graph(step: TracedStep, meta: GraphMeta) -> Graph:
     """Build the IR of a traced step; see the module docstring for what is folded."""
+    register_missing_formulas()
     b = _Builder(step)
     placeholders = [n for n in step.gm.graph.nodes if n.op == "placeholder"]
     n_p, n_b, n_s = len(step.param_names), len(step.buffer_names), len(step.state_keys)
@@ -131,7 +134,7 @@ def to_graph(step: TracedStep, meta: GraphMeta) -> Graph:
 
     ops = _finalize_ops(b)
     graph = relink(ops, b.tensors, meta)
-    return _mark_saved(graph, outputs)
+    return mark_saved(graph, outputs)
 
 
 def _convert_call(b: _Builder, node: torch.fx.Node) -> None:
@@ -295,17 +298,3 @@ def _finalize_ops(b: _Builder) -> list[Op]:
                 path = _module_of_param(b.step.param_names[owner])
         out.append(replace(op, forward_op=fwd, module_path=path, block=_block_of(path, container)))
     return out
-
-
-def _mark_saved(graph: Graph, outputs: list[int]) -> Graph:
-    """Flag forward values and inputs read by a backward op, and record the step's outputs."""
-    bwd_reads: set[int] = set()
-    for op in graph.ops:
-        if op.phase is Phase.BACKWARD:
-            bwd_reads.update(op.inputs)
-    tensors = []
-    for t in graph.tensors:
-        produced_fwd = t.producer is None or graph.ops[t.producer].phase is Phase.FORWARD
-        saved = t.id in bwd_reads and produced_fwd
-        tensors.append(replace(t, saved_for_backward=True) if saved != t.saved_for_backward and saved else t)
-    return replace(graph, tensors=tuple(tensors), outputs=tuple(dict.fromkeys(outputs)))
