@@ -30,20 +30,30 @@ def capture_module(
     """The IR of one training step of ``module``: ``loss_fn(module(*args, **kwargs))``, backward,
     and one ``optimizer`` step. Real tensors are replaced by fake ones; nothing is computed."""
     step = trace_step(module, args, kwargs, loss_fn=loss_fn, optimizer=optimizer)
-    meta = GraphMeta(model=name or type(module).__name__, source=source, batch=batch, seq=seq,
-                     optimizer=step.optimizer, capture_s=step.seconds, block_container=step.block_container)
+    meta = GraphMeta(
+        model=name or type(module).__name__,
+        source=source,
+        batch=batch,
+        seq=seq,
+        optimizer=step.optimizer,
+        capture_s=step.seconds,
+        block_container=step.block_container,
+    )
     return to_graph(step, meta)
 
 
 def _check_seq(spec: ModelSpec, seq: int | None) -> int:
     s = seq or spec.seq_len
     if s > spec.seq_len:
-        raise SpecError(f"model '{spec.name}'", "seq_len", f"sequence {s} exceeds the model's seq_len {spec.seq_len}")
+        raise SpecError(
+            f"model '{spec.name}'", "seq_len", f"sequence {s} exceeds the model's seq_len {spec.seq_len}"
+        )
     return s
 
 
-def capture_spec(spec: ModelSpec, batch: int = 1, seq: int | None = None,
-                 optimizer: OptimizerFactory = default_optimizer) -> Graph:
+def capture_spec(
+    spec: ModelSpec, batch: int = 1, seq: int | None = None, optimizer: OptimizerFactory = default_optimizer
+) -> Graph:
     """Build the built-in model of ``spec`` with fake parameters and capture one training step."""
     s = _check_seq(spec, seq)
     with FakeTensorMode(allow_non_fake_inputs=True):
@@ -52,8 +62,9 @@ def capture_spec(spec: ModelSpec, batch: int = 1, seq: int | None = None,
     return capture_module(model, (idx, targets), optimizer=optimizer, name=spec.name, batch=batch, seq=s)
 
 
-def capture_hf(spec: ModelSpec, batch: int = 1, seq: int | None = None,
-               optimizer: OptimizerFactory = default_optimizer) -> Graph:
+def capture_hf(
+    spec: ModelSpec, batch: int = 1, seq: int | None = None, optimizer: OptimizerFactory = default_optimizer
+) -> Graph:
     """Capture the Hugging Face ``transformers`` model of ``spec`` (built from a config, no weights)."""
     from coplan.models.hf import hf_model
 
@@ -62,5 +73,13 @@ def capture_hf(spec: ModelSpec, batch: int = 1, seq: int | None = None,
         model = hf_model(spec)
         idx, targets = example_batch(spec, batch, s)
     model.train()
-    return capture_module(model, (), {"input_ids": idx, "labels": targets}, optimizer=optimizer,
-                          name=spec.name, batch=batch, seq=s, source="hf")
+    return capture_module(
+        model,
+        (),
+        {"input_ids": idx, "labels": targets},
+        optimizer=optimizer,
+        name=spec.name,
+        batch=batch,
+        seq=s,
+        source="hf",
+    )

@@ -24,9 +24,18 @@ from coplan.ir.types import Graph, GraphMeta, Op, OpKind, Phase, Tensor, TensorR
 
 _FOLD = {"detach", "alias", "lift_fresh", "_record_function_enter_new", "_record_function_exit"}
 _DTYPE = {
-    torch.float64: "float64", torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16",
-    torch.float8_e4m3fn: "float8_e4m3fn", torch.float8_e5m2: "float8_e5m2", torch.int64: "int64",
-    torch.int32: "int32", torch.int16: "int16", torch.int8: "int8", torch.uint8: "uint8", torch.bool: "bool",
+    torch.float64: "float64",
+    torch.float32: "float32",
+    torch.bfloat16: "bfloat16",
+    torch.float16: "float16",
+    torch.float8_e4m3fn: "float8_e4m3fn",
+    torch.float8_e5m2: "float8_e5m2",
+    torch.int64: "int64",
+    torch.int32: "int32",
+    torch.int16: "int16",
+    torch.int8: "int8",
+    torch.uint8: "uint8",
+    torch.bool: "bool",
     torch.complex64: "complex64",
 }
 
@@ -62,8 +71,14 @@ class _Builder:
     param_tensor: list[int] = field(default_factory=list)  # parameter index -> tensor id
 
     def new_tensor(self, val: torch.Tensor, name: str, role: TensorRole, **kw: Any) -> int:
-        t = Tensor(id=len(self.tensors), name=name, shape=tuple(int(d) for d in val.shape),
-                   dtype=dtype_name(val.dtype), role=role, **kw)
+        t = Tensor(
+            id=len(self.tensors),
+            name=name,
+            shape=tuple(int(d) for d in val.shape),
+            dtype=dtype_name(val.dtype),
+            role=role,
+            **kw,
+        )
         self.tensors.append(t)
         return t.id
 
@@ -77,7 +92,7 @@ def _block_of(path: str, container: str) -> int | None:
     prefix = container + "."
     if not path.startswith(prefix):
         return None
-    head = path[len(prefix):].split(".", 1)[0]
+    head = path[len(prefix) :].split(".", 1)[0]
     return int(head) if head.isdigit() else None
 
 
@@ -106,8 +121,12 @@ def to_graph(step: TracedStep, meta: GraphMeta) -> Graph:
             tid = b.new_tensor(val, name, TensorRole.BUFFER, param_name=name)
         elif i < n_p + n_b + n_s:
             pi, key = step.state_keys[i - n_p - n_b]
-            tid = b.new_tensor(val, f"{step.param_names[pi]}.{key}", TensorRole.OPTIMIZER_STATE,
-                               param_name=step.param_names[pi])
+            tid = b.new_tensor(
+                val,
+                f"{step.param_names[pi]}.{key}",
+                TensorRole.OPTIMIZER_STATE,
+                param_name=step.param_names[pi],
+            )
             b.param_of[tid] = pi
         else:
             tid = b.new_tensor(val, f"input{i - n_p - n_b - n_s}", TensorRole.INPUT)
@@ -120,17 +139,23 @@ def to_graph(step: TracedStep, meta: GraphMeta) -> Graph:
         elif node.op == "output":
             # make_fx flattens the step's (loss, params, state, grads) result
             flat_out = list(node.args[0])
-            grads = flat_out[1 + n_p + n_s:]
+            grads = flat_out[1 + n_p + n_s :]
             for pi, g in enumerate(grads):
                 gid = b.value_of.get(g) if isinstance(g, torch.fx.Node) else None
                 if isinstance(gid, int) and b.tensors[gid].role is TensorRole.GRADIENT:
                     b.tensors[gid] = replace(b.tensors[gid], grad_of=b.param_tensor[pi])
-            outputs = [b.value_of[n] for n in flat_out[:1 + n_p + n_s] if isinstance(n, torch.fx.Node)
-                       and isinstance(b.value_of.get(n), int)]
+            outputs = [
+                b.value_of[n]
+                for n in flat_out[: 1 + n_p + n_s]
+                if isinstance(n, torch.fx.Node) and isinstance(b.value_of.get(n), int)
+            ]
         elif node.op == "get_attr":
             val = getattr(step.gm, str(node.target))
-            b.value_of[node] = b.new_tensor(val, str(node.target), TensorRole.CONSTANT) \
-                if isinstance(val, torch.Tensor) else None
+            b.value_of[node] = (
+                b.new_tensor(val, str(node.target), TensorRole.CONSTANT)
+                if isinstance(val, torch.Tensor)
+                else None
+            )
 
     ops = _finalize_ops(b)
     graph = relink(ops, b.tensors, meta)
@@ -171,8 +196,11 @@ def _convert_call(b: _Builder, node: torch.fx.Node) -> None:
             kw = {"alias_of": b.tensors[in_ids[0]].storage_id}
             role = b.storage_role(in_ids[0])
         else:
-            role = {Phase.FORWARD: TensorRole.ACTIVATION, Phase.BACKWARD: TensorRole.GRADIENT,
-                    Phase.OPTIMIZER: TensorRole.OPTIMIZER_TEMP}[phase]
+            role = {
+                Phase.FORWARD: TensorRole.ACTIVATION,
+                Phase.BACKWARD: TensorRole.GRADIENT,
+                Phase.OPTIMIZER: TensorRole.OPTIMIZER_TEMP,
+            }[phase]
         suffix = f".{k}" if k else ""
         tid = b.new_tensor(v, f"{node.name}{suffix}", role, **kw)
         for src in in_ids:
@@ -202,13 +230,28 @@ def _convert_call(b: _Builder, node: torch.fx.Node) -> None:
     if mutated is not None:
         written = sum(b.tensors[t].nbytes for t in out_ids)
     kind = OpKind.OPTIMIZER if rule.kind is OpKind.OTHER and phase is Phase.OPTIMIZER else rule.kind
-    args_text = ",".join(_canon(a) for a in node.args) + ";" + ",".join(
-        f"{k}={_canon(v)}" for k, v in sorted(node.kwargs.items()))
-    b.ops.append(Op(
-        id=op_id, name=node.name, target=str(target), kind=kind, inputs=tuple(in_ids), outputs=tuple(out_ids),
-        phase=phase, flops=flops, vector_flops=rule.vector_flops(infos_in, infos_out), bytes_read=read,
-        bytes_written=written, module_path=module_path, args=args_text,
-    ))
+    args_text = (
+        ",".join(_canon(a) for a in node.args)
+        + ";"
+        + ",".join(f"{k}={_canon(v)}" for k, v in sorted(node.kwargs.items()))
+    )
+    b.ops.append(
+        Op(
+            id=op_id,
+            name=node.name,
+            target=str(target),
+            kind=kind,
+            inputs=tuple(in_ids),
+            outputs=tuple(out_ids),
+            phase=phase,
+            flops=flops,
+            vector_flops=rule.vector_flops(infos_in, infos_out),
+            bytes_read=read,
+            bytes_written=written,
+            module_path=module_path,
+            args=args_text,
+        )
+    )
     if phase is Phase.FORWARD and isinstance(node.meta.get("seq_nr"), int):
         # The first forward node carrying a sequence number is the op that created that autograd
         # function; later forward nodes inherit the number without creating one.

@@ -21,13 +21,21 @@ from torch.utils.flop_counter import (
 aten = torch.ops.aten
 
 
-def _cpu_flash_fwd(query_shape: Any, key_shape: Any, value_shape: Any, *args: Any, out_shape: Any = None,
-                   **kwargs: Any) -> int:
+def _cpu_flash_fwd(
+    query_shape: Any, key_shape: Any, value_shape: Any, *args: Any, out_shape: Any = None, **kwargs: Any
+) -> int:
     return int(sdpa_flop_count(query_shape, key_shape, value_shape))
 
 
-def _cpu_flash_bwd(grad_out_shape: Any, query_shape: Any, key_shape: Any, value_shape: Any, *args: Any,
-                   out_shape: Any = None, **kwargs: Any) -> int:
+def _cpu_flash_bwd(
+    grad_out_shape: Any,
+    query_shape: Any,
+    key_shape: Any,
+    value_shape: Any,
+    *args: Any,
+    out_shape: Any = None,
+    **kwargs: Any,
+) -> int:
     return int(sdpa_backward_flop_count(grad_out_shape, query_shape, key_shape, value_shape))
 
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field, replace
+from typing import Any
 
 from torch.utils.flop_counter import sdpa_backward_flop_count, sdpa_flop_count
 
@@ -39,10 +40,11 @@ class _Builder:
     params: list[int] = field(default_factory=list)
     outputs: list[int] = field(default_factory=list)
 
-    def tensor(self, name: str, shape: Shape, role: TensorRole, dtype: str | None = None, **kw: object) -> int:
+    def tensor(self, name: str, shape: Shape, role: TensorRole, dtype: str | None = None, **kw: Any) -> int:
         tid = len(self.tensors)
-        self.tensors.append(Tensor(id=tid, name=name, shape=shape, dtype=dtype or self.dtype, role=role,
-                                   **kw))  # type: ignore[arg-type]
+        self.tensors.append(
+            Tensor(id=tid, name=name, shape=shape, dtype=dtype or self.dtype, role=role, **kw)
+        )
         return tid
 
     def param(self, name: str, shape: Shape) -> int:
@@ -50,22 +52,52 @@ class _Builder:
         self.params.append(tid)
         return tid
 
-    def op(self, target: str, kind: OpKind, phase: Phase, inputs: list[int], outs: list[tuple[str, Shape, str]],
-           module: str, block: int | None, flops: int = 0, fwd: int | None = None,
-           vector_per_elem: float = 1.0, read: int | None = None) -> list[int]:
-        role = {Phase.FORWARD: TensorRole.ACTIVATION, Phase.BACKWARD: TensorRole.GRADIENT,
-                Phase.OPTIMIZER: TensorRole.OPTIMIZER_TEMP}[phase]
+    def op(
+        self,
+        target: str,
+        kind: OpKind,
+        phase: Phase,
+        inputs: list[int],
+        outs: list[tuple[str, Shape, str]],
+        module: str,
+        block: int | None,
+        flops: int = 0,
+        fwd: int | None = None,
+        vector_per_elem: float = 1.0,
+        read: int | None = None,
+    ) -> list[int]:
+        role = {
+            Phase.FORWARD: TensorRole.ACTIVATION,
+            Phase.BACKWARD: TensorRole.GRADIENT,
+            Phase.OPTIMIZER: TensorRole.OPTIMIZER_TEMP,
+        }[phase]
         out_ids = [self.tensor(n, s, role, d) for n, s, d in outs]
         written = sum(self.tensors[t].nbytes for t in out_ids)
         if read is None:
             read = sum(self.tensors[t].nbytes for t in dict.fromkeys(inputs))
-        vec = 0 if kind in (OpKind.MATMUL, OpKind.ATTENTION) else int(
-            vector_per_elem * max((self.tensors[t].numel for t in out_ids), default=0))
-        self.ops.append(Op(
-            id=len(self.ops), name=f"{target}_{len(self.ops)}", target=target, kind=kind, inputs=tuple(inputs),
-            outputs=tuple(out_ids), phase=phase, flops=flops, vector_flops=vec, bytes_read=read,
-            bytes_written=written, forward_op=fwd, module_path=module, block=block,
-        ))
+        vec = (
+            0
+            if kind in (OpKind.MATMUL, OpKind.ATTENTION)
+            else int(vector_per_elem * max((self.tensors[t].numel for t in out_ids), default=0))
+        )
+        self.ops.append(
+            Op(
+                id=len(self.ops),
+                name=f"{target}_{len(self.ops)}",
+                target=target,
+                kind=kind,
+                inputs=tuple(inputs),
+                outputs=tuple(out_ids),
+                phase=phase,
+                flops=flops,
+                vector_flops=vec,
+                bytes_read=read,
+                bytes_written=written,
+                forward_op=fwd,
+                module_path=module,
+                block=block,
+            )
+        )
         return out_ids
 
 
@@ -91,8 +123,17 @@ class _Model:
 
     # forward building blocks -------------------------------------------------------------------
 
-    def linear(self, x: int, m: int, k: int, n: int, module: str, block: int | None, bias: bool,
-               weight: int | None = None) -> int:
+    def linear(
+        self,
+        x: int,
+        m: int,
+        k: int,
+        n: int,
+        module: str,
+        block: int | None,
+        bias: bool,
+        weight: int | None = None,
+    ) -> int:
         w = weight if weight is not None else self.g.param(f"{module}.weight", (n, k))
         ins = [x, w]
         ps = [w]
@@ -100,10 +141,23 @@ class _Model:
             bb = self.g.param(f"{module}.bias", (n,))
             ins.append(bb)
             ps.append(bb)
-        (y,) = self.g.op("linear", OpKind.MATMUL, Phase.FORWARD, ins, [(f"{module}.out", (m, n), self.dt)],
-                         module, block, flops=_mm(m, k, n))
-        self.tape.append(("linear", _Fwd(len(self.g.ops) - 1, [x], ps), {"m": m, "k": k, "n": n, "bias": bias,
-                                                                          "module": module, "block": block}))
+        (y,) = self.g.op(
+            "linear",
+            OpKind.MATMUL,
+            Phase.FORWARD,
+            ins,
+            [(f"{module}.out", (m, n), self.dt)],
+            module,
+            block,
+            flops=_mm(m, k, n),
+        )
+        self.tape.append(
+            (
+                "linear",
+                _Fwd(len(self.g.ops) - 1, [x], ps),
+                {"m": m, "k": k, "n": n, "bias": bias, "module": module, "block": block},
+            )
+        )
         return y
 
     def norm(self, x: int, module: str, block: int | None) -> int:
@@ -116,26 +170,69 @@ class _Model:
             if self.s.bias:
                 ps.append(self.g.param(f"{module}.bias", (d,)))
                 ins.append(ps[-1])
-            y, mean, rstd = self.g.op("layer_norm", OpKind.NORM, Phase.FORWARD, ins,
-                                      [(f"{module}.out", shape, self.dt), (f"{module}.mean", stat, F32),
-                                       (f"{module}.rstd", stat, F32)], module, block, vector_per_elem=5)
+            y, mean, rstd = self.g.op(
+                "layer_norm",
+                OpKind.NORM,
+                Phase.FORWARD,
+                ins,
+                [
+                    (f"{module}.out", shape, self.dt),
+                    (f"{module}.mean", stat, F32),
+                    (f"{module}.rstd", stat, F32),
+                ],
+                module,
+                block,
+                vector_per_elem=5,
+            )
             saved = [x, mean, rstd]
         else:
             # RMSNorm as eager PyTorch runs it: rstd, x * rstd (kept for the weight gradient), * w.
-            y, normed, rstd = self.g.op("rms_norm", OpKind.NORM, Phase.FORWARD, [x, w],
-                                        [(f"{module}.out", shape, self.dt), (f"{module}.normed", shape, self.dt),
-                                         (f"{module}.rstd", stat, F32)], module, block, vector_per_elem=4)
+            y, normed, rstd = self.g.op(
+                "rms_norm",
+                OpKind.NORM,
+                Phase.FORWARD,
+                [x, w],
+                [
+                    (f"{module}.out", shape, self.dt),
+                    (f"{module}.normed", shape, self.dt),
+                    (f"{module}.rstd", stat, F32),
+                ],
+                module,
+                block,
+                vector_per_elem=4,
+            )
             saved = [x, normed, rstd]
         self.tape.append(("norm", _Fwd(len(self.g.ops) - 1, saved, ps), {"module": module, "block": block}))
         return y
 
-    def pointwise(self, target: str, ins: list[int], shape: Shape, module: str, block: int | None,
-                  saved: list[int], per_elem: float = 1.0, dtype: str | None = None) -> int:
-        (y,) = self.g.op(target, OpKind.ELEMENTWISE, Phase.FORWARD, ins, [(f"{module}.{target}", shape,
-                                                                             dtype or self.dt)],
-                         module, block, vector_per_elem=per_elem)
-        self.tape.append(("add" if target == "add" else "pointwise", _Fwd(len(self.g.ops) - 1, saved),
-                          {"module": module, "block": block}))
+    def pointwise(
+        self,
+        target: str,
+        ins: list[int],
+        shape: Shape,
+        module: str,
+        block: int | None,
+        saved: list[int],
+        per_elem: float = 1.0,
+        dtype: str | None = None,
+    ) -> int:
+        (y,) = self.g.op(
+            target,
+            OpKind.ELEMENTWISE,
+            Phase.FORWARD,
+            ins,
+            [(f"{module}.{target}", shape, dtype or self.dt)],
+            module,
+            block,
+            vector_per_elem=per_elem,
+        )
+        self.tape.append(
+            (
+                "add" if target == "add" else "pointwise",
+                _Fwd(len(self.g.ops) - 1, saved),
+                {"module": module, "block": block},
+            )
+        )
         return y
 
     def attention(self, x: int, i: int) -> int:
@@ -146,20 +243,43 @@ class _Model:
         q_shape, k_shape = (b, h, t, hd), (b, kvh, t, hd)
         q = k = v = qkv  # q, k, v are views of the fused projection
         if s.position == "rope":
-            cos = self.g.tensor(f"{mod}.rotary.cos", (s.seq_len, hd), TensorRole.BUFFER, F32,
-                                param_name=f"{mod}.rotary.cos")
-            sin = self.g.tensor(f"{mod}.rotary.sin", (s.seq_len, hd), TensorRole.BUFFER, F32,
-                                param_name=f"{mod}.rotary.sin")
-            q, k = self.g.op("rope", OpKind.ELEMENTWISE, Phase.FORWARD, [qkv, cos, sin],
-                             [(f"{mod}.q", q_shape, self.dt), (f"{mod}.k", k_shape, self.dt)],
-                             f"{mod}.rotary", i, vector_per_elem=6)
-            self.tape.append(("rope", _Fwd(len(self.g.ops) - 1, [cos, sin]), {"module": f"{mod}.rotary",
-                                                                             "block": i}))
+            cos = self.g.tensor(
+                f"{mod}.rotary.cos", (s.seq_len, hd), TensorRole.BUFFER, F32, param_name=f"{mod}.rotary.cos"
+            )
+            sin = self.g.tensor(
+                f"{mod}.rotary.sin", (s.seq_len, hd), TensorRole.BUFFER, F32, param_name=f"{mod}.rotary.sin"
+            )
+            q, k = self.g.op(
+                "rope",
+                OpKind.ELEMENTWISE,
+                Phase.FORWARD,
+                [qkv, cos, sin],
+                [(f"{mod}.q", q_shape, self.dt), (f"{mod}.k", k_shape, self.dt)],
+                f"{mod}.rotary",
+                i,
+                vector_per_elem=6,
+            )
+            self.tape.append(
+                ("rope", _Fwd(len(self.g.ops) - 1, [cos, sin]), {"module": f"{mod}.rotary", "block": i})
+            )
         fl = sdpa_flop_count(q_shape, k_shape, k_shape)
-        out, lse = self.g.op("attention", OpKind.ATTENTION, Phase.FORWARD, list(dict.fromkeys([q, k, v])),
-                             [(f"{mod}.out", q_shape, self.dt), (f"{mod}.lse", (b, h, t), F32)], mod, i, flops=fl)
-        self.tape.append(("attention", _Fwd(len(self.g.ops) - 1, list(dict.fromkeys([q, k, v, out, lse]))),
-                          {"module": mod, "block": i, "q": q_shape, "k": k_shape}))
+        out, lse = self.g.op(
+            "attention",
+            OpKind.ATTENTION,
+            Phase.FORWARD,
+            list(dict.fromkeys([q, k, v])),
+            [(f"{mod}.out", q_shape, self.dt), (f"{mod}.lse", (b, h, t), F32)],
+            mod,
+            i,
+            flops=fl,
+        )
+        self.tape.append(
+            (
+                "attention",
+                _Fwd(len(self.g.ops) - 1, list(dict.fromkeys([q, k, v, out, lse]))),
+                {"module": mod, "block": i, "q": q_shape, "k": k_shape},
+            )
+        )
         return self.linear(out, self.n, s.d_model, s.d_model, f"{mod}.c_proj", i, s.bias)
 
     def mlp(self, x: int, i: int) -> int:
@@ -182,14 +302,28 @@ class _Model:
         logits = self.linear(x, n, d, e, f"{mod}.router", i, False)
         probs = self.pointwise("softmax", [logits], (n, e), mod, i, [], per_elem=5, dtype=F32)
         self.tape[-1][1].saved.append(probs)  # softmax backward reads its output
-        top_w, top_i = self.g.op("topk", OpKind.REDUCTION, Phase.FORWARD, [probs],
-                                 [(f"{mod}.top_w", (n, k), F32), (f"{mod}.top_i", (n, k), I64)], mod, i)
+        top_w, top_i = self.g.op(
+            "topk",
+            OpKind.REDUCTION,
+            Phase.FORWARD,
+            [probs],
+            [(f"{mod}.top_w", (n, k), F32), (f"{mod}.top_i", (n, k), I64)],
+            mod,
+            i,
+        )
         self.tape.append(("plain", _Fwd(len(self.g.ops) - 1, [top_i]), {"module": mod, "block": i}))
         total = self.pointwise("sum", [top_w], (n, 1), mod, i, [], dtype=F32)
         norm_w = self.pointwise("div", [top_w, total], (n, k), mod, i, [top_w, total], dtype=self.dt)
         weights = self.pointwise("scatter", [norm_w, top_i], (n, e), mod, i, [top_i])
-        slot_w, slot_i = self.g.op("topk", OpKind.REDUCTION, Phase.FORWARD, [weights],
-                                   [(f"{mod}.slot_w", (e, c), self.dt), (f"{mod}.slot_i", (e, c), I64)], mod, i)
+        slot_w, slot_i = self.g.op(
+            "topk",
+            OpKind.REDUCTION,
+            Phase.FORWARD,
+            [weights],
+            [(f"{mod}.slot_w", (e, c), self.dt), (f"{mod}.slot_i", (e, c), I64)],
+            mod,
+            i,
+        )
         self.tape.append(("plain", _Fwd(len(self.g.ops) - 1, [slot_i]), {"module": mod, "block": i}))
         xe = self.pointwise("gather", [x, slot_i], (e, c, d), mod, i, [slot_i], per_elem=0)
         w_fc = self.g.param(f"{mod}.w_fc", (e, d, f))
@@ -213,10 +347,19 @@ class _Model:
         return self.pointwise("index_add", [ye, slot_i], (self.b, self.t, d), mod, i, [slot_i], per_elem=1)
 
     def _bmm(self, a: int, w: int, out: Shape, module: str, block: int, flops: int) -> int:
-        (y,) = self.g.op("bmm", OpKind.MATMUL, Phase.FORWARD, [a, w], [(f"{module}.bmm", out, self.dt)],
-                         module, block, flops=flops)
-        self.tape.append(("bmm", _Fwd(len(self.g.ops) - 1, [a], [w]), {"module": module, "block": block,
-                                                                       "flops": flops}))
+        (y,) = self.g.op(
+            "bmm",
+            OpKind.MATMUL,
+            Phase.FORWARD,
+            [a, w],
+            [(f"{module}.bmm", out, self.dt)],
+            module,
+            block,
+            flops=flops,
+        )
+        self.tape.append(
+            ("bmm", _Fwd(len(self.g.ops) - 1, [a], [w]), {"module": module, "block": block, "flops": flops})
+        )
         return y
 
     # the whole step ----------------------------------------------------------------------------
@@ -236,7 +379,11 @@ class _Model:
         for i in range(s.n_layers):
             a = self.attention(self.norm(x, f"h.{i}.ln_1", i), i)
             x = self.pointwise("add", [x, a], shape, f"h.{i}", i, [])
-            m = self.moe(self.norm(x, f"h.{i}.ln_2", i), i) if s.is_moe else self.mlp(self.norm(x, f"h.{i}.ln_2", i), i)
+            m = (
+                self.moe(self.norm(x, f"h.{i}.ln_2", i), i)
+                if s.is_moe
+                else self.mlp(self.norm(x, f"h.{i}.ln_2", i), i)
+            )
             x = self.pointwise("add", [x, m], shape, f"h.{i}", i, [])
         x = self.norm(x, "ln_f", None)
         head_w = wte if s.tied_embeddings else None
@@ -245,8 +392,15 @@ class _Model:
             head_w = g.params[-1]
         logp = self.pointwise("log_softmax", [logits], (self.n, s.vocab_size), "", None, [], per_elem=5)
         self.tape[-1][1].saved.append(logp)
-        loss, total = g.op("nll_loss", OpKind.LOSS, Phase.FORWARD, [logp, targets],
-                           [("loss", (), F32), ("total_weight", (), F32)], "", None)
+        loss, total = g.op(
+            "nll_loss",
+            OpKind.LOSS,
+            Phase.FORWARD,
+            [logp, targets],
+            [("loss", (), F32), ("total_weight", (), F32)],
+            "",
+            None,
+        )
         self.tape.append(("plain", _Fwd(len(g.ops) - 1, [targets, total]), {"module": "", "block": None}))
         g.outputs.append(loss)
         self._backward()
@@ -255,9 +409,20 @@ class _Model:
 
     def _embedding(self, idx: int, w: int, module: str, shape: Shape, saved: list[int]) -> int:
         out = self.g.tensors[w].nbytes // self.g.tensors[w].shape[0] * (self.g.tensors[idx].numel)
-        (y,) = self.g.op("embedding", OpKind.EMBEDDING, Phase.FORWARD, [w, idx], [(f"{module}.out", shape, self.dt)],
-                         module, None, read=out + self.g.tensors[idx].nbytes, vector_per_elem=0)
-        self.tape.append(("embedding", _Fwd(len(self.g.ops) - 1, saved, [w]), {"module": module, "block": None}))
+        (y,) = self.g.op(
+            "embedding",
+            OpKind.EMBEDDING,
+            Phase.FORWARD,
+            [w, idx],
+            [(f"{module}.out", shape, self.dt)],
+            module,
+            None,
+            read=out + self.g.tensors[idx].nbytes,
+            vector_per_elem=0,
+        )
+        self.tape.append(
+            ("embedding", _Fwd(len(self.g.ops) - 1, saved, [w]), {"module": module, "block": None})
+        )
         return y
 
     def _backward(self) -> None:
@@ -267,8 +432,16 @@ class _Model:
         gradients summed by an add, as the engine does."""
         g = self.g
         loss = g.outputs[0]
-        (seed,) = g.op("ones_like", OpKind.CREATION, Phase.BACKWARD, [loss], [("loss.grad", (), F32)], "", None,
-                       fwd=g.ops[-1].id)
+        (seed,) = g.op(
+            "ones_like",
+            OpKind.CREATION,
+            Phase.BACKWARD,
+            [loss],
+            [("loss.grad", (), F32)],
+            "",
+            None,
+            fwd=g.ops[-1].id,
+        )
         self.grad: dict[int, int] = {loss: seed}
         for kind, fwd, info in reversed(self.tape):
             fop = g.ops[fwd.op]
@@ -277,8 +450,11 @@ class _Model:
                 continue
             module, blk = str(info["module"]), info["block"]
             block = blk if isinstance(blk, int) else None
-            diff = [t for t in dict.fromkeys(fop.inputs)
-                    if g.tensors[t].role is TensorRole.ACTIVATION and g.tensors[t].dtype != I64]
+            diff = [
+                t
+                for t in dict.fromkeys(fop.inputs)
+                if g.tensors[t].role is TensorRole.ACTIVATION and g.tensors[t].dtype != I64
+            ]
             if kind == "add":  # the gradient passes through unchanged to both operands
                 for x in diff:
                     self._accumulate(x, gy, fwd.op)
@@ -286,23 +462,62 @@ class _Model:
             if kind == "linear":
                 m, k, n = (int(info[key]) for key in ("m", "k", "n"))  # type: ignore[call-overload]
                 x = fwd.saved[0]
-                (gx,) = g.op("linear_bwd_input", OpKind.MATMUL, Phase.BACKWARD, [gy, fwd.params[0]],
-                             [(f"{module}.grad_in", g.tensors[x].shape, self.dt)], module, block,
-                             flops=_mm(m, n, k), fwd=fwd.op)
+                (gx,) = g.op(
+                    "linear_bwd_input",
+                    OpKind.MATMUL,
+                    Phase.BACKWARD,
+                    [gy, fwd.params[0]],
+                    [(f"{module}.grad_in", g.tensors[x].shape, self.dt)],
+                    module,
+                    block,
+                    flops=_mm(m, n, k),
+                    fwd=fwd.op,
+                )
                 outs = [(f"{g.tensors[p].name}.grad", g.tensors[p].shape, self.dt) for p in fwd.params]
-                self._param_grads(fwd.params, g.op("linear_bwd_weight", OpKind.MATMUL, Phase.BACKWARD, [gy, x],
-                                                   outs, module, block, flops=_mm(n, m, k), fwd=fwd.op))
+                self._param_grads(
+                    fwd.params,
+                    g.op(
+                        "linear_bwd_weight",
+                        OpKind.MATMUL,
+                        Phase.BACKWARD,
+                        [gy, x],
+                        outs,
+                        module,
+                        block,
+                        flops=_mm(n, m, k),
+                        fwd=fwd.op,
+                    ),
+                )
                 self._accumulate(x, gx, fwd.op)
                 continue
             if kind == "bmm":
                 fl = int(info["flops"])  # type: ignore[call-overload]
                 a = fwd.saved[0]
-                (ga,) = g.op("bmm_bwd_input", OpKind.MATMUL, Phase.BACKWARD, [gy, fwd.params[0]],
-                             [(f"{module}.grad_in", g.tensors[a].shape, self.dt)], module, block, flops=fl, fwd=fwd.op)
-                self._param_grads(fwd.params, g.op(
-                    "bmm_bwd_weight", OpKind.MATMUL, Phase.BACKWARD, [gy, a],
-                    [(f"{g.tensors[fwd.params[0]].name}.grad", g.tensors[fwd.params[0]].shape, self.dt)],
-                    module, block, flops=fl, fwd=fwd.op))
+                (ga,) = g.op(
+                    "bmm_bwd_input",
+                    OpKind.MATMUL,
+                    Phase.BACKWARD,
+                    [gy, fwd.params[0]],
+                    [(f"{module}.grad_in", g.tensors[a].shape, self.dt)],
+                    module,
+                    block,
+                    flops=fl,
+                    fwd=fwd.op,
+                )
+                self._param_grads(
+                    fwd.params,
+                    g.op(
+                        "bmm_bwd_weight",
+                        OpKind.MATMUL,
+                        Phase.BACKWARD,
+                        [gy, a],
+                        [(f"{g.tensors[fwd.params[0]].name}.grad", g.tensors[fwd.params[0]].shape, self.dt)],
+                        module,
+                        block,
+                        flops=fl,
+                        fwd=fwd.op,
+                    ),
+                )
                 self._accumulate(a, ga, fwd.op)
                 continue
             flops = 0
@@ -312,12 +527,23 @@ class _Model:
             outs = [(f"{g.tensors[x].name}.grad", g.tensors[x].shape, self.dt) for x in diff]
             outs += [(f"{g.tensors[p].name}.grad", g.tensors[p].shape, self.dt) for p in fwd.params]
             target = {"attention": "attention_bwd", "norm": "norm_bwd", "embedding": "embedding_bwd"}.get(
-                kind, f"{fop.target}_bwd")
+                kind, f"{fop.target}_bwd"
+            )
             op_kind = OpKind.COPY if kind == "embedding" else fop.kind
             extra = fwd.params[:1] if kind == "norm" else []
-            grads = g.op(target, op_kind, Phase.BACKWARD, [gy, *fwd.saved, *extra], outs, module, block,
-                         flops=flops, fwd=fwd.op, vector_per_elem=8 if kind == "norm" else 1)
-            self._param_grads(fwd.params, grads[len(diff):])
+            grads = g.op(
+                target,
+                op_kind,
+                Phase.BACKWARD,
+                [gy, *fwd.saved, *extra],
+                outs,
+                module,
+                block,
+                flops=flops,
+                fwd=fwd.op,
+                vector_per_elem=8 if kind == "norm" else 1,
+            )
+            self._param_grads(fwd.params, grads[len(diff) :])
             for x, gx in zip(diff, grads, strict=False):
                 self._accumulate(x, gx, fwd.op)
 
@@ -329,9 +555,16 @@ class _Model:
             return
         # Attributed like the engine's accumulation in capture: to the op whose gradient just arrived.
         src = g.ops[fwd]
-        (s,) = g.op("add", OpKind.ELEMENTWISE, Phase.BACKWARD, [prev, gx],
-                    [(f"{g.tensors[x].name}.grad_sum", g.tensors[x].shape, self.dt)], src.module_path, src.block,
-                    fwd=fwd)
+        (s,) = g.op(
+            "add",
+            OpKind.ELEMENTWISE,
+            Phase.BACKWARD,
+            [prev, gx],
+            [(f"{g.tensors[x].name}.grad_sum", g.tensors[x].shape, self.dt)],
+            src.module_path,
+            src.block,
+            fwd=fwd,
+        )
         self.grad[x] = s
 
     def _param_grads(self, params: list[int], grads: list[int]) -> None:
@@ -340,9 +573,16 @@ class _Model:
             prev = g.grad_of_param.get(p)
             if prev is not None:  # a shared weight (tied embeddings): sum the two gradients
                 fwd = g.ops[g.tensors[gr].producer or len(g.ops) - 1].forward_op
-                (gr,) = g.op("add", OpKind.ELEMENTWISE, Phase.BACKWARD, [prev, gr],
-                             [(f"{g.tensors[p].name}.grad_sum", g.tensors[p].shape, self.dt)],
-                             g.ops[-1].module_path, None, fwd=fwd)
+                (gr,) = g.op(
+                    "add",
+                    OpKind.ELEMENTWISE,
+                    Phase.BACKWARD,
+                    [prev, gr],
+                    [(f"{g.tensors[p].name}.grad_sum", g.tensors[p].shape, self.dt)],
+                    g.ops[-1].module_path,
+                    None,
+                    fwd=fwd,
+                )
             g.grad_of_param[p] = gr
 
     def _optimizer(self) -> None:
@@ -351,24 +591,32 @@ class _Model:
         for p in g.params:
             pt = g.tensors[p]
             gr = g.grad_of_param[p]
-            g.tensors[gr] = Tensor(**{**_fields(g.tensors[gr]), "grad_of": p})
+            g.tensors[gr] = replace(g.tensors[gr], grad_of=p)
             module = pt.name.rsplit(".", 1)[0] if "." in pt.name else ""
             block = _block_of(module)
             m = g.tensor(f"{pt.name}.exp_avg", pt.shape, TensorRole.OPTIMIZER_STATE, param_name=pt.name)
             v = g.tensor(f"{pt.name}.exp_avg_sq", pt.shape, TensorRole.OPTIMIZER_STATE, param_name=pt.name)
             st = g.tensor(f"{pt.name}.step", (), TensorRole.OPTIMIZER_STATE, F32, param_name=pt.name)
-            outs = g.op("adamw", OpKind.OPTIMIZER, Phase.OPTIMIZER, [p, gr, m, v, st],
-                        [(pt.name, pt.shape, pt.dtype), (f"{pt.name}.exp_avg", pt.shape, pt.dtype),
-                         (f"{pt.name}.exp_avg_sq", pt.shape, pt.dtype), (f"{pt.name}.step", (), F32)],
-                        module, block, vector_per_elem=12)
-            for src, dst, role in zip((p, m, v, st), outs, (TensorRole.PARAMETER,) + (TensorRole.OPTIMIZER_STATE,) * 3,
-                                      strict=True):
-                g.tensors[dst] = Tensor(**{**_fields(g.tensors[dst]), "role": role, "alias_of": src, "updates": src})
+            outs = g.op(
+                "adamw",
+                OpKind.OPTIMIZER,
+                Phase.OPTIMIZER,
+                [p, gr, m, v, st],
+                [
+                    (pt.name, pt.shape, pt.dtype),
+                    (f"{pt.name}.exp_avg", pt.shape, pt.dtype),
+                    (f"{pt.name}.exp_avg_sq", pt.shape, pt.dtype),
+                    (f"{pt.name}.step", (), F32),
+                ],
+                module,
+                block,
+                vector_per_elem=12,
+            )
+            for src, dst, role in zip(
+                (p, m, v, st), outs, (TensorRole.PARAMETER,) + (TensorRole.OPTIMIZER_STATE,) * 3, strict=True
+            ):
+                g.tensors[dst] = replace(g.tensors[dst], role=role, alias_of=src, updates=src)
             g.outputs.extend(outs)
-
-
-def _fields(t: Tensor) -> dict[str, object]:
-    return {f: getattr(t, f) for f in Tensor.__dataclass_fields__}
 
 
 def _block_of(module: str) -> int | None:
@@ -380,16 +628,22 @@ def build_graph(spec: ModelSpec, batch: int = 1, seq: int | None = None, dtype: 
     """The IR of one AdamW training step of ``spec``'s built-in model, built without tracing."""
     s = seq or spec.seq_len
     if s > spec.seq_len:
-        raise SpecError(f"model '{spec.name}'", "seq_len", f"sequence {s} exceeds the model's seq_len {spec.seq_len}")
+        raise SpecError(
+            f"model '{spec.name}'", "seq_len", f"sequence {s} exceeds the model's seq_len {spec.seq_len}"
+        )
     if batch <= 0:
         raise SpecError(f"model '{spec.name}'", "batch", f"must be positive, got {batch}")
     dtype_bytes(dtype)
     t0 = time.perf_counter()
     graph = _Model(spec, batch, s, dtype).build()
     graph = mark_saved(graph, graph.outputs)
-    meta = GraphMeta(model=spec.name, source="synthetic", batch=batch, seq=s, optimizer="AdamW",
-                     capture_s=time.perf_counter() - t0, block_container="h")
+    meta = GraphMeta(
+        model=spec.name,
+        source="synthetic",
+        batch=batch,
+        seq=s,
+        optimizer="AdamW",
+        capture_s=time.perf_counter() - t0,
+        block_container="h",
+    )
     return replace(graph, meta=meta)
-
-
-

@@ -45,16 +45,18 @@ def default_loss(output: Any) -> torch.Tensor:
     """The module's loss: a scalar output, a ``.loss`` attribute (Hugging Face), or a tuple's head."""
     if isinstance(output, torch.Tensor):
         if output.dim() != 0:
-            raise CaptureError(f"the model returned a tensor of shape {tuple(output.shape)}, not a scalar "
-                               "loss; pass loss_fn")
+            raise CaptureError(
+                f"the model returned a tensor of shape {tuple(output.shape)}, not a scalar loss; pass loss_fn"
+            )
         return output
     loss = getattr(output, "loss", None)
     if isinstance(loss, torch.Tensor):
         return loss
     if isinstance(output, tuple | list) and output and isinstance(output[0], torch.Tensor):
         return default_loss(output[0])
-    raise CaptureError(f"cannot find a loss in the model's output of type {type(output).__name__}; "
-                       "pass loss_fn")
+    raise CaptureError(
+        f"cannot find a loss in the model's output of type {type(output).__name__}; pass loss_fn"
+    )
 
 
 @dataclass(frozen=True, slots=True)
@@ -144,7 +146,7 @@ def _grad_fn_annotations(loss: torch.Tensor) -> Iterator[None]:
         if stack:
             stack.pop().__exit__(None, None, None)
 
-    todo = [loss.grad_fn] if loss.grad_fn is not None else []
+    todo: list[torch.autograd.graph.Node | None] = [loss.grad_fn]
     while todo:
         fn = todo.pop()
         if fn is None or fn in seen:
@@ -238,8 +240,13 @@ def trace_step(
         {k: v for k, v in probe_opt.state[p].items() if not isinstance(v, torch.Tensor)} for p in probe
     ]
 
-    def step(p_in: list[torch.Tensor], b_in: list[torch.Tensor], s_in: list[torch.Tensor],
-             a_in: tuple[Any, ...], k_in: dict[str, Any]) -> Any:
+    def step(
+        p_in: list[torch.Tensor],
+        b_in: list[torch.Tensor],
+        s_in: list[torch.Tensor],
+        a_in: tuple[Any, ...],
+        k_in: dict[str, Any],
+    ) -> Any:
         state = dict(zip(param_names, p_in, strict=True)) | dict(zip(buffer_names, b_in, strict=True))
         with fxt.annotate({"phase": "forward"}), _module_annotations(module):
             out = torch.func.functional_call(module, state, a_in, k_in, tie_weights=True)

@@ -33,8 +33,13 @@ def rule(fn: Rule) -> Rule:
     return fn
 
 
-_INPUT_ROLES = {TensorRole.PARAMETER, TensorRole.BUFFER, TensorRole.INPUT, TensorRole.OPTIMIZER_STATE,
-                TensorRole.CONSTANT}
+_INPUT_ROLES = {
+    TensorRole.PARAMETER,
+    TensorRole.BUFFER,
+    TensorRole.INPUT,
+    TensorRole.OPTIMIZER_STATE,
+    TensorRole.CONSTANT,
+}
 _PHASE_ORDER = {Phase.FORWARD: 0, Phase.BACKWARD: 1, Phase.OPTIMIZER: 2}
 
 
@@ -51,17 +56,20 @@ def edges(g: Graph) -> Iterator[str]:
                 return
         for t in op.outputs:
             if t in produced:
-                yield f"tensor {g.tensors[t].name} is produced by both {g.ops[produced[t]].name} and {op.name}"
+                first = g.ops[produced[t]].name
+                yield f"tensor {g.tensors[t].name} is produced by both {first} and {op.name}"
             produced[t] = op.id
         for t in op.inputs:
             consumed[t].add(op.id)
-    for t in g.tensors:
-        if t.producer != produced.get(t.id):
-            yield f"tensor {t.name}: producer {t.producer} but produced by {produced.get(t.id)}"
-        if set(t.consumers) != consumed.get(t.id, set()):
-            yield f"tensor {t.name}: consumers {sorted(t.consumers)} but read by {sorted(consumed.get(t.id, ()))}"
-        if t.producer is None and t.role not in _INPUT_ROLES:
-            yield f"tensor {t.name}: a graph input with role {t.role.value}"
+    for tensor in g.tensors:
+        if tensor.producer != produced.get(tensor.id):
+            actual = produced.get(tensor.id)
+            yield f"tensor {tensor.name}: producer {tensor.producer} but produced by {actual}"
+        readers = consumed.get(tensor.id, set())
+        if set(tensor.consumers) != readers:
+            yield f"tensor {tensor.name}: consumers {sorted(tensor.consumers)} but read by {sorted(readers)}"
+        if tensor.producer is None and tensor.role not in _INPUT_ROLES:
+            yield f"tensor {tensor.name}: a graph input with role {tensor.role.value}"
 
 
 @rule
@@ -71,7 +79,9 @@ def acyclic(g: Graph) -> Iterator[str]:
         for t in op.inputs:
             p = g.tensors[t].producer if 0 <= t < len(g.tensors) else None
             if p is not None and p >= op.id:
-                yield f"op {op.name} reads {g.tensors[t].name}, produced later by {g.ops[p].name} (cycle or bad order)"
+                later = g.ops[p].name
+                name = g.tensors[t].name
+                yield f"op {op.name} reads {name}, produced later by {later} (cycle or bad order)"
 
 
 @rule
@@ -141,8 +151,9 @@ def _broadcast(shapes: Iterable[tuple[int, ...]]) -> tuple[int, ...] | None:
 _MATMUL_SHAPES: dict[str, Callable[[list[tuple[int, ...]]], tuple[int, ...] | None]] = {
     "aten.mm.default": lambda s: (s[0][0], s[1][1]) if s[0][1] == s[1][0] else None,
     "aten.addmm.default": lambda s: (s[1][0], s[2][1]) if s[1][1] == s[2][0] else None,
-    "aten.bmm.default": lambda s: (s[0][0], s[0][1], s[1][2])
-    if s[0][0] == s[1][0] and s[0][2] == s[1][1] else None,
+    "aten.bmm.default": lambda s: (
+        (s[0][0], s[0][1], s[1][2]) if s[0][0] == s[1][0] and s[0][2] == s[1][1] else None
+    ),
 }
 
 
@@ -161,21 +172,37 @@ def shapes(g: Graph) -> Iterator[str]:
                 expect = None
             if expect != outs[0]:
                 yield f"op {op.name} ({op.target}): inputs {ins} cannot give output {outs[0]}"
-        elif op.kind is OpKind.ELEMENTWISE and op.target.startswith("aten.") and ins and outs:
-            if _broadcast(ins) is None or _broadcast([*ins, outs[0]]) != outs[0]:
-                yield f"op {op.name} ({op.target}): inputs {ins} do not broadcast to output {outs[0]}"
+        elif (
+            op.kind is OpKind.ELEMENTWISE
+            and op.target.startswith("aten.")
+            and ins
+            and outs
+            and (_broadcast(ins) is None or _broadcast([*ins, outs[0]]) != outs[0])
+        ):
+            yield f"op {op.name} ({op.target}): inputs {ins} do not broadcast to output {outs[0]}"
         for t in op.outputs:
             tt = g.tensors[t]
-            if tt.alias_of is not None and tt.numel > g.tensors[tt.alias_of].numel and "expand" not in op.target:
+            if (
+                tt.alias_of is not None
+                and tt.numel > g.tensors[tt.alias_of].numel
+                and "expand" not in op.target
+            ):
                 yield f"view {tt.name} has {tt.numel} elements, its storage {g.tensors[tt.alias_of].numel}"
 
 
 def _block_signature(g: Graph, ops: Iterable[Op], prefix: str) -> list[tuple[object, ...]]:
-    sig = []
+    sig: list[tuple[object, ...]] = []
     for op in ops:
-        rel = op.module_path[len(prefix):] if op.module_path.startswith(prefix) else op.module_path
-        sig.append((op.phase.value, op.target, rel, tuple(g.tensors[t].shape for t in op.inputs),
-                    tuple(g.tensors[t].shape for t in op.outputs)))
+        rel = op.module_path[len(prefix) :] if op.module_path.startswith(prefix) else op.module_path
+        sig.append(
+            (
+                op.phase.value,
+                op.target,
+                rel,
+                tuple(g.tensors[t].shape for t in op.inputs),
+                tuple(g.tensors[t].shape for t in op.outputs),
+            )
+        )
     return sig
 
 
@@ -198,9 +225,10 @@ def blocks(g: Graph) -> Iterator[str]:
     for b in ids[1:]:
         sig = _block_signature(g, by_block[b], f"{container}.{b}" if container else "")
         if sig != ref:
-            where = next((i for i, (x, y) in enumerate(zip(sig, ref, strict=False)) if x != y), min(len(sig), len(ref)))
-            yield (f"block {b} differs from block 0 at its op {where} "
-                   f"({len(sig)} ops against {len(ref)})")
+            where = next(
+                (i for i, (x, y) in enumerate(zip(sig, ref, strict=False)) if x != y), min(len(sig), len(ref))
+            )
+            yield (f"block {b} differs from block 0 at its op {where} ({len(sig)} ops against {len(ref)})")
 
 
 def check(graph: Graph, skip: Iterable[str] = ()) -> list[Violation]:

@@ -22,14 +22,37 @@ def fingerprint(graph: Graph, length: int = 16) -> str:
     h = hashlib.sha256()
     h.update(b"coplan-ir-v1\n")
     for t in graph.tensors:
-        h.update(_op_line((
-            "T", t.shape, t.dtype, t.role.value, t.alias_of, t.grad_of, t.updates, t.saved_for_backward,
-            t.param_name,
-        )))
+        h.update(
+            _op_line(
+                (
+                    "T",
+                    t.shape,
+                    t.dtype,
+                    t.role.value,
+                    t.alias_of,
+                    t.grad_of,
+                    t.updates,
+                    t.saved_for_backward,
+                    t.param_name,
+                )
+            )
+        )
     for op in graph.ops:
-        h.update(_op_line((
-            "O", op.target, op.kind.value, op.phase.value, op.inputs, op.outputs, op.args, op.forward_op,
-            op.module_path, op.block,
-        )))
+        h.update(
+            _op_line(
+                (
+                    "O",
+                    op.target,
+                    op.kind.value,
+                    op.phase.value,
+                    op.inputs,
+                    op.outputs,
+                    op.args,
+                    op.forward_op,
+                    op.module_path,
+                    op.block,
+                )
+            )
+        )
     h.update(repr(("out", graph.outputs)).encode())
     return h.hexdigest()[:length]

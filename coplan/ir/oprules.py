@@ -105,41 +105,160 @@ _OTHER = OpRule(OpKind.OTHER)
 
 register("mm", "addmm", "bmm", "baddbmm", "matmul", "linear", "_scaled_mm", kind=OpKind.MATMUL)
 register(
-    "_scaled_dot_product_flash_attention", "_scaled_dot_product_flash_attention_for_cpu",
-    "_scaled_dot_product_efficient_attention", "_scaled_dot_product_cudnn_attention",
-    "_flash_attention_forward", "_efficient_attention_forward",
-    "_scaled_dot_product_flash_attention_backward", "_scaled_dot_product_flash_attention_for_cpu_backward",
-    "_scaled_dot_product_efficient_attention_backward", "_scaled_dot_product_cudnn_attention_backward",
-    "_flash_attention_backward", "_efficient_attention_backward",
-    kind=OpKind.ATTENTION, flops_per_element=0,
+    "_scaled_dot_product_flash_attention",
+    "_scaled_dot_product_flash_attention_for_cpu",
+    "_scaled_dot_product_efficient_attention",
+    "_scaled_dot_product_cudnn_attention",
+    "_flash_attention_forward",
+    "_efficient_attention_forward",
+    "_scaled_dot_product_flash_attention_backward",
+    "_scaled_dot_product_flash_attention_for_cpu_backward",
+    "_scaled_dot_product_efficient_attention_backward",
+    "_scaled_dot_product_cudnn_attention_backward",
+    "_flash_attention_backward",
+    "_efficient_attention_backward",
+    kind=OpKind.ATTENTION,
+    flops_per_element=0,
 )
 register(
-    "view", "_unsafe_view", "reshape", "t", "transpose", "permute", "expand", "slice", "select",
-    "split", "split_with_sizes", "chunk", "unbind", "squeeze", "unsqueeze", "as_strided", "alias",
-    "detach", "unflatten", "flatten", "narrow", "diagonal", "view_as", "expand_as", "lift_fresh",
+    "view",
+    "_unsafe_view",
+    "reshape",
+    "t",
+    "transpose",
+    "permute",
+    "expand",
+    "slice",
+    "select",
+    "split",
+    "split_with_sizes",
+    "chunk",
+    "unbind",
+    "squeeze",
+    "unsqueeze",
+    "as_strided",
+    "alias",
+    "detach",
+    "unflatten",
+    "flatten",
+    "narrow",
+    "diagonal",
+    "view_as",
+    "expand_as",
+    "lift_fresh",
     kind=OpKind.VIEW,
 )
-register("native_layer_norm", "_fused_rms_norm", "layer_norm", "rms_norm", kind=OpKind.NORM,
-         flops_per_element=5)
+register(
+    "native_layer_norm", "_fused_rms_norm", "layer_norm", "rms_norm", kind=OpKind.NORM, flops_per_element=5
+)
 register("native_layer_norm_backward", "_fused_rms_norm_backward", kind=OpKind.NORM, flops_per_element=8)
 register("_softmax", "_log_softmax", "softmax", "log_softmax", kind=OpKind.SOFTMAX, flops_per_element=5)
 register("_softmax_backward_data", "_log_softmax_backward_data", kind=OpKind.SOFTMAX, flops_per_element=4)
-register("nll_loss_forward", "nll_loss_backward", "nll_loss2d_forward", "nll_loss2d_backward",
-         kind=OpKind.LOSS, flops_per_element=1, per_input_element=True)
+register(
+    "nll_loss_forward",
+    "nll_loss_backward",
+    "nll_loss2d_forward",
+    "nll_loss2d_backward",
+    kind=OpKind.LOSS,
+    flops_per_element=1,
+    per_input_element=True,
+)
 register("embedding", "index", "index_select", "gather", kind=OpKind.EMBEDDING, bytes_fn=_gather_bytes)
-register("embedding_dense_backward", "index_add", "index_put", "scatter", "scatter_add",
-         "_index_put_impl", "index_copy", kind=OpKind.COPY, bytes_fn=_scatter_bytes)
-register("sum", "mean", "amax", "amin", "max", "min", "var", "var_mean", "std", "norm",
-         "linalg_vector_norm", "prod", "argmax", "argmin", "any", "all", "logsumexp",
-         kind=OpKind.REDUCTION, flops_per_element=1, per_input_element=True)
+register(
+    "embedding_dense_backward",
+    "index_add",
+    "index_put",
+    "scatter",
+    "scatter_add",
+    "_index_put_impl",
+    "index_copy",
+    kind=OpKind.COPY,
+    bytes_fn=_scatter_bytes,
+)
+register(
+    "sum",
+    "mean",
+    "amax",
+    "amin",
+    "max",
+    "min",
+    "var",
+    "var_mean",
+    "std",
+    "norm",
+    "linalg_vector_norm",
+    "prod",
+    "argmax",
+    "argmin",
+    "any",
+    "all",
+    "logsumexp",
+    kind=OpKind.REDUCTION,
+    flops_per_element=1,
+    per_input_element=True,
+)
 register("topk", "sort", kind=OpKind.REDUCTION, flops_per_element=4, per_input_element=True)
-register("clone", "contiguous", "_to_copy", "copy", "cat", "stack", "repeat", "repeat_interleave",
-         "constant_pad_nd", "new_empty_strided", kind=OpKind.COPY)
-register("zeros", "ones", "full", "empty", "zeros_like", "ones_like", "full_like", "empty_like", "arange",
-         "scalar_tensor", "lift_fresh_copy", "new_zeros", "new_ones", "new_full", "empty_strided",
-         "fill", "zero", kind=OpKind.CREATION, bytes_fn=_creation_bytes)
-register("gelu", "gelu_backward", "silu", "silu_backward", "tanh", "tanh_backward", "sigmoid",
-         "sigmoid_backward", "exp", "log", "erf", "sin", "cos", kind=OpKind.ELEMENTWISE, flops_per_element=8)
-register("sqrt", "rsqrt", "reciprocal", "div", "pow", "addcdiv", "addcmul", "lerp", kind=OpKind.ELEMENTWISE,
-         flops_per_element=2)
+register(
+    "clone",
+    "contiguous",
+    "_to_copy",
+    "copy",
+    "cat",
+    "stack",
+    "repeat",
+    "repeat_interleave",
+    "constant_pad_nd",
+    "new_empty_strided",
+    kind=OpKind.COPY,
+)
+register(
+    "zeros",
+    "ones",
+    "full",
+    "empty",
+    "zeros_like",
+    "ones_like",
+    "full_like",
+    "empty_like",
+    "arange",
+    "scalar_tensor",
+    "lift_fresh_copy",
+    "new_zeros",
+    "new_ones",
+    "new_full",
+    "empty_strided",
+    "fill",
+    "zero",
+    kind=OpKind.CREATION,
+    bytes_fn=_creation_bytes,
+)
+register(
+    "gelu",
+    "gelu_backward",
+    "silu",
+    "silu_backward",
+    "tanh",
+    "tanh_backward",
+    "sigmoid",
+    "sigmoid_backward",
+    "exp",
+    "log",
+    "erf",
+    "sin",
+    "cos",
+    kind=OpKind.ELEMENTWISE,
+    flops_per_element=8,
+)
+register(
+    "sqrt",
+    "rsqrt",
+    "reciprocal",
+    "div",
+    "pow",
+    "addcdiv",
+    "addcmul",
+    "lerp",
+    kind=OpKind.ELEMENTWISE,
+    flops_per_element=2,
+)
 register("fused_adam", "_fused_adam", "_fused_adamw", kind=OpKind.OPTIMIZER, flops_per_element=12)

@@ -241,7 +241,9 @@ class Graph:
         return tuple(self.tensors[i] for i in op.outputs)
 
 
-def relink(ops: Iterable[Op], tensors: Iterable[Tensor], meta: GraphMeta, outputs: tuple[int, ...] = ()) -> Graph:
+def relink(
+    ops: Iterable[Op], tensors: Iterable[Tensor], meta: GraphMeta, outputs: tuple[int, ...] = ()
+) -> Graph:
     """Build a graph from ops and tensors whose ``producer``/``consumers`` fields may be stale.
 
     Producer and consumer links are recomputed from the ops' inputs and outputs, so a builder only
@@ -257,12 +259,12 @@ def relink(ops: Iterable[Op], tensors: Iterable[Tensor], meta: GraphMeta, output
         for t in dict.fromkeys(op.inputs):
             consumers.setdefault(t, []).append(op.id)
     fixed = []
-    for t in tensors_l:
-        p = producers.get(t.id)
-        c = tuple(consumers.get(t.id, ()))
-        if p != t.producer or c != t.consumers:
-            t = replace(t, producer=p, consumers=c)
-        fixed.append(t)
+    for tensor in tensors_l:
+        p = producers.get(tensor.id)
+        c = tuple(consumers.get(tensor.id, ()))
+        if p != tensor.producer or c != tensor.consumers:
+            tensor = replace(tensor, producer=p, consumers=c)
+        fixed.append(tensor)
     return Graph(ops=ops_t, tensors=tuple(fixed), meta=meta, outputs=outputs)
 
 

@@ -21,7 +21,9 @@ def _transformers() -> Any:
     try:
         import transformers
     except ImportError:
-        raise SpecError("--impl hf", None, "needs the 'transformers' package: pip install 'coplan[hf]'") from None
+        raise SpecError(
+            "--impl hf", None, "needs the 'transformers' package: pip install 'coplan[hf]'"
+        ) from None
     transformers.logging.set_verbosity_error()
     return transformers
 
@@ -36,23 +38,51 @@ def hf_model(spec: ModelSpec) -> nn.Module:
         if not spec.bias:
             raise SpecError(src, "bias", "GPT2LMHeadModel always has biases")
         cfg = tf.GPT2Config(
-            n_layer=spec.n_layers, n_embd=spec.d_model, n_head=spec.n_heads, vocab_size=spec.vocab_size,
-            n_positions=spec.seq_len, n_inner=spec.ffn, layer_norm_epsilon=spec.norm_eps,
-            attn_pdrop=0.0, embd_pdrop=0.0, resid_pdrop=0.0, tie_word_embeddings=spec.tied_embeddings,
-            bos_token_id=0, eos_token_id=0, attn_implementation="sdpa",
+            n_layer=spec.n_layers,
+            n_embd=spec.d_model,
+            n_head=spec.n_heads,
+            vocab_size=spec.vocab_size,
+            n_positions=spec.seq_len,
+            n_inner=spec.ffn,
+            layer_norm_epsilon=spec.norm_eps,
+            attn_pdrop=0.0,
+            embd_pdrop=0.0,
+            resid_pdrop=0.0,
+            tie_word_embeddings=spec.tied_embeddings,
+            bos_token_id=0,
+            eos_token_id=0,
+            attn_implementation="sdpa",
         )
         return tf.GPT2LMHeadModel(cfg)
     if spec.is_moe:
-        raise SpecError(src, "n_experts", "Hugging Face MoE models cannot be traced with fake tensors "
-                        "(data-dependent routing); use the built-in implementation")
+        raise SpecError(
+            src,
+            "n_experts",
+            "Hugging Face MoE models cannot be traced with fake tensors "
+            "(data-dependent routing); use the built-in implementation",
+        )
     if llama_like:
         common: dict[str, Any] = dict(
-            num_hidden_layers=spec.n_layers, hidden_size=spec.d_model, num_attention_heads=spec.n_heads,
-            num_key_value_heads=spec.kv_heads, intermediate_size=spec.ffn, vocab_size=spec.vocab_size,
-            max_position_embeddings=spec.seq_len, rms_norm_eps=spec.norm_eps, rope_theta=spec.rope_theta,
-            tie_word_embeddings=spec.tied_embeddings, attention_bias=spec.bias, bos_token_id=0, eos_token_id=0,
-            pad_token_id=None, attn_implementation="sdpa",
+            num_hidden_layers=spec.n_layers,
+            hidden_size=spec.d_model,
+            num_attention_heads=spec.n_heads,
+            num_key_value_heads=spec.kv_heads,
+            intermediate_size=spec.ffn,
+            vocab_size=spec.vocab_size,
+            max_position_embeddings=spec.seq_len,
+            rms_norm_eps=spec.norm_eps,
+            rope_theta=spec.rope_theta,
+            tie_word_embeddings=spec.tied_embeddings,
+            attention_bias=spec.bias,
+            bos_token_id=0,
+            eos_token_id=0,
+            pad_token_id=None,
+            attn_implementation="sdpa",
         )
         return tf.LlamaForCausalLM(tf.LlamaConfig(mlp_bias=spec.bias, **common))
-    raise SpecError(src, "norm", "no Hugging Face model family matches this spec "
-                    "(layernorm+gelu+learned is GPT-2, rmsnorm+swiglu+rope is LLaMA)")
+    raise SpecError(
+        src,
+        "norm",
+        "no Hugging Face model family matches this spec "
+        "(layernorm+gelu+learned is GPT-2, rmsnorm+swiglu+rope is LLaMA)",
+    )

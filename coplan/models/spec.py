@@ -56,14 +56,18 @@ class ModelSpec:
             if not isinstance(self.n_kv_heads, int) or self.n_kv_heads <= 0:
                 raise SpecError(src, "n_kv_heads", f"must be a positive integer, got {self.n_kv_heads!r}")
             if self.n_heads % self.n_kv_heads:
-                raise SpecError(src, "n_kv_heads", f"{self.n_kv_heads} does not divide n_heads={self.n_heads}")
+                raise SpecError(
+                    src, "n_kv_heads", f"{self.n_kv_heads} does not divide n_heads={self.n_heads}"
+                )
         for f, allowed in (("activation", ACTIVATIONS), ("norm", NORMS), ("position", POSITIONS)):
             if getattr(self, f) not in allowed:
                 raise SpecError(src, f, f"must be one of {', '.join(allowed)}, got {getattr(self, f)!r}")
         if not isinstance(self.n_experts, int) or self.n_experts < 0:
             raise SpecError(src, "n_experts", f"must be a non-negative integer, got {self.n_experts!r}")
         if self.is_moe and not (isinstance(self.top_k, int) and 1 <= self.top_k <= self.n_experts):
-            raise SpecError(src, "top_k", f"must be between 1 and n_experts={self.n_experts}, got {self.top_k!r}")
+            raise SpecError(
+                src, "top_k", f"must be between 1 and n_experts={self.n_experts}, got {self.top_k!r}"
+            )
         if self.capacity_factor <= 0:
             raise SpecError(src, "capacity_factor", f"must be positive, got {self.capacity_factor!r}")
         if self.position == "rope" and self.head_dim % 2:
@@ -154,8 +158,14 @@ def _gpt2(name: str, n_layers: int, d_model: int, n_heads: int) -> ModelSpec:
 
 def _llama(name: str, n_layers: int, d_model: int, n_heads: int, ffn: int, **kw: Any) -> ModelSpec:
     base: dict[str, Any] = dict(
-        vocab_size=32000, seq_len=4096, activation="swiglu", norm="rmsnorm", position="rope",
-        tied_embeddings=False, bias=False, norm_eps=1e-5,
+        vocab_size=32000,
+        seq_len=4096,
+        activation="swiglu",
+        norm="rmsnorm",
+        position="rope",
+        tied_embeddings=False,
+        bias=False,
+        norm_eps=1e-5,
     )
     base.update(kw)
     return ModelSpec(name=name, n_layers=n_layers, d_model=d_model, n_heads=n_heads, ffn_hidden=ffn, **base)
@@ -174,15 +184,44 @@ PRESETS: dict[str, ModelSpec] = {
         _llama("llama2-7b", 32, 4096, 32, 11008),
         _llama("llama2-13b", 40, 5120, 40, 13824),
         _llama("llama2-70b", 80, 8192, 64, 28672, n_kv_heads=8),
-        _llama("llama3-8b", 32, 4096, 32, 14336, n_kv_heads=8, vocab_size=128256, seq_len=8192,
-               rope_theta=500000.0),
-        _llama("llama3-70b", 80, 8192, 64, 28672, n_kv_heads=8, vocab_size=128256, seq_len=8192,
-               rope_theta=500000.0),
+        _llama(
+            "llama3-8b",
+            32,
+            4096,
+            32,
+            14336,
+            n_kv_heads=8,
+            vocab_size=128256,
+            seq_len=8192,
+            rope_theta=500000.0,
+        ),
+        _llama(
+            "llama3-70b",
+            80,
+            8192,
+            64,
+            28672,
+            n_kv_heads=8,
+            vocab_size=128256,
+            seq_len=8192,
+            rope_theta=500000.0,
+        ),
         ModelSpec(name="gpt3-175b", n_layers=96, d_model=12288, n_heads=96, vocab_size=50257, seq_len=2048),
-        ModelSpec(name="megatron-1t", n_layers=128, d_model=25600, n_heads=160, vocab_size=51200,
-                  seq_len=2048),
-        _llama("mixtral-8x7b", 32, 4096, 32, 14336, n_kv_heads=8, seq_len=4096, n_experts=8, top_k=2,
-               rope_theta=1e6),
+        ModelSpec(
+            name="megatron-1t", n_layers=128, d_model=25600, n_heads=160, vocab_size=51200, seq_len=2048
+        ),
+        _llama(
+            "mixtral-8x7b",
+            32,
+            4096,
+            32,
+            14336,
+            n_kv_heads=8,
+            seq_len=4096,
+            n_experts=8,
+            top_k=2,
+            rope_theta=1e6,
+        ),
         _llama("moe-small", 8, 512, 8, 1408, n_kv_heads=4, seq_len=1024, n_experts=8, top_k=2),
         ModelSpec(name="gpt-tiny", n_layers=2, d_model=64, n_heads=4, vocab_size=512, seq_len=64),
         _llama("llama-tiny", 2, 64, 4, 176, n_kv_heads=2, vocab_size=512, seq_len=64),
@@ -202,7 +241,9 @@ def load_model_spec(name_or_path: str) -> ModelSpec:
         try:
             data = json.loads(path.read_text())
         except json.JSONDecodeError as e:
-            raise SpecError(name_or_path, None, f"invalid JSON at line {e.lineno}, column {e.colno}: {e.msg}") from None
+            raise SpecError(
+                name_or_path, None, f"invalid JSON at line {e.lineno}, column {e.colno}: {e.msg}"
+            ) from None
         except (OSError, UnicodeDecodeError) as e:
             raise SpecError(name_or_path, None, f"cannot read: {e}") from None
         if isinstance(data, dict) and "name" not in data:

@@ -23,6 +23,9 @@ def _norm(spec: ModelSpec) -> nn.Module:
 class Rotary(nn.Module):
     """Rotary position embedding tables (non-persistent buffers, not parameters)."""
 
+    cos: torch.Tensor
+    sin: torch.Tensor
+
     def __init__(self, spec: ModelSpec) -> None:
         super().__init__()
         hd = spec.head_dim
@@ -98,9 +101,11 @@ class MoE(nn.Module):
         self.w_fc = nn.Parameter(torch.randn(e, d, f) * scale)
         self.w_gate = nn.Parameter(torch.randn(e, d, f) * scale) if self.swiglu else None
         self.w_proj = nn.Parameter(torch.randn(e, f, d) * f**-0.5)
+        self.b_gate: nn.Parameter | None = None
         if spec.bias:
             self.b_fc = nn.Parameter(torch.zeros(e, 1, f))
-            self.b_gate = nn.Parameter(torch.zeros(e, 1, f)) if self.swiglu else None
+            if self.swiglu:
+                self.b_gate = nn.Parameter(torch.zeros(e, 1, f))
             self.b_proj = nn.Parameter(torch.zeros(e, 1, d))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -118,9 +123,9 @@ class MoE(nn.Module):
         h = torch.bmm(xe, self.w_fc)
         if self.spec.bias:
             h = h + self.b_fc
-        if self.swiglu:
+        if self.w_gate is not None:
             g = torch.bmm(xe, self.w_gate)
-            if self.spec.bias:
+            if self.b_gate is not None:
                 g = g + self.b_gate
             h = F.silu(g) * h
         else:

@@ -73,12 +73,13 @@ def test_phases_blocks_and_links(captured) -> None:
     grads = [t for t in g.tensors if t.grad_of is not None]
     assert sorted(t.grad_of for t in grads) == sorted(p.id for p in g.parameters)
     # AdamW keeps two moments and a step per parameter
-    assert sum(1 for t in g.tensors if t.role is TensorRole.OPTIMIZER_STATE and t.producer is None) == 3 * len(
-        g.parameters)
+    assert sum(
+        1 for t in g.tensors if t.role is TensorRole.OPTIMIZER_STATE and t.producer is None
+    ) == 3 * len(g.parameters)
 
 
 def test_matmul_backward_flops_are_twice_forward(captured) -> None:
-    spec, g = captured
+    _, g = captured
     by_phase = g.flops_by_phase()
     attn_f = sum(op.flops for op in g.ops if op.kind is OpKind.ATTENTION and op.phase is Phase.FORWARD)
     attn_b = sum(op.flops for op in g.ops if op.kind is OpKind.ATTENTION and op.phase is Phase.BACKWARD)
@@ -99,28 +100,33 @@ def test_gpt_forward_flops_exact() -> None:
     assert g.flops_by_phase()[Phase.FORWARD] == expect
 
 
-def test_saved_activation_bytes_match_autograd() -> None:
+def _autograd_saved_bytes(spec) -> int:
+    """Bytes of the distinct activation storages eager autograd packs for one forward pass."""
+    torch.manual_seed(0)
+    model = Transformer(spec)
+    idx, tgt = example_batch(spec, 2, 32)
+    skip = {p.untyped_storage().data_ptr() for p in [*model.parameters(), *model.buffers(), idx, tgt]}
+    storages: dict[int, int] = {}
+
+    def pack(x: torch.Tensor) -> torch.Tensor:
+        s = x.untyped_storage()
+        if s.data_ptr() not in skip:
+            storages[s.data_ptr()] = s.nbytes()
+        return x
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda x: x):
+        model(idx, tgt)
+    return sum(storages.values())
+
+
+@pytest.mark.parametrize("name", ["gpt-tiny", "llama-tiny"])
+def test_saved_activation_bytes_match_autograd(name: str) -> None:
     """For dense models the captured saved set is what eager autograd packs (saved_tensors_hooks)."""
-    for name in ("gpt-tiny", "llama-tiny"):
-        spec = PRESETS[name]
-        torch.manual_seed(0)
-        model = Transformer(spec)
-        idx, tgt = example_batch(spec, 2, 32)
-        skip = {p.untyped_storage().data_ptr() for p in [*model.parameters(), *model.buffers(), idx, tgt]}
-        storages: dict[int, int] = {}
-
-        def pack(x: torch.Tensor) -> torch.Tensor:
-            s = x.untyped_storage()
-            if s.data_ptr() not in skip:
-                storages[s.data_ptr()] = s.nbytes()
-            return x
-
-        with torch.autograd.graph.saved_tensors_hooks(pack, lambda x: x):
-            model(idx, tgt)
-        measured = sum(storages.values())
-        g = capture_spec(spec, batch=2, seq=32)
-        # within 8 bytes: the loss's scalar total_weight is counted by the graph, not by the hook
-        assert abs(g.activation_bytes - measured) <= 8, (name, g.activation_bytes, measured)
+    spec = PRESETS[name]
+    measured = _autograd_saved_bytes(spec)
+    g = capture_spec(spec, batch=2, seq=32)
+    # within 8 bytes: the loss's scalar total_weight is counted by the graph, not by the hook
+    assert abs(g.activation_bytes - measured) <= 8, (name, g.activation_bytes, measured)
 
 
 @pytest.mark.parametrize("name", TINY)
@@ -166,8 +172,12 @@ def test_user_module_and_optimizer() -> None:
     """Any module + inputs + loss + optimizer: here a plain MLP trained with SGD and momentum."""
     model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.ReLU(), torch.nn.Linear(32, 4))
     x = torch.randn(8, 16)
-    g = capture_module(model, (x,), loss_fn=lambda out: out.pow(2).mean(),
-                       optimizer=lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9))
+    g = capture_module(
+        model,
+        (x,),
+        loss_fn=lambda out: out.pow(2).mean(),
+        optimizer=lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9),
+    )
     assert check(g) == []
     assert g.param_count == 16 * 32 + 32 + 32 * 4 + 4
     assert g.meta.optimizer == "SGD"

@@ -1,0 +1,71 @@
+"""Shared CLI helpers: option checks, number formatting, consoles and JSON output."""
+
+from __future__ import annotations
+
+import json
+import sys
+from typing import Any
+
+from rich.console import Console
+
+from coplan.errors import SpecError
+
+
+def stdout() -> Console:
+    """A Rich console on the current ``sys.stdout`` (made per call so captured streams work)."""
+    return Console(file=sys.stdout, highlight=False)
+
+
+def print_json(data: Any) -> None:
+    """Exactly one JSON document on stdout, nothing else (no colour, no wrapping)."""
+    sys.stdout.write(json.dumps(data, indent=2) + "\n")
+    sys.stdout.flush()
+
+
+def positive(option: str, value: int | None, *, optional: bool = False) -> int | None:
+    """``value`` if it is a positive integer (or ``None`` when ``optional``), else a one-line error."""
+    if value is None and optional:
+        return None
+    if value is None or isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise SpecError(option, None, f"must be a positive integer, got {value!r}")
+    return value
+
+
+def one_line(text: str) -> str:
+    """Collapse a message to one line (error messages are printed as exactly one line)."""
+    return " ".join(part.strip() for part in str(text).splitlines() if part.strip())
+
+
+# --- number formatting (decimal SI prefixes) ---------------------------------------------------
+
+_PREFIXES = ((1e15, "P"), (1e12, "T"), (1e9, "G"), (1e6, "M"), (1e3, "K"))
+
+
+def _scaled(value: float, prefixes: tuple[tuple[float, str], ...] = _PREFIXES) -> tuple[float, str]:
+    for scale, prefix in prefixes:
+        if abs(value) >= scale:
+            return value / scale, prefix
+    return float(value), ""
+
+
+def human_count(n: float) -> str:
+    """``124439808`` -> ``"124.4M"``; ``950`` -> ``"950"``. B for billions, as model sizes are named."""
+    value, prefix = _scaled(n, ((1e12, "T"), (1e9, "B"), (1e6, "M"), (1e3, "K")))
+    return f"{value:.1f}{prefix}" if prefix else f"{int(n)}"
+
+
+def human_flops(n: float) -> str:
+    """``2.3e12`` -> ``"2.3 TFLOP"``."""
+    value, prefix = _scaled(n)
+    return f"{value:.1f} {prefix}FLOP" if prefix else f"{int(n)} FLOP"
+
+
+def human_bytes(n: float) -> str:
+    """``816926728`` -> ``"816.9 MB"`` (decimal units)."""
+    value, prefix = _scaled(n)
+    return f"{value:.1f} {prefix}B" if prefix else f"{int(n)} B"
+
+
+def exact(n: int) -> str:
+    """``124439808`` -> ``"124,439,808"``."""
+    return f"{n:,}"

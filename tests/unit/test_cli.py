@@ -1,0 +1,230 @@
+"""The ``coplan`` command line: JSON output, one-line user errors with exit code 2, presets listing."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from coplan.cli import main
+from coplan.cli.common import human_bytes, human_count, human_flops, one_line
+
+SUMMARY_KEYS = {"params", "flops", "ops", "activation_bytes", "blocks", "fingerprint"}
+GPT_TINY_PARAMS = 136960
+
+
+def run(capsys: pytest.CaptureFixture[str], *args: str) -> tuple[int, str, str]:
+    """Run ``coplan ARGS`` in process; return (exit code, stdout, stderr)."""
+    with pytest.raises(SystemExit) as exc:
+        main(list(args))
+    code = exc.value.code
+    out, err = capsys.readouterr()
+    return (code if isinstance(code, int) else (0 if code is None else 1)), out, err
+
+
+def assert_one_line_error(code: int, err: str, *needles: str) -> None:
+    assert code == 2, err
+    assert "Traceback" not in err
+    lines = err.strip().splitlines()
+    assert len(lines) == 1, err
+    assert lines[0].startswith("error: "), err
+    for needle in needles:
+        assert needle in lines[0], (needle, lines[0])
+
+
+def _hardware_available() -> bool:
+    try:
+        return importlib.util.find_spec("coplan.hardware") is not None
+    except ImportError:
+        return False
+
+
+needs_hardware = pytest.mark.skipif(not _hardware_available(), reason="coplan.hardware is not available yet")
+
+
+# --- graph -------------------------------------------------------------------------------------
+
+
+@pytest.mark.capture
+def test_graph_json(capsys: pytest.CaptureFixture[str]) -> None:
+    code, out, _ = run(capsys, "graph", "--model", "gpt-tiny", "--batch", "2", "--seq", "32", "--json")
+    assert code == 0
+    data = json.loads(out)  # the whole of stdout is one JSON document
+    assert isinstance(data, dict)
+    assert data.keys() >= SUMMARY_KEYS
+    assert data["params"] == GPT_TINY_PARAMS
+    assert (data["batch"], data["seq"], data["model"]) == (2, 32, "gpt-tiny")
+    assert data["flops"] > 0 and data["activation_bytes"] > 0 and data["blocks"] == 2
+
+
+@pytest.mark.capture
+def test_graph_text(capsys: pytest.CaptureFixture[str]) -> None:
+    code, out, err = run(capsys, "graph", "--model", "gpt-tiny", "--batch", "2", "--seq", "32")
+    assert code == 0, err
+    for text in ("gpt-tiny", "137.0K", "136,960", "FLOP", "forward", "backward", "matmul", "fingerprint"):
+        assert text in out, text
+
+
+@pytest.mark.capture
+def test_graph_seq_defaults_to_model_seq_len(capsys: pytest.CaptureFixture[str]) -> None:
+    code, out, _ = run(capsys, "graph", "-m", "gpt-tiny", "--json")
+    assert code == 0
+    assert json.loads(out)["seq"] == 64
+
+
+def test_graph_synthetic_matches_params(capsys: pytest.CaptureFixture[str]) -> None:
+    if importlib.util.find_spec("coplan.capture.synthetic") is None:
+        pytest.skip("coplan.capture.synthetic is not available yet")
+    code, out, err = run(
+        capsys, "graph", "-m", "gpt-tiny", "--batch", "2", "--seq", "32", "--impl", "synthetic", "--json"
+    )
+    assert code == 0, err
+    assert json.loads(out)["params"] == GPT_TINY_PARAMS
+
+
+def test_unknown_model(capsys: pytest.CaptureFixture[str]) -> None:
+    code, out, err = run(capsys, "graph", "--model", "nope")
+    assert out == ""
+    assert_one_line_error(code, err, "'nope'")
+
+
+def test_spec_file_unknown_field(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    spec = tmp_path / "bad_field.json"
+    spec.write_text(json.dumps({"n_layers": 2, "d_model": 64, "n_heads": 4, "vocab_size": 512, "bogus": 1}))
+    code, _, err = run(capsys, "graph", "--model", str(spec))
+    assert_one_line_error(code, err, str(spec), "bogus")
+
+
+def test_spec_file_bad_json(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    spec = tmp_path / "broken.json"
+    spec.write_text('{"n_layers": 2,')
+    code, _, err = run(capsys, "graph", "--model", str(spec))
+    assert_one_line_error(code, err, str(spec), "JSON")
+
+
+def test_spec_file_missing(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    spec = tmp_path / "absent.json"
+    code, _, err = run(capsys, "graph", "--model", str(spec))
+    assert_one_line_error(code, err, str(spec))
+
+
+@pytest.mark.parametrize(("option", "value"), [("--batch", "0"), ("--batch", "-3"), ("--seq", "0")])
+def test_bad_sizes(capsys: pytest.CaptureFixture[str], option: str, value: str) -> None:
+    code, out, err = run(capsys, "graph", "--model", "gpt-tiny", option, value)
+    assert out == ""
+    assert_one_line_error(code, err, option, value)
+
+
+def test_seq_longer_than_model(capsys: pytest.CaptureFixture[str]) -> None:
+    code, _, err = run(capsys, "graph", "--model", "gpt-tiny", "--seq", "65")
+    assert_one_line_error(code, err, "seq_len", "65")
+
+
+def test_usage_errors_exit_2(capsys: pytest.CaptureFixture[str]) -> None:
+    for args in (
+        ("graph",),
+        ("graph", "-m", "gpt-tiny", "--batch", "x"),
+        ("graph", "-m", "gpt-tiny", "--impl", "jax"),
+    ):
+        code, _, err = run(capsys, *args)
+        assert code == 2, args
+        assert "Traceback" not in err
+
+
+def test_help(capsys: pytest.CaptureFixture[str]) -> None:
+    code, out, _ = run(capsys, "--help")
+    assert code == 0
+    for command in ("graph", "hardware", "plan"):
+        assert command in out
+
+
+def test_subprocess_error_has_no_traceback() -> None:
+    """End to end through ``python -m coplan.cli``: stderr is exactly one line."""
+    proc = subprocess.run(
+        [sys.executable, "-m", "coplan.cli", "graph", "--model", "nope"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    assert proc.stdout == ""
+    assert_one_line_error(proc.returncode, proc.stderr, "'nope'")
+
+
+# --- hardware ----------------------------------------------------------------------------------
+
+
+@needs_hardware
+def test_hardware_json(capsys: pytest.CaptureFixture[str]) -> None:
+    code, out, _ = run(capsys, "hardware", "--json")
+    assert code == 0
+    data: dict[str, Any] = json.loads(out)
+    assert set(data) == {"devices", "clusters"}
+    assert "h100-sxm" in data["devices"] and "dgx-h100" in data["clusters"]
+    assert data["devices"]["h100-sxm"]["memory_bytes"] > 0
+
+
+@needs_hardware
+def test_hardware_text(capsys: pytest.CaptureFixture[str]) -> None:
+    code, out, _ = run(capsys, "hardware")
+    assert code == 0
+    for text in ("h100-sxm", "dgx-h100", "TFLOP/s", "nvlink"):
+        assert text in out
+
+
+# --- plan --------------------------------------------------------------------------------------
+
+
+@needs_hardware
+@pytest.mark.capture
+def test_plan_json(capsys: pytest.CaptureFixture[str]) -> None:
+    code, out, err = run(capsys, "plan", "--model", "gpt-tiny", "--json")
+    assert code == 0, err
+    data = json.loads(out)
+    assert data["planned"] is False
+    assert data["graph"].keys() >= SUMMARY_KEYS
+    assert data["graph"]["params"] == GPT_TINY_PARAMS and data["graph"]["batch"] == 1
+    assert data["cluster"]["name"]
+
+
+@needs_hardware
+@pytest.mark.capture
+def test_plan_text(capsys: pytest.CaptureFixture[str]) -> None:
+    code, out, err = run(capsys, "plan", "-m", "gpt-tiny", "--global-batch", "2", "--seq", "16")
+    assert code == 0, err
+    assert out.splitlines()[0].startswith("note: the planner is not implemented yet")
+    assert "2 × 16" in out and "136,960" in out
+
+
+@needs_hardware
+@pytest.mark.parametrize(
+    ("args", "needle"),
+    [
+        (("--cluster", "nope"), "'nope'"),
+        (("--gpus", "0"), "--gpus"),
+        (("--cluster", "dgx-h100", "--gpus", "12"), "12"),
+        (("--global-batch", "0"), "--global-batch"),
+    ],
+)
+def test_plan_errors(capsys: pytest.CaptureFixture[str], args: tuple[str, ...], needle: str) -> None:
+    code, _, err = run(capsys, "plan", "--model", "gpt-tiny", *args)
+    assert_one_line_error(code, err, needle)
+
+
+# --- formatting --------------------------------------------------------------------------------
+
+
+def test_human_numbers() -> None:
+    assert human_count(124_439_808) == "124.4M"
+    assert human_count(950) == "950"
+    assert human_count(1.5e9) == "1.5B"
+    assert human_flops(2.3e12) == "2.3 TFLOP"
+    assert human_flops(0) == "0 FLOP"
+    assert human_bytes(816_926_728) == "816.9 MB"
+    assert human_bytes(2.5e9) == "2.5 GB"
+    assert one_line("a\n  b\n\nc") == "a b c"
