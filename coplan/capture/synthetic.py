@@ -65,6 +65,7 @@ class _Builder:
         fwd: int | None = None,
         vector_per_elem: float = 1.0,
         read: int | None = None,
+        args: str = "",
     ) -> list[int]:
         role = {
             Phase.FORWARD: TensorRole.ACTIVATION,
@@ -96,6 +97,7 @@ class _Builder:
                 forward_op=fwd,
                 module_path=module,
                 block=block,
+                args=args,
             )
         )
         return out_ids
@@ -183,6 +185,7 @@ class _Model:
                 module,
                 block,
                 vector_per_elem=5,
+                args=f"eps={self.s.norm_eps!r}",
             )
             saved = [x, mean, rstd]
         else:
@@ -200,6 +203,7 @@ class _Model:
                 module,
                 block,
                 vector_per_elem=4,
+                args=f"eps={self.s.norm_eps!r}",
             )
             saved = [x, normed, rstd]
         self.tape.append(("norm", _Fwd(len(self.g.ops) - 1, saved, ps), {"module": module, "block": block}))
@@ -258,6 +262,7 @@ class _Model:
                 f"{mod}.rotary",
                 i,
                 vector_per_elem=6,
+                args=f"theta={s.rope_theta!r}",
             )
             self.tape.append(
                 ("rope", _Fwd(len(self.g.ops) - 1, [cos, sin]), {"module": f"{mod}.rotary", "block": i})
@@ -326,39 +331,44 @@ class _Model:
         )
         self.tape.append(("plain", _Fwd(len(self.g.ops) - 1, [slot_i]), {"module": mod, "block": i}))
         xe = self.pointwise("gather", [x, slot_i], (e, c, d), mod, i, [slot_i], per_elem=0)
+
+        def bias(name: str, n: int) -> int | None:
+            return self.g.param(f"{mod}.{name}", (e, 1, n)) if s.bias else None
+
         w_fc = self.g.param(f"{mod}.w_fc", (e, d, f))
-        if s.bias:
-            self.g.param(f"{mod}.b_fc", (e, 1, f))
-        hid = self._bmm(xe, w_fc, (e, c, f), mod, i, _mm(e * c, d, f))
+        hid = self._bmm(xe, w_fc, (e, c, f), mod, i, _mm(e * c, d, f), bias("b_fc", f))
         if s.activation == "swiglu":
             w_gate = self.g.param(f"{mod}.w_gate", (e, d, f))
-            if s.bias:
-                self.g.param(f"{mod}.b_gate", (e, 1, f))
-            gate = self._bmm(xe, w_gate, (e, c, f), mod, i, _mm(e * c, d, f))
+            gate = self._bmm(xe, w_gate, (e, c, f), mod, i, _mm(e * c, d, f), bias("b_gate", f))
             act = self.pointwise("silu", [gate], (e, c, f), mod, i, [gate], per_elem=8)
             hid = self.pointwise("mul", [act, hid], (e, c, f), mod, i, [act, hid])
         else:
             hid = self.pointwise("gelu", [hid], (e, c, f), mod, i, [hid], per_elem=8)
         w_proj = self.g.param(f"{mod}.w_proj", (e, f, d))
-        if s.bias:
-            self.g.param(f"{mod}.b_proj", (e, 1, d))
-        ye = self._bmm(hid, w_proj, (e, c, d), mod, i, _mm(e * c, f, d))
+        ye = self._bmm(hid, w_proj, (e, c, d), mod, i, _mm(e * c, f, d), bias("b_proj", d))
         ye = self.pointwise("mul", [ye, slot_w], (e, c, d), mod, i, [ye, slot_w])
         return self.pointwise("index_add", [ye, slot_i], (self.b, self.t, d), mod, i, [slot_i], per_elem=1)
 
-    def _bmm(self, a: int, w: int, out: Shape, module: str, block: int, flops: int) -> int:
+    def _bmm(self, a: int, w: int, out: Shape, module: str, block: int, flops: int, bias: int | None) -> int:
+        # A bias add is folded into the matmul: the activation it leaves has the matmul's shape, so
+        # what backward keeps is the same number of bytes either way.
+        params = [w] if bias is None else [w, bias]
         (y,) = self.g.op(
             "bmm",
             OpKind.MATMUL,
             Phase.FORWARD,
-            [a, w],
+            [a, *params],
             [(f"{module}.bmm", out, self.dt)],
             module,
             block,
             flops=flops,
         )
         self.tape.append(
-            ("bmm", _Fwd(len(self.g.ops) - 1, [a], [w]), {"module": module, "block": block, "flops": flops})
+            (
+                "bmm",
+                _Fwd(len(self.g.ops) - 1, [a], params),
+                {"module": module, "block": block, "flops": flops},
+            )
         )
         return y
 
@@ -511,7 +521,7 @@ class _Model:
                         OpKind.MATMUL,
                         Phase.BACKWARD,
                         [gy, a],
-                        [(f"{g.tensors[fwd.params[0]].name}.grad", g.tensors[fwd.params[0]].shape, self.dt)],
+                        [(f"{g.tensors[p].name}.grad", g.tensors[p].shape, self.dt) for p in fwd.params],
                         module,
                         block,
                         flops=fl,

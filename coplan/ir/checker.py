@@ -115,11 +115,11 @@ def aliasing(g: Graph) -> Iterator[str]:
                 yield f"tensor {t.name} aliases missing tensor {t.alias_of}"
             elif g.tensors[t.alias_of].alias_of is not None:
                 yield f"tensor {t.name} aliases {g.tensors[t.alias_of].name}, itself a view"
-        if t.grad_of is not None and (
-            not 0 <= t.grad_of < len(g.tensors) or g.tensors[t.grad_of].role is not TensorRole.PARAMETER
-        ):
+        if t.grad_of is None:
+            continue
+        if not 0 <= t.grad_of < len(g.tensors) or g.tensors[t.grad_of].role is not TensorRole.PARAMETER:
             yield f"tensor {t.name} is the gradient of {t.grad_of}, which is not a parameter"
-        if t.grad_of is not None and g.tensors[t.grad_of].shape != t.shape:
+        elif g.tensors[t.grad_of].shape != t.shape:
             yield f"gradient {t.name} has shape {t.shape}, its parameter {g.tensors[t.grad_of].shape}"
 
 
@@ -190,10 +190,19 @@ def shapes(g: Graph) -> Iterator[str]:
                 yield f"view {tt.name} has {tt.numel} elements, its storage {g.tensors[tt.alias_of].numel}"
 
 
-def _block_signature(g: Graph, ops: Iterable[Op], prefix: str) -> list[tuple[object, ...]]:
+def _relative_path(path: str, block: int, prefix: str) -> str:
+    """The module path inside its block: after "<container>.<block>", or, where the graph does not
+    name its container, after the first path component equal to the block number."""
+    if prefix and path.startswith(prefix):
+        return path[len(prefix) :]
+    parts = path.split(".")
+    return ".".join(parts[parts.index(str(block)) + 1 :]) if str(block) in parts else path
+
+
+def _block_signature(g: Graph, ops: Iterable[Op], block: int, prefix: str) -> list[tuple[object, ...]]:
     sig: list[tuple[object, ...]] = []
     for op in ops:
-        rel = op.module_path[len(prefix) :] if op.module_path.startswith(prefix) else op.module_path
+        rel = _relative_path(op.module_path, block, prefix)
         sig.append(
             (
                 op.phase.value,
@@ -221,9 +230,9 @@ def blocks(g: Graph) -> Iterator[str]:
         if op.block is not None:
             by_block[op.block].append(op)
     container = g.meta.block_container
-    ref = _block_signature(g, by_block[0], f"{container}.0" if container else "")
+    ref = _block_signature(g, by_block[0], 0, f"{container}.0" if container else "")
     for b in ids[1:]:
-        sig = _block_signature(g, by_block[b], f"{container}.{b}" if container else "")
+        sig = _block_signature(g, by_block[b], b, f"{container}.{b}" if container else "")
         if sig != ref:
             where = next(
                 (i for i, (x, y) in enumerate(zip(sig, ref, strict=False)) if x != y), min(len(sig), len(ref))
@@ -231,13 +240,28 @@ def blocks(g: Graph) -> Iterator[str]:
             yield (f"block {b} differs from block 0 at its op {where} ({len(sig)} ops against {len(ref)})")
 
 
+# Rules that check references themselves; the others assume every reference is in range.
+_REFERENCE_RULES = ("edges", "aliasing")
+
+
+def _references_in_range(g: Graph) -> bool:
+    n = len(g.tensors)
+    refs = [t for op in g.ops for t in (*op.inputs, *op.outputs)]
+    refs += [r for t in g.tensors for r in (t.alias_of, t.grad_of, t.updates) if r is not None]
+    return all(0 <= r < n for r in refs)
+
+
 def check(graph: Graph, skip: Iterable[str] = ()) -> list[Violation]:
-    """All violations of the registered rules, except those named in ``skip``."""
+    """All violations of the registered rules, except those named in ``skip``. A graph with a
+    dangling reference is reported by the reference rules alone, since the others cannot run."""
     skipped = set(skip)
     unknown = skipped - RULES.keys()
     if unknown:
         raise ValueError(f"unknown checker rules: {sorted(unknown)}")
-    return [Violation(name, msg) for name, fn in RULES.items() if name not in skipped for msg in fn(graph)]
+    names = [n for n in RULES if n not in skipped]
+    if not _references_in_range(graph):
+        names = [n for n in names if n in _REFERENCE_RULES]
+    return [Violation(name, msg) for name in names for msg in RULES[name](graph)]
 
 
 def validate(graph: Graph, skip: Iterable[str] = ()) -> Graph:

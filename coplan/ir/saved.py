@@ -18,5 +18,5 @@ def mark_saved(graph: Graph, outputs: Iterable[int]) -> Graph:
     for t in graph.tensors:
         produced_fwd = t.producer is None or graph.ops[t.producer].phase is Phase.FORWARD
         saved = t.id in bwd_reads and produced_fwd
-        tensors.append(replace(t, saved_for_backward=True) if saved != t.saved_for_backward and saved else t)
+        tensors.append(replace(t, saved_for_backward=saved) if saved != t.saved_for_backward else t)
     return replace(graph, tensors=tuple(tensors), outputs=tuple(dict.fromkeys(outputs)))

@@ -145,7 +145,7 @@ class Op:
 
 @dataclass(frozen=True, slots=True)
 class GraphMeta:
-    """Where a graph came from; not part of its fingerprint except ``batch`` and ``seq``."""
+    """Where a graph came from; not part of its fingerprint (batch and sequence are in the shapes)."""
 
     model: str = ""
     source: str = ""  # "capture" | "synthetic" | "hf"

@@ -99,7 +99,7 @@ class ModelSpec:
         d, f, hd = self.d_model, self.ffn, self.head_dim
         kv = self.kv_heads * hd
         b = 1 if self.bias else 0
-        norm = 2 * d if self.norm == "layernorm" else d
+        norm = 2 * d if self.norm == "layernorm" and self.bias else d
         attn = d * (d + 2 * kv) + b * (d + 2 * kv) + d * d + b * d
         n_mats = 3 if self.activation == "swiglu" else 2
         mlp = n_mats * d * f + b * ((n_mats - 1) * f + d)
@@ -112,7 +112,7 @@ class ModelSpec:
         d = self.d_model
         emb = self.vocab_size * d
         pos = self.seq_len * d if self.position == "learned" else 0
-        final_norm = 2 * d if self.norm == "layernorm" else d
+        final_norm = 2 * d if self.norm == "layernorm" and self.bias else d
         head = 0 if self.tied_embeddings else self.vocab_size * d
         return emb + pos + self.n_layers * self.block_params() + final_norm + head
 

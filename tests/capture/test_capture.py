@@ -193,3 +193,19 @@ def test_bad_loss_is_a_clear_error() -> None:
 def test_sequence_longer_than_model_is_refused() -> None:
     with pytest.raises(SpecError, match="exceeds"):
         capture_spec(PRESETS["gpt-tiny"], batch=1, seq=128)
+
+
+@pytest.mark.parametrize("bias", [True, False])
+@pytest.mark.parametrize("base", ["gpt-tiny", "llama-tiny", "moe-tiny", "gelu-moe"])
+def test_synthetic_agrees_with_capture_across_variants(base: str, bias: bool) -> None:
+    """Bias on and off (LayerNorm without bias, expert biases) and a GELU mixture of experts."""
+    from dataclasses import replace
+
+    spec = PRESETS["gpt-tiny"] if base == "gelu-moe" else PRESETS[base]
+    if base == "gelu-moe":
+        spec = replace(spec, n_experts=4, top_k=2)
+    spec = replace(spec, bias=bias, name=f"{base}-{bias}")
+    cap, syn = capture_spec(spec, batch=2, seq=32), build_graph(spec, batch=2, seq=32)
+    assert cap.param_count == syn.param_count == spec.param_count()
+    assert cap.flops == syn.flops
+    assert cap.activation_bytes == syn.activation_bytes
