@@ -44,8 +44,10 @@ def main() -> None:
     ap.add_argument("--repeat", type=int, default=3)
     args = ap.parse_args()
     first, _ = _run("capture", "gpt-tiny", 1, 64)
-    print(f"machine: {platform.processor() or platform.machine()}, {torch.get_num_threads()} threads, "
-          f"torch {torch.__version__}; first capture in a process (warm-up): {first:.2f} s\n")
+    print(
+        f"machine: {platform.processor() or platform.machine()}, {torch.get_num_threads()} threads, "
+        f"torch {torch.__version__}; first capture in a process (warm-up): {first:.2f} s\n"
+    )
     print("| case | params | ops | tensors | median s | min s | checker |")
     print("|---|---:|---:|---:|---:|---:|---|")
     for label, preset, batch, seq, how in CASES:
@@ -55,8 +57,10 @@ def main() -> None:
             times.append(dt)
         assert g is not None
         ok = "valid" if not check(g) else "INVALID"
-        print(f"| {label} (batch {batch}, seq {seq}) | {g.param_count / 1e6:,.1f}M | {len(g.ops):,} | "
-              f"{len(g.tensors):,} | {statistics.median(times):.2f} | {min(times):.2f} | {ok} |")
+        print(
+            f"| {label} (batch {batch}, seq {seq}) | {g.param_count / 1e6:,.1f}M | {len(g.ops):,} | "
+            f"{len(g.tensors):,} | {statistics.median(times):.2f} | {min(times):.2f} | {ok} |"
+        )
 
 
 if __name__ == "__main__":
