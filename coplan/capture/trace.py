@@ -92,35 +92,43 @@ def _optimizer_tracing() -> Iterator[None]:
         yield
 
 
+class _AnnotationStack:
+    """Annotations entered by one hook and left by its partner (pre/post hooks of a module or of an
+    autograd function); whatever is still entered when tracing ends is left, and hooks removed."""
+
+    def __init__(self) -> None:
+        self.entered: list[contextlib.AbstractContextManager[Any]] = []
+        self.handles: list[Any] = []
+
+    def push(self, annotation: dict[str, Any]) -> None:
+        cm = fxt.annotate(annotation)
+        cm.__enter__()
+        self.entered.append(cm)
+
+    def pop(self, *_args: Any) -> None:
+        if self.entered:
+            self.entered.pop().__exit__(None, None, None)
+
+    def close(self) -> None:
+        for h in self.handles:
+            h.remove()
+        while self.entered:
+            self.pop()
+
+
 @contextlib.contextmanager
 def _module_annotations(module: nn.Module) -> Iterator[None]:
     """Annotate every node with the path of the innermost module whose forward issued it."""
-    stack: list[contextlib.AbstractContextManager[Any]] = []
-    handles = []
-
-    def pre(path: str) -> Callable[..., None]:
-        def hook(_m: nn.Module, _args: Any) -> None:
-            cm = fxt.annotate({"module": path})
-            cm.__enter__()
-            stack.append(cm)
-
-        return hook
-
-    def post(_m: nn.Module, _args: Any, _out: Any) -> None:
-        if stack:
-            stack.pop().__exit__(None, None, None)
-
+    stack = _AnnotationStack()
     for path, sub in module.named_modules():
         if path:
-            handles.append(sub.register_forward_pre_hook(pre(path)))
-            handles.append(sub.register_forward_hook(post))
+            enter = lambda _m, _a, p=path: stack.push({"module": p})  # noqa: E731
+            stack.handles.append(sub.register_forward_pre_hook(enter))
+            stack.handles.append(sub.register_forward_hook(stack.pop))
     try:
         yield
     finally:
-        for h in handles:
-            h.remove()
-        while stack:
-            stack.pop().__exit__(None, None, None)
+        stack.close()
 
 
 @contextlib.contextmanager
@@ -130,38 +138,22 @@ def _grad_fn_annotations(loss: torch.Tensor) -> Iterator[None]:
     Nodes the engine issues between functions (gradient accumulation for a value used twice) get
     no annotation, so they are not mistaken for part of whichever function ran last.
     """
-    stack: list[contextlib.AbstractContextManager[Any]] = []
-    handles = []
+    stack = _AnnotationStack()
     seen: set[torch.autograd.graph.Node] = set()
-
-    def pre(seq: int) -> Callable[..., None]:
-        def hook(_grad_outputs: Any) -> None:
-            cm = fxt.annotate({"grad_fn_seq": seq})
-            cm.__enter__()
-            stack.append(cm)
-
-        return hook
-
-    def post(_grad_inputs: Any, _grad_outputs: Any) -> None:
-        if stack:
-            stack.pop().__exit__(None, None, None)
-
     todo: list[torch.autograd.graph.Node | None] = [loss.grad_fn]
     while todo:
         fn = todo.pop()
         if fn is None or fn in seen:
             continue
         seen.add(fn)
-        handles.append(fn.register_prehook(pre(fn._sequence_nr())))
-        handles.append(fn.register_hook(post))
+        seq = fn._sequence_nr()
+        stack.handles.append(fn.register_prehook(lambda _g, s=seq: stack.push({"grad_fn_seq": s})))
+        stack.handles.append(fn.register_hook(stack.pop))
         todo.extend(nxt for nxt, _ in fn.next_functions)
     try:
         yield
     finally:
-        for h in handles:
-            h.remove()
-        while stack:
-            stack.pop().__exit__(None, None, None)
+        stack.close()
 
 
 def find_block_container(module: nn.Module) -> str:
