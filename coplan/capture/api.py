@@ -9,7 +9,6 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 
 from coplan.capture.convert import to_graph
 from coplan.capture.trace import LossFn, OptimizerFactory, default_loss, default_optimizer, trace_step
-from coplan.errors import SpecError
 from coplan.ir.types import Graph, GraphMeta
 from coplan.models.spec import ModelSpec
 from coplan.models.transformer import Transformer, example_batch
@@ -42,20 +41,11 @@ def capture_module(
     return to_graph(step, meta)
 
 
-def _check_seq(spec: ModelSpec, seq: int | None) -> int:
-    s = seq or spec.seq_len
-    if s > spec.seq_len:
-        raise SpecError(
-            f"model '{spec.name}'", "seq_len", f"sequence {s} exceeds the model's seq_len {spec.seq_len}"
-        )
-    return s
-
-
 def capture_spec(
     spec: ModelSpec, batch: int = 1, seq: int | None = None, optimizer: OptimizerFactory = default_optimizer
 ) -> Graph:
     """Build the built-in model of ``spec`` with fake parameters and capture one training step."""
-    s = _check_seq(spec, seq)
+    s = spec.resolve_seq(seq)
     with FakeTensorMode(allow_non_fake_inputs=True):
         model = Transformer(spec)
         idx, targets = example_batch(spec, batch, s)
@@ -68,7 +58,7 @@ def capture_hf(
     """Capture the Hugging Face ``transformers`` model of ``spec`` (built from a config, no weights)."""
     from coplan.models.hf import hf_model
 
-    s = _check_seq(spec, seq)
+    s = spec.resolve_seq(seq)
     with FakeTensorMode(allow_non_fake_inputs=True):
         model = hf_model(spec)
         idx, targets = example_batch(spec, batch, s)

@@ -157,7 +157,7 @@ class _Model:
             (
                 "linear",
                 _Fwd(len(self.g.ops) - 1, [x], ps),
-                {"m": m, "k": k, "n": n, "bias": bias, "module": module, "block": block},
+                {"flops": _mm(m, k, n), "module": module, "block": block},
             )
         )
         return y
@@ -469,66 +469,37 @@ class _Model:
                 for x in diff:
                     self._accumulate(x, gy, fwd.op)
                 continue
-            if kind == "linear":
-                m, k, n = (int(info[key]) for key in ("m", "k", "n"))  # type: ignore[call-overload]
+            if kind in ("linear", "bmm"):
+                # Both gradients of a matmul cost what its forward did: dX = dY W, dW = dY^T X.
+                fl = int(info["flops"])  # type: ignore[call-overload]
                 x = fwd.saved[0]
                 (gx,) = g.op(
-                    "linear_bwd_input",
+                    f"{kind}_bwd_input",
                     OpKind.MATMUL,
                     Phase.BACKWARD,
                     [gy, fwd.params[0]],
                     [(f"{module}.grad_in", g.tensors[x].shape, self.dt)],
                     module,
                     block,
-                    flops=_mm(m, n, k),
+                    flops=fl,
                     fwd=fwd.op,
                 )
                 outs = [(f"{g.tensors[p].name}.grad", g.tensors[p].shape, self.dt) for p in fwd.params]
                 self._param_grads(
                     fwd.params,
                     g.op(
-                        "linear_bwd_weight",
+                        f"{kind}_bwd_weight",
                         OpKind.MATMUL,
                         Phase.BACKWARD,
                         [gy, x],
                         outs,
                         module,
                         block,
-                        flops=_mm(n, m, k),
-                        fwd=fwd.op,
-                    ),
-                )
-                self._accumulate(x, gx, fwd.op)
-                continue
-            if kind == "bmm":
-                fl = int(info["flops"])  # type: ignore[call-overload]
-                a = fwd.saved[0]
-                (ga,) = g.op(
-                    "bmm_bwd_input",
-                    OpKind.MATMUL,
-                    Phase.BACKWARD,
-                    [gy, fwd.params[0]],
-                    [(f"{module}.grad_in", g.tensors[a].shape, self.dt)],
-                    module,
-                    block,
-                    flops=fl,
-                    fwd=fwd.op,
-                )
-                self._param_grads(
-                    fwd.params,
-                    g.op(
-                        "bmm_bwd_weight",
-                        OpKind.MATMUL,
-                        Phase.BACKWARD,
-                        [gy, a],
-                        [(f"{g.tensors[p].name}.grad", g.tensors[p].shape, self.dt) for p in fwd.params],
-                        module,
-                        block,
                         flops=fl,
                         fwd=fwd.op,
                     ),
                 )
-                self._accumulate(a, ga, fwd.op)
+                self._accumulate(x, gx, fwd.op)
                 continue
             flops = 0
             if kind == "attention":
@@ -636,11 +607,7 @@ def _block_of(module: str) -> int | None:
 
 def build_graph(spec: ModelSpec, batch: int = 1, seq: int | None = None, dtype: str = "float32") -> Graph:
     """The IR of one AdamW training step of ``spec``'s built-in model, built without tracing."""
-    s = seq or spec.seq_len
-    if s > spec.seq_len:
-        raise SpecError(
-            f"model '{spec.name}'", "seq_len", f"sequence {s} exceeds the model's seq_len {spec.seq_len}"
-        )
+    s = spec.resolve_seq(seq)
     if batch <= 0:
         raise SpecError(f"model '{spec.name}'", "batch", f"must be positive, got {batch}")
     dtype_bytes(dtype)

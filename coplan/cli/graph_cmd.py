@@ -12,7 +12,7 @@ from rich.console import Console
 from rich.table import Table
 
 from coplan.cli.common import exact, human_bytes, human_count, human_flops, positive, print_json, stdout
-from coplan.errors import CoplanError, SpecError
+from coplan.errors import CoplanError
 
 if TYPE_CHECKING:
     from coplan.ir.summary import GraphSummary
@@ -45,9 +45,6 @@ def load_graph(model: str, batch: int, seq: int | None, impl: Impl = Impl.builti
     positive("--batch", batch)
     positive("--seq", seq, optional=True)
     spec = load_model_spec(model)
-    if seq is not None and seq > spec.seq_len:
-        reason = f"sequence {seq} exceeds the model's seq_len {spec.seq_len}"
-        raise SpecError(f"model '{spec.name}'", "seq_len", reason)
     start = time.perf_counter()
     graph = _build(spec, batch, seq, impl)
     from coplan.ir.checker import validate

@@ -91,6 +91,16 @@ class ModelSpec:
     def is_moe(self) -> bool:
         return self.n_experts > 1
 
+    def resolve_seq(self, seq: int | None) -> int:
+        """The sequence length a step uses: ``seq``, or the model's context when None; longer than
+        the context (position table, rotary tables) is refused."""
+        s = seq or self.seq_len
+        if s > self.seq_len:
+            raise SpecError(
+                f"model '{self.name}'", "seq_len", f"sequence {s} exceeds the model's seq_len {self.seq_len}"
+            )
+        return s
+
     def expert_capacity(self, tokens: int) -> int:
         """Tokens each expert processes for a microbatch of ``tokens`` tokens (static shape)."""
         return max(1, math.ceil(tokens * self.top_k / self.n_experts * self.capacity_factor))
