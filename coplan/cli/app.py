@@ -7,7 +7,7 @@ from collections.abc import Sequence
 
 import typer
 
-from coplan.cli import graph_cmd, hardware_cmd, plan_cmd
+from coplan.cli import calibrate_cmd, estimate_cmd, graph_cmd, hardware_cmd, plan_cmd
 from coplan.cli.common import one_line
 from coplan.errors import CoplanError
 
@@ -22,6 +22,8 @@ app = typer.Typer(
 app.command("graph")(graph_cmd.graph)
 app.command("hardware")(hardware_cmd.hardware)
 app.command("plan")(plan_cmd.plan)
+app.command("estimate")(estimate_cmd.estimate)
+app.command("calibrate")(calibrate_cmd.calibrate)
 
 
 def report(err: CoplanError) -> int:

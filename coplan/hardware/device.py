@@ -27,8 +27,11 @@ from coplan.hardware._fields import (
 #: Matrix-unit dtypes a device may list in ``peak_flops``. fp8 covers both e4m3 and e5m2.
 DTYPES: tuple[str, ...] = ("fp32", "tf32", "bf16", "fp16", "fp8")
 
-#: Kinds of work a device's ``efficiency`` may derate.
-EFFICIENCY_KINDS: tuple[str, ...] = ("matmul", "vector", "memory")
+#: Kinds of work a device's ``efficiency`` may derate. ``matmul`` may also be given per dtype as
+#: ``matmul.<dtype>`` (e.g. ``matmul.fp32`` on a CPU whose fp32 GEMM reaches a lower fraction of peak
+#: than its bf16 one); ``attention`` is the fused (flash) attention kernel's fraction of the matrix
+#: peak, ``network`` the fraction of link bandwidth collectives achieve (NCCL's bus bandwidth).
+EFFICIENCY_KINDS: tuple[str, ...] = ("matmul", "attention", "vector", "memory", "network")
 
 # torch / numpy spellings accepted by ``canonical_dtype`` so callers can pass IR dtype names as-is.
 _DTYPE_ALIASES: dict[str, str] = {
@@ -67,7 +70,7 @@ _REQUIRED = (
     "sram_bytes",
     "kernel_launch_s",
 )
-_OPTIONAL = ("source", "efficiency")
+_OPTIONAL = ("source", "efficiency", "matmul_half_dim")
 
 
 @dataclass(frozen=True, slots=True)
@@ -89,7 +92,12 @@ class DeviceSpec:
         source: free text naming the data sheets (and any estimate) behind the numbers.
         efficiency: achievable fraction of peak per kind of work (``EFFICIENCY_KINDS``), in (0, 1].
             These are *starting values* for the cost model, meant to be calibrated by measurement;
-            a missing kind means no derating (1.0).
+            a missing kind means no derating (1.0), except ``attention`` (defaults to ``matmul``)
+            and ``matmul.<dtype>`` (defaults to ``matmul``).
+        matmul_half_dim: shape derating of matrix work: a GEMM of sizes M, N, K reaches
+            ``efficiency * prod(d / (d + matmul_half_dim))`` of peak, so small or thin matrices
+            (tile and wave quantization, fixed per-kernel work) run slower per FLOP than large ones.
+            0 means no shape dependence.
     """
 
     name: str
@@ -102,6 +110,7 @@ class DeviceSpec:
     kernel_launch_s: float
     source: str = ""
     efficiency: Mapping[str, float] = field(default_factory=FrozenMap)
+    matmul_half_dim: float = 0.0
 
     def __post_init__(self) -> None:
         named = isinstance(self.name, str) and bool(self.name.strip())
@@ -118,6 +127,7 @@ class DeviceSpec:
         put(self, "kernel_launch_s", check_number(src, "kernel_launch_s", self.kernel_launch_s, strict=False))
         check_str(src, "source", self.source, allow_empty=True)
         put(self, "efficiency", _efficiency(src, self.efficiency))
+        put(self, "matmul_half_dim", check_number(src, "matmul_half_dim", self.matmul_half_dim, strict=False))
 
     # --- queries -------------------------------------------------------------------------------
 
@@ -130,11 +140,20 @@ class DeviceSpec:
         """Whether the matrix units run ``dtype`` natively (peak > 0)."""
         return self.peak(dtype) > 0.0
 
-    def efficiency_of(self, work: str) -> float:
-        """Achievable fraction of peak for ``work`` in ``EFFICIENCY_KINDS`` (1.0 when not given)."""
+    def efficiency_of(self, work: str, dtype: str | None = None) -> float:
+        """Achievable fraction of peak for ``work`` in ``EFFICIENCY_KINDS`` (1.0 when not given).
+
+        ``dtype`` refines ``matmul`` and ``attention`` (``matmul.bf16`` wins over ``matmul``);
+        ``attention`` falls back to the matmul figure."""
         if work not in EFFICIENCY_KINDS:
             raise ValueError(f"unknown efficiency kind {work!r}; expected one of {EFFICIENCY_KINDS}")
-        return self.efficiency.get(work, 1.0)
+        eff = self.efficiency
+        if work in ("matmul", "attention"):
+            mm = eff.get(f"matmul.{canonical_dtype(dtype)}", eff.get("matmul", 1.0)) if dtype else None
+            if mm is None:
+                mm = eff.get("matmul", 1.0)
+            return eff.get("attention", mm) if work == "attention" else mm
+        return eff.get(work, 1.0)
 
     def summary(self) -> str:
         """One human-readable line (memory in GiB, bandwidth in TB/s, peaks in TFLOP/s)."""
@@ -159,6 +178,7 @@ class DeviceSpec:
             "kernel_launch_s": self.kernel_launch_s,
             "source": self.source,
             "efficiency": dict(self.efficiency),
+            "matmul_half_dim": self.matmul_half_dim,
         }
 
     @classmethod
@@ -172,6 +192,7 @@ class DeviceSpec:
         vector, memory = r.number("vector_flops"), r.integer("memory_bytes")
         bandwidth, sram = r.number("memory_bandwidth"), r.integer("sram_bytes")
         launch, text = r.number("kernel_launch_s", strict=False), r.text("source", default="")
+        half = r.number("matmul_half_dim", strict=False) if "matmul_half_dim" in r.data else 0.0
         # Readers above already name ``source`` and the full path; only __post_init__ errors need
         # re-anchoring, so nothing else may run inside this block.
         with anchored(source, path):
@@ -186,6 +207,7 @@ class DeviceSpec:
                 kernel_launch_s=launch,
                 source=text,
                 efficiency=efficiency,
+                matmul_half_dim=half,
             )
 
 
@@ -211,7 +233,11 @@ def _efficiency(src: str, value: object) -> FrozenMap:
     out: dict[str, float] = {}
     for work, fraction in value.items():
         where = f"efficiency.{work}"
-        if work not in EFFICIENCY_KINDS:
+        base, _, dtype = str(work).partition(".")
+        if base == "matmul" and dtype:
+            if dtype not in DTYPES:
+                fail(src, where, f"unknown dtype {dtype!r}; expected matmul.<{'|'.join(DTYPES)}>")
+        elif work not in EFFICIENCY_KINDS:
             fail(src, where, f"unknown kind; expected one of: {', '.join(EFFICIENCY_KINDS)}")
         number = check_number(src, where, fraction)
         if number > 1.0:

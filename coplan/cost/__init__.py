@@ -1,0 +1,20 @@
+"""The cost model: step time and per-GPU memory of a training configuration (see ``estimate``)."""
+
+from coplan.cost.config import ConfigError, TrainingConfig, check_against
+from coplan.cost.estimate import BREAKDOWN_KEYS, Estimate, MemoryEstimate, StageEstimate, estimate
+from coplan.cost.model import CostModel
+from coplan.cost.profile import GraphProfile, profile_graph
+
+__all__ = [
+    "BREAKDOWN_KEYS",
+    "ConfigError",
+    "CostModel",
+    "Estimate",
+    "GraphProfile",
+    "MemoryEstimate",
+    "StageEstimate",
+    "TrainingConfig",
+    "check_against",
+    "estimate",
+    "profile_graph",
+]

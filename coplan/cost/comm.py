@@ -1,0 +1,77 @@
+"""Collectives over a cluster's two-level network (links inside a node, NICs between nodes).
+
+Ranks are laid out as Megatron-LM does (tensor-parallel fastest, then data-parallel, then
+pipeline), so a process group is ``size`` ranks ``stride`` apart. A collective over a group that
+spans nodes runs hierarchically, as NCCL does: a ring inside each node over NVLink-class links, and
+across nodes each of the ``r`` local members carries ``1/r`` of the data through its own NIC.
+Bandwidth terms follow the ring algorithm (all-reduce moves ``2(n-1)/n`` of the buffer through each
+link, all-gather and reduce-scatter ``(n-1)/n``); latency terms follow a tree (``log2 n`` hops),
+which NCCL picks for small messages.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from coplan.hardware.cluster import ClusterSpec, InterconnectLevel
+
+
+@dataclass(frozen=True, slots=True)
+class Group:
+    """A process group's placement: ``local`` members per node over ``nodes`` nodes."""
+
+    size: int
+    local: int
+    nodes: int
+    intra: InterconnectLevel
+    inter: InterconnectLevel | None
+    efficiency: float
+
+    @classmethod
+    def of(cls, cluster: ClusterSpec, size: int, stride: int, efficiency: float) -> Group:
+        first = cluster.groups[0]
+        per_node = first.devices_per_node
+        if size <= 1:
+            return cls(1, 1, 1, first.intra_node, cluster.inter_node, efficiency)
+        local = max(1, min(size, per_node // stride)) if stride < per_node else 1
+        nodes = math.ceil(size / local)
+        inter = cluster.inter_node
+        if nodes > 1 and inter is None:  # a single-node cluster cannot span nodes; keep it inside
+            local, nodes = size, 1
+        return cls(size, local, nodes, first.intra_node, inter, efficiency)
+
+    def _phase(self, bytes_: float, factor: float) -> float:
+        """Time for a ring-style collective moving ``factor * (n-1)/n`` of ``bytes_`` per link."""
+        t = 0.0
+        e = self.efficiency
+        if self.local > 1:
+            lvl = self.intra
+            t += factor * (self.local - 1) / self.local * bytes_ / (lvl.bandwidth * e)
+            t += factor * math.ceil(math.log2(self.local)) * lvl.latency_s
+        if self.nodes > 1 and self.inter is not None:
+            lvl = self.inter
+            t += factor * (self.nodes - 1) / self.nodes * bytes_ / self.local / (lvl.bandwidth * e)
+            t += factor * math.ceil(math.log2(self.nodes)) * lvl.latency_s
+        return t
+
+    def all_reduce(self, bytes_: float) -> float:
+        """All-reduce of a ``bytes_`` buffer held by every member."""
+        return 0.0 if self.size <= 1 else self._phase(bytes_, 2.0)
+
+    def all_gather(self, bytes_: float) -> float:
+        """All-gather producing a ``bytes_`` buffer on every member (each contributes 1/n)."""
+        return 0.0 if self.size <= 1 else self._phase(bytes_, 1.0)
+
+    def reduce_scatter(self, bytes_: float) -> float:
+        """Reduce-scatter of a ``bytes_`` buffer (each member keeps a reduced 1/n)."""
+        return 0.0 if self.size <= 1 else self._phase(bytes_, 1.0)
+
+
+def p2p_time(cluster: ClusterSpec, bytes_: float, cross_node: bool, efficiency: float) -> float:
+    """One point-to-point send between neighbouring pipeline stages."""
+    if cross_node and cluster.inter_node is not None:
+        lvl = cluster.inter_node
+    else:
+        lvl = cluster.groups[0].intra_node
+    return bytes_ / (lvl.bandwidth * efficiency) + lvl.latency_s

@@ -1,0 +1,181 @@
+"""A full training configuration: everything about a step that is not the model or the cluster.
+
+Vocabulary: ``microbatch`` is sequences per microbatch per data-parallel rank; ``global_batch`` is
+sequences per optimizer step over the whole job; ``tp``, ``pp``, ``dp`` are the tensor, pipeline and
+data-parallel degrees (``tp * pp * dp`` devices); ``vpp`` is the number of model chunks per pipeline
+rank (interleaved 1F1B when > 1).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+from coplan.errors import SpecError
+
+RECOMPUTE_MODES: tuple[str, ...] = ("none", "selective", "full")
+DTYPES: tuple[str, ...] = ("fp32", "tf32", "bf16", "fp16", "fp8")
+FUSION_MODES: tuple[str, ...] = ("megatron", "none")
+
+
+class ConfigError(SpecError):
+    """A training configuration that cannot run (exit code 2)."""
+
+    def __init__(self, field: str | None, message: str) -> None:
+        super().__init__("training config", field, message)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class TrainingConfig:
+    """One point of the parallel / memory / precision space, validated on construction.
+
+    Attributes:
+        recompute: ``"none"`` (save what autograd saves), ``"selective"`` (recompute the attention
+            core, as Megatron-LM's selective recomputation), ``"full"`` (save each block's input and
+            recompute the block), or a set of tensor names of block 0 (the template every block
+            follows) to recompute instead of saving.
+        fusion: ``"megatron"`` (the kernels a Megatron-LM step launches: GEMMs with bias epilogues,
+            fused bias-GeLU / bias-dropout-add, fused norms and softmax, multi-tensor Adam),
+            ``"none"`` (eager PyTorch: every non-view op a kernel), or explicit groups of op ids.
+        zero: 0 plain data parallel; 1 optimizer states sharded over data-parallel ranks (Megatron's
+            distributed optimizer); 2 also gradients; 3 also parameters (FSDP).
+        dtype: the matmul precision; 16-bit and fp8 runs keep fp32 master weights, fp32 gradients
+            and fp32 Adam moments (``master_weights``), activations in 16 bits.
+        overlap_grad_reduce: data-parallel gradient reduction runs during the last microbatch's
+            backward (Megatron ``--overlap-grad-reduce``, PyTorch DDP buckets); otherwise after it.
+        overlap_param_gather: ZeRO's parameter all-gather after the optimizer overlaps the next
+            step's forward (Megatron ``--overlap-param-gather``).
+        tp_comm_overlap: tensor-parallel collectives overlap GEMMs (Transformer Engine userbuffers).
+        stage_layers: layers held by each pipeline stage (default: an even split).
+    """
+
+    tp: int = 1
+    pp: int = 1
+    dp: int = 1
+    vpp: int = 1
+    microbatch: int = 1
+    global_batch: int = 1
+    seq: int | None = None
+    sequence_parallel: bool = False
+    recompute: str | frozenset[str] = "none"
+    zero: int = 0
+    dtype: str = "bf16"
+    flash_attention: bool = True
+    fusion: str | tuple[tuple[int, ...], ...] = "megatron"
+    master_weights: bool = True
+    overlap_grad_reduce: bool = True
+    overlap_param_gather: bool = False
+    tp_comm_overlap: bool = False
+    stage_layers: tuple[int, ...] | None = None
+    extra: dict[str, Any] = field(default_factory=dict, compare=False, hash=False)
+
+    def __post_init__(self) -> None:
+        for name in ("tp", "pp", "dp", "vpp", "microbatch", "global_batch"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise ConfigError(name, f"must be a positive integer, got {v!r}")
+        if self.seq is not None and (isinstance(self.seq, bool) or not isinstance(self.seq, int) or self.seq < 1):
+            raise ConfigError("seq", f"must be a positive integer, got {self.seq!r}")
+        if isinstance(self.recompute, str):
+            if self.recompute not in RECOMPUTE_MODES:
+                raise ConfigError("recompute", f"must be one of {', '.join(RECOMPUTE_MODES)}, got {self.recompute!r}")
+        elif isinstance(self.recompute, Iterable):
+            object.__setattr__(self, "recompute", frozenset(str(t) for t in self.recompute))
+        else:
+            raise ConfigError("recompute", f"expected a mode or a set of tensor names, got {self.recompute!r}")
+        if self.zero not in (0, 1, 2, 3) or isinstance(self.zero, bool):
+            raise ConfigError("zero", f"must be 0, 1, 2 or 3, got {self.zero!r}")
+        if self.dtype not in DTYPES:
+            raise ConfigError("dtype", f"must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
+        if isinstance(self.fusion, str):
+            if self.fusion not in FUSION_MODES:
+                raise ConfigError("fusion", f"must be one of {', '.join(FUSION_MODES)} or op groups, got {self.fusion!r}")
+        else:
+            object.__setattr__(self, "fusion", tuple(tuple(int(i) for i in g) for g in self.fusion))
+        if self.vpp > 1 and self.pp == 1:
+            raise ConfigError("vpp", "interleaved stages need pipeline parallelism (pp > 1)")
+        if self.sequence_parallel and self.tp == 1:
+            raise ConfigError("sequence_parallel", "needs tensor parallelism (tp > 1)")
+        per_step = self.microbatch * self.dp
+        if self.global_batch % per_step:
+            raise ConfigError(
+                "global_batch",
+                f"{self.global_batch} is not divisible by microbatch x dp = {self.microbatch} x {self.dp}",
+            )
+        if self.stage_layers is not None:
+            layers = tuple(self.stage_layers)
+            if len(layers) != self.pp * self.vpp or any(n < 0 for n in layers):
+                raise ConfigError("stage_layers", f"needs {self.pp * self.vpp} non-negative counts, got {layers}")
+            object.__setattr__(self, "stage_layers", layers)
+
+    @property
+    def gpus(self) -> int:
+        return self.tp * self.pp * self.dp
+
+    @property
+    def num_microbatches(self) -> int:
+        """Microbatches per pipeline per step (gradient-accumulation steps)."""
+        return self.global_batch // (self.microbatch * self.dp)
+
+    @property
+    def mixed(self) -> bool:
+        """Whether activations run in fewer than 32 bits."""
+        return self.dtype in ("bf16", "fp16", "fp8")
+
+    @property
+    def act_bytes(self) -> int:
+        """Bytes per element of activations and model weights as the kernels see them."""
+        return 2 if self.mixed else 4
+
+    def with_(self, **changes: Any) -> TrainingConfig:
+        return replace(self, **changes)
+
+    def to_dict(self) -> dict[str, Any]:
+        rec = self.recompute if isinstance(self.recompute, str) else sorted(self.recompute)
+        fus = self.fusion if isinstance(self.fusion, str) else [list(g) for g in self.fusion]
+        return {
+            "tp": self.tp,
+            "pp": self.pp,
+            "dp": self.dp,
+            "vpp": self.vpp,
+            "microbatch": self.microbatch,
+            "global_batch": self.global_batch,
+            "seq": self.seq,
+            "sequence_parallel": self.sequence_parallel,
+            "recompute": rec,
+            "zero": self.zero,
+            "dtype": self.dtype,
+            "flash_attention": self.flash_attention,
+            "fusion": fus,
+            "master_weights": self.master_weights,
+            "overlap_grad_reduce": self.overlap_grad_reduce,
+            "overlap_param_gather": self.overlap_param_gather,
+            "tp_comm_overlap": self.tp_comm_overlap,
+            "stage_layers": list(self.stage_layers) if self.stage_layers else None,
+        }
+
+
+def check_against(config: TrainingConfig, *, gpus: int, n_heads: int, n_layers: int, n_kv_heads: int | None = None) -> None:
+    """The divisibility rules that tie a configuration to a model and a cluster size."""
+    if config.gpus != gpus:
+        raise ConfigError(
+            "dp",
+            f"tp x pp x dp = {config.tp} x {config.pp} x {config.dp} = {config.gpus} does not equal the {gpus} GPUs",
+        )
+    if n_heads % config.tp:
+        raise ConfigError("tp", f"{config.tp} does not divide the model's {n_heads} attention heads")
+    if n_kv_heads is not None and n_kv_heads % config.tp and config.tp % n_kv_heads:
+        raise ConfigError("tp", f"{config.tp} and the model's {n_kv_heads} key/value heads do not divide each other")
+    chunks = config.pp * config.vpp
+    if config.stage_layers is None and n_layers % chunks:
+        raise ConfigError(
+            "pp", f"the model's {n_layers} layers are not divisible by pp x vpp = {config.pp} x {config.vpp}"
+        )
+    if config.stage_layers is not None and sum(config.stage_layers) != n_layers:
+        raise ConfigError("stage_layers", f"sum {sum(config.stage_layers)} is not the model's {n_layers} layers")
+    if config.vpp > 1 and config.num_microbatches % config.pp:
+        raise ConfigError(
+            "vpp",
+            f"interleaved pipelining needs microbatches ({config.num_microbatches}) divisible by pp ({config.pp})",
+        )

@@ -1,0 +1,534 @@
+"""Step time and per-GPU memory of a training configuration: the cost model's entry point.
+
+``estimate(profile, cluster, config)`` prices one configuration of a profiled graph. The step is
+modelled as Megatron-LM runs it:
+
+- each pipeline stage holds ``layers / pp`` layers (``/ vpp`` per chunk); the first also holds the
+  embedding, the last the final norm, LM head and loss;
+- per microbatch a stage runs its forward and backward kernels (``kernels.py``), the recomputation
+  its recompute mode asks for, the tensor-parallel collectives on the boundaries between sharded
+  and replicated ops, and its point-to-point sends;
+- the pipeline (1F1B, or interleaved with ``vpp`` chunks) takes ``m * t_max + (p - 1) / v * t_mean``
+  for ``m`` microbatches and per-microbatch stage times ``t``: the slowest stage sets the pace and
+  the warm-up/drain bubble costs ``(p - 1) / v`` average microbatch-stage times;
+- then gradients are reduced over data-parallel ranks (overlapped with the last microbatch's
+  backward when configured), ZeRO gathers parameters, and the optimizer updates its shard.
+
+Memory of a stage: parameters, gradients and optimizer state (sharded by ZeRO stage), the saved
+activations of its in-flight microbatches (1F1B: ``p - i`` on stage ``i``; interleaved: Megatron's
+warm-up count) and the largest transient working set found by liveness over the part's ops.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from coplan.cost.comm import Group, p2p_time
+from coplan.cost.config import TrainingConfig
+from coplan.cost.kernels import Rates, Scale, kernel_time, launches
+from coplan.cost.profile import ACT, NV, REPL, TP, GraphProfile, Part, Vec, vadd, vdot
+from coplan.hardware.cluster import ClusterSpec
+from coplan.hardware.device import DeviceSpec
+
+BREAKDOWN_KEYS: tuple[str, ...] = (
+    "compute",
+    "recompute",
+    "tp_comm",
+    "pp_comm",
+    "pipeline_bubble",
+    "dp_comm",
+    "zero_comm",
+    "optimizer",
+)
+
+
+@dataclass(frozen=True, slots=True)
+class MemoryEstimate:
+    """Bytes on one GPU (the ``stage``'s most loaded rank). ``activations_bytes`` is what is kept
+    for backward at the peak; ``peak_bytes`` adds the transient working set."""
+
+    params_bytes: float
+    grads_bytes: float
+    optimizer_bytes: float
+    activations_bytes: float
+    transient_bytes: float
+    peak_bytes: float
+    capacity_bytes: float
+    stage: int = 0
+
+    @property
+    def fits(self) -> bool:
+        return self.peak_bytes <= self.capacity_bytes
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "params_bytes": int(self.params_bytes),
+            "grads_bytes": int(self.grads_bytes),
+            "optimizer_bytes": int(self.optimizer_bytes),
+            "activations_bytes": int(self.activations_bytes),
+            "transient_bytes": int(self.transient_bytes),
+            "peak_bytes": int(self.peak_bytes),
+            "capacity_bytes": int(self.capacity_bytes),
+            "stage": self.stage,
+        }
+
+
+@dataclass(frozen=True, slots=True)
+class StageEstimate:
+    """One pipeline stage, per microbatch (``*_s``) and per step (``tail_s``)."""
+
+    index: int
+    layers: int
+    device: str
+    forward_s: float
+    backward_s: float
+    recompute_s: float
+    tp_comm_s: float
+    pp_comm_s: float
+    zero_comm_s: float  # per microbatch (ZeRO-3 parameter gathers not hidden by compute)
+    dp_comm_s: float  # per step, exposed
+    param_gather_s: float  # per step, exposed (ZeRO 1/2 all-gather after the update)
+    optimizer_s: float
+    in_flight: float  # microbatches whose activations the stage holds at its peak
+    kernels: int  # kernels launched per microbatch
+    memory: MemoryEstimate
+
+    @property
+    def microbatch_s(self) -> float:
+        return (
+            self.forward_s + self.backward_s + self.recompute_s + self.tp_comm_s + self.pp_comm_s + self.zero_comm_s
+        )
+
+    @property
+    def tail_s(self) -> float:
+        return self.dp_comm_s + self.param_gather_s + self.optimizer_s
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "index": self.index,
+            "layers": self.layers,
+            "device": self.device,
+            "forward_s": self.forward_s,
+            "backward_s": self.backward_s,
+            "recompute_s": self.recompute_s,
+            "tp_comm_s": self.tp_comm_s,
+            "pp_comm_s": self.pp_comm_s,
+            "zero_comm_s": self.zero_comm_s,
+            "dp_comm_s": self.dp_comm_s,
+            "param_gather_s": self.param_gather_s,
+            "optimizer_s": self.optimizer_s,
+            "in_flight": self.in_flight,
+            "kernels": self.kernels,
+            "memory": self.memory.to_dict(),
+        }
+
+
+@dataclass(frozen=True, slots=True)
+class Estimate:
+    """What one configuration costs. ``breakdown_s`` sums to ``step_time_s``."""
+
+    step_time_s: float
+    tokens_per_s: float
+    model_tflops_per_gpu: float
+    mfu: float
+    memory: MemoryEstimate
+    breakdown_s: Mapping[str, float]
+    stages: tuple[StageEstimate, ...]
+    config: TrainingConfig
+    cluster: str
+    gpus: int
+    peak_flops: float
+    launch_overhead_s: float
+    kernels_per_step: int
+    notes: tuple[str, ...] = field(default=())
+
+    @property
+    def fits(self) -> bool:
+        return all(s.memory.fits for s in self.stages)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "step_time_s": self.step_time_s,
+            "tokens_per_s": self.tokens_per_s,
+            "model_tflops_per_gpu": self.model_tflops_per_gpu,
+            "mfu": self.mfu,
+            "fits": self.fits,
+            "memory": self.memory.to_dict(),
+            "breakdown_s": dict(self.breakdown_s),
+            "launch_overhead_s": self.launch_overhead_s,
+            "kernels_per_step": self.kernels_per_step,
+            "peak_flops_per_gpu": self.peak_flops,
+            "cluster": self.cluster,
+            "gpus": self.gpus,
+            "config": self.config.to_dict(),
+            "stages": [s.to_dict() for s in self.stages],
+            "notes": list(self.notes),
+        }
+
+
+# --- the model -------------------------------------------------------------------------------------
+
+
+def estimate(profile: GraphProfile, cluster: ClusterSpec, config: TrainingConfig) -> Estimate:
+    """Price ``config`` for the profiled graph on ``cluster``.
+
+    The graph must be the step of one microbatch (``profile.batch == config.microbatch``) at the
+    configuration's sequence length; divisibility against the model is the caller's check
+    (``check_against``), cluster size is checked here.
+    """
+    if profile.batch != config.microbatch:
+        raise ValueError(f"graph built for microbatch {profile.batch}, config asks {config.microbatch}")
+    if config.gpus != cluster.num_devices:
+        raise ValueError(f"config uses {config.gpus} GPUs, cluster has {cluster.num_devices}")
+    t, p, d, v, m = config.tp, config.pp, config.dp, config.vpp, config.num_microbatches
+    ab = config.act_bytes
+    div_rep = t if config.sequence_parallel else 1
+    weights: Vec = (ab / div_rep, ab / t, 4 / div_rep, 4 / t, 1 / div_rep, 1 / t)
+    scale = Scale(t, config.sequence_parallel, weights, ab, config.flash_attention)
+    devices = _stage_devices(cluster, config)
+    layers = _stage_layers(profile, config)
+    per_stage_layers = [sum(layers[s * v + c] for c in range(v)) for s in range(p)]
+    templates = profile.layer_templates
+    net = cluster.groups[0].device.efficiency_of("network")
+    per_node = cluster.groups[0].devices_per_node
+    tp_group = Group.of(cluster, t, 1, net)
+    dp_group = Group.of(cluster, d, t, net)
+    pp_cross = t * d >= per_node and cluster.num_nodes > 1
+    stages = []
+    launch_total = 0.0
+    kernels_total = 0
+    rec = config.recompute
+    for s in range(p):
+        device = devices[s]
+        rates = Rates.of(device, config.dtype)
+        cost = _PartCost(rates, scale, config, tp_group, profile)
+        # this stage's layers, by template (all chunks of the stage)
+        first_layer = sum(per_stage_layers[:s])  # layers are contiguous per stage for costing
+        mine = templates[first_layer : first_layer + per_stage_layers[s]] if not v > 1 else _chunk_templates(
+            templates, layers, s, p, v
+        )
+        parts: list[tuple[Part, float]] = _count(mine)
+        if s == 0:
+            parts.append((profile.pre, 1.0))
+        if s == p - 1:
+            parts.append((profile.post, 1.0))
+        fwd = bwd = recompute = tp_comm = opt = 0.0
+        kern = 0
+        params = [0.0, 0.0]
+        saved: Vec = (0.0,) * NV  # type: ignore[assignment]
+        saved_head: Vec = (0.0,) * NV  # type: ignore[assignment]
+        transient = 0.0
+        for part, n in parts:
+            pc = cost.of(part)
+            fwd += n * pc.forward
+            bwd += n * pc.backward
+            opt_part = pc.optimizer
+            opt += n * opt_part
+            kern += int(n * pc.kernels)
+            params[REPL] += n * part.params[REPL]
+            params[TP] += n * part.params[TP]
+            is_block = bool(part.blocks)
+            mode = rec if is_block else "none"
+            if is_block:
+                recompute += n * pc.recompute(part, mode)
+                tp_comm += n * pc.tp_comm(part, mode)
+                sv = _saved(profile, part, mode)
+                saved = vadd(saved, tuple(x * n for x in sv))
+                if not config.flash_attention and not _drops_scores(mode):
+                    # unfused attention keeps the softmax probabilities (batch x heads x s x s)
+                    extra = part.scores * n
+                    saved = tuple(saved[i] + (extra if i == ACT * 2 + TP else 0.0) for i in range(NV))  # type: ignore[assignment]
+                tr = pc.transient(part)
+                if mode == "full" or (isinstance(mode, frozenset) and mode):
+                    tr += vdot(part.saved["none"], weights)  # the block's recomputed activations
+                transient = max(transient, tr)
+            else:
+                tp_comm += n * pc.tp_comm(part, "none")
+                saved_head = vadd(saved_head, part.saved["none"])
+                transient = max(transient, pc.transient(part))
+        # pipeline sends: the block output, forward and backward, once per chunk boundary
+        pp_comm = 0.0
+        if p > 1:
+            boundary = max((tp_.boundary for tp_ in profile.templates), default=0.0) * ab / (t if t > 1 else 1)
+            sends = (0 if s == p - 1 and v == 1 else 1) + (0 if s == 0 and v == 1 else 1)
+            pp_comm = v * sends * p2p_time(cluster, boundary, pp_cross, net)
+        # ZeRO-3: gather parameters for forward and backward, reduce-scatter gradients, each
+        # microbatch; prefetching hides what compute can cover
+        p_local = params[REPL] + params[TP] / t
+        zero_comm = 0.0
+        param_bytes = ab if config.mixed and config.master_weights else 4
+        grad_bytes = 4.0
+        if config.zero == 3 and d > 1:
+            mb_comm = 2 * dp_group.all_gather(p_local * param_bytes) + dp_group.reduce_scatter(p_local * grad_bytes)
+            zero_comm = max(0.0, mb_comm - (fwd + bwd + recompute))
+        # data-parallel gradient reduction, once per step
+        dp_comm = param_gather = 0.0
+        if d > 1 and config.zero < 3:
+            g_bytes = p_local * grad_bytes
+            red = dp_group.all_reduce(g_bytes) if config.zero == 0 else dp_group.reduce_scatter(g_bytes)
+            dp_comm = max(0.0, red - (bwd + recompute)) if config.overlap_grad_reduce else red
+            if config.zero >= 1:
+                ag = dp_group.all_gather(p_local * param_bytes)
+                param_gather = max(0.0, ag - fwd) if config.overlap_param_gather else ag
+        opt_div = d if config.zero >= 1 else 1
+        opt /= opt_div
+        # memory
+        in_flight = _in_flight(s, p, v, m)
+        # ``saved`` covers all v chunks of the stage; with v > 1 in-flight counts chunk-microbatches
+        act_stored = vdot(saved, weights) * in_flight / v
+        act_stored += vdot(saved_head, weights) * min(in_flight, m)
+        static = _static(p_local, config, d)
+        capacity = float(min(dev.memory_bytes for dev in _devices_of_stage(cluster, config, s)))
+        mem = MemoryEstimate(
+            params_bytes=static[0],
+            grads_bytes=static[1],
+            optimizer_bytes=static[2],
+            activations_bytes=act_stored,
+            transient_bytes=transient,
+            peak_bytes=sum(static) + act_stored + transient,
+            capacity_bytes=capacity,
+            stage=s,
+        )
+        launch_total += m * kern * rates.launch_s
+        kernels_total += m * kern
+        stages.append(
+            StageEstimate(
+                index=s,
+                layers=per_stage_layers[s],
+                device=device.name,
+                forward_s=fwd,
+                backward_s=bwd,
+                recompute_s=recompute,
+                tp_comm_s=tp_comm,
+                pp_comm_s=pp_comm,
+                zero_comm_s=zero_comm,
+                dp_comm_s=dp_comm,
+                param_gather_s=param_gather,
+                optimizer_s=opt,
+                in_flight=in_flight,
+                kernels=kern,
+                memory=mem,
+            )
+        )
+    times = [st.microbatch_s for st in stages]
+    slow = max(range(p), key=lambda i: times[i])
+    pipeline = m * times[slow] + (p - 1) / v * (sum(times) / p)
+    tail_stage = max(range(p), key=lambda i: stages[i].tail_s)
+    step = pipeline + stages[tail_stage].tail_s
+    k, tl = stages[slow], stages[tail_stage]
+    breakdown = {
+        "compute": m * (k.forward_s + k.backward_s),
+        "recompute": m * k.recompute_s,
+        "tp_comm": m * k.tp_comm_s,
+        "pp_comm": m * k.pp_comm_s,
+        "pipeline_bubble": pipeline - m * times[slow],
+        "dp_comm": tl.dp_comm_s,
+        "zero_comm": m * k.zero_comm_s + tl.param_gather_s,
+        "optimizer": tl.optimizer_s,
+    }
+    seq = profile.seq
+    tokens = config.global_batch * seq
+    model_flops = profile.model_flops * config.global_batch / profile.batch
+    per_gpu = model_flops / step / config.gpus
+    peak = min(dev.peak(config.dtype) or dev.peak("fp32") for dev in cluster.devices)
+    loaded = max(stages, key=lambda st: st.memory.peak_bytes / st.memory.capacity_bytes)
+    return Estimate(
+        step_time_s=step,
+        tokens_per_s=tokens / step,
+        model_tflops_per_gpu=per_gpu / 1e12,
+        mfu=per_gpu / peak,
+        memory=loaded.memory,
+        breakdown_s=breakdown,
+        stages=tuple(stages),
+        config=config,
+        cluster=cluster.name,
+        gpus=config.gpus,
+        peak_flops=peak,
+        launch_overhead_s=launch_total / p,
+        kernels_per_step=kernels_total,
+    )
+
+
+# --- per-part pricing ------------------------------------------------------------------------------
+
+
+class _PartCost:
+    """Prices parts for one stage's device and the configuration; memoises per part."""
+
+    def __init__(
+        self, rates: Rates, scale: Scale, config: TrainingConfig, tp_group: Group, profile: GraphProfile
+    ) -> None:
+        self.r, self.s, self.c, self.tp, self.profile = rates, scale, config, tp_group, profile
+        self._memo: dict[int, _Priced] = {}
+
+    def of(self, part: Part) -> _Priced:
+        key = id(part)
+        got = self._memo.get(key)
+        if got is None:
+            got = _Priced(self, part)
+            self._memo[key] = got
+        return got
+
+
+class _Priced:
+    __slots__ = ("backward", "cost", "fwd_times", "forward", "kernels", "optimizer")
+
+    def __init__(self, cost: _PartCost, part: Part) -> None:
+        r, s = cost.r, cost.s
+        self.cost = cost
+        self.fwd_times = [kernel_time(k, r, s) for k in part.forward]
+        self.forward = sum(self.fwd_times)
+        self.backward = sum(kernel_time(k, r, s) for k in part.backward)
+        # optimizer kernels: everything scales with the local (TP-sharded) parameters
+        self.optimizer = sum(kernel_time(k, r, s) for k in part.optimizer)
+        self.kernels = sum(launches(k, s) for k in (*part.forward, *part.backward, *part.optimizer))
+
+    def recompute(self, part: Part, mode: str | frozenset[str]) -> float:
+        if mode == "none":
+            return 0.0
+        if mode == "full":
+            return self.forward
+        if mode == "selective":
+            return sum(t for k, t in zip(part.forward, self.fwd_times, strict=True) if k.attn_core)
+        assert isinstance(mode, frozenset)
+        ops = _recompute_ops(self.cost.profile, part, mode)
+        return sum(t for k, t in zip(part.forward, self.fwd_times, strict=True) if ops.intersection(k.ops))
+
+    def tp_comm(self, part: Part, mode: str | frozenset[str]) -> float:
+        c, g = self.cost.c, self.cost.tp
+        if c.tp == 1:
+            return 0.0
+        ab = c.act_bytes
+        fwd = bwd = 0.0
+        for n in part.tp_exits:
+            if c.sequence_parallel:
+                fwd += g.reduce_scatter(n * ab)
+                bwd += g.all_gather(n * ab)
+            else:
+                fwd += g.all_reduce(n * ab)
+        for n in part.tp_entries:
+            if c.sequence_parallel:
+                fwd += g.all_gather(n * ab)
+                bwd += g.reduce_scatter(n * ab) + g.all_gather(n * ab)  # re-gather the saved shard
+            else:
+                bwd += g.all_reduce(n * ab)
+        total = fwd + bwd + (fwd if mode == "full" else 0.0)
+        if c.tp_comm_overlap:
+            gemm = sum(t for k, t in zip(part.forward, self.fwd_times, strict=True) if k.kind == "matmul")
+            total = max(0.0, total - 2 * gemm)
+        return total
+
+    def transient(self, part: Part) -> float:
+        w = self.cost.s.weights
+        return max(vdot(pt, w) for pt in part.transient)
+
+
+def _saved(profile: GraphProfile, part: Part, mode: str | frozenset[str]) -> Vec:
+    if isinstance(mode, str):
+        return part.saved[mode]
+    _recompute_ops(profile, part, mode)
+    dropped: Vec = part.cache[("dropped", mode)]  # type: ignore[assignment]
+    return tuple(a - b for a, b in zip(part.saved["none"], dropped, strict=True))  # type: ignore[return-value]
+
+
+def _drops_scores(mode: str | frozenset[str]) -> bool:
+    return mode in ("selective", "full")
+
+
+def _recompute_ops(profile: GraphProfile, part: Part, names: frozenset[str]) -> frozenset[int]:
+    """Op ids (of the part's reference block) to re-run so the named tensors need not be saved."""
+    key = ("ops", names)
+    got = part.cache.get(key)
+    if got is not None:
+        return got  # type: ignore[return-value]
+    from coplan.cost.remat import recompute_closure
+
+    ops, dropped = recompute_closure(profile.graph, part, names)
+    part.cache[key] = ops
+    part.cache[("dropped", names)] = dropped
+    return ops
+
+
+# --- layout helpers --------------------------------------------------------------------------------
+
+
+def _stage_layers(profile: GraphProfile, config: TrainingConfig) -> list[int]:
+    chunks = config.pp * config.vpp
+    if config.stage_layers is not None:
+        return list(config.stage_layers)
+    base, extra = divmod(profile.n_layers, chunks)
+    return [base + (1 if i < extra else 0) for i in range(chunks)]
+
+
+def _chunk_templates(templates: Sequence[Part], layers: Sequence[int], s: int, p: int, v: int) -> list[Part]:
+    """Interleaved: stage ``s`` holds chunks ``s, s + p, s + 2p, ...`` of the layer sequence."""
+    starts = [sum(layers[:i]) for i in range(len(layers))]
+    out: list[Part] = []
+    for c in range(v):
+        i = c * p + s
+        out.extend(templates[starts[i] : starts[i] + layers[i]])
+    return out
+
+
+def _count(parts: Sequence[Part]) -> list[tuple[Part, float]]:
+    counts: dict[int, list[Any]] = {}
+    for part in parts:
+        entry = counts.setdefault(id(part), [part, 0.0])
+        entry[1] += 1.0
+    return [(e[0], e[1]) for e in counts.values()]
+
+
+def _in_flight(stage: int, p: int, v: int, m: int) -> float:
+    """Microbatches (v == 1) or chunk-microbatches (v > 1) whose activations stage ``stage`` holds
+    at its peak under 1F1B / Megatron's interleaved schedule."""
+    if v == 1:
+        return float(min(p - stage, m))
+    warmup = (p - stage - 1) * 2 + (v - 1) * p
+    return float(min(warmup + 1, m * v))
+
+
+def _static(p_local: float, config: TrainingConfig, d: int) -> tuple[float, float, float]:
+    """Parameters, gradients and optimizer state on one GPU (Megatron mixed precision: 16-bit
+    weights, fp32 main gradients, fp32 master weights and Adam moments; ZeRO shards them)."""
+    mixed = config.mixed and config.master_weights
+    w = p_local * (config.act_bytes if mixed else 4)
+    g = p_local * 4
+    o = p_local * (12 if mixed else 8)
+    if config.zero >= 1:
+        o /= d
+    if config.zero >= 2:
+        g /= d
+    if config.zero >= 3:
+        w /= d
+    return w, g, o
+
+
+def _rank_devices(cluster: ClusterSpec) -> list[DeviceSpec]:
+    out: list[DeviceSpec] = []
+    for g in cluster.groups:
+        out.extend([g.device] * g.num_devices)
+    return out
+
+
+def _devices_of_stage(cluster: ClusterSpec, config: TrainingConfig, stage: int) -> list[DeviceSpec]:
+    ranks = _rank_devices(cluster)
+    width = config.tp * config.dp
+    return ranks[stage * width : (stage + 1) * width] or ranks[:1]
+
+
+def _stage_devices(cluster: ClusterSpec, config: TrainingConfig) -> list[DeviceSpec]:
+    """The device pacing each stage: the slowest (lowest matrix peak) among its ranks."""
+    out = []
+    for s in range(config.pp):
+        devs = _devices_of_stage(cluster, config, s)
+        out.append(min(devs, key=lambda dv: (dv.peak(config.dtype) or dv.peak("fp32"), dv.memory_bandwidth)))
+    return out
+
+
+def tokens_per_step(config: TrainingConfig, seq: int) -> int:
+    return config.global_batch * seq
+
+
+__all__ = ["BREAKDOWN_KEYS", "Estimate", "MemoryEstimate", "StageEstimate", "estimate"]

@@ -1,0 +1,83 @@
+"""The cost model as one object: a model (spec or graph) whose profiles are built on demand.
+
+A configuration's step is one microbatch's graph priced for the cluster; the graph depends on the
+microbatch size and sequence length (and the profile on the fusion groups), so ``CostModel`` keeps
+one profile per (microbatch, seq, fusion) it has seen. A search over thousands of configurations
+builds a handful of graphs.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from coplan.capture.synthetic import build_graph
+from coplan.cost.config import ConfigError, TrainingConfig, check_against
+from coplan.cost.estimate import Estimate, estimate
+from coplan.cost.profile import GraphProfile, profile_graph
+from coplan.hardware.cluster import ClusterSpec
+from coplan.ir.types import Graph
+from coplan.models.spec import ModelSpec
+
+
+@dataclass(slots=True)
+class CostModel:
+    """Prices training configurations of one model.
+
+    Give ``spec`` to build graphs for any microbatch and sequence length with the synthetic builder,
+    or ``graph`` (e.g. a capture) to price exactly that graph: then only its own microbatch and
+    sequence length can be estimated.
+    """
+
+    spec: ModelSpec | None = None
+    graph: Graph | None = None
+    _profiles: dict[tuple[int, int, object], GraphProfile] = field(default_factory=dict, repr=False)
+
+    def __post_init__(self) -> None:
+        if (self.spec is None) == (self.graph is None):
+            raise ValueError("CostModel needs exactly one of spec or graph")
+
+    @property
+    def name(self) -> str:
+        return self.spec.name if self.spec is not None else (self.graph.meta.model if self.graph else "")
+
+    def seq_of(self, config: TrainingConfig) -> int:
+        if self.spec is not None:
+            return self.spec.resolve_seq(config.seq)
+        assert self.graph is not None
+        return config.seq or self.graph.meta.seq
+
+    def profile(self, microbatch: int, seq: int, fusion: str | tuple[tuple[int, ...], ...] = "megatron") -> GraphProfile:
+        key = (microbatch, seq, fusion)
+        got = self._profiles.get(key)
+        if got is not None:
+            return got
+        if self.spec is not None:
+            graph = build_graph(self.spec, microbatch, seq)
+        else:
+            assert self.graph is not None
+            meta = self.graph.meta
+            if (meta.batch, meta.seq) != (microbatch, seq):
+                raise ConfigError(
+                    "microbatch",
+                    f"the graph was captured for microbatch {meta.batch} x seq {meta.seq}; "
+                    f"cannot price {microbatch} x {seq} without re-capturing",
+                )
+            graph = self.graph
+        got = profile_graph(graph, fusion)
+        self._profiles[key] = got
+        return got
+
+    def check(self, cluster: ClusterSpec, config: TrainingConfig) -> None:
+        """Divisibility and size rules; ``ConfigError`` (exit 2) names the first broken one."""
+        if self.spec is not None:
+            heads, layers, kv = self.spec.n_heads, self.spec.n_layers, self.spec.kv_heads
+        else:
+            prof = self.profile(self.graph.meta.batch, self.graph.meta.seq)  # type: ignore[union-attr]
+            heads, layers, kv = prof.heads, prof.n_layers, None
+        check_against(config, gpus=cluster.num_devices, n_heads=heads, n_layers=layers, n_kv_heads=kv)
+        self.seq_of(config)
+
+    def estimate(self, cluster: ClusterSpec, config: TrainingConfig) -> Estimate:
+        self.check(cluster, config)
+        prof = self.profile(config.microbatch, self.seq_of(config), config.fusion)
+        return estimate(prof, cluster, config)

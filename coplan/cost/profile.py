@@ -1,0 +1,534 @@
+"""A graph digested once for the cost model: kernels, saved sets and liveness per block template.
+
+Estimating a configuration must take milliseconds (a search prices thousands), so everything that
+depends only on the graph and the fusion groups is computed here, once: the graph's blocks are
+grouped into templates (blocks with the same ops and shapes), and each template's kernels carry
+their costs split by *precision class* (activations, fp32 values, fixed-width integers) and by
+*shard class* (tensor-parallel ops whose work divides by the TP degree, replicated ops whose work
+divides only under sequence parallelism). ``estimate`` then prices a configuration with a few
+dot products per kernel.
+
+Tensor-parallel layout (Megatron-LM's): inside a block, ops of the attention and MLP submodules are
+sharded (column-parallel in, row-parallel out); norms and residual adds are replicated. Outside
+blocks, the ops that touch the vocabulary dimension (word embedding, LM head, loss) are
+vocabulary-parallel. Collectives sit on the boundaries between the two classes.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+
+from coplan.cost.fusion import default_groups
+from coplan.ir.types import Graph, Op, OpKind, Phase, Tensor, TensorRole
+
+# Element-vector layout: index = precision class * 2 + shard class.
+ACT, F32, FIX = 0, 1, 2  # activation precision; always fp32; fixed width (already in bytes)
+REPL, TP = 0, 1
+NV = 6
+Vec = tuple[float, float, float, float, float, float]
+ZERO: Vec = (0.0, 0.0, 0.0, 0.0, 0.0, 0.0)
+
+#: Submodules of a block whose ops Megatron-style tensor parallelism shards.
+_TP_MODULE = re.compile(r"(attn|attention|mlp|ffn|feed_forward|moe|expert|router|gate_proj|up_proj|down_proj)")
+_FLOAT = frozenset({"float32", "float16", "bfloat16", "tf32", "float64", "float8_e4m3fn", "float8_e5m2"})
+
+
+def vadd(a: Sequence[float], b: Sequence[float]) -> Vec:
+    return tuple(x + y for x, y in zip(a, b, strict=True))  # type: ignore[return-value]
+
+
+def vdot(a: Sequence[float], w: Sequence[float]) -> float:
+    return a[0] * w[0] + a[1] * w[1] + a[2] * w[2] + a[3] * w[3] + a[4] * w[4] + a[5] * w[5]
+
+
+@dataclass(frozen=True, slots=True)
+class Kernel:
+    """One launched kernel (a fusion group), costs for the whole unsharded microbatch.
+
+    ``kind`` is ``"matmul"``, ``"attention"``, ``"vector"`` or ``"free"`` (views only).
+    ``dims`` are the GEMM's (M, N, K) and ``shard_dim`` the one tensor parallelism divides (-1: none).
+    ``attn`` is (batch * heads, query length, key length, head dim) for attention kernels.
+    ``bytes`` is the element/byte vector of the tensors crossing the kernel's boundary.
+    """
+
+    phase: Phase
+    kind: str
+    shard: int
+    mm_flops: float
+    vec_flops: float
+    bytes: Vec
+    dims: tuple[int, int, int] = (0, 0, 0)
+    shard_dim: int = -1
+    attn: tuple[int, int, int, int] = (0, 0, 0, 0)
+    ops: tuple[int, ...] = ()
+    attn_core: bool = False
+
+
+@dataclass(frozen=True, slots=True)
+class Part:
+    """A template block or one end of the model (embedding side ``pre``, loss side ``post``)."""
+
+    name: str
+    blocks: tuple[int, ...]
+    forward: tuple[Kernel, ...]
+    backward: tuple[Kernel, ...]
+    optimizer: tuple[Kernel, ...]
+    params: tuple[float, float]  # (replicated, tensor-parallel) parameter counts
+    saved: dict[str, Vec]  # recompute mode -> saved element vector ("none", "selective", "full")
+    transient: tuple[Vec, ...]  # live non-saved temporaries at each op of the part's fwd + bwd
+    tp_exits: tuple[float, ...] = ()  # elements of tensors leaving a sharded region (forward)
+    tp_entries: tuple[float, ...] = ()  # elements of tensors entering a sharded region (forward)
+    boundary: float = 0.0  # elements of the activation passed to the next pipeline stage
+    scores: float = 0.0  # batch * heads * q * k elements of non-flash attention scores
+    model_flops: float = 0.0  # matrix FLOPs of forward + backward (what MFU counts)
+    op_ids: tuple[int, ...] = ()
+    saved_items: tuple[tuple[int, str, Vec], ...] = ()  # (tensor id, name, vector) kept with no recompute
+    cache: dict[object, object] = field(default_factory=dict, compare=False, repr=False)
+
+
+@dataclass(frozen=True, slots=True)
+class GraphProfile:
+    """What the cost model needs of a graph, per template block and model end."""
+
+    graph: Graph
+    fusion: str | tuple[tuple[int, ...], ...]
+    templates: tuple[Part, ...]
+    pre: Part
+    post: Part
+    n_layers: int
+    batch: int
+    seq: int
+    vocab: int
+    hidden: int
+    heads: int
+    model_flops: float  # forward + backward matrix FLOPs of one microbatch, whole model
+
+    def template_of(self, block: int) -> Part:
+        for t in self.templates:
+            if block in t.blocks:
+                return t
+        raise KeyError(block)
+
+    @property
+    def layer_templates(self) -> tuple[Part, ...]:
+        """The template of each layer, in order."""
+        order = sorted((b, t) for t in self.templates for b in t.blocks)
+        return tuple(t for _, t in order)
+
+
+def profile_graph(graph: Graph, fusion: str | tuple[tuple[int, ...], ...] = "megatron") -> GraphProfile:
+    """Digest ``graph`` under the fusion groups ``fusion`` (a mode of ``default_groups`` or groups)."""
+    groups = default_groups(graph, fusion) if isinstance(fusion, str) else fusion
+    ctx = _Ctx(graph)
+    group_of: dict[int, tuple[int, ...]] = {}
+    for g in groups:
+        for i in g:
+            group_of[i] = tuple(g)
+    by_block: dict[int | None, list[Op]] = {}
+    for op in graph.ops:
+        by_block.setdefault(op.block, []).append(op)
+    blocks = sorted(b for b in by_block if b is not None)
+    templates: dict[tuple[object, ...], list[int]] = {}
+    for b in blocks:
+        templates.setdefault(_signature(graph, by_block[b]), []).append(b)
+    parts = []
+    for i, members in enumerate(templates.values()):
+        ops = by_block[members[0]]
+        parts.append(ctx.part(f"block[{members[0]}]", tuple(members), ops, group_of))
+    head = by_block.get(None, [])
+    pre_ops, post_ops = ctx.split_head(head, by_block, blocks)
+    pre = ctx.part("embedding", (), pre_ops, group_of)
+    post = ctx.part("head", (), post_ops, group_of)
+    attn = next((op for op in graph.ops if op.kind is OpKind.ATTENTION and op.phase is Phase.FORWARD), None)
+    heads = graph.tensors[attn.inputs[0]].shape[1] if attn is not None and graph.tensors[attn.inputs[0]].shape else 1
+    per_layer = {b: t for t in parts for b in t.blocks}
+    flops = pre.model_flops + post.model_flops + sum(per_layer[b].model_flops for b in blocks)
+    return GraphProfile(
+        graph=graph,
+        fusion=fusion,
+        templates=tuple(parts),
+        pre=pre,
+        post=post,
+        n_layers=len(blocks),
+        batch=graph.meta.batch,
+        seq=graph.meta.seq,
+        vocab=ctx.vocab,
+        hidden=ctx.hidden,
+        heads=int(heads),
+        model_flops=float(flops),
+    )
+
+
+def _signature(graph: Graph, ops: Sequence[Op]) -> tuple[object, ...]:
+    return tuple((op.target, op.phase, tuple(graph.tensors[t].shape for t in op.outputs)) for op in ops)
+
+
+class _Ctx:
+    """Per-graph lookups shared by all parts."""
+
+    def __init__(self, graph: Graph) -> None:
+        self.g = graph
+        loss = next((op for op in graph.ops if op.kind is OpKind.LOSS and op.phase is Phase.FORWARD), None)
+        shape = graph.tensors[loss.inputs[0]].shape if loss is not None else ()
+        self.vocab = int(shape[-1]) if shape else 0
+        self.tokens = max(1, graph.meta.batch * graph.meta.seq)
+        container = graph.meta.block_container
+        self.prefix = f"{container}." if container else ""
+        emb = next((op for op in graph.ops if op.kind is OpKind.EMBEDDING), None)
+        self.hidden = int(graph.tensors[emb.outputs[0]].shape[-1]) if emb is not None else 0
+        self._shard: dict[int, int] = {}
+        self._f32_ops: set[int] = set()
+        for op in graph.ops:
+            self._shard[op.id] = self._op_shard(op)
+        for op in graph.ops:
+            if op.block is None and op.kind not in (OpKind.MATMUL, OpKind.EMBEDDING, OpKind.VIEW) and self._touches_vocab(op):
+                self._f32_ops.add(op.id)  # Megatron computes the vocab-parallel loss on fp32 logits
+
+    # --- classification ------------------------------------------------------------------------
+
+    def _touches_vocab(self, op: Op) -> bool:
+        if not self.vocab:
+            return False
+        ts = self.g.tensors
+        return any(self.vocab in ts[t].shape for t in (*op.inputs, *op.outputs))
+
+    def _op_shard(self, op: Op) -> int:
+        if op.phase is Phase.OPTIMIZER or op.block is None:
+            if op.block is None:
+                return TP if self._touches_vocab(op) else REPL
+        path = op.module_path
+        if self.prefix and path.startswith(self.prefix):
+            rest = path[len(self.prefix) :].split(".", 1)
+            path = rest[1] if len(rest) > 1 else ""
+        first = path.split(".", 1)[0]
+        return TP if first and _TP_MODULE.search(first) else REPL
+
+    def tensor_shard(self, t: Tensor) -> int:
+        if t.producer is not None:
+            return self._shard[t.producer]
+        # graph inputs: parameters and optimizer state follow the ops that read them
+        for c in t.consumers:
+            op = self.g.ops[c]
+            if op.kind is not OpKind.VIEW:
+                return self._shard[c]
+        return REPL
+
+    def tensor_class(self, t: Tensor) -> int:
+        if t.dtype not in _FLOAT:
+            return FIX
+        if t.role in (TensorRole.OPTIMIZER_STATE, TensorRole.OPTIMIZER_TEMP) or t.grad_of is not None:
+            return F32
+        if t.producer is not None and t.producer in self._f32_ops:
+            return F32
+        return ACT
+
+    def vec(self, t: Tensor) -> Vec:
+        cls, sh = self.tensor_class(t), self.tensor_shard(t)
+        out = [0.0] * NV
+        out[cls * 2 + sh] = float(t.nbytes if cls == FIX else t.numel)
+        return tuple(out)  # type: ignore[return-value]
+
+    # --- head split ----------------------------------------------------------------------------
+
+    def split_head(
+        self, head: Sequence[Op], by_block: dict[int | None, list[Op]], blocks: Sequence[int]
+    ) -> tuple[list[Op], list[Op]]:
+        if not blocks:
+            return list(head), []
+        block_ops = [op for b in blocks for op in by_block[b]]
+        first_fwd = min(op.id for op in block_ops if op.phase is Phase.FORWARD)
+        last_bwd = max((op.id for op in block_ops if op.phase is Phase.BACKWARD), default=len(self.g.ops))
+        pre_modules: set[str] = set()
+        pre, post = [], []
+        for op in head:
+            if op.phase is Phase.FORWARD:
+                is_pre = op.id < first_fwd
+            elif op.phase is Phase.BACKWARD:
+                if op.forward_op is not None:
+                    is_pre = op.forward_op < first_fwd
+                else:
+                    is_pre = op.id > last_bwd
+            else:
+                is_pre = op.module_path in pre_modules
+            if is_pre and op.module_path:
+                pre_modules.add(op.module_path)
+            (pre if is_pre else post).append(op)
+        return pre, post
+
+    # --- parts ---------------------------------------------------------------------------------
+
+    def part(self, name: str, blocks: tuple[int, ...], ops: Sequence[Op], group_of: dict[int, tuple[int, ...]]) -> Part:
+        g = self.g
+        ids = {op.id for op in ops}
+        fwd, bwd, opt = [], [], []
+        done: set[tuple[int, ...]] = set()
+        for op in ops:
+            grp = tuple(i for i in group_of.get(op.id, (op.id,)) if i in ids)
+            if grp in done:
+                continue
+            done.add(grp)
+            k = self.kernel(grp)
+            {Phase.FORWARD: fwd, Phase.BACKWARD: bwd, Phase.OPTIMIZER: opt}[k.phase].append(k)
+        params = [0.0, 0.0]
+        seen: set[int] = set()
+        for op in ops:
+            if op.phase is not Phase.FORWARD:
+                continue
+            for tid in op.inputs:
+                t = g.tensors[g.tensors[tid].storage_id]
+                if t.role is TensorRole.PARAMETER and t.producer is None and t.id not in seen:
+                    seen.add(t.id)
+                    params[self._shard[op.id]] += t.numel
+        saved_none = self.saved_vec(ops, ids, mode="none")
+        exits, entries = self.tp_boundaries(ops, ids)
+        boundary = self.boundary(ops, ids)
+        scores = 0.0
+        for op in ops:
+            if op.kind is OpKind.ATTENTION and op.phase is Phase.FORWARD:
+                bh, sq, sk, _ = self.attn_geometry(op)
+                scores += float(bh * sq * sk)
+        return Part(
+            name=name,
+            blocks=blocks,
+            forward=tuple(fwd),
+            backward=tuple(bwd),
+            optimizer=tuple(opt),
+            params=(params[0], params[1]),
+            saved={
+                "none": saved_none,
+                "selective": self.saved_vec(ops, ids, mode="selective"),
+                "full": self.saved_vec(ops, ids, mode="full") if blocks else saved_none,
+            },
+            transient=self.liveness(ops, ids),
+            tp_exits=exits,
+            tp_entries=entries,
+            boundary=boundary,
+            scores=scores,
+            model_flops=float(sum(op.flops for op in ops if op.phase is not Phase.OPTIMIZER)),
+            op_ids=tuple(op.id for op in ops),
+            saved_items=self.saved_items(ops),
+        )
+
+    def saved_items(self, ops: Sequence[Op]) -> tuple[tuple[int, str, Vec], ...]:
+        g = self.g
+        out: dict[int, tuple[int, str, Vec]] = {}
+        for op in ops:
+            if op.phase is not Phase.FORWARD:
+                continue
+            for tid in (*op.inputs, *op.outputs):
+                t = g.tensors[tid]
+                base = g.tensors[t.storage_id]
+                if t.saved_for_backward and base.role is TensorRole.ACTIVATION:
+                    out.setdefault(base.id, (base.id, base.name, self.vec(base)))
+        return tuple(out.values())
+
+    def kernel(self, grp: tuple[int, ...]) -> Kernel:
+        g = self.g
+        ops = [g.ops[i] for i in grp]
+        real = [op for op in ops if op.kind is not OpKind.VIEW]
+        phase = ops[0].phase
+        if not real:
+            return Kernel(phase, "free", REPL, 0.0, 0.0, ZERO, ops=grp)
+        inside = set(grp)
+        produced = {t for op in real for t in op.outputs}
+        b = [0.0] * NV
+        seen: set[int] = set()
+        for op in real:
+            for tid in op.inputs:
+                if tid in produced or tid in seen:
+                    continue
+                seen.add(tid)
+                t = g.tensors[tid]
+                v = self.vec(t)
+                for i in range(NV):
+                    b[i] += v[i]
+        for tid in produced:
+            t = g.tensors[tid]
+            readers = set(t.consumers)
+            if t.saved_for_backward or tid in g.outputs or not readers <= inside or not readers:
+                v = self.vec(t)
+                for i in range(NV):
+                    b[i] += v[i]
+        mm = next((op for op in real if op.kind is OpKind.MATMUL), None)
+        at = next((op for op in real if op.kind is OpKind.ATTENTION), None)
+        shard = self._shard[(at or mm or real[0]).id]
+        vec_flops = float(sum(op.vector_flops for op in real))
+        mm_flops = float(sum(op.flops for op in real))
+        if at is not None:
+            fwd_op = g.ops[at.forward_op] if at.phase is Phase.BACKWARD and at.forward_op is not None else at
+            attn = self.attn_geometry(fwd_op)
+            return Kernel(phase, "attention", shard, mm_flops, vec_flops, tuple(b), attn=attn, ops=grp, attn_core=True)  # type: ignore[arg-type]
+        if mm is not None:
+            dims, sdim = self.mm_dims(mm, shard)
+            return Kernel(phase, "matmul", shard, mm_flops, vec_flops, tuple(b), dims=dims, shard_dim=sdim, ops=grp)  # type: ignore[arg-type]
+        core = any(op.kind is OpKind.SOFTMAX and op.block is not None for op in real)
+        return Kernel(phase, "vector", shard, mm_flops, vec_flops, tuple(b), ops=grp, attn_core=core)  # type: ignore[arg-type]
+
+    def attn_geometry(self, op: Op) -> tuple[int, int, int, int]:
+        """(batch * heads, query length, key length, head dim) of a forward attention op, from its
+        output (batch, heads, q, d) and its FLOPs (4 * batch * heads * q * k * d)."""
+        out = self.g.tensors[op.outputs[0]].shape
+        if len(out) == 4:
+            bh, sq, d = out[0] * out[1], out[2], out[3]
+        elif len(out) == 3:
+            bh, sq, d = out[0], out[1], out[2]
+        else:
+            return (1, 1, 1, 1)
+        sk = round(op.flops / (4 * bh * sq * d)) if op.flops else sq
+        return (int(bh), int(sq), int(max(1, sk)), int(d))
+
+    def mm_dims(self, op: Op, shard: int) -> tuple[tuple[int, int, int], int]:
+        out = self.g.tensors[op.outputs[0]].shape
+        n = int(out[-1]) if out else 1
+        m = 1
+        for d in out[:-1]:
+            m *= int(d)
+        k = max(1, round(op.flops / (2 * max(1, m * n)))) if op.flops else 1
+        dims = (m, n, k)
+        if shard != TP:
+            return dims, -1
+        cands = [i for i, d in enumerate(dims) if d != self.tokens]
+        if not cands:
+            return dims, -1
+        return dims, max(cands, key=lambda i: dims[i])
+
+    # --- memory --------------------------------------------------------------------------------
+
+    def saved_vec(self, ops: Sequence[Op], ids: set[int], *, mode: str) -> Vec:
+        """Activation storages of this part kept for backward under a recompute mode."""
+        g = self.g
+        keep: dict[int, Tensor] = {}
+        if mode == "full":
+            # only the part's inputs coming from outside (the residual stream into the block)
+            for op in ops:
+                if op.phase is not Phase.FORWARD:
+                    continue
+                for tid in op.inputs:
+                    t = g.tensors[g.tensors[tid].storage_id]
+                    if t.role is TensorRole.ACTIVATION and (t.producer is None or t.producer not in ids):
+                        keep[t.id] = t
+        else:
+            for op in ops:
+                if op.phase is not Phase.FORWARD:
+                    continue
+                for tid in (*op.inputs, *op.outputs):
+                    t = g.tensors[tid]
+                    if not t.saved_for_backward:
+                        continue
+                    base = g.tensors[t.storage_id]
+                    if base.role is not TensorRole.ACTIVATION:
+                        continue
+                    if mode == "selective" and self._is_core_output(base, ids):
+                        continue
+                    keep[base.id] = base
+        total: Vec = ZERO
+        for t in keep.values():
+            total = vadd(total, self.vec(t))
+        return total
+
+    def _is_core_output(self, t: Tensor, ids: set[int]) -> bool:
+        """Whether ``t`` is produced inside the attention core (what selective recompute drops)."""
+        if t.producer is None or t.producer not in ids:
+            return False
+        op = self.g.ops[t.producer]
+        return op.kind in (OpKind.ATTENTION, OpKind.SOFTMAX) or (
+            op.block is not None and "attn" in op.module_path and op.kind is OpKind.ELEMENTWISE
+            and any(self.g.ops[c].kind is OpKind.ATTENTION for c in t.consumers)
+        )
+
+    def liveness(self, ops: Sequence[Op], ids: set[int]) -> tuple[Vec, ...]:
+        """Live temporaries (not kept for backward) after each op of the part, forward and backward."""
+        g = self.g
+        last_use: dict[int, int] = {}
+        for op in ops:
+            if op.phase is Phase.OPTIMIZER:
+                continue
+            for tid in op.inputs:
+                last_use[g.tensors[tid].storage_id] = op.id
+        live: dict[int, Vec] = {}
+        points: list[Vec] = []
+        current: Vec = ZERO
+        for op in ops:
+            if op.phase is Phase.OPTIMIZER or op.kind is OpKind.VIEW:
+                continue
+            for tid in op.inputs:  # incoming temporaries from other parts (gradients) are live too
+                base = g.tensors[g.tensors[tid].storage_id]
+                if base.id not in live and _is_temp(base) and (base.producer is None or base.producer not in ids):
+                    live[base.id] = self.vec(base)
+                    current = vadd(current, live[base.id])
+            for tid in op.outputs:
+                t = g.tensors[tid]
+                if t.alias_of is None and _is_temp(t) and not t.saved_for_backward:
+                    live[t.id] = self.vec(t)
+                    current = vadd(current, live[t.id])
+            points.append(current)
+            for tid in set(op.inputs) | set(op.outputs):
+                sid = g.tensors[tid].storage_id
+                if sid in live and last_use.get(sid, -1) <= op.id:
+                    current = tuple(a - b for a, b in zip(current, live.pop(sid), strict=True))  # type: ignore[assignment]
+        return _prune(points)
+
+    def tp_boundaries(self, ops: Sequence[Op], ids: set[int]) -> tuple[tuple[float, ...], tuple[float, ...]]:
+        """Tensors crossing between replicated and sharded ops in the forward pass."""
+        g = self.g
+        exits: dict[int, float] = {}
+        entries: dict[int, float] = {}
+        for op in ops:
+            if op.phase is not Phase.FORWARD or op.kind is OpKind.VIEW:
+                continue
+            mine = self._shard[op.id]
+            for tid in op.inputs:
+                t = g.tensors[tid]
+                src = self._source(t)
+                if src is None:
+                    if t.role is not TensorRole.ACTIVATION or mine != TP:
+                        continue
+                    entries[t.storage_id] = float(t.numel)
+                    continue
+                theirs = self._shard[src]
+                if theirs == TP and mine == REPL:
+                    exits[t.storage_id] = float(t.numel)
+                elif theirs == REPL and mine == TP and g.ops[src].kind is not OpKind.CREATION:
+                    entries[t.storage_id] = float(t.numel)
+        return tuple(exits.values()), tuple(entries.values())
+
+    def _source(self, t: Tensor) -> int | None:
+        """The non-view op behind ``t`` (None for graph inputs)."""
+        seen = 0
+        while t.producer is not None and seen < 64:
+            op = self.g.ops[t.producer]
+            if op.kind is not OpKind.VIEW or not op.inputs:
+                return op.id
+            t = self.g.tensors[op.inputs[0]]
+            seen += 1
+        return None
+
+    def boundary(self, ops: Sequence[Op], ids: set[int]) -> float:
+        """Elements of the activation a block hands to the next (its largest forward output read
+        outside the part): what a pipeline stage sends."""
+        g = self.g
+        best = 0.0
+        for op in ops:
+            if op.phase is not Phase.FORWARD:
+                continue
+            for tid in op.outputs:
+                t = g.tensors[tid]
+                if any(c not in ids and g.ops[c].phase is Phase.FORWARD for c in t.consumers):
+                    best = max(best, float(t.numel))
+        return best
+
+
+def _is_temp(t: Tensor) -> bool:
+    return t.role in (TensorRole.ACTIVATION, TensorRole.GRADIENT) and t.grad_of is None
+
+
+def _prune(points: Iterable[Vec]) -> tuple[Vec, ...]:
+    """Drop points dominated component-wise by another (they can never be the maximum)."""
+    uniq = sorted(set(points), key=lambda p: -sum(p))
+    kept: list[Vec] = []
+    for p in uniq:
+        if not any(all(k[i] >= p[i] for i in range(NV)) for k in kept):
+            kept.append(p)
+    return tuple(kept) or (ZERO,)

@@ -1,0 +1,52 @@
+"""Recomputation of an arbitrary set of saved tensors: which forward ops must re-run.
+
+Dropping a saved tensor means re-running its producer in backward; the producer's inputs must then
+exist, so any input that is neither kept for backward nor a parameter, buffer or batch input is
+recomputed too (transitively), while inputs produced by another block (the residual stream) are
+kept. This is the closure Checkmate-style solvers price; issue-4's remat pass chooses the sets.
+"""
+
+from __future__ import annotations
+
+from coplan.cost.config import ConfigError
+from coplan.cost.profile import Part, Vec
+from coplan.ir.types import Graph, TensorRole
+
+
+def recompute_closure(graph: Graph, part: Part, names: frozenset[str]) -> tuple[frozenset[int], Vec]:
+    """(ops to re-run, element vector no longer saved) for dropping the tensors named ``names``
+    from block ``part``'s saved set. Unknown names are a ``ConfigError``."""
+    by_name = {name: (tid, vec) for tid, name, vec in part.saved_items}
+    unknown = sorted(n for n in names if n not in by_name)
+    if unknown:
+        known = ", ".join(n for _, n, _ in part.saved_items[:8])
+        raise ConfigError(
+            "recompute", f"{', '.join(unknown[:3])} not saved by {part.name} (saved tensors include: {known})"
+        )
+    ids = set(part.op_ids)
+    dropped = {by_name[n][0] for n in names}
+    kept = {tid for tid, _, _ in part.saved_items} - dropped
+    rerun: set[int] = set()
+    stack = list(dropped)
+    seen: set[int] = set()
+    while stack:
+        tid = stack.pop()
+        if tid in seen:
+            continue
+        seen.add(tid)
+        t = graph.tensors[tid]
+        if t.producer is None or t.producer not in ids:
+            continue
+        op = graph.ops[t.producer]
+        rerun.add(op.id)
+        for src in op.inputs:
+            s = graph.tensors[src]
+            base = graph.tensors[s.storage_id]
+            if base.role is not TensorRole.ACTIVATION or base.id in kept:
+                continue
+            stack.append(base.id)
+    vec = [0.0] * 6
+    for tid in dropped:
+        for i, x in enumerate(by_name[graph.tensors[tid].name][1]):
+            vec[i] += x
+    return frozenset(rerun), tuple(vec)  # type: ignore[return-value]
