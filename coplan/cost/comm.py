@@ -47,11 +47,11 @@ class Group:
         e = self.efficiency
         if self.local > 1:
             lvl = self.intra
-            t += factor * (self.local - 1) / self.local * bytes_ / (lvl.bandwidth * e)
+            t += factor * (self.local - 1) / self.local * bytes_ / (lvl.bandwidth * lvl.efficiency * e)
             t += factor * math.ceil(math.log2(self.local)) * lvl.latency_s
         if self.nodes > 1 and self.inter is not None:
             lvl = self.inter
-            t += factor * (self.nodes - 1) / self.nodes * bytes_ / self.local / (lvl.bandwidth * e)
+            t += factor * (self.nodes - 1) / self.nodes * bytes_ / self.local / (lvl.bandwidth * lvl.efficiency * e)
             t += factor * math.ceil(math.log2(self.nodes)) * lvl.latency_s
         return t
 
@@ -74,4 +74,4 @@ def p2p_time(cluster: ClusterSpec, bytes_: float, cross_node: bool, efficiency: 
         lvl = cluster.inter_node
     else:
         lvl = cluster.groups[0].intra_node
-    return bytes_ / (lvl.bandwidth * efficiency) + lvl.latency_s
+    return bytes_ / (lvl.bandwidth * lvl.efficiency * efficiency) + lvl.latency_s

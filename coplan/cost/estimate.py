@@ -200,10 +200,20 @@ def estimate(profile: GraphProfile, cluster: ClusterSpec, config: TrainingConfig
     launch_total = 0.0
     kernels_total = 0
     rec = config.recompute
+    costs: dict[DeviceSpec, _PartCost] = {}
+    heads: dict[tuple[DeviceSpec, str], _PartCost] = {}
     for s in range(p):
         device = devices[s]
-        rates = Rates.of(device, config.dtype)
-        cost = _PartCost(rates, scale, config, tp_group, profile)
+        cost = costs.get(device)
+        if cost is None:
+            cost = costs[device] = _PartCost(Rates.of(device, config.dtype), scale, config, tp_group, profile)
+        rates = cost.r
+        head_cost = None
+        if config.dtype == "fp8":
+            key = (device, "head")
+            head_cost = heads.get(key)
+            if head_cost is None:
+                head_cost = heads[key] = _PartCost(Rates.of(device, "bf16"), scale, config, tp_group, profile)
         # this stage's layers, by template (all chunks of the stage)
         first_layer = sum(per_stage_layers[:s])  # layers are contiguous per stage for costing
         mine = templates[first_layer : first_layer + per_stage_layers[s]] if not v > 1 else _chunk_templates(
@@ -221,7 +231,8 @@ def estimate(profile: GraphProfile, cluster: ClusterSpec, config: TrainingConfig
         saved_head: Vec = (0.0,) * NV  # type: ignore[assignment]
         transient = 0.0
         for part, n in parts:
-            pc = cost.of(part)
+            # fp8 recipes keep the embedding and LM head in 16 bits (only block GEMMs are fp8)
+            pc = cost.of(part) if part.blocks or head_cost is None else head_cost.of(part)
             fwd += n * pc.forward
             bwd += n * pc.backward
             opt_part = pc.optimizer
@@ -253,7 +264,14 @@ def estimate(profile: GraphProfile, cluster: ClusterSpec, config: TrainingConfig
         if p > 1:
             boundary = max((tp_.boundary for tp_ in profile.templates), default=0.0) * ab / (t if t > 1 else 1)
             sends = (0 if s == p - 1 and v == 1 else 1) + (0 if s == 0 and v == 1 else 1)
-            pp_comm = v * sends * p2p_time(cluster, boundary, pp_cross, net)
+            one = p2p_time(cluster, boundary, pp_cross, net)
+            if v > 1:
+                # the interleaved schedule overlaps sends with the next chunk's compute (Megatron-Core
+                # overlaps p2p communication whenever vpp > 1): only what compute cannot cover shows
+                chunk = (fwd + bwd) / v
+                pp_comm = v * sends * max(one - chunk / 2, cluster_latency(cluster, pp_cross))
+            else:
+                pp_comm = sends * one
         # ZeRO-3: gather parameters for forward and backward, reduce-scatter gradients, each
         # microbatch; prefetching hides what compute can cover
         p_local = params[REPL] + params[TP] / t
@@ -411,7 +429,9 @@ class _Priced:
         for n in part.tp_entries:
             if c.sequence_parallel:
                 fwd += g.all_gather(n * ab)
-                bwd += g.reduce_scatter(n * ab) + g.all_gather(n * ab)  # re-gather the saved shard
+                # (the saved input shard is re-gathered for the weight gradient too, but Megatron
+                # overlaps that all-gather with the input-gradient GEMM, so it is not priced)
+                bwd += g.reduce_scatter(n * ab)
             else:
                 bwd += g.all_reduce(n * ab)
         total = fwd + bwd + (fwd if mode == "full" else 0.0)
@@ -513,6 +533,8 @@ def _rank_devices(cluster: ClusterSpec) -> list[DeviceSpec]:
 
 
 def _devices_of_stage(cluster: ClusterSpec, config: TrainingConfig, stage: int) -> list[DeviceSpec]:
+    if len(cluster.groups) == 1:
+        return [cluster.groups[0].device]
     ranks = _rank_devices(cluster)
     width = config.tp * config.dp
     return ranks[stage * width : (stage + 1) * width] or ranks[:1]
@@ -520,11 +542,18 @@ def _devices_of_stage(cluster: ClusterSpec, config: TrainingConfig, stage: int) 
 
 def _stage_devices(cluster: ClusterSpec, config: TrainingConfig) -> list[DeviceSpec]:
     """The device pacing each stage: the slowest (lowest matrix peak) among its ranks."""
+    if len(cluster.groups) == 1:
+        return [cluster.groups[0].device] * config.pp
     out = []
     for s in range(config.pp):
         devs = _devices_of_stage(cluster, config, s)
         out.append(min(devs, key=lambda dv: (dv.peak(config.dtype) or dv.peak("fp32"), dv.memory_bandwidth)))
     return out
+
+
+def cluster_latency(cluster: ClusterSpec, cross_node: bool) -> float:
+    lvl = cluster.inter_node if cross_node and cluster.inter_node is not None else cluster.groups[0].intra_node
+    return lvl.latency_s
 
 
 def tokens_per_step(config: TrainingConfig, seq: int) -> int:

@@ -30,9 +30,11 @@ class Rates:
     def of(cls, device: DeviceSpec, dtype: str) -> Rates:
         mm_dtype = dtype if device.supports(dtype) else _fallback(device, dtype)
         peak = device.peak(mm_dtype)
+        # attention stays in 16 bits under fp8 training (Transformer Engine's default recipe)
+        attn_dtype = _fallback(device, "fp8") if mm_dtype == "fp8" else mm_dtype
         return cls(
             mm_flops=peak * device.efficiency_of("matmul", mm_dtype),
-            attn_flops=peak * device.efficiency_of("attention", mm_dtype),
+            attn_flops=device.peak(attn_dtype) * device.efficiency_of("attention", attn_dtype),
             vec_flops=device.vector_flops * device.efficiency_of("vector"),
             bandwidth=device.memory_bandwidth * device.efficiency_of("memory"),
             half_dim=device.matmul_half_dim,
@@ -122,6 +124,8 @@ def _matmul(k: Kernel, r: Rates, s: Scale) -> float:
     compute = k.mm_flops / div / (r.mm_flops * shape_factor(dims, r.half_dim))
     compute += k.vec_flops / div / r.vec_flops  # fused epilogue work, if any
     memory = vdot(k.bytes, s.weights) / r.bandwidth
+    # fp8: Transformer Engine fuses the quantisation of activations into the kernel producing them
+    # (norm, activation function) and casts weights once per step, so no extra pass is priced here
     return max(compute, memory) + r.launch_s
 
 

@@ -42,6 +42,8 @@ class InterconnectLevel:
         topology: one of ``TOPOLOGIES``; ``"tree"`` includes fat-trees, ``"switch"`` means any pair
             talks at full bandwidth through a crossbar (NVSwitch).
         scope: ``"node"`` for links inside a node, ``"cluster"`` for links between nodes.
+        efficiency: fraction of ``bandwidth`` that large collectives achieve on this link (NCCL's
+            bus bandwidth over the link rate), in (0, 1].
     """
 
     name: str
@@ -49,6 +51,7 @@ class InterconnectLevel:
     latency_s: float
     topology: str
     scope: str
+    efficiency: float = 1.0
 
     def __post_init__(self) -> None:
         src = f"interconnect {self.name!r}" if isinstance(self.name, str) else "interconnect"
@@ -57,6 +60,10 @@ class InterconnectLevel:
         object.__setattr__(self, "latency_s", check_number(src, "latency_s", self.latency_s, strict=False))
         check_choice(src, "topology", self.topology, TOPOLOGIES)
         check_choice(src, "scope", self.scope, SCOPES)
+        eff = check_number(src, "efficiency", self.efficiency)
+        if eff > 1.0:
+            fail(src, "efficiency", f"must be a fraction in (0, 1], got {self.efficiency!r}")
+        object.__setattr__(self, "efficiency", eff)
 
     @classmethod
     def loopback(cls, bandwidth: float) -> InterconnectLevel:
@@ -71,16 +78,18 @@ class InterconnectLevel:
             "latency_s": self.latency_s,
             "topology": self.topology,
             "scope": self.scope,
+            "efficiency": self.efficiency,
         }
 
     @classmethod
     def from_dict(cls, data: object, source: str = "<dict>", *, path: str = "") -> InterconnectLevel:
         r = Reader(data, source, path)
-        r.check_keys(("name", "bandwidth", "latency_s", "topology", "scope"))
+        r.check_keys(("name", "bandwidth", "latency_s", "topology", "scope"), ("efficiency",))
         name, bandwidth = r.text("name"), r.number("bandwidth")
         latency, topology, scope = r.number("latency_s", strict=False), r.text("topology"), r.text("scope")
+        eff = r.number("efficiency") if "efficiency" in r.data else 1.0
         with anchored(source, path):
-            return cls(name, bandwidth, latency, topology, scope)
+            return cls(name, bandwidth, latency, topology, scope, eff)
 
 
 #: Assumed between devices of a bare device spec asked to form a multi-device node, when no preset

@@ -1,0 +1,105 @@
+"""Cost model against published, measured step times of large training runs.
+
+    python benchmarks/bench_published.py [--runs benchmarks/data/published_runs.json] [--json OUT]
+
+Each run in the data file names its model, cluster preset, parallel layout, batch, recompute,
+precision and attention kernel, and the step time its source measured. The same device presets
+price every run (one profile per device, nothing fitted per run). Prints a table and the mean and
+worst absolute error; ``--json`` writes the rows.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+from pathlib import Path
+
+from coplan.cost import CostModel, TrainingConfig
+from coplan.hardware import load_cluster
+from coplan.models.spec import ModelSpec
+
+DATA = Path(__file__).parent / "data" / "published_runs.json"
+
+
+def run_one(run: dict) -> dict:
+    model = {k: v for k, v in run["model"].items() if v is not None}
+    spec = ModelSpec(**model)
+    cluster = load_cluster(run["cluster"], run["gpus"])
+    config = TrainingConfig(
+        tp=run["tp"],
+        pp=run["pp"],
+        dp=run["gpus"] // (run["tp"] * run["pp"]),
+        vpp=run["vpp"],
+        microbatch=run["microbatch"],
+        global_batch=run["global_batch"],
+        seq=run["seq"],
+        recompute=run["recompute"],
+        sequence_parallel=run["sequence_parallel"],
+        zero=run["zero"],
+        dtype=run["dtype"],
+        flash_attention=run["flash_attention"],
+        overlap_grad_reduce=run.get("overlap", {}).get("grad_reduce", True),
+        overlap_param_gather=run.get("overlap", {}).get("param_gather", False),
+        tp_comm_overlap=run.get("overlap", {}).get("tp_comm", False),
+    )
+    start = time.perf_counter()
+    est = CostModel(spec=spec).estimate(cluster, config)
+    wall = time.perf_counter() - start
+    measured = run["measured"]["step_time_s"]
+    return {
+        "id": run["id"],
+        "stack": run.get("stack", "megatron-lm"),
+        "gpus": run["gpus"],
+        "layout": f"tp{run['tp']} pp{run['pp']} v{run['vpp']} mb{run['microbatch']} gb{run['global_batch']}",
+        "measured_s": measured,
+        "predicted_s": est.step_time_s,
+        "error": est.step_time_s / measured - 1,
+        "mfu": est.mfu,
+        "fits": est.fits,
+        "breakdown_s": dict(est.breakdown_s),
+        "estimate_wall_s": wall,
+    }
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--runs", type=Path, default=DATA)
+    ap.add_argument("--json", type=Path, default=None)
+    args = ap.parse_args()
+    runs = json.loads(args.runs.read_text())["runs"]
+    rows = [run_one(r) for r in runs]
+    print(f"{'run':36} {'GPUs':>5} {'layout':28} {'measured':>9} {'predicted':>9} {'error':>7} {'MFU':>5}")
+    for r in rows:
+        print(
+            f"{r['id']:36} {r['gpus']:5d} {r['layout']:28} {r['measured_s']:9.3f} {r['predicted_s']:9.3f} "
+            f"{r['error']:+7.1%} {r['mfu']:5.1%}{'' if r['fits'] else '  (does not fit)'}"
+        )
+    summary = {}
+    # coplan prices Megatron-LM's schedule and kernels; runs of other stacks are reported apart
+    for label, subset in (
+        ("megatron-lm", [r for r in rows if r["stack"] == "megatron-lm"]),
+        ("other stacks", [r for r in rows if r["stack"] != "megatron-lm"]),
+        ("all", rows),
+    ):
+        if not subset:
+            continue
+        errs = [abs(r["error"]) for r in subset]
+        summary[label] = {
+            "runs": len(subset),
+            "mean_abs_error": statistics.fmean(errs),
+            "worst_abs_error": max(errs),
+            "mean_signed_error": statistics.fmean(r["error"] for r in subset),
+        }
+        s = summary[label]
+        print(
+            f"{label:13} {s['runs']:3d} runs: mean |error| {s['mean_abs_error']:.1%}, "
+            f"worst {s['worst_abs_error']:.1%}, mean signed {s['mean_signed_error']:+.1%}"
+        )
+    if args.json:
+        args.json.write_text(json.dumps({"summary": summary, "rows": rows}, indent=2) + "\n")
+
+
+if __name__ == "__main__":
+    main()

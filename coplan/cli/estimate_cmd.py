@@ -1,0 +1,160 @@
+"""``coplan estimate``: step time, memory and MFU of one training configuration."""
+
+from __future__ import annotations
+
+import enum
+from typing import TYPE_CHECKING, Annotated
+
+import typer
+from rich import box
+from rich.table import Table
+
+from coplan.cli.common import human_bytes, positive, print_json, stdout
+from coplan.cli.graph_cmd import JsonOpt, SeqOpt
+
+if TYPE_CHECKING:
+    from coplan.cost.estimate import Estimate
+
+
+class Recompute(enum.StrEnum):
+    none = "none"
+    selective = "selective"
+    full = "full"
+
+
+class Dtype(enum.StrEnum):
+    fp32 = "fp32"
+    tf32 = "tf32"
+    bf16 = "bf16"
+    fp16 = "fp16"
+    fp8 = "fp8"
+
+
+class Fusion(enum.StrEnum):
+    megatron = "megatron"
+    none = "none"
+
+
+def estimate(
+    model: Annotated[str, typer.Option("--model", "-m", help="Model preset name or a spec JSON file.")] = "gpt2-124m",
+    cluster: Annotated[
+        str, typer.Option("--cluster", "-c", help="Cluster or device preset, or a JSON file (e.g. a calibrated profile).")
+    ] = "dgx-h100",
+    gpus: Annotated[int | None, typer.Option("--gpus", "-g", help="Devices to use [default: the cluster's].")] = None,
+    tp: Annotated[int, typer.Option("--tp", help="Tensor-parallel degree.")] = 1,
+    pp: Annotated[int, typer.Option("--pp", help="Pipeline-parallel degree.")] = 1,
+    dp: Annotated[int | None, typer.Option("--dp", help="Data-parallel degree [default: N / (tp x pp)].")] = None,
+    vpp: Annotated[int, typer.Option("--vpp", help="Model chunks per pipeline rank (interleaved 1F1B).")] = 1,
+    microbatch: Annotated[int, typer.Option("--microbatch", "-b", help="Sequences per microbatch.")] = 1,
+    global_batch: Annotated[
+        int | None, typer.Option("--global-batch", help="Sequences per optimizer step [default: microbatch x dp].")
+    ] = None,
+    seq: SeqOpt = None,
+    recompute: Annotated[Recompute, typer.Option("--recompute", help="Activation recomputation.")] = Recompute.none,
+    sequence_parallel: Annotated[
+        bool, typer.Option("--sequence-parallel", help="Shard norms and dropout along the sequence (needs --tp > 1).")
+    ] = False,
+    zero: Annotated[int, typer.Option("--zero", help="ZeRO stage 0-3 (1 = distributed optimizer).")] = 0,
+    dtype: Annotated[Dtype, typer.Option("--dtype", help="Matmul precision (16-bit and fp8 keep fp32 master weights).")] = Dtype.bf16,
+    flash_attention: Annotated[
+        bool, typer.Option("--flash-attention/--no-flash-attention", help="Fused attention kernel.")
+    ] = True,
+    fusion: Annotated[Fusion, typer.Option("--fusion", help="Kernel fusion: Megatron-LM's fused kernels, or eager.")] = Fusion.megatron,
+    overlap_grad_reduce: Annotated[
+        bool,
+        typer.Option("--overlap-grad-reduce/--no-overlap-grad-reduce", help="Overlap DP gradient reduction with backward."),
+    ] = True,
+    json: JsonOpt = False,
+) -> None:
+    """Predict step time, per-GPU memory and MFU of one training configuration."""
+    from coplan.cost import ConfigError, CostModel, TrainingConfig
+    from coplan.hardware import load_cluster
+    from coplan.models.spec import load_model_spec
+
+    positive("--gpus", gpus, optional=True)
+    for name, value in (("--tp", tp), ("--pp", pp), ("--vpp", vpp), ("--microbatch", microbatch)):
+        positive(name, value)
+    positive("--dp", dp, optional=True)
+    positive("--global-batch", global_batch, optional=True)
+    positive("--seq", seq, optional=True)
+    if zero not in (0, 1, 2, 3):
+        raise ConfigError("zero", f"--zero must be 0, 1, 2 or 3, got {zero}")
+    spec = load_model_spec(model)
+    hw = load_cluster(cluster, gpus)
+    n = hw.num_devices
+    if dp is None:
+        if n % (tp * pp):
+            raise ConfigError("dp", f"tp x pp = {tp} x {pp} = {tp * pp} does not divide the {n} GPUs")
+        dp = n // (tp * pp)
+    config = TrainingConfig(
+        tp=tp,
+        pp=pp,
+        dp=dp,
+        vpp=vpp,
+        microbatch=microbatch,
+        global_batch=global_batch if global_batch is not None else microbatch * dp,
+        seq=seq,
+        sequence_parallel=sequence_parallel,
+        recompute=recompute.value,
+        zero=zero,
+        dtype=dtype.value,
+        flash_attention=flash_attention,
+        fusion=fusion.value,
+        overlap_grad_reduce=overlap_grad_reduce,
+    )
+    est = CostModel(spec=spec).estimate(hw, config)
+    if json:
+        out = est.to_dict()
+        out["model"] = spec.name
+        out["seq"] = spec.resolve_seq(seq)
+        print_json(out)
+        return
+    render(est, f"{spec.name} on {hw.summary()}")
+
+
+def render(est: Estimate, title: str) -> None:
+    """The estimate as Rich tables: headline figures, time breakdown, memory of the loaded GPU."""
+    console = stdout()
+    c = est.config
+    console.print(f"[bold]{title}[/bold]", soft_wrap=True)
+    rec = c.recompute if isinstance(c.recompute, str) else f"{len(c.recompute)} tensors"
+    console.print(
+        f"tp={c.tp} pp={c.pp} dp={c.dp} vpp={c.vpp} microbatch={c.microbatch} global batch={c.global_batch} "
+        f"({c.num_microbatches} microbatches) recompute={rec} sp={'on' if c.sequence_parallel else 'off'} "
+        f"zero={c.zero} dtype={c.dtype} flash={'on' if c.flash_attention else 'off'} fusion={c.fusion}",
+        soft_wrap=True,
+    )
+    head = Table(box=box.SIMPLE_HEAD, show_header=False)
+    head.add_column(style="bold")
+    head.add_column(justify="right")
+    head.add_row("step time", f"{est.step_time_s:.4g} s")
+    head.add_row("tokens/s", f"{est.tokens_per_s:,.0f}")
+    head.add_row("model TFLOP/s per GPU", f"{est.model_tflops_per_gpu:.1f}")
+    head.add_row("MFU", f"{est.mfu:.1%}")
+    fits = "[green]yes[/green]" if est.fits else "[red]no[/red]"
+    head.add_row("fits in memory", f"{fits} ({human_bytes(est.memory.peak_bytes)} of {human_bytes(est.memory.capacity_bytes)})")
+    head.add_row("kernels per step", f"{est.kernels_per_step:,} ({est.launch_overhead_s:.3g} s launch overhead)")
+    console.print(head)
+    times = Table(title="step time breakdown", box=box.SIMPLE_HEAD)
+    times.add_column("component")
+    times.add_column("seconds", justify="right")
+    times.add_column("share", justify="right")
+    for key, value in est.breakdown_s.items():
+        times.add_row(key, f"{value:.4g}", f"{value / est.step_time_s:.1%}")
+    mem = Table(title=f"memory of the most loaded GPU (stage {est.memory.stage})", box=box.SIMPLE_HEAD)
+    mem.add_column("part")
+    mem.add_column("bytes", justify="right")
+    m = est.memory
+    for key, value in (
+        ("parameters", m.params_bytes),
+        ("gradients", m.grads_bytes),
+        ("optimizer state", m.optimizer_bytes),
+        ("activations (in flight)", m.activations_bytes),
+        ("transient working set", m.transient_bytes),
+        ("peak", m.peak_bytes),
+    ):
+        mem.add_row(key, human_bytes(value))
+    console.print(times)
+    console.print(mem)
+    if not est.fits:
+        console.print("[red]does not fit:[/red] the peak exceeds the device memory", soft_wrap=True)
