@@ -247,10 +247,15 @@ def estimate(profile: GraphProfile, cluster: ClusterSpec, config: TrainingConfig
                 tp_comm += n * pc.tp_comm(part, mode)
                 sv = _saved(profile, part, mode)
                 saved = vadd(saved, tuple(x * n for x in sv))
-                if not config.flash_attention and not _drops_scores(mode):
+                if not config.flash_attention and mode != "full":
                     # unfused attention keeps the softmax probabilities (batch x heads x s x s)
-                    extra = part.scores * n
-                    saved = tuple(saved[i] + (extra if i == ACT * 2 + TP else 0.0) for i in range(NV))  # type: ignore[assignment]
+                    # instead of the fused kernel's output and logsumexp
+                    extra = 0.0 if mode == "selective" else part.scores * n
+                    if mode != "selective":
+                        saved = tuple(
+                            saved[i] - n * part.flash_saved[i] + (extra if i == ACT * 2 + TP else 0.0)
+                            for i in range(NV)
+                        )  # type: ignore[assignment]
                 tr = pc.transient(part)
                 if mode == "full" or (isinstance(mode, frozenset) and mode):
                     tr += vdot(part.saved["none"], weights)  # the block's recomputed activations
@@ -451,10 +456,6 @@ def _saved(profile: GraphProfile, part: Part, mode: str | frozenset[str]) -> Vec
     _recompute_ops(profile, part, mode)
     dropped: Vec = part.cache[("dropped", mode)]  # type: ignore[assignment]
     return tuple(a - b for a, b in zip(part.saved["none"], dropped, strict=True))  # type: ignore[return-value]
-
-
-def _drops_scores(mode: str | frozenset[str]) -> bool:
-    return mode in ("selective", "full")
 
 
 def _recompute_ops(profile: GraphProfile, part: Part, names: frozenset[str]) -> frozenset[int]:

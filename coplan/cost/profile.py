@@ -82,6 +82,7 @@ class Part:
     tp_entries: tuple[float, ...] = ()  # elements of tensors entering a sharded region (forward)
     boundary: float = 0.0  # elements of the activation passed to the next pipeline stage
     scores: float = 0.0  # batch * heads * q * k elements of non-flash attention scores
+    flash_saved: Vec = ZERO  # kept only for the fused attention's backward (its output, logsumexp)
     model_flops: float = 0.0  # matrix FLOPs of forward + backward (what MFU counts)
     op_ids: tuple[int, ...] = ()
     saved_items: tuple[tuple[int, str, Vec], ...] = ()  # (tensor id, name, vector) kept with no recompute
@@ -309,10 +310,29 @@ class _Ctx:
             model_flops=float(sum(op.flops for op in ops if op.phase is not Phase.OPTIMIZER)),
             op_ids=tuple(op.id for op in ops),
             saved_items=self.saved_items(ops),
+            flash_saved=self.flash_saved(ops),
         )
+
+    def flash_saved(self, ops: Sequence[Op]) -> Vec:
+        """Storages a fused attention kernel keeps for its own backward only; an unfused attention
+        keeps the softmax probabilities instead."""
+        g = self.g
+        total: Vec = ZERO
+        for op in ops:
+            if op.kind is not OpKind.ATTENTION or op.phase is not Phase.FORWARD:
+                continue
+            for tid in op.outputs:
+                t = g.tensors[tid]
+                if not t.saved_for_backward:
+                    continue
+                readers = {c for c in _all_readers(g, tid) if g.ops[c].phase is Phase.BACKWARD}
+                if readers and all(g.ops[c].kind is OpKind.ATTENTION for c in readers):
+                    total = vadd(total, self.vec(t))
+        return total
 
     def saved_items(self, ops: Sequence[Op]) -> tuple[tuple[int, str, Vec], ...]:
         g = self.g
+        ids = {op.id for op in ops}
         out: dict[int, tuple[int, str, Vec]] = {}
         for op in ops:
             if op.phase is not Phase.FORWARD:
@@ -320,7 +340,7 @@ class _Ctx:
             for tid in (*op.inputs, *op.outputs):
                 t = g.tensors[tid]
                 base = g.tensors[t.storage_id]
-                if t.saved_for_backward and base.role is TensorRole.ACTIVATION:
+                if t.saved_for_backward and base.role is TensorRole.ACTIVATION and base.producer in ids:
                     out.setdefault(base.id, (base.id, base.name, self.vec(base)))
         return tuple(out.values())
 
@@ -418,7 +438,9 @@ class _Ctx:
                     if not t.saved_for_backward:
                         continue
                     base = g.tensors[t.storage_id]
-                    if base.role is not TensorRole.ACTIVATION:
+                    # a tensor is counted by the part producing it (a block's input is the
+                    # previous block's output, already counted there)
+                    if base.role is not TensorRole.ACTIVATION or base.producer not in ids:
                         continue
                     if mode == "selective" and self._is_core_output(base, ids):
                         continue
@@ -433,7 +455,11 @@ class _Ctx:
         if t.producer is None or t.producer not in ids:
             return False
         op = self.g.ops[t.producer]
-        return op.kind in (OpKind.ATTENTION, OpKind.SOFTMAX) or (
+        core = (OpKind.ATTENTION, OpKind.SOFTMAX)
+        readers = [self.g.ops[c] for c in _all_readers(self.g, t.id)]
+        if any(r.phase is Phase.BACKWARD and r.kind not in core for r in readers):
+            return False  # also an input of a later op (the output projection keeps the context)
+        return op.kind in core or (
             op.block is not None and "attn" in op.module_path and op.kind is OpKind.ELEMENTWISE
             and any(self.g.ops[c].kind is OpKind.ATTENTION for c in t.consumers)
         )
@@ -518,6 +544,21 @@ class _Ctx:
                 if any(c not in ids and g.ops[c].phase is Phase.FORWARD for c in t.consumers):
                     best = max(best, float(t.numel))
         return best
+
+
+def _all_readers(graph: Graph, tid: int) -> set[int]:
+    """Non-view ops reading ``tid`` directly or through views."""
+    out: set[int] = set()
+    stack = [tid]
+    while stack:
+        t = graph.tensors[stack.pop()]
+        for c in t.consumers:
+            op = graph.ops[c]
+            if op.kind is OpKind.VIEW:
+                stack.extend(op.outputs)
+            else:
+                out.add(c)
+    return out
 
 
 def _is_temp(t: Tensor) -> bool:

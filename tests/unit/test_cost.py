@@ -1,0 +1,229 @@
+"""The cost model: closed-form activation memory, invariants of the step-time model, config errors."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from coplan.cli import main
+from coplan.cost import BREAKDOWN_KEYS, ConfigError, CostModel, TrainingConfig
+from coplan.hardware import load_cluster
+from coplan.models.spec import PRESETS, ModelSpec
+
+GPT = ModelSpec(name="gpt-test", n_layers=4, d_model=1024, n_heads=16, vocab_size=8192, seq_len=1024)
+
+
+def _one_layer_activations(config: TrainingConfig, spec: ModelSpec = GPT) -> float:
+    """Activation bytes of one layer for one microbatch: the difference between 2 and 1 layers."""
+    cluster = load_cluster("dgx-a100-80gb", config.gpus)
+    two = CostModel(spec=ModelSpec(**{**spec.to_dict(), "n_layers": 2})).estimate(cluster, config)
+    one = CostModel(spec=ModelSpec(**{**spec.to_dict(), "n_layers": 1})).estimate(cluster, config)
+    return two.memory.activations_bytes - one.memory.activations_bytes
+
+
+@pytest.mark.parametrize(
+    ("tp", "sp", "recompute", "closed_form"),
+    [
+        # Korthikanti et al. 2022 (arXiv 2205.05198), Sec. 4, per layer in 16-bit bytes, without
+        # the dropout terms (coplan's GPT has no dropout): attention 10sbh + 2as^2b (softmax output),
+        # MLP 18sbh, norms 4sbh -> 32sbh + 2as^2b.
+        (1, False, "none", lambda s, b, h, a, t: s * b * h * 32 + 2 * a * s * s * b),
+        # tensor parallel: norm inputs, QKV and fc1 inputs stay replicated (8sbh), the rest /t
+        (4, False, "none", lambda s, b, h, a, t: s * b * h * (8 + 24 / t) + 2 * a * s * s * b / t),
+        # plus sequence parallel: everything /t
+        (4, True, "none", lambda s, b, h, a, t: s * b * h * 32 / t + 2 * a * s * s * b / t),
+        # selective recompute of the attention core drops the a s^2 b term
+        (4, True, "selective", lambda s, b, h, a, t: s * b * h * 32 / t),
+        # full recompute keeps the layer input only
+        (1, False, "full", lambda s, b, h, a, t: 2 * s * b * h),
+    ],
+)
+def test_activation_memory_matches_closed_form(tp, sp, recompute, closed_form):
+    b, s, h, a = 2, 1024, GPT.d_model, GPT.n_heads
+    config = TrainingConfig(
+        tp=tp, microbatch=b, global_batch=b, seq=s, sequence_parallel=sp, recompute=recompute,
+        dtype="bf16", flash_attention=False,
+    )
+    got = _one_layer_activations(config)
+    want = closed_form(s, b, h, a, tp)
+    # coplan also keeps the norms' fp32 mean and rstd (4 x 4 sb bytes), which the formula leaves out
+    assert got == pytest.approx(want, rel=0.01)
+
+
+def _est(config: TrainingConfig, spec: ModelSpec = GPT, cluster: str = "dgx-h100"):
+    return CostModel(spec=spec).estimate(load_cluster(cluster, config.gpus), config)
+
+
+def test_breakdown_sums_to_step_time_and_keys():
+    config = TrainingConfig(tp=2, pp=2, dp=2, microbatch=2, global_batch=16, seq=512, recompute="selective",
+                            sequence_parallel=True, zero=1)
+    est = _est(config)
+    assert tuple(est.breakdown_s) == BREAKDOWN_KEYS
+    assert sum(est.breakdown_s.values()) == pytest.approx(est.step_time_s, rel=1e-9)
+    assert est.tokens_per_s == pytest.approx(16 * 512 / est.step_time_s)
+    assert 0 < est.mfu < 1
+
+
+def test_recompute_trades_memory_for_time():
+    base = TrainingConfig(microbatch=4, global_batch=8, seq=1024)
+    none, sel, full = (_est(base.with_(recompute=r)) for r in ("none", "selective", "full"))
+    assert full.memory.activations_bytes < sel.memory.activations_bytes <= none.memory.activations_bytes
+    assert full.step_time_s > sel.step_time_s >= none.step_time_s
+    assert full.breakdown_s["recompute"] > 0 and none.breakdown_s["recompute"] == 0
+
+
+def test_flash_attention_saves_memory_and_time():
+    base = TrainingConfig(microbatch=2, global_batch=2, seq=1024)
+    on, off = _est(base), _est(base.with_(flash_attention=False))
+    assert off.memory.activations_bytes > on.memory.activations_bytes
+    assert off.step_time_s > on.step_time_s
+
+
+def test_zero_shards_optimizer_gradients_parameters():
+    base = TrainingConfig(dp=8, microbatch=1, global_batch=8, seq=256)
+    z = [_est(base.with_(zero=k)).memory for k in range(4)]
+    assert z[1].optimizer_bytes == pytest.approx(z[0].optimizer_bytes / 8)
+    assert z[2].grads_bytes == pytest.approx(z[0].grads_bytes / 8)
+    assert z[3].params_bytes == pytest.approx(z[0].params_bytes / 8)
+    # Megatron mixed precision: 2 + 4 + 12 bytes per parameter without sharding
+    p = z[0].params_bytes / 2
+    assert z[0].grads_bytes == pytest.approx(4 * p) and z[0].optimizer_bytes == pytest.approx(12 * p)
+
+
+def test_first_pipeline_stage_holds_most_microbatches():
+    config = TrainingConfig(pp=4, dp=2, microbatch=1, global_batch=32, seq=512)
+    est = _est(config)
+    assert [s.in_flight for s in est.stages] == [4, 3, 2, 1]
+    inter = _est(config.with_(vpp=2, pp=2, dp=4))
+    assert inter.stages[0].in_flight > inter.stages[1].in_flight
+
+
+def test_interleaving_shrinks_the_bubble():
+    base = TrainingConfig(pp=2, dp=4, microbatch=1, global_batch=32, seq=512)
+    plain, inter = _est(base), _est(base.with_(vpp=2))
+    assert inter.breakdown_s["pipeline_bubble"] < plain.breakdown_s["pipeline_bubble"]
+
+
+def test_fusion_reduces_kernels_and_time_on_a_captured_graph():
+    from coplan.capture.api import capture_spec
+
+    graph = capture_spec(PRESETS["gpt-tiny"], 2, 32)
+    cm = CostModel(graph=graph)
+    cluster = load_cluster("h100-sxm")
+    eager = cm.estimate(cluster, TrainingConfig(microbatch=2, global_batch=2, seq=32, fusion="none"))
+    fused = cm.estimate(cluster, TrainingConfig(microbatch=2, global_batch=2, seq=32, fusion="megatron"))
+    assert fused.kernels_per_step < eager.kernels_per_step
+    assert fused.step_time_s < eager.step_time_s
+    with pytest.raises(ConfigError):
+        cm.estimate(cluster, TrainingConfig(microbatch=4, global_batch=4, seq=32))
+
+
+def test_recompute_any_tensor_set():
+    cm = CostModel(spec=GPT)
+    cluster = load_cluster("h100-sxm")
+    config = TrainingConfig(microbatch=2, global_batch=2, seq=512)
+    prof = cm.profile(2, 512)
+    part = prof.templates[0]
+    gelu_out = next(name for _, name, _ in part.saved_items if "gelu" in name or "mlp" in name)
+    base = cm.estimate(cluster, config)
+    some = cm.estimate(cluster, config.with_(recompute=frozenset({gelu_out})))
+    assert some.memory.activations_bytes < base.memory.activations_bytes
+    assert some.breakdown_s["recompute"] > 0
+    with pytest.raises(ConfigError, match="not saved"):
+        cm.estimate(cluster, config.with_(recompute=frozenset({"no-such-tensor"})))
+
+
+def test_tensor_parallel_adds_collectives_and_splits_memory():
+    base = TrainingConfig(microbatch=2, global_batch=16, seq=512, dp=8)
+    dp8, tp8 = _est(base), _est(base.with_(tp=8, dp=1, global_batch=2))
+    assert tp8.breakdown_s["tp_comm"] > 0 and dp8.breakdown_s["tp_comm"] == 0
+    assert tp8.memory.params_bytes < dp8.memory.params_bytes / 4
+
+
+def test_model_flops_match_the_6nd_rule_for_a_large_model():
+    spec = PRESETS["gpt3-175b"]
+    config = TrainingConfig(tp=8, pp=8, dp=16, microbatch=1, global_batch=1024, seq=2048)
+    est = _est(config, spec, "dgx-a100-80gb")
+    flops = est.model_tflops_per_gpu * 1e12 * est.step_time_s * config.gpus
+    n, tokens = spec.param_count(), 1024 * 2048
+    s, L, h = 2048, spec.n_layers, spec.d_model
+    # 6ND plus attention (12 L h s per token, forward and backward)
+    assert flops == pytest.approx(6 * n * tokens + 12 * L * h * s * tokens, rel=0.02)
+
+
+@settings(max_examples=25, deadline=None)
+@given(
+    tp=st.sampled_from([1, 2, 4]),
+    pp=st.sampled_from([1, 2]),
+    mb=st.sampled_from([1, 2]),
+    m=st.integers(1, 4),
+    rec=st.sampled_from(["none", "selective", "full"]),
+    zero=st.integers(0, 3),
+    sp=st.booleans(),
+)
+def test_estimates_are_finite_and_consistent(tp, pp, mb, m, rec, zero, sp):
+    dp = 8 // (tp * pp)
+    config = TrainingConfig(
+        tp=tp, pp=pp, dp=dp, microbatch=mb, global_batch=mb * dp * m * pp, seq=256, recompute=rec,
+        zero=zero, sequence_parallel=sp and tp > 1,
+    )
+    est = _est(config)
+    assert math.isfinite(est.step_time_s) and est.step_time_s > 0
+    assert all(v >= 0 for v in est.breakdown_s.values())
+    assert sum(est.breakdown_s.values()) == pytest.approx(est.step_time_s, rel=1e-9)
+    mem = est.memory
+    assert mem.peak_bytes >= mem.params_bytes + mem.grads_bytes + mem.optimizer_bytes + mem.activations_bytes
+
+
+# --- CLI contract ----------------------------------------------------------------------------------
+
+
+def _run(capsys, *args):
+    with pytest.raises(SystemExit) as exc:
+        main(["estimate", *args])
+    out = capsys.readouterr()
+    return exc.value.code, out.out, out.err
+
+
+def test_estimate_json_contract(capsys):
+    code, out, _ = _run(
+        capsys, "--model", "gpt2-124m", "--cluster", "dgx-h100", "--gpus", "8", "--tp", "2", "--pp", "2",
+        "--microbatch", "2", "--global-batch", "16", "--recompute", "selective", "--sequence-parallel",
+        "--zero", "1", "--dtype", "bf16", "--no-flash-attention", "--json",
+    )
+    assert code == 0
+    data = json.loads(out)
+    for key in ("step_time_s", "tokens_per_s", "model_tflops_per_gpu", "mfu", "fits", "memory", "breakdown_s"):
+        assert key in data
+    for key in ("params_bytes", "grads_bytes", "optimizer_bytes", "activations_bytes", "peak_bytes"):
+        assert data["memory"][key] > 0
+    assert set(BREAKDOWN_KEYS) <= set(data["breakdown_s"])
+    assert data["config"]["dp"] == 2
+
+
+@pytest.mark.parametrize(
+    ("args", "needle"),
+    [
+        (["--gpus", "8", "--tp", "3"], "does not divide"),
+        (["--gpus", "8", "--tp", "2", "--pp", "2", "--dp", "4"], "does not equal"),
+        (["--gpus", "8", "--tp", "8", "--model", "gpt-tiny"], "attention heads"),
+        (["--gpus", "8", "--pp", "8", "--dp", "1", "--model", "gpt2-124m"], "not divisible by pp"),
+        (["--gpus", "8", "--global-batch", "12", "--microbatch", "1"], "not divisible by microbatch"),
+        (["--gpus", "2", "--pp", "2", "--vpp", "4", "--global-batch", "8"], "not divisible by pp"),
+    ],
+)
+def test_inconsistent_configs_exit_2(capsys, args, needle):
+    code, out, err = _run(capsys, *args)
+    assert code == 2
+    assert needle in err and err.count("\n") == 1 and "Traceback" not in err
+
+
+def test_a_config_that_does_not_fit_still_prints(capsys):
+    code, out, _ = _run(capsys, "--model", "llama2-70b", "--gpus", "8", "--tp", "8", "--json")
+    assert code == 0
+    data = json.loads(out)
+    assert data["fits"] is False and data["memory"]["peak_bytes"] > data["memory"]["capacity_bytes"]
