@@ -51,7 +51,14 @@ class Group:
             t += factor * math.ceil(math.log2(self.local)) * lvl.latency_s
         if self.nodes > 1 and self.inter is not None:
             lvl = self.inter
-            t += factor * (self.nodes - 1) / self.nodes * bytes_ / self.local / (lvl.bandwidth * lvl.efficiency * e)
+            t += (
+                factor
+                * (self.nodes - 1)
+                / self.nodes
+                * bytes_
+                / self.local
+                / (lvl.bandwidth * lvl.efficiency * e)
+            )
             t += factor * math.ceil(math.log2(self.nodes)) * lvl.latency_s
         return t
 

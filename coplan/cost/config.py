@@ -75,22 +75,30 @@ class TrainingConfig:
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
                 raise ConfigError(name, f"must be a positive integer, got {v!r}")
-        if self.seq is not None and (isinstance(self.seq, bool) or not isinstance(self.seq, int) or self.seq < 1):
+        if self.seq is not None and (
+            isinstance(self.seq, bool) or not isinstance(self.seq, int) or self.seq < 1
+        ):
             raise ConfigError("seq", f"must be a positive integer, got {self.seq!r}")
         if isinstance(self.recompute, str):
             if self.recompute not in RECOMPUTE_MODES:
-                raise ConfigError("recompute", f"must be one of {', '.join(RECOMPUTE_MODES)}, got {self.recompute!r}")
+                raise ConfigError(
+                    "recompute", f"must be one of {', '.join(RECOMPUTE_MODES)}, got {self.recompute!r}"
+                )
         elif isinstance(self.recompute, Iterable):
             object.__setattr__(self, "recompute", frozenset(str(t) for t in self.recompute))
         else:
-            raise ConfigError("recompute", f"expected a mode or a set of tensor names, got {self.recompute!r}")
+            raise ConfigError(
+                "recompute", f"expected a mode or a set of tensor names, got {self.recompute!r}"
+            )
         if self.zero not in (0, 1, 2, 3) or isinstance(self.zero, bool):
             raise ConfigError("zero", f"must be 0, 1, 2 or 3, got {self.zero!r}")
         if self.dtype not in DTYPES:
             raise ConfigError("dtype", f"must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
         if isinstance(self.fusion, str):
             if self.fusion not in FUSION_MODES:
-                raise ConfigError("fusion", f"must be one of {', '.join(FUSION_MODES)} or op groups, got {self.fusion!r}")
+                raise ConfigError(
+                    "fusion", f"must be one of {', '.join(FUSION_MODES)} or op groups, got {self.fusion!r}"
+                )
         else:
             object.__setattr__(self, "fusion", tuple(tuple(int(i) for i in g) for g in self.fusion))
         if self.vpp > 1 and self.pp == 1:
@@ -106,7 +114,9 @@ class TrainingConfig:
         if self.stage_layers is not None:
             layers = tuple(self.stage_layers)
             if len(layers) != self.pp * self.vpp or any(n < 0 for n in layers):
-                raise ConfigError("stage_layers", f"needs {self.pp * self.vpp} non-negative counts, got {layers}")
+                raise ConfigError(
+                    "stage_layers", f"needs {self.pp * self.vpp} non-negative counts, got {layers}"
+                )
             object.__setattr__(self, "stage_layers", layers)
 
     @property
@@ -156,26 +166,34 @@ class TrainingConfig:
         }
 
 
-def check_against(config: TrainingConfig, *, gpus: int, n_heads: int, n_layers: int, n_kv_heads: int | None = None) -> None:
+def check_against(
+    config: TrainingConfig, *, gpus: int, n_heads: int, n_layers: int, n_kv_heads: int | None = None
+) -> None:
     """The divisibility rules that tie a configuration to a model and a cluster size."""
     if config.gpus != gpus:
         raise ConfigError(
             "dp",
-            f"tp x pp x dp = {config.tp} x {config.pp} x {config.dp} = {config.gpus} does not equal the {gpus} GPUs",
+            f"tp x pp x dp = {config.tp} x {config.pp} x {config.dp} = {config.gpus} "
+            f"does not equal the {gpus} GPUs",
         )
     if n_heads % config.tp:
         raise ConfigError("tp", f"{config.tp} does not divide the model's {n_heads} attention heads")
     if n_kv_heads is not None and n_kv_heads % config.tp and config.tp % n_kv_heads:
-        raise ConfigError("tp", f"{config.tp} and the model's {n_kv_heads} key/value heads do not divide each other")
+        raise ConfigError(
+            "tp", f"{config.tp} and the model's {n_kv_heads} key/value heads do not divide each other"
+        )
     chunks = config.pp * config.vpp
     if config.stage_layers is None and n_layers % chunks:
         raise ConfigError(
             "pp", f"the model's {n_layers} layers are not divisible by pp x vpp = {config.pp} x {config.vpp}"
         )
     if config.stage_layers is not None and sum(config.stage_layers) != n_layers:
-        raise ConfigError("stage_layers", f"sum {sum(config.stage_layers)} is not the model's {n_layers} layers")
+        raise ConfigError(
+            "stage_layers", f"sum {sum(config.stage_layers)} is not the model's {n_layers} layers"
+        )
     if config.vpp > 1 and config.num_microbatches % config.pp:
         raise ConfigError(
             "vpp",
-            f"interleaved pipelining needs microbatches ({config.num_microbatches}) divisible by pp ({config.pp})",
+            f"interleaved pipelining needs microbatches ({config.num_microbatches}) "
+            f"divisible by pp ({config.pp})",
         )

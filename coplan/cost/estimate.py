@@ -98,7 +98,12 @@ class StageEstimate:
     @property
     def microbatch_s(self) -> float:
         return (
-            self.forward_s + self.backward_s + self.recompute_s + self.tp_comm_s + self.pp_comm_s + self.zero_comm_s
+            self.forward_s
+            + self.backward_s
+            + self.recompute_s
+            + self.tp_comm_s
+            + self.pp_comm_s
+            + self.zero_comm_s
         )
 
     @property
@@ -216,8 +221,10 @@ def estimate(profile: GraphProfile, cluster: ClusterSpec, config: TrainingConfig
                 head_cost = heads[key] = _PartCost(Rates.of(device, "bf16"), scale, config, tp_group, profile)
         # this stage's layers, by template (all chunks of the stage)
         first_layer = sum(per_stage_layers[:s])  # layers are contiguous per stage for costing
-        mine = templates[first_layer : first_layer + per_stage_layers[s]] if not v > 1 else _chunk_templates(
-            templates, layers, s, p, v
+        mine = (
+            templates[first_layer : first_layer + per_stage_layers[s]]
+            if not v > 1
+            else _chunk_templates(templates, layers, s, p, v)
         )
         parts: list[tuple[Part, float]] = _count(mine)
         if s == 0:
@@ -267,7 +274,9 @@ def estimate(profile: GraphProfile, cluster: ClusterSpec, config: TrainingConfig
         # pipeline sends: the block output, forward and backward, once per chunk boundary
         pp_comm = 0.0
         if p > 1:
-            boundary = max((tp_.boundary for tp_ in profile.templates), default=0.0) * ab / (t if t > 1 else 1)
+            boundary = (
+                max((tp_.boundary for tp_ in profile.templates), default=0.0) * ab / (t if t > 1 else 1)
+            )
             sends = (0 if s == p - 1 and v == 1 else 1) + (0 if s == 0 and v == 1 else 1)
             one = p2p_time(cluster, boundary, pp_cross, net)
             if v > 1:
@@ -284,7 +293,9 @@ def estimate(profile: GraphProfile, cluster: ClusterSpec, config: TrainingConfig
         param_bytes = ab if config.mixed and config.master_weights else 4
         grad_bytes = 4.0
         if config.zero == 3 and d > 1:
-            mb_comm = 2 * dp_group.all_gather(p_local * param_bytes) + dp_group.reduce_scatter(p_local * grad_bytes)
+            mb_comm = 2 * dp_group.all_gather(p_local * param_bytes) + dp_group.reduce_scatter(
+                p_local * grad_bytes
+            )
             zero_comm = max(0.0, mb_comm - (fwd + bwd + recompute))
         # data-parallel gradient reduction, once per step
         dp_comm = param_gather = 0.0
@@ -396,7 +407,7 @@ class _PartCost:
 
 
 class _Priced:
-    __slots__ = ("backward", "cost", "fwd_times", "forward", "kernels", "optimizer")
+    __slots__ = ("backward", "cost", "forward", "fwd_times", "kernels", "optimizer")
 
     def __init__(self, cost: _PartCost, part: Part) -> None:
         r, s = cost.r, cost.s
@@ -553,7 +564,9 @@ def _stage_devices(cluster: ClusterSpec, config: TrainingConfig) -> list[DeviceS
 
 
 def cluster_latency(cluster: ClusterSpec, cross_node: bool) -> float:
-    lvl = cluster.inter_node if cross_node and cluster.inter_node is not None else cluster.groups[0].intra_node
+    lvl = (
+        cluster.inter_node if cross_node and cluster.inter_node is not None else cluster.groups[0].intra_node
+    )
     return lvl.latency_s
 
 

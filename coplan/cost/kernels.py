@@ -45,8 +45,13 @@ class Rates:
 def _fallback(device: DeviceSpec, dtype: str) -> str:
     """The precision a device really runs ``dtype`` matmuls in when its matrix units lack it
     (fp8 on A100 runs as bf16; tf32 on a CPU as fp32): the next wider one it supports."""
-    for d in {"fp8": ("bf16", "fp16", "fp32"), "bf16": ("fp16", "fp32"), "fp16": ("bf16", "fp32"),
-              "tf32": ("fp32",), "fp32": ()}.get(dtype, ()):
+    for d in {
+        "fp8": ("bf16", "fp16", "fp32"),
+        "bf16": ("fp16", "fp32"),
+        "fp16": ("bf16", "fp32"),
+        "tf32": ("fp32",),
+        "fp32": (),
+    }.get(dtype, ()):
         if device.supports(d):
             return d
     return "fp32"

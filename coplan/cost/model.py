@@ -46,7 +46,9 @@ class CostModel:
         assert self.graph is not None
         return config.seq or self.graph.meta.seq
 
-    def profile(self, microbatch: int, seq: int, fusion: str | tuple[tuple[int, ...], ...] = "megatron") -> GraphProfile:
+    def profile(
+        self, microbatch: int, seq: int, fusion: str | tuple[tuple[int, ...], ...] = "megatron"
+    ) -> GraphProfile:
         key = (microbatch, seq, fusion)
         got = self._profiles.get(key)
         if got is not None:

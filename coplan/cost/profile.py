@@ -31,7 +31,9 @@ Vec = tuple[float, float, float, float, float, float]
 ZERO: Vec = (0.0, 0.0, 0.0, 0.0, 0.0, 0.0)
 
 #: Submodules of a block whose ops Megatron-style tensor parallelism shards.
-_TP_MODULE = re.compile(r"(attn|attention|mlp|ffn|feed_forward|moe|expert|router|gate_proj|up_proj|down_proj)")
+_TP_MODULE = re.compile(
+    r"(attn|attention|mlp|ffn|feed_forward|moe|expert|router|gate_proj|up_proj|down_proj)"
+)
 _FLOAT = frozenset({"float32", "float16", "bfloat16", "tf32", "float64", "float8_e4m3fn", "float8_e5m2"})
 
 
@@ -135,7 +137,7 @@ def profile_graph(graph: Graph, fusion: str | tuple[tuple[int, ...], ...] = "meg
     for b in blocks:
         templates.setdefault(_signature(graph, by_block[b]), []).append(b)
     parts = []
-    for i, members in enumerate(templates.values()):
+    for members in templates.values():
         ops = by_block[members[0]]
         parts.append(ctx.part(f"block[{members[0]}]", tuple(members), ops, group_of))
     head = by_block.get(None, [])
@@ -143,7 +145,11 @@ def profile_graph(graph: Graph, fusion: str | tuple[tuple[int, ...], ...] = "meg
     pre = ctx.part("embedding", (), pre_ops, group_of)
     post = ctx.part("head", (), post_ops, group_of)
     attn = next((op for op in graph.ops if op.kind is OpKind.ATTENTION and op.phase is Phase.FORWARD), None)
-    heads = graph.tensors[attn.inputs[0]].shape[1] if attn is not None and graph.tensors[attn.inputs[0]].shape else 1
+    heads = (
+        graph.tensors[attn.inputs[0]].shape[1]
+        if attn is not None and graph.tensors[attn.inputs[0]].shape
+        else 1
+    )
     per_layer = {b: t for t in parts for b in t.blocks}
     flops = pre.model_flops + post.model_flops + sum(per_layer[b].model_flops for b in blocks)
     return GraphProfile(
@@ -184,7 +190,11 @@ class _Ctx:
         for op in graph.ops:
             self._shard[op.id] = self._op_shard(op)
         for op in graph.ops:
-            if op.block is None and op.kind not in (OpKind.MATMUL, OpKind.EMBEDDING, OpKind.VIEW) and self._touches_vocab(op):
+            if (
+                op.block is None
+                and op.kind not in (OpKind.MATMUL, OpKind.EMBEDDING, OpKind.VIEW)
+                and self._touches_vocab(op)
+            ):
                 self._f32_ops.add(op.id)  # Megatron computes the vocab-parallel loss on fp32 logits
 
     # --- classification ------------------------------------------------------------------------
@@ -196,9 +206,8 @@ class _Ctx:
         return any(self.vocab in ts[t].shape for t in (*op.inputs, *op.outputs))
 
     def _op_shard(self, op: Op) -> int:
-        if op.phase is Phase.OPTIMIZER or op.block is None:
-            if op.block is None:
-                return TP if self._touches_vocab(op) else REPL
+        if op.block is None:
+            return TP if self._touches_vocab(op) else REPL
         path = op.module_path
         if self.prefix and path.startswith(self.prefix):
             rest = path[len(self.prefix) :].split(".", 1)
@@ -242,15 +251,15 @@ class _Ctx:
         first_fwd = min(op.id for op in block_ops if op.phase is Phase.FORWARD)
         last_bwd = max((op.id for op in block_ops if op.phase is Phase.BACKWARD), default=len(self.g.ops))
         pre_modules: set[str] = set()
-        pre, post = [], []
+        pre: list[Op] = []
+        post: list[Op] = []
         for op in head:
             if op.phase is Phase.FORWARD:
                 is_pre = op.id < first_fwd
             elif op.phase is Phase.BACKWARD:
-                if op.forward_op is not None:
-                    is_pre = op.forward_op < first_fwd
-                else:
-                    is_pre = op.id > last_bwd
+                # a backward op follows its forward op; unlinked ones (gradient accumulation of the
+                # embedding) sit after the last block's backward on the embedding side
+                is_pre = op.forward_op < first_fwd if op.forward_op is not None else op.id > last_bwd
             else:
                 is_pre = op.module_path in pre_modules
             if is_pre and op.module_path:
@@ -260,10 +269,14 @@ class _Ctx:
 
     # --- parts ---------------------------------------------------------------------------------
 
-    def part(self, name: str, blocks: tuple[int, ...], ops: Sequence[Op], group_of: dict[int, tuple[int, ...]]) -> Part:
+    def part(
+        self, name: str, blocks: tuple[int, ...], ops: Sequence[Op], group_of: dict[int, tuple[int, ...]]
+    ) -> Part:
         g = self.g
         ids = {op.id for op in ops}
-        fwd, bwd, opt = [], [], []
+        fwd: list[Kernel] = []
+        bwd: list[Kernel] = []
+        opt: list[Kernel] = []
         done: set[tuple[int, ...]] = set()
         for op in ops:
             grp = tuple(i for i in group_of.get(op.id, (op.id,)) if i in ids)
@@ -371,6 +384,7 @@ class _Ctx:
                 v = self.vec(t)
                 for i in range(NV):
                     b[i] += v[i]
+        bv: Vec = (b[0], b[1], b[2], b[3], b[4], b[5])
         mm = next((op for op in real if op.kind is OpKind.MATMUL), None)
         at = next((op for op in real if op.kind is OpKind.ATTENTION), None)
         shard = self._shard[(at or mm or real[0]).id]
@@ -379,10 +393,12 @@ class _Ctx:
         if at is not None:
             fwd_op = g.ops[at.forward_op] if at.phase is Phase.BACKWARD and at.forward_op is not None else at
             attn = self.attn_geometry(fwd_op)
-            return Kernel(phase, "attention", shard, mm_flops, vec_flops, tuple(b), attn=attn, ops=grp, attn_core=True)  # type: ignore[arg-type]
+            return Kernel(
+                phase, "attention", shard, mm_flops, vec_flops, bv, attn=attn, ops=grp, attn_core=True
+            )
         if mm is not None:
             dims, sdim = self.mm_dims(mm, shard)
-            return Kernel(phase, "matmul", shard, mm_flops, vec_flops, tuple(b), dims=dims, shard_dim=sdim, ops=grp)  # type: ignore[arg-type]
+            return Kernel(phase, "matmul", shard, mm_flops, vec_flops, bv, dims=dims, shard_dim=sdim, ops=grp)
         core = any(op.kind is OpKind.SOFTMAX and op.block is not None for op in real)
         return Kernel(phase, "vector", shard, mm_flops, vec_flops, tuple(b), ops=grp, attn_core=core)  # type: ignore[arg-type]
 
@@ -460,7 +476,9 @@ class _Ctx:
         if any(r.phase is Phase.BACKWARD and r.kind not in core for r in readers):
             return False  # also an input of a later op (the output projection keeps the context)
         return op.kind in core or (
-            op.block is not None and "attn" in op.module_path and op.kind is OpKind.ELEMENTWISE
+            op.block is not None
+            and "attn" in op.module_path
+            and op.kind is OpKind.ELEMENTWISE
             and any(self.g.ops[c].kind is OpKind.ATTENTION for c in t.consumers)
         )
 
@@ -481,7 +499,11 @@ class _Ctx:
                 continue
             for tid in op.inputs:  # incoming temporaries from other parts (gradients) are live too
                 base = g.tensors[g.tensors[tid].storage_id]
-                if base.id not in live and _is_temp(base) and (base.producer is None or base.producer not in ids):
+                if (
+                    base.id not in live
+                    and _is_temp(base)
+                    and (base.producer is None or base.producer not in ids)
+                ):
                     live[base.id] = self.vec(base)
                     current = vadd(current, live[base.id])
             for tid in op.outputs:

@@ -45,8 +45,14 @@ def _one_layer_activations(config: TrainingConfig, spec: ModelSpec = GPT) -> flo
 def test_activation_memory_matches_closed_form(tp, sp, recompute, closed_form):
     b, s, h, a = 2, 1024, GPT.d_model, GPT.n_heads
     config = TrainingConfig(
-        tp=tp, microbatch=b, global_batch=b, seq=s, sequence_parallel=sp, recompute=recompute,
-        dtype="bf16", flash_attention=False,
+        tp=tp,
+        microbatch=b,
+        global_batch=b,
+        seq=s,
+        sequence_parallel=sp,
+        recompute=recompute,
+        dtype="bf16",
+        flash_attention=False,
     )
     got = _one_layer_activations(config)
     want = closed_form(s, b, h, a, tp)
@@ -59,8 +65,17 @@ def _est(config: TrainingConfig, spec: ModelSpec = GPT, cluster: str = "dgx-h100
 
 
 def test_breakdown_sums_to_step_time_and_keys():
-    config = TrainingConfig(tp=2, pp=2, dp=2, microbatch=2, global_batch=16, seq=512, recompute="selective",
-                            sequence_parallel=True, zero=1)
+    config = TrainingConfig(
+        tp=2,
+        pp=2,
+        dp=2,
+        microbatch=2,
+        global_batch=16,
+        seq=512,
+        recompute="selective",
+        sequence_parallel=True,
+        zero=1,
+    )
     est = _est(config)
     assert tuple(est.breakdown_s) == BREAKDOWN_KEYS
     assert sum(est.breakdown_s.values()) == pytest.approx(est.step_time_s, rel=1e-9)
@@ -168,8 +183,15 @@ def test_model_flops_match_the_6nd_rule_for_a_large_model():
 def test_estimates_are_finite_and_consistent(tp, pp, mb, m, rec, zero, sp):
     dp = 8 // (tp * pp)
     config = TrainingConfig(
-        tp=tp, pp=pp, dp=dp, microbatch=mb, global_batch=mb * dp * m * pp, seq=256, recompute=rec,
-        zero=zero, sequence_parallel=sp and tp > 1,
+        tp=tp,
+        pp=pp,
+        dp=dp,
+        microbatch=mb,
+        global_batch=mb * dp * m * pp,
+        seq=256,
+        recompute=rec,
+        zero=zero,
+        sequence_parallel=sp and tp > 1,
     )
     est = _est(config)
     assert math.isfinite(est.step_time_s) and est.step_time_s > 0
@@ -191,13 +213,42 @@ def _run(capsys, *args):
 
 def test_estimate_json_contract(capsys):
     code, out, _ = _run(
-        capsys, "--model", "gpt2-124m", "--cluster", "dgx-h100", "--gpus", "8", "--tp", "2", "--pp", "2",
-        "--microbatch", "2", "--global-batch", "16", "--recompute", "selective", "--sequence-parallel",
-        "--zero", "1", "--dtype", "bf16", "--no-flash-attention", "--json",
+        capsys,
+        "--model",
+        "gpt2-124m",
+        "--cluster",
+        "dgx-h100",
+        "--gpus",
+        "8",
+        "--tp",
+        "2",
+        "--pp",
+        "2",
+        "--microbatch",
+        "2",
+        "--global-batch",
+        "16",
+        "--recompute",
+        "selective",
+        "--sequence-parallel",
+        "--zero",
+        "1",
+        "--dtype",
+        "bf16",
+        "--no-flash-attention",
+        "--json",
     )
     assert code == 0
     data = json.loads(out)
-    for key in ("step_time_s", "tokens_per_s", "model_tflops_per_gpu", "mfu", "fits", "memory", "breakdown_s"):
+    for key in (
+        "step_time_s",
+        "tokens_per_s",
+        "model_tflops_per_gpu",
+        "mfu",
+        "fits",
+        "memory",
+        "breakdown_s",
+    ):
         assert key in data
     for key in ("params_bytes", "grads_bytes", "optimizer_bytes", "activations_bytes", "peak_bytes"):
         assert data["memory"][key] > 0
@@ -217,7 +268,7 @@ def test_estimate_json_contract(capsys):
     ],
 )
 def test_inconsistent_configs_exit_2(capsys, args, needle):
-    code, out, err = _run(capsys, *args)
+    code, _, err = _run(capsys, *args)
     assert code == 2
     assert needle in err and err.count("\n") == 1 and "Traceback" not in err
 
