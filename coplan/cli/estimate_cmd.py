@@ -36,33 +36,55 @@ class Fusion(enum.StrEnum):
 
 
 def estimate(
-    model: Annotated[str, typer.Option("--model", "-m", help="Model preset name or a spec JSON file.")] = "gpt2-124m",
+    model: Annotated[
+        str, typer.Option("--model", "-m", help="Model preset name or a spec JSON file.")
+    ] = "gpt2-124m",
     cluster: Annotated[
-        str, typer.Option("--cluster", "-c", help="Cluster or device preset, or a JSON file (e.g. a calibrated profile).")
+        str,
+        typer.Option(
+            "--cluster", "-c", help="Cluster or device preset, or a JSON file (e.g. a calibrated profile)."
+        ),
     ] = "dgx-h100",
-    gpus: Annotated[int | None, typer.Option("--gpus", "-g", help="Devices to use [default: the cluster's].")] = None,
+    gpus: Annotated[
+        int | None, typer.Option("--gpus", "-g", help="Devices to use [default: the cluster's].")
+    ] = None,
     tp: Annotated[int, typer.Option("--tp", help="Tensor-parallel degree.")] = 1,
     pp: Annotated[int, typer.Option("--pp", help="Pipeline-parallel degree.")] = 1,
-    dp: Annotated[int | None, typer.Option("--dp", help="Data-parallel degree [default: N / (tp x pp)].")] = None,
+    dp: Annotated[
+        int | None, typer.Option("--dp", help="Data-parallel degree [default: N / (tp x pp)].")
+    ] = None,
     vpp: Annotated[int, typer.Option("--vpp", help="Model chunks per pipeline rank (interleaved 1F1B).")] = 1,
     microbatch: Annotated[int, typer.Option("--microbatch", "-b", help="Sequences per microbatch.")] = 1,
     global_batch: Annotated[
-        int | None, typer.Option("--global-batch", help="Sequences per optimizer step [default: microbatch x dp].")
+        int | None,
+        typer.Option("--global-batch", help="Sequences per optimizer step [default: microbatch x dp]."),
     ] = None,
     seq: SeqOpt = None,
-    recompute: Annotated[Recompute, typer.Option("--recompute", help="Activation recomputation.")] = Recompute.none,
+    recompute: Annotated[
+        Recompute, typer.Option("--recompute", help="Activation recomputation.")
+    ] = Recompute.none,
     sequence_parallel: Annotated[
-        bool, typer.Option("--sequence-parallel", help="Shard norms and dropout along the sequence (needs --tp > 1).")
+        bool,
+        typer.Option(
+            "--sequence-parallel", help="Shard norms and dropout along the sequence (needs --tp > 1)."
+        ),
     ] = False,
     zero: Annotated[int, typer.Option("--zero", help="ZeRO stage 0-3 (1 = distributed optimizer).")] = 0,
-    dtype: Annotated[Dtype, typer.Option("--dtype", help="Matmul precision (16-bit and fp8 keep fp32 master weights).")] = Dtype.bf16,
+    dtype: Annotated[
+        Dtype, typer.Option("--dtype", help="Matmul precision (16-bit and fp8 keep fp32 master weights).")
+    ] = Dtype.bf16,
     flash_attention: Annotated[
         bool, typer.Option("--flash-attention/--no-flash-attention", help="Fused attention kernel.")
     ] = True,
-    fusion: Annotated[Fusion, typer.Option("--fusion", help="Kernel fusion: Megatron-LM's fused kernels, or eager.")] = Fusion.megatron,
+    fusion: Annotated[
+        Fusion, typer.Option("--fusion", help="Kernel fusion: Megatron-LM's fused kernels, or eager.")
+    ] = Fusion.megatron,
     overlap_grad_reduce: Annotated[
         bool,
-        typer.Option("--overlap-grad-reduce/--no-overlap-grad-reduce", help="Overlap DP gradient reduction with backward."),
+        typer.Option(
+            "--overlap-grad-reduce/--no-overlap-grad-reduce",
+            help="Overlap DP gradient reduction with backward.",
+        ),
     ] = True,
     json: JsonOpt = False,
 ) -> None:
@@ -132,8 +154,13 @@ def render(est: Estimate, title: str) -> None:
     head.add_row("model TFLOP/s per GPU", f"{est.model_tflops_per_gpu:.1f}")
     head.add_row("MFU", f"{est.mfu:.1%}")
     fits = "[green]yes[/green]" if est.fits else "[red]no[/red]"
-    head.add_row("fits in memory", f"{fits} ({human_bytes(est.memory.peak_bytes)} of {human_bytes(est.memory.capacity_bytes)})")
-    head.add_row("kernels per step", f"{est.kernels_per_step:,} ({est.launch_overhead_s:.3g} s launch overhead)")
+    head.add_row(
+        "fits in memory",
+        f"{fits} ({human_bytes(est.memory.peak_bytes)} of {human_bytes(est.memory.capacity_bytes)})",
+    )
+    head.add_row(
+        "kernels per step", f"{est.kernels_per_step:,} ({est.launch_overhead_s:.3g} s launch overhead)"
+    )
     console.print(head)
     times = Table(title="step time breakdown", box=box.SIMPLE_HEAD)
     times.add_column("component")

@@ -190,7 +190,10 @@ def estimate(profile: GraphProfile, cluster: ClusterSpec, config: TrainingConfig
     t, p, d, v, m = config.tp, config.pp, config.dp, config.vpp, config.num_microbatches
     ab = config.act_bytes
     div_rep = t if config.sequence_parallel else 1
-    weights: Vec = (ab / div_rep, ab / t, 4 / div_rep, 4 / t, 1 / div_rep, 1 / t)
+    # fp32-class values (loss on logits, main gradients, Adam state) are 4 bytes in mixed precision;
+    # a pure 16-bit run (no master weights) keeps them in 16 bits too
+    f32 = 4 if (not config.mixed or config.master_weights) else ab
+    weights: Vec = (ab / div_rep, ab / t, f32 / div_rep, f32 / t, 1 / div_rep, 1 / t)
     scale = Scale(t, config.sequence_parallel, weights, ab, config.flash_attention)
     devices = _stage_devices(cluster, config)
     layers = _stage_layers(profile, config)
@@ -290,8 +293,8 @@ def estimate(profile: GraphProfile, cluster: ClusterSpec, config: TrainingConfig
         # microbatch; prefetching hides what compute can cover
         p_local = params[REPL] + params[TP] / t
         zero_comm = 0.0
-        param_bytes = ab if config.mixed and config.master_weights else 4
-        grad_bytes = 4.0
+        param_bytes = float(ab)  # parameters travel in the kernels' precision
+        grad_bytes = float(f32)  # gradients are reduced in fp32 under mixed precision
         if config.zero == 3 and d > 1:
             mb_comm = 2 * dp_group.all_gather(p_local * param_bytes) + dp_group.reduce_scatter(
                 p_local * grad_bytes
@@ -522,12 +525,14 @@ def _in_flight(stage: int, p: int, v: int, m: int) -> float:
 
 
 def _static(p_local: float, config: TrainingConfig, d: int) -> tuple[float, float, float]:
-    """Parameters, gradients and optimizer state on one GPU (Megatron mixed precision: 16-bit
-    weights, fp32 main gradients, fp32 master weights and Adam moments; ZeRO shards them)."""
-    mixed = config.mixed and config.master_weights
-    w = p_local * (config.act_bytes if mixed else 4)
-    g = p_local * 4
-    o = p_local * (12 if mixed else 8)
+    """Parameters, gradients and optimizer state on one GPU. Megatron mixed precision: 16-bit
+    weights, fp32 main gradients, fp32 master weights and Adam moments (2 + 4 + 12 bytes); fp32:
+    4 + 4 + 8; pure 16-bit without master weights: 2 + 2 + 4. ZeRO shards them."""
+    master = config.mixed and config.master_weights
+    wide = 4 if (master or not config.mixed) else config.act_bytes
+    w = p_local * config.act_bytes
+    g = p_local * wide
+    o = p_local * (12 if master else 2 * wide)
     if config.zero >= 1:
         o /= d
     if config.zero >= 2:

@@ -3,6 +3,11 @@
 Module names are chosen so that IR module paths read naturally: ``h.3.attn.c_attn``,
 ``h.3.mlp.c_fc``, ``lm_head``. Every shape is static (the MoE uses fixed expert capacity), so the
 model traces under fake tensors and its graph is the same for every batch of the same size.
+
+``Transformer.recompute`` turns on activation recomputation for real training runs (the cost
+model's ``TrainingConfig.recompute`` modes): ``"full"`` checkpoints every block, ``"selective"``
+only the attention core. Capture for the cost model leaves it at ``"none"``: the cost model adds the
+recomputation itself, so a captured graph must be the plain step.
 """
 
 from __future__ import annotations
@@ -10,6 +15,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 
 from coplan.models.spec import ModelSpec
 
@@ -44,10 +50,15 @@ class Rotary(nn.Module):
         return x * cos + torch.cat((-x2, x1), dim=-1) * sin
 
 
+#: Activation recomputation modes of ``Transformer.recompute`` (as ``TrainingConfig.recompute``).
+RECOMPUTE_MODES: tuple[str, ...] = ("none", "selective", "full")
+
+
 class Attention(nn.Module):
     def __init__(self, spec: ModelSpec) -> None:
         super().__init__()
         self.n_heads, self.kv_heads, self.hd = spec.n_heads, spec.kv_heads, spec.head_dim
+        self.checkpoint_core = False  # selective recomputation: re-run the attention core in backward
         kv = self.kv_heads * self.hd
         self.c_attn = nn.Linear(spec.d_model, spec.d_model + 2 * kv, bias=spec.bias)
         self.c_proj = nn.Linear(spec.d_model, spec.d_model, bias=spec.bias)
@@ -63,7 +74,12 @@ class Attention(nn.Module):
         if self.rotary is not None:
             q, k = self.rotary(q), self.rotary(k)
         gqa = self.kv_heads != self.n_heads
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
+        if self.checkpoint_core and torch.is_grad_enabled():
+            y = checkpoint(
+                F.scaled_dot_product_attention, q, k, v, use_reentrant=False, is_causal=True, enable_gqa=gqa
+            )
+        else:
+            y = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
         y = y.transpose(1, 2).contiguous().view(b, t, c)
         return self.c_proj(y)
 
@@ -152,11 +168,18 @@ class Block(nn.Module):
 
 
 class Transformer(nn.Module):
-    """``forward(idx, targets)`` returns the mean cross-entropy loss of next-token prediction."""
+    """``forward(idx, targets)`` returns the mean cross-entropy loss of next-token prediction.
+
+    ``recompute`` (settable after construction, one of ``RECOMPUTE_MODES``): ``"none"`` keeps what
+    autograd saves; ``"full"`` saves only each block's input and re-runs the block in backward
+    (``torch.utils.checkpoint``, non-reentrant); ``"selective"`` re-runs only the attention core
+    (the ``scaled_dot_product_attention`` call), as Megatron-LM's selective recomputation.
+    """
 
     def __init__(self, spec: ModelSpec) -> None:
         super().__init__()
         self.spec = spec
+        self._recompute = "none"
         self.wte = nn.Embedding(spec.vocab_size, spec.d_model)
         self.wpe = nn.Embedding(spec.seq_len, spec.d_model) if spec.position == "learned" else None
         self.h = nn.ModuleList(Block(spec) for _ in range(spec.n_layers))
@@ -165,13 +188,27 @@ class Transformer(nn.Module):
         if spec.tied_embeddings:
             self.lm_head.weight = self.wte.weight
 
+    @property
+    def recompute(self) -> str:
+        return self._recompute
+
+    @recompute.setter
+    def recompute(self, mode: str) -> None:
+        if mode not in RECOMPUTE_MODES:
+            raise ValueError(f"recompute must be one of {', '.join(RECOMPUTE_MODES)}, got {mode!r}")
+        self._recompute = mode
+        for module in self.modules():
+            if isinstance(module, Attention):
+                module.checkpoint_core = mode == "selective"
+
     def forward(self, idx: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         _, t = idx.shape
         x = self.wte(idx)
         if self.wpe is not None:
             x = x + self.wpe(torch.arange(t, device=idx.device))
+        full = self._recompute == "full" and torch.is_grad_enabled()
         for block in self.h:
-            x = block(x)
+            x = checkpoint(block, x, use_reentrant=False) if full else block(x)
         logits = self.lm_head(self.ln_f(x))
         return F.cross_entropy(logits.view(-1, logits.size(-1)), targets.view(-1))
 
