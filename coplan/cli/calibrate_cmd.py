@@ -1,10 +1,155 @@
-"""``coplan calibrate``: measure this machine and write a device profile (placeholder)."""
+"""``coplan calibrate``: measure this machine and write a calibrated cluster profile."""
 
 from __future__ import annotations
 
-from coplan.errors import CoplanError
+import sys
+import time
+from pathlib import Path
+from typing import TYPE_CHECKING, Annotated
+
+import typer
+from rich import box
+from rich.console import Console
+from rich.table import Table
+
+from coplan.cli.common import human_bytes, positive, print_json, stdout
+
+if TYPE_CHECKING:
+    from rich.progress import Progress, TaskID
+
+    from coplan.hardware.calibrate import Calibration, Measurement
+
+#: The progress bar appears only once a run has lasted this long (a fast run prints no flicker).
+PROGRESS_AFTER_S = 1.0
 
 
-def calibrate() -> None:
-    """Measure matmul, elementwise, reduction and collective microbenchmarks into a profile."""
-    raise CoplanError("calibrate is not implemented yet")
+def calibrate(
+    device: Annotated[str, typer.Option("--device", "-d", help="What to measure: cpu or cuda.")] = "cpu",
+    out: Annotated[
+        Path | None,
+        typer.Option("--out", "-o", help="Profile to write [default: ./coplan-profile-<device>.json]."),
+    ] = None,
+    procs: Annotated[
+        int | None,
+        typer.Option(
+            "--procs",
+            "-n",
+            help="Processes for the collective benchmarks (1: none) [default: 2 on cpu, every GPU on cuda].",
+        ),
+    ] = None,
+    quick: Annotated[
+        bool, typer.Option("--quick", help="A reduced set of microbenchmarks (seconds).")
+    ] = False,
+    json: Annotated[bool, typer.Option("--json", help="Print one JSON object instead of tables.")] = False,
+) -> None:
+    """Time matmuls, attention, elementwise ops, reductions, kernel launches and collectives with real
+    torch ops, fit the cost model's device rates to them, and write a cluster profile that --cluster
+    (estimate, plan) accepts."""
+    from coplan.hardware.calibrate import calibrate as run
+    from coplan.hardware.calibrate import write_profile
+
+    positive("--procs", procs, optional=True)
+    path = out if out is not None else Path(f"coplan-profile-{device}.json")
+    with _LazyProgress() as bar:
+        cal = run(device, procs=procs, quick=quick, progress=bar.update)
+    written = write_profile(cal, path)
+    if json:
+        print_json({**cal.to_dict(), "out": str(written)})
+        return
+    console = stdout()
+    render(cal, console)
+    console.print(f"\nwrote {written} (use it as --cluster {written})")
+
+
+class _LazyProgress:
+    """A Rich progress bar on stderr that starts only after ``PROGRESS_AFTER_S`` (so quick runs and
+    ``--json`` stdout stay clean) and disappears when done."""
+
+    def __init__(self) -> None:
+        self.started = time.perf_counter()
+        self.bar: Progress | None = None
+        self.task: TaskID | None = None
+
+    def __enter__(self) -> _LazyProgress:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self.bar is not None:
+            self.bar.stop()
+
+    def update(self, label: str, done: int, total: int) -> None:
+        if self.bar is None:
+            if time.perf_counter() - self.started < PROGRESS_AFTER_S:
+                return
+            from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
+
+            self.bar = Progress(
+                TextColumn("calibrating"),
+                BarColumn(),
+                TextColumn("{task.completed}/{task.total}"),
+                TimeElapsedColumn(),
+                TextColumn("{task.description}"),
+                console=Console(file=sys.stderr),
+                transient=True,
+            )
+            self.bar.start()
+            self.task = self.bar.add_task(label, total=total)
+        assert self.task is not None
+        self.bar.update(self.task, completed=done, total=total, description=label)
+
+
+def _seconds(s: float) -> str:
+    return f"{s * 1e3:.2f}ms" if s >= 1e-3 else f"{s * 1e6:.1f}µs"
+
+
+def _rate(m: Measurement) -> str:
+    """What the measurement achieved, in the unit its kind is fitted on."""
+    if m.kind in ("matmul", "attention"):
+        return f"{m.flops / m.seconds / 1e9:.0f} GFLOP/s"
+    if m.kind == "vector":
+        return f"{m.bytes / m.seconds / 1e9:.1f} GB/s"
+    if m.kind == "collective":
+        return human_bytes(m.bytes)
+    return ""
+
+
+def render(cal: Calibration, console: Console) -> None:
+    table = Table(
+        title=f"microbenchmarks: measured vs {cal.device.name}",
+        title_justify="left",
+        box=box.SIMPLE_HEAD,
+        show_edge=False,
+        pad_edge=False,
+    )
+    table.add_column("microbenchmark", style="cyan", no_wrap=True)
+    table.add_column("dtype", no_wrap=True)
+    table.add_column("measured", justify="right", no_wrap=True)
+    table.add_column("fitted", justify="right", no_wrap=True)
+    table.add_column("error", justify="right", no_wrap=True)
+    table.add_column("achieved", justify="right", no_wrap=True)
+    kind = ""
+    for m in cal.measurements:
+        if m.kind != kind and kind:
+            table.add_section()
+        kind = m.kind
+        err = f"{m.error:+.0%}" if m.used else "-"
+        table.add_row(m.name, m.dtype, _seconds(m.seconds), _seconds(m.fitted), err, _rate(m))
+    console.print(table)
+    d = cal.device
+    eff = d.efficiency
+    mm = ", ".join(f"{k.split('.', 1)[1]} {v:.3f}" for k, v in eff.items() if k.startswith("matmul."))
+    console.print(f"\n[bold]{d.name}[/bold]: {cal.cluster.summary()}")
+    console.print(f"  matmul efficiency: {mm}; half-dim {d.matmul_half_dim:g}")
+    console.print(f"  attention efficiency: {eff.get('attention', 0.0):.3f}")
+    bw = d.memory_bandwidth * d.efficiency_of("memory")
+    vec = d.vector_flops * d.efficiency_of("vector")
+    console.print(f"  memory {bw / 1e9:.1f} GB/s achievable; vector {vec / 1e9:.1f} GFLOP/s achievable")
+    console.print(f"  kernel launch {d.kernel_launch_s * 1e6:.2f} µs")
+    link = cal.cluster.groups[0].intra_node
+    if cal.cluster.num_devices > 1:
+        console.print(
+            f"  link {link.name}: {link.bandwidth / 1e9:.2f} GB/s, latency {link.latency_s * 1e6:.1f} µs"
+        )
+    console.print("  fit residuals (rms): " + ", ".join(f"{k} {v:.0%}" for k, v in cal.residuals.items()))
+    for note in cal.notes:
+        console.print(f"  note: {note}")

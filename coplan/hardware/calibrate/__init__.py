@@ -1,0 +1,321 @@
+"""Calibrate a device profile on this machine: time real torch kernels, fit the cost model's rates.
+
+Every microbenchmark is priced with the cost model's own kernel rules (``coplan.cost.kernels``)
+and collective formulas (``coplan.cost.comm``), so a fitted profile reproduces the measured times
+as closely as those formulas can. The fit runs in stages, each a least-squares fit of
+``log(predicted) - log(measured)`` (relative errors, so a 10 us kernel weighs as much as a 10 ms
+one):
+
+1. ``kernel_launch_s``: the per-kernel cost of an autograd chain of tiny ops, forward and backward
+   (eager training pays a dispatch and an autograd node per aten op, not just the bare dispatch);
+2. ``efficiency.memory`` and ``efficiency.vector`` from elementwise ops, reductions, norms and
+   softmax at several sizes;
+3. ``efficiency.matmul.<dtype>`` and ``matmul_half_dim`` from GEMMs of several sizes and shapes;
+4. ``efficiency.attention`` from fused attention forward and backward;
+5. with several processes, the intra-node link's latency and bandwidth from all-reduce and
+   all-gather at several message sizes.
+
+Data-sheet values (``peak_flops``, ``vector_flops``, ``memory_bandwidth``) are kept and the measured
+fraction goes into ``efficiency``; a fraction above 1 means the data sheet undersells the machine,
+so the data-sheet value is raised to the measurement instead (and the ``source`` says so).
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import platform
+import re
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from coplan.errors import CoplanError
+from coplan.hardware.calibrate.fit import KINDS, Measurement, Params, fit, predict, rms_residuals
+from coplan.hardware.calibrate.probes import (
+    Plan,
+    _Clock,
+    attention_probes,
+    launch_probes,
+    matmul_probes,
+    measure_collectives,
+    run_probes,
+    vector_probes,
+)
+from coplan.hardware.cluster import ClusterSpec, InterconnectLevel, NodeGroup
+from coplan.hardware.device import DeviceSpec
+from coplan.hardware.registry import device_presets
+
+DEVICES: tuple[str, ...] = ("cpu", "cuda")
+#: Links fitted from fewer processes than this are not measured (one process has no peer).
+MIN_PROCS = 2
+
+Progress = Callable[[str, int, int], None]
+
+
+class CalibrationError(CoplanError):
+    """A calibration that cannot run on this machine (exit code 2)."""
+
+
+@dataclass(frozen=True, slots=True)
+class Calibration:
+    """A fitted device, the cluster written to disk, and the measurements behind them.
+
+    ``residuals`` is the root-mean-square relative error (``exp(rms log residual) - 1``) of each
+    microbenchmark kind after the fit.
+    """
+
+    device: DeviceSpec
+    cluster: ClusterSpec
+    measurements: tuple[Measurement, ...]
+    residuals: dict[str, float] = field(default_factory=dict)
+    notes: tuple[str, ...] = ()
+
+    def to_dict(self) -> dict[str, Any]:
+        """The cluster spec (what ``write_profile`` writes and ``load_cluster`` reads) plus the
+        residuals, notes and measurements (``--json``; the spec loader refuses unknown keys)."""
+        return {
+            **self.cluster.to_dict(),
+            "residuals": dict(self.residuals),
+            "notes": list(self.notes),
+            "measurements": [m.to_dict() for m in self.measurements],
+        }
+
+
+# --- the device to start from -----------------------------------------------------------------------
+
+# torch.cuda.get_device_name patterns -> device preset; the first match wins (order matters: the
+# PCIe H100 has lower clocks and memory bandwidth than the SXM preset, so it matches nothing).
+_CUDA_PRESETS: tuple[tuple[str, str], ...] = (
+    (r"h100(?!.*pcie)", "h100-sxm"),
+    (r"h200", "h200"),
+    (r"b200", "b200"),
+    (r"a100.*80", "a100-sxm-80gb"),
+    (r"a100(?!.*pcie)", "a100-sxm-40gb"),
+    (r"\bl4\b", "l4"),
+    (r"mi300x", "mi300x"),
+)
+
+
+def preset_for_gpu(name: str) -> str | None:
+    """The device preset matching a ``torch.cuda.get_device_name`` string, or None."""
+    low = name.lower()
+    for pattern, preset in _CUDA_PRESETS:
+        if re.search(pattern, low):
+            return preset
+    return None
+
+
+def _check_device(dev: str) -> None:
+    if dev not in DEVICES:
+        raise CalibrationError(f"unknown device {dev!r}; expected one of: {', '.join(DEVICES)}")
+    if dev == "cuda" and not torch.cuda.is_available():
+        raise CalibrationError("--device cuda: torch sees no CUDA device on this machine (try --device cpu)")
+
+
+def base_device(dev: str) -> tuple[DeviceSpec | None, str]:
+    """The preset to start from and a description of the hardware (None: no preset matches)."""
+    presets = device_presets()
+    if dev == "cpu":
+        return presets["cpu"], platform.processor() or platform.machine() or "cpu"
+    gpu = torch.cuda.get_device_name(0)
+    preset = preset_for_gpu(gpu)
+    return (presets[preset] if preset else None), gpu
+
+
+def _bare_gpu(gpu: str, ms: Sequence[Measurement]) -> DeviceSpec:
+    """A device built from measurements only: the best rate seen stands in for each peak."""
+    props = torch.cuda.get_device_properties(0)
+    peaks: dict[str, float] = {}
+    for m in ms:
+        if m.kind == "matmul":
+            peaks[m.dtype] = max(peaks.get(m.dtype, 0.0), m.flops / m.seconds)
+    vec = [m for m in ms if m.kind == "vector"]
+    bandwidth = max((m.bytes / m.seconds for m in vec), default=1e12)
+    vector = max((m.vec_flops / m.seconds for m in vec), default=1e13)
+    return DeviceSpec(
+        name=re.sub(r"[^a-z0-9]+", "-", gpu.lower()).strip("-") or "gpu",
+        vendor="amd" if getattr(torch.version, "hip", None) else "nvidia",
+        peak_flops=peaks or {"fp32": 1e13},
+        vector_flops=vector,
+        memory_bytes=int(props.total_memory),
+        memory_bandwidth=bandwidth,
+        sram_bytes=int(getattr(props, "L2_cache_size", 0) or 1),
+        kernel_launch_s=5e-6,
+        source=f"built from measurements: no preset matches {gpu!r}",
+    )
+
+
+def _dtypes(dev: str, base: DeviceSpec | None) -> list[str]:
+    wanted = ["fp32", "bf16"] if dev == "cpu" else ["fp32", "tf32", "bf16", "fp16"]
+    return [d for d in wanted if base is None or base.supports(d)]
+
+
+# --- turning fitted rates into a device and a cluster -----------------------------------------------
+
+
+def _start_params(base: DeviceSpec, dtypes: Sequence[str]) -> Params:
+    return Params(
+        peaks={d: base.peak(d) for d in dtypes},
+        mm_flops={d: base.peak(d) * base.efficiency_of("matmul", d) for d in dtypes},
+        attention=base.efficiency_of("attention", dtypes[0]),
+        vec_flops=base.vector_flops * base.efficiency_of("vector"),
+        bandwidth=base.memory_bandwidth * base.efficiency_of("memory"),
+        half_dim=base.matmul_half_dim or 64.0,
+        launch_s=base.kernel_launch_s,
+        link_bandwidth=base.memory_bandwidth,
+        link_latency_s=1e-5,
+    )
+
+
+def to_device(
+    base: DeviceSpec, p: Params, dtypes: Sequence[str], name: str, source: str
+) -> tuple[DeviceSpec, list[str]]:
+    """``base`` with the fitted rates as efficiencies of its data-sheet values; a fraction above 1
+    raises the data-sheet value to the measurement instead (listed in the returned notes)."""
+    notes: list[str] = []
+    eff = dict(base.efficiency)
+    peaks = dict(base.peak_flops)
+
+    def fraction(label: str, rate: float, sheet: float) -> tuple[float, float]:
+        frac = rate / sheet
+        if frac <= 1.0:
+            return frac, sheet
+        notes.append(
+            f"{label} measured {rate:.4g}/s above the data sheet's {sheet:.4g}/s: raised to the measurement"
+        )
+        return 1.0, rate
+
+    for d in dtypes:
+        eff[f"matmul.{d}"], peaks[d] = fraction(f"matmul {d}", p.mm_flops[d], peaks[d])
+    eff["attention"] = min(1.0, p.attention)
+    # "matmul" (no dtype) is what dtypes without their own entry fall back to: the widest fitted one
+    eff["matmul"] = eff[f"matmul.{dtypes[0]}"]
+    eff["vector"], vector = fraction("vector", p.vec_flops, base.vector_flops)
+    eff["memory"], bandwidth = fraction("memory bandwidth", p.bandwidth, base.memory_bandwidth)
+    device = replace(
+        base,
+        name=name,
+        peak_flops=peaks,
+        vector_flops=vector,
+        memory_bandwidth=bandwidth,
+        kernel_launch_s=p.launch_s,
+        efficiency=eff,
+        matmul_half_dim=round(p.half_dim, 3),
+        source=source,
+    )
+    return device, notes
+
+
+def _level(p: Params, device: DeviceSpec, backend: str) -> InterconnectLevel:
+    # the cost model multiplies link bandwidth by the device's network efficiency: divide it out
+    net = device.efficiency_of("network")
+    return InterconnectLevel(
+        f"{backend}-measured", p.link_bandwidth / net, p.link_latency_s, "switch", "node"
+    )
+
+
+# --- the whole run ----------------------------------------------------------------------------------
+
+
+def calibrate(
+    device: str = "cpu", *, procs: int | None = None, quick: bool = False, progress: Progress | None = None
+) -> Calibration:
+    """Measure ``device`` ("cpu" or "cuda") and fit a profile. ``procs`` processes (default 2 on
+    cpu, the GPU count on cuda, at least 2 to measure a link; 1 skips collectives)."""
+    _check_device(device)
+    if procs is None:
+        procs = 2 if device == "cpu" else torch.cuda.device_count()
+    if isinstance(procs, bool) or not isinstance(procs, int) or procs < 1:
+        raise CalibrationError(f"--procs must be a positive integer, got {procs!r}")
+    if device == "cuda" and procs > torch.cuda.device_count():
+        raise CalibrationError(f"--procs {procs}: only {torch.cuda.device_count()} CUDA devices are visible")
+    base, hardware = base_device(device)
+    dtypes = _dtypes(device, base)
+    plan = Plan.of(device, quick)
+    clock = _Clock(device, target_s=plan.target_s, samples=plan.samples)
+    attn_dtypes = [d for d in dtypes if d != "tf32"]  # attention has no TF32 path
+    probes = launch_probes(device) + vector_probes(device, dtypes, plan)
+    cache = base.sram_bytes if base is not None else int(torch.cuda.get_device_properties(0).L2_cache_size)
+    probes += matmul_probes(device, dtypes, plan, cache) + attention_probes(device, attn_dtypes, plan)
+    total = len(probes) * plan.passes + (1 if procs >= MIN_PROCS else 0)
+    done = 0
+
+    def tick(label: str) -> None:
+        nonlocal done
+        done += 1
+        if progress is not None:
+            progress(label, done, total)
+
+    started = time.perf_counter()
+    ms = run_probes(probes, clock, plan.passes, tick)
+    backend = ""
+    if procs >= MIN_PROCS:
+        coll, backend = measure_collectives(device, procs, plan, tick)
+        ms += coll
+    extra: list[str] = []
+    if base is None:
+        base = _bare_gpu(hardware, ms)
+        extra.append(f"no device preset matches {hardware!r}: its peaks are the best rates measured")
+    params = fit(ms, _start_params(base, dtypes))
+    fitted = tuple(replace(m, fitted=predict(m, params)) for m in ms)
+    residuals = rms_residuals(fitted)
+    when = datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+    res_text = ", ".join(f"{k} {v:.1%}" for k, v in residuals.items())
+    source = (
+        f"measured by `coplan calibrate --device {device}{' --quick' if quick else ''}` on {hardware} "
+        f"({torch.get_num_threads()} torch threads) at {when} with torch {torch.__version__}, "
+        f"{len(ms)} microbenchmarks in {time.perf_counter() - started:.0f} s; started from preset "
+        f"'{base.name}' (data-sheet peaks kept); rms relative residual of the fit: {res_text}"
+    )
+    dev_spec, notes = to_device(base, params, dtypes, f"{base.name}-calibrated", source)
+    notes = extra + notes
+    if notes:
+        dev_spec = replace(dev_spec, source=source + "; " + "; ".join(notes))
+    if procs >= MIN_PROCS:
+        level = _level(params, dev_spec, backend)
+        if device == "cpu":
+            notes.append(f"the {procs} cpu 'devices' are processes sharing one CPU's cores")
+    else:
+        level = InterconnectLevel.loopback(dev_spec.memory_bandwidth * dev_spec.efficiency_of("memory"))
+    count = procs if procs >= MIN_PROCS else 1
+    cluster = ClusterSpec(
+        f"{device}-calibrated" if count == 1 else f"{device}-calibrated[{count}]",
+        (NodeGroup(dev_spec, count, 1, level),),
+        None,
+        f"one node of {count} x {dev_spec.name}; "
+        + (
+            f"link measured with {backend} all-reduce and all-gather over {procs} processes"
+            if procs >= MIN_PROCS
+            else "no link measured (one process): loopback at the measured memory bandwidth"
+        ),
+    )
+    return Calibration(dev_spec, cluster, fitted, residuals, tuple(notes))
+
+
+def write_profile(cal: Calibration, path: str | Path) -> Path:
+    """Write the calibrated cluster spec (what ``load_cluster`` accepts) to ``path``."""
+    out = Path(path).expanduser()
+    try:
+        out.write_text(json.dumps(cal.cluster.to_dict(), indent=2) + "\n", encoding="utf-8")
+    except OSError as err:
+        raise CalibrationError(f"cannot write {out}: {err.strerror or err}") from None
+    return out
+
+
+__all__ = [
+    "DEVICES",
+    "KINDS",
+    "Calibration",
+    "CalibrationError",
+    "Measurement",
+    "Params",
+    "calibrate",
+    "fit",
+    "predict",
+    "write_profile",
+]

@@ -1,0 +1,315 @@
+"""``coplan calibrate``: the fitting math recovers known rates exactly, a quick run on this CPU writes
+a profile the loaders accept, and bad input is a one-line error (exit 2)."""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import replace
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from coplan.cli import main
+from coplan.cost.kernels import Rates
+from coplan.hardware import device_presets, load_cluster
+from coplan.hardware.calibrate import Measurement, Params, calibrate, predict, preset_for_gpu, to_device
+from coplan.hardware.calibrate.fit import (
+    fit,
+    fit_attention,
+    fit_launch,
+    fit_link,
+    fit_matmul,
+    fit_vector,
+    least_squares,
+    rms_residuals,
+)
+from coplan.hardware.calibrate.probes import Plan, transformer_gemms
+
+TRUTH = Params(
+    peaks={"fp32": 4e11, "bf16": 8e11},
+    mm_flops={"fp32": 1.5e11, "bf16": 6.2e11},
+    attention=0.07,
+    vec_flops=1.8e10,
+    bandwidth=9e10,
+    half_dim=48.0,
+    launch_s=3.5e-6,
+    link_bandwidth=2.5e9,
+    link_latency_s=4e-5,
+)
+START = Params(
+    peaks=TRUTH.peaks,
+    mm_flops={"fp32": 2e11, "bf16": 4e11},
+    attention=0.5,
+    vec_flops=2e11,
+    bandwidth=2e10,
+    half_dim=0.0,
+    launch_s=1e-6,
+    link_bandwidth=1e10,
+    link_latency_s=1e-6,
+)
+
+
+def _timed(ms: list[Measurement], p: Params = TRUTH) -> list[Measurement]:
+    """The measurements as a machine that is exactly the model with rates ``p`` would time them."""
+    return [replace(m, seconds=predict(m, p)) for m in ms]
+
+
+def _synthetic() -> list[Measurement]:
+    ms = [Measurement("launch", "autograd chain (per kernel)", "fp32", 0.0, dims=(8,))]
+    for n in (1 << 12, 1 << 16, 1 << 20, 1 << 22):
+        for per, nbytes in ((1.0, 12.0), (8.0, 8.0), (5.0, 8.0), (1.0, 4.0)):  # memory- and compute-bound
+            ms.append(Measurement("vector", f"v{per} {n}", "fp32", 0.0, vec_flops=per * n, bytes=nbytes * n))
+    for dtype in ("fp32", "bf16"):
+        size = 4 if dtype == "fp32" else 2
+        for m, n, k, _ in ((64, 64, 64, ""), (256, 256, 256, ""), *transformer_gemms(1024, 256, 2048)):
+            nbytes = size * (m * k + k * n + m * n)
+            ms.append(
+                Measurement("matmul", f"mm {m}x{n}x{k}", dtype, 0.0, 2.0 * m * n * k, 0.0, nbytes, (m, n, k))
+            )
+        for bh, s, d in ((8, 128, 32), (16, 256, 64), (32, 512, 64)):
+            flops = 4.0 * bh * s * s * d
+            geo = (bh, s, s, d)
+            ms.append(
+                Measurement("attention", f"a {s}", dtype, 0.0, flops, 0.0, 4.0 * bh * s * d * size, geo)
+            )
+            ms.append(
+                Measurement(
+                    "attention",
+                    f"a {s} bwd",
+                    dtype,
+                    0.0,
+                    2.5 * flops,
+                    0.0,
+                    8.0 * bh * s * d * size,
+                    geo,
+                    "backward",
+                )
+            )
+    for nbytes in (1 << 10, 1 << 16, 1 << 20, 1 << 24):
+        for name in ("all_reduce", "all_gather"):
+            ms.append(
+                Measurement("collective", f"{name} {nbytes}", "fp32", 0.0, bytes=float(nbytes), dims=(2,))
+            )
+    return _timed(ms)
+
+
+def _close(a: float, b: float, rel: float = 1e-6) -> bool:
+    return math.isclose(a, b, rel_tol=rel)
+
+
+# --- the fitting math -------------------------------------------------------------------------------
+
+
+def test_least_squares_solves_a_nonlinear_fit_exactly() -> None:
+    xs = np.linspace(0.0, 3.0, 20)
+    ys = 2.5 * np.exp(-0.7 * xs) + 0.3
+
+    def res(p: np.ndarray) -> np.ndarray:
+        return p[0] * np.exp(-p[1] * xs) + p[2] - ys
+
+    got = least_squares(res, [1.0, 0.1, 0.0])
+    assert np.allclose(got, [2.5, 0.7, 0.3], rtol=1e-8)
+
+
+def test_each_stage_recovers_its_rates_from_exact_timings() -> None:
+    ms = _synthetic()
+    assert fit_launch(ms) == pytest.approx(TRUTH.launch_s, rel=1e-12)
+    known = replace(START, launch_s=TRUTH.launch_s)
+    vec = fit_vector(ms, known)
+    assert _close(vec.bandwidth, TRUTH.bandwidth) and _close(vec.vec_flops, TRUTH.vec_flops)
+    mm = fit_matmul(ms, replace(known, bandwidth=TRUTH.bandwidth, vec_flops=TRUTH.vec_flops))
+    assert _close(mm.half_dim, TRUTH.half_dim)
+    for dtype, rate in TRUTH.mm_flops.items():
+        assert _close(mm.mm_flops[dtype], rate)
+    att = fit_attention(ms, replace(TRUTH, attention=0.9))
+    assert _close(att.attention, TRUTH.attention)
+    link = fit_link(ms, replace(TRUTH, link_bandwidth=1e11, link_latency_s=1e-3))
+    assert _close(link.link_bandwidth, TRUTH.link_bandwidth) and _close(
+        link.link_latency_s, TRUTH.link_latency_s
+    )
+
+
+def test_full_fit_recovers_every_rate_and_leaves_no_residual() -> None:
+    ms = _synthetic()
+    got = fit(ms, START)
+    for name in (
+        "attention",
+        "vec_flops",
+        "bandwidth",
+        "half_dim",
+        "launch_s",
+        "link_bandwidth",
+        "link_latency_s",
+    ):
+        assert _close(getattr(got, name), getattr(TRUTH, name)), name
+    fitted = [replace(m, fitted=predict(m, got)) for m in ms]
+    assert all(v < 1e-6 for v in rms_residuals(fitted).values())
+
+
+def test_fitted_rates_round_trip_through_the_device_spec() -> None:
+    """The device written to disk prices kernels at exactly the fitted rates (cost-model ``Rates``)."""
+    base = device_presets()["cpu"]
+    p = replace(TRUTH, peaks={d: base.peak(d) for d in ("fp32", "bf16")}, bandwidth=1.5e10)
+    device, notes = to_device(base, p, ["fp32", "bf16"], "cpu-calibrated", "test")
+    assert notes == []
+    assert device.peak_flops == base.peak_flops  # data-sheet peaks kept
+    for dtype in ("fp32", "bf16"):
+        rates = Rates.of(device, dtype)
+        assert _close(rates.mm_flops, p.mm_flops[dtype])
+        assert _close(rates.attn_flops, p.peaks[dtype] * p.attention)
+        assert _close(rates.vec_flops, p.vec_flops) and _close(rates.bandwidth, p.bandwidth)
+        assert rates.half_dim == pytest.approx(p.half_dim, abs=1e-3) and rates.launch_s == p.launch_s
+
+
+def test_a_rate_above_the_data_sheet_raises_it_and_says_so() -> None:
+    base = device_presets()["cpu"]
+    fast = replace(TRUTH, peaks={"fp32": 4.736e11, "bf16": 9.472e11}, bandwidth=base.memory_bandwidth * 3)
+    device, notes = to_device(base, fast, ["fp32", "bf16"], "x", "test")
+    assert device.memory_bandwidth == pytest.approx(base.memory_bandwidth * 3)
+    assert device.efficiency_of("memory") == 1.0
+    assert any("memory bandwidth" in n for n in notes)
+
+
+@pytest.mark.parametrize(
+    ("name", "preset"),
+    [
+        ("NVIDIA H100 80GB HBM3", "h100-sxm"),
+        ("NVIDIA H100 PCIe", None),
+        ("NVIDIA H200", "h200"),
+        ("NVIDIA A100-SXM4-80GB", "a100-sxm-80gb"),
+        ("NVIDIA A100-SXM4-40GB", "a100-sxm-40gb"),
+        ("NVIDIA L4", "l4"),
+        ("NVIDIA L40S", None),
+        ("NVIDIA GeForce RTX 4090", None),
+    ],
+)
+def test_gpu_names_map_to_presets(name: str, preset: str | None) -> None:
+    assert preset_for_gpu(name) == preset
+    if preset is not None:
+        assert preset in device_presets()
+
+
+def test_quick_plan_is_smaller_than_the_full_one() -> None:
+    quick, full = Plan.of("cpu", True), Plan.of("cpu", False)
+    assert len(quick.matmul) < len(full.matmul) and len(quick.vector_sizes) < len(full.vector_sizes)
+    assert {layout for *_, layout in full.matmul} == {"nn", "nt", "tn"}
+
+
+# --- a real run on this machine ---------------------------------------------------------------------
+
+
+def _run(capsys: pytest.CaptureFixture[str], *args: str) -> tuple[int, str, str]:
+    with pytest.raises(SystemExit) as exc:
+        main(list(args))
+    code = exc.value.code
+    out, err = capsys.readouterr()
+    return (code if isinstance(code, int) else (0 if code is None else 1)), out, err
+
+
+def _check_sane(path: Path) -> None:
+    cluster = load_cluster(str(path))
+    d = cluster.device
+    assert "measured by `coplan calibrate" in d.source and torch.__version__ in d.source
+    assert d.peak_flops == device_presets()["cpu"].peak_flops
+    for kind, value in d.efficiency.items():
+        assert 0.0 < value <= 1.0, kind
+    assert 1e-8 < d.kernel_launch_s < 1e-3
+    assert 0.0 <= d.matmul_half_dim < 1e4
+    assert 1e8 < d.memory_bandwidth * d.efficiency_of("memory") < 1e13
+    assert 1e8 < d.vector_flops * d.efficiency_of("vector") < 1e13
+    for dtype in ("fp32", "bf16"):
+        assert 1e9 < Rates.of(d, dtype).mm_flops < 1e13
+    assert load_cluster(str(path), 1).num_devices == 1
+
+
+def test_quick_cpu_calibration_writes_a_loadable_profile(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    out = tmp_path / "profile.json"
+    code, stdout, _ = _run(
+        capsys, "calibrate", "--device", "cpu", "--quick", "--procs", "1", "--out", str(out), "--json"
+    )
+    assert code == 0
+    data = json.loads(stdout)  # the whole of stdout is one JSON document
+    assert data["out"] == str(out)
+    kinds = {m["kind"] for m in data["measurements"]}
+    assert kinds == {"launch", "vector", "matmul", "attention"}
+    assert all(m["seconds"] > 0 and m["fitted_s"] > 0 for m in data["measurements"])
+    assert json.loads(out.read_text())["groups"] == data["groups"]  # the file is the cluster spec alone
+    _check_sane(out)
+
+
+@pytest.mark.slow
+def test_quick_calibration_with_collectives_measures_a_link(tmp_path: Path) -> None:
+    cal = calibrate("cpu", procs=2, quick=True)
+    assert cal.cluster.num_devices == 2
+    link = cal.cluster.groups[0].intra_node
+    assert link.name == "gloo-measured" and 1e6 < link.bandwidth < 1e12 and 0 < link.latency_s < 0.1
+    assert any(m.kind == "collective" for m in cal.measurements)
+
+
+def test_table_output_names_every_microbenchmark(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    out = tmp_path / "p.json"
+    code, stdout, _ = _run(capsys, "calibrate", "--quick", "--procs", "1", "--out", str(out))
+    assert code == 0
+    assert "mm nt" in stdout and "layer_norm" in stdout and "fit residuals" in stdout
+    assert f"wrote {out}" in stdout
+
+
+# --- bad input ---------------------------------------------------------------------------------------
+
+
+def _one_line_error(code: int, err: str, needle: str) -> None:
+    assert code == 2, err
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: ") and needle in lines[0], err
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has a CUDA device")
+def test_cuda_without_a_gpu_is_a_one_line_error(capsys: pytest.CaptureFixture[str]) -> None:
+    code, _, err = _run(capsys, "calibrate", "--device", "cuda")
+    _one_line_error(code, err, "no CUDA device")
+
+
+def test_unknown_device_and_bad_procs_are_one_line_errors(capsys: pytest.CaptureFixture[str]) -> None:
+    code, _, err = _run(capsys, "calibrate", "--device", "tpu")
+    _one_line_error(code, err, "unknown device 'tpu'")
+    code, _, err = _run(capsys, "calibrate", "--procs", "0")
+    _one_line_error(code, err, "--procs")
+
+
+# --- the model's recompute modes (the accuracy benchmark trains with them) ---------------------------
+
+
+def test_transformer_recompute_modes_keep_gradients_and_drop_saved_activations() -> None:
+    from coplan.models.spec import ModelSpec
+    from coplan.models.transformer import Transformer, example_batch
+
+    spec = ModelSpec(name="t", n_layers=2, d_model=32, n_heads=4, vocab_size=64, seq_len=16)
+    torch.manual_seed(0)
+    model = Transformer(spec)
+    idx, targets = example_batch(spec, 2, 16)
+    grads, saved = {}, {}
+    for mode in ("none", "selective", "full"):
+        model.recompute = mode
+        model.zero_grad()
+        count: dict[int, int] = {}
+
+        def pack(t: torch.Tensor, count: dict[int, int] = count) -> torch.Tensor:
+            count.setdefault(t.untyped_storage().data_ptr(), t.untyped_storage().nbytes())
+            return t
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            loss = model(idx, targets)
+        loss.backward()
+        grads[mode] = [p.grad.clone() for p in model.parameters() if p.grad is not None]
+        saved[mode] = sum(count.values())
+    for mode in ("selective", "full"):
+        for a, b in zip(grads["none"], grads[mode], strict=True):
+            torch.testing.assert_close(a, b)
+    assert saved["full"] < saved["selective"] < saved["none"]
+    with pytest.raises(ValueError, match="recompute"):
+        model.recompute = "some"
