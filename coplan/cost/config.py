@@ -9,7 +9,7 @@ rank (interleaved 1F1B when > 1).
 from __future__ import annotations
 
 from collections.abc import Iterable
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 from typing import Any
 
 from coplan.errors import SpecError
@@ -68,7 +68,6 @@ class TrainingConfig:
     overlap_param_gather: bool = False
     tp_comm_overlap: bool = False
     stage_layers: tuple[int, ...] | None = None
-    extra: dict[str, Any] = field(default_factory=dict, compare=False, hash=False)
 
     def __post_init__(self) -> None:
         for name in ("tp", "pp", "dp", "vpp", "microbatch", "global_batch"):

@@ -223,12 +223,7 @@ def estimate(profile: GraphProfile, cluster: ClusterSpec, config: TrainingConfig
             if head_cost is None:
                 head_cost = heads[key] = _PartCost(Rates.of(device, "bf16"), scale, config, tp_group, profile)
         # this stage's layers, by template (all chunks of the stage)
-        first_layer = sum(per_stage_layers[:s])  # layers are contiguous per stage for costing
-        mine = (
-            templates[first_layer : first_layer + per_stage_layers[s]]
-            if not v > 1
-            else _chunk_templates(templates, layers, s, p, v)
-        )
+        mine = _chunk_templates(templates, layers, s, p, v)
         parts: list[tuple[Part, float]] = _count(mine)
         if s == 0:
             parts.append((profile.pre, 1.0))
@@ -257,15 +252,15 @@ def estimate(profile: GraphProfile, cluster: ClusterSpec, config: TrainingConfig
                 tp_comm += n * pc.tp_comm(part, mode)
                 sv = _saved(profile, part, mode)
                 saved = vadd(saved, tuple(x * n for x in sv))
-                if not config.flash_attention and mode != "full":
+                if not config.flash_attention and mode not in ("full", "selective"):
                     # unfused attention keeps the softmax probabilities (batch x heads x s x s)
-                    # instead of the fused kernel's output and logsumexp
-                    extra = 0.0 if mode == "selective" else part.scores * n
-                    if mode != "selective":
-                        saved = tuple(
-                            saved[i] - n * part.flash_saved[i] + (extra if i == ACT * 2 + TP else 0.0)
-                            for i in range(NV)
-                        )  # type: ignore[assignment]
+                    # instead of the fused kernel's output and logsumexp (full and selective
+                    # recompute keep neither)
+                    probs = part.scores * n
+                    saved = tuple(
+                        saved[i] - n * part.flash_saved[i] + (probs if i == ACT * 2 + TP else 0.0)
+                        for i in range(NV)
+                    )  # type: ignore[assignment]
                 tr = pc.transient(part)
                 if mode == "full" or (isinstance(mode, frozenset) and mode):
                     tr += vdot(part.saved["none"], weights)  # the block's recomputed activations
@@ -430,7 +425,7 @@ class _Priced:
         if mode == "selective":
             return sum(t for k, t in zip(part.forward, self.fwd_times, strict=True) if k.attn_core)
         assert isinstance(mode, frozenset)
-        ops = _recompute_ops(self.cost.profile, part, mode)
+        ops, _ = _recompute_closure(self.cost.profile, part, mode)
         return sum(t for k, t in zip(part.forward, self.fwd_times, strict=True) if ops.intersection(k.ops))
 
     def tp_comm(self, part: Part, mode: str | frozenset[str]) -> float:
@@ -467,23 +462,22 @@ class _Priced:
 def _saved(profile: GraphProfile, part: Part, mode: str | frozenset[str]) -> Vec:
     if isinstance(mode, str):
         return part.saved[mode]
-    _recompute_ops(profile, part, mode)
-    dropped: Vec = part.cache[("dropped", mode)]  # type: ignore[assignment]
+    _, dropped = _recompute_closure(profile, part, mode)
     return tuple(a - b for a, b in zip(part.saved["none"], dropped, strict=True))  # type: ignore[return-value]
 
 
-def _recompute_ops(profile: GraphProfile, part: Part, names: frozenset[str]) -> frozenset[int]:
-    """Op ids (of the part's reference block) to re-run so the named tensors need not be saved."""
-    key = ("ops", names)
+def _recompute_closure(
+    profile: GraphProfile, part: Part, names: frozenset[str]
+) -> tuple[frozenset[int], Vec]:
+    """(op ids of the part's reference block to re-run, saved elements no longer kept) for
+    recomputing the named tensors; memoised on the part, as a search asks for the same set often."""
+    key = ("recompute", names)
     got = part.cache.get(key)
-    if got is not None:
-        return got  # type: ignore[return-value]
-    from coplan.cost.remat import recompute_closure
+    if got is None:
+        from coplan.cost.remat import recompute_closure
 
-    ops, dropped = recompute_closure(profile.graph, part, names)
-    part.cache[key] = ops
-    part.cache[("dropped", names)] = dropped
-    return ops
+        got = part.cache[key] = recompute_closure(profile.graph, part, names)
+    return got  # type: ignore[return-value]
 
 
 # --- layout helpers --------------------------------------------------------------------------------
@@ -498,7 +492,8 @@ def _stage_layers(profile: GraphProfile, config: TrainingConfig) -> list[int]:
 
 
 def _chunk_templates(templates: Sequence[Part], layers: Sequence[int], s: int, p: int, v: int) -> list[Part]:
-    """Interleaved: stage ``s`` holds chunks ``s, s + p, s + 2p, ...`` of the layer sequence."""
+    """The layers of stage ``s``: chunks ``s, s + p, s + 2p, ...`` of the layer sequence (with
+    ``v == 1`` that is the one contiguous chunk ``s``)."""
     starts = [sum(layers[:i]) for i in range(len(layers))]
     out: list[Part] = []
     for c in range(v):
@@ -573,10 +568,6 @@ def cluster_latency(cluster: ClusterSpec, cross_node: bool) -> float:
         cluster.inter_node if cross_node and cluster.inter_node is not None else cluster.groups[0].intra_node
     )
     return lvl.latency_s
-
-
-def tokens_per_step(config: TrainingConfig, seq: int) -> int:
-    return config.global_batch * seq
 
 
 __all__ = ["BREAKDOWN_KEYS", "Estimate", "MemoryEstimate", "StageEstimate", "estimate"]

@@ -47,7 +47,7 @@ def default_groups(graph: Graph, mode: str) -> tuple[tuple[int, ...], ...]:
         if op.kind not in _CHAINABLE:
             continue
         for tid in op.inputs:
-            src = _through_views(graph, tid)
+            src = source_op(graph, tid)
             if src is None:
                 continue
             prod = ops[src]
@@ -55,8 +55,8 @@ def default_groups(graph: Graph, mode: str) -> tuple[tuple[int, ...], ...]:
                 continue
             # the producer's outputs may only be read inside the chain (through views), else the
             # intermediate must be materialised anyway and fusing saves nothing
-            readers = {c for t in prod.outputs for c in _readers(graph, t)}
-            if readers <= {op.id}:
+            read_by = {c for t in prod.outputs for c in readers(graph, t)}
+            if read_by <= {op.id}:
                 parent[find(op.id)] = find(prod.id)
     groups: dict[int, list[int]] = {}
     for op in ops:
@@ -64,7 +64,7 @@ def default_groups(graph: Graph, mode: str) -> tuple[tuple[int, ...], ...]:
     return tuple(tuple(g) for g in groups.values())
 
 
-def _through_views(graph: Graph, tid: int) -> int | None:
+def source_op(graph: Graph, tid: int) -> int | None:
     """The op that really produced tensor ``tid`` (skipping view ops), or None for graph inputs."""
     seen = 0
     t = graph.tensors[tid]
@@ -77,7 +77,7 @@ def _through_views(graph: Graph, tid: int) -> int | None:
     return None
 
 
-def _readers(graph: Graph, tid: int) -> set[int]:
+def readers(graph: Graph, tid: int) -> set[int]:
     """Non-view ops reading ``tid`` directly or through views."""
     out: set[int] = set()
     stack = [tid]

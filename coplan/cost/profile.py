@@ -20,7 +20,7 @@ import re
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
-from coplan.cost.fusion import default_groups
+from coplan.cost.fusion import default_groups, readers, source_op
 from coplan.ir.types import Graph, Op, OpKind, Phase, Tensor, TensorRole
 
 # Element-vector layout: index = precision class * 2 + shard class.
@@ -338,8 +338,8 @@ class _Ctx:
                 t = g.tensors[tid]
                 if not t.saved_for_backward:
                     continue
-                readers = {c for c in _all_readers(g, tid) if g.ops[c].phase is Phase.BACKWARD}
-                if readers and all(g.ops[c].kind is OpKind.ATTENTION for c in readers):
+                bwd = {c for c in readers(g, tid) if g.ops[c].phase is Phase.BACKWARD}
+                if bwd and all(g.ops[c].kind is OpKind.ATTENTION for c in bwd):
                     total = vadd(total, self.vec(t))
         return total
 
@@ -379,8 +379,8 @@ class _Ctx:
                     b[i] += v[i]
         for tid in produced:
             t = g.tensors[tid]
-            readers = set(t.consumers)
-            if t.saved_for_backward or tid in g.outputs or not readers <= inside or not readers:
+            direct = set(t.consumers)
+            if t.saved_for_backward or tid in g.outputs or not direct <= inside or not direct:
                 v = self.vec(t)
                 for i in range(NV):
                     b[i] += v[i]
@@ -472,8 +472,8 @@ class _Ctx:
             return False
         op = self.g.ops[t.producer]
         core = (OpKind.ATTENTION, OpKind.SOFTMAX)
-        readers = [self.g.ops[c] for c in _all_readers(self.g, t.id)]
-        if any(r.phase is Phase.BACKWARD and r.kind not in core for r in readers):
+        read_by = [self.g.ops[c] for c in readers(self.g, t.id)]
+        if any(r.phase is Phase.BACKWARD and r.kind not in core for r in read_by):
             return False  # also an input of a later op (the output projection keeps the context)
         return op.kind in core or (
             op.block is not None
@@ -529,7 +529,7 @@ class _Ctx:
             mine = self._shard[op.id]
             for tid in op.inputs:
                 t = g.tensors[tid]
-                src = self._source(t)
+                src = source_op(g, tid)
                 if src is None:
                     if t.role is not TensorRole.ACTIVATION or mine != TP:
                         continue
@@ -541,17 +541,6 @@ class _Ctx:
                 elif theirs == REPL and mine == TP and g.ops[src].kind is not OpKind.CREATION:
                     entries[t.storage_id] = float(t.numel)
         return tuple(exits.values()), tuple(entries.values())
-
-    def _source(self, t: Tensor) -> int | None:
-        """The non-view op behind ``t`` (None for graph inputs)."""
-        seen = 0
-        while t.producer is not None and seen < 64:
-            op = self.g.ops[t.producer]
-            if op.kind is not OpKind.VIEW or not op.inputs:
-                return op.id
-            t = self.g.tensors[op.inputs[0]]
-            seen += 1
-        return None
 
     def boundary(self, ops: Sequence[Op], ids: set[int]) -> float:
         """Elements of the activation a block hands to the next (its largest forward output read
@@ -566,21 +555,6 @@ class _Ctx:
                 if any(c not in ids and g.ops[c].phase is Phase.FORWARD for c in t.consumers):
                     best = max(best, float(t.numel))
         return best
-
-
-def _all_readers(graph: Graph, tid: int) -> set[int]:
-    """Non-view ops reading ``tid`` directly or through views."""
-    out: set[int] = set()
-    stack = [tid]
-    while stack:
-        t = graph.tensors[stack.pop()]
-        for c in t.consumers:
-            op = graph.ops[c]
-            if op.kind is OpKind.VIEW:
-                stack.extend(op.outputs)
-            else:
-                out.add(c)
-    return out
 
 
 def _is_temp(t: Tensor) -> bool:
