@@ -199,6 +199,9 @@ def estimate(profile: GraphProfile, cluster: ClusterSpec, config: TrainingConfig
     layers = _stage_layers(profile, config)
     per_stage_layers = [sum(layers[s * v + c] for c in range(v)) for s in range(p)]
     templates = profile.layer_templates
+    starts = [0]
+    for n_chunk in layers[:-1]:
+        starts.append(starts[-1] + n_chunk)
     net = cluster.groups[0].device.efficiency_of("network")
     per_node = cluster.groups[0].devices_per_node
     tp_group = Group.of(cluster, t, 1, net)
@@ -223,7 +226,7 @@ def estimate(profile: GraphProfile, cluster: ClusterSpec, config: TrainingConfig
             if head_cost is None:
                 head_cost = heads[key] = _PartCost(Rates.of(device, "bf16"), scale, config, tp_group, profile)
         # this stage's layers, by template (all chunks of the stage)
-        mine = _chunk_templates(templates, layers, s, p, v)
+        mine = _chunk_templates(templates, layers, starts, s, p, v)
         parts: list[tuple[Part, float]] = _count(mine)
         if s == 0:
             parts.append((profile.pre, 1.0))
@@ -491,10 +494,11 @@ def _stage_layers(profile: GraphProfile, config: TrainingConfig) -> list[int]:
     return [base + (1 if i < extra else 0) for i in range(chunks)]
 
 
-def _chunk_templates(templates: Sequence[Part], layers: Sequence[int], s: int, p: int, v: int) -> list[Part]:
+def _chunk_templates(
+    templates: Sequence[Part], layers: Sequence[int], starts: Sequence[int], s: int, p: int, v: int
+) -> list[Part]:
     """The layers of stage ``s``: chunks ``s, s + p, s + 2p, ...`` of the layer sequence (with
     ``v == 1`` that is the one contiguous chunk ``s``)."""
-    starts = [sum(layers[:i]) for i in range(len(layers))]
     out: list[Part] = []
     for c in range(v):
         i = c * p + s
