@@ -219,13 +219,16 @@ class _Model:
         saved: list[int],
         per_elem: float = 1.0,
         dtype: str | None = None,
+        label: str | None = None,
     ) -> int:
+        # ``label`` names the output when a module has two ops of one kind (the residual adds),
+        # so tensor names stay unique per block: plans and recompute sets refer to them by name
         (y,) = self.g.op(
             target,
             OpKind.ELEMENTWISE,
             Phase.FORWARD,
             ins,
-            [(f"{module}.{target}", shape, dtype or self.dt)],
+            [(f"{module}.{label or target}", shape, dtype or self.dt)],
             module,
             block,
             vector_per_elem=per_elem,
@@ -388,13 +391,13 @@ class _Model:
             x = self.pointwise("add", [x, pe], shape, "", None, [])
         for i in range(s.n_layers):
             a = self.attention(self.norm(x, f"h.{i}.ln_1", i), i)
-            x = self.pointwise("add", [x, a], shape, f"h.{i}", i, [])
+            x = self.pointwise("add", [x, a], shape, f"h.{i}", i, [], label="attn_residual")
             m = (
                 self.moe(self.norm(x, f"h.{i}.ln_2", i), i)
                 if s.is_moe
                 else self.mlp(self.norm(x, f"h.{i}.ln_2", i), i)
             )
-            x = self.pointwise("add", [x, m], shape, f"h.{i}", i, [])
+            x = self.pointwise("add", [x, m], shape, f"h.{i}", i, [], label="mlp_residual")
         x = self.norm(x, "ln_f", None)
         head_w = wte if s.tied_embeddings else None
         logits = self.linear(x, self.n, s.d_model, s.vocab_size, "lm_head", None, False, weight=head_w)

@@ -1,0 +1,80 @@
+"""The parallelism pass: search tensor, pipeline and data degrees, interleaving, sequence
+parallelism, ZeRO stage and microbatch with the other decisions fixed (as Megatron users and
+auto-parallel tools such as Alpa's outer loop do).
+
+Candidates respect the model (TP divides the heads and stays inside a node, PP x VPP divides the
+layers) and the job (TP x PP x DP = GPUs, microbatch x DP divides the global batch).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+from coplan.ir.types import Graph
+from coplan.passes.base import choose, register
+from coplan.plan.context import PlanContext
+from coplan.plan.types import ParallelPlan, Plan
+
+MAX_MICROBATCH = 64
+VPP_CHOICES = (1, 2, 4)
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def _model_shape(ctx: PlanContext) -> tuple[int, int, int | None]:
+    spec = ctx.model.spec
+    if spec is not None:
+        return spec.n_heads, spec.n_layers, spec.kv_heads
+    prof = ctx.reference_profile
+    return prof.heads, prof.n_layers, None
+
+
+def candidates(ctx: PlanContext, *, zero: tuple[int, ...] = (0, 1, 2, 3)) -> Iterator[ParallelPlan]:
+    """Every parallel layout worth pricing for ``ctx``."""
+    n = ctx.gpus
+    heads, layers, kv = _model_shape(ctx)
+    per_node = ctx.cluster.groups[0].devices_per_node
+    g = ctx.global_batch
+    captured = ctx.model.spec is None
+    for tp in _divisors(n):
+        if tp > per_node or heads % tp or (kv is not None and kv % tp and tp % kv):
+            continue
+        for pp in _divisors(n // tp):
+            if layers % pp:
+                continue
+            dp = n // (tp * pp)
+            if g % dp:
+                continue
+            per_rank = g // dp
+            mbs = [m for m in _divisors(per_rank) if m <= MAX_MICROBATCH]
+            if captured:  # a captured graph is priced only at the microbatch it was captured with
+                mbs = [m for m in mbs if m == ctx.model.graph.meta.batch]  # type: ignore[union-attr]
+            for vpp in VPP_CHOICES if pp > 1 else (1,):
+                if layers % (pp * vpp):
+                    continue
+                for mb in mbs:
+                    if vpp > 1 and (per_rank // mb) % pp:
+                        continue
+                    for sp in (False, True) if tp > 1 else (False,):
+                        for z in zero if dp > 1 else (0,):
+                            yield ParallelPlan(
+                                tp=tp, pp=pp, dp=dp, vpp=vpp, sequence_parallel=sp, zero=z, microbatch=mb
+                            )
+
+
+@register("parallel")
+def parallel_pass(graph: Graph, plan: Plan, ctx: PlanContext) -> Plan:
+    best = choose((plan.with_(parallel=c, remat=_fit_stages(plan, c)) for c in candidates(ctx)), ctx)
+    return best if best is not None else plan
+
+
+def _fit_stages(plan: Plan, par: ParallelPlan) -> object:
+    """Per-stage remat sets only carry over when the stage count is unchanged."""
+    r = plan.remat
+    if r.per_stage is not None and len(r.per_stage) != par.pp:
+        from coplan.plan.types import RematPlan
+
+        return RematPlan(recompute=r.recompute)
+    return r

@@ -1,0 +1,304 @@
+"""The plan checker: every plan any strategy emits is validated here before it is reported.
+
+Rules are registered by decorator and each yields one-line violations naming the field. Levels:
+``structure`` rules (names exist, divisibility, legality) make a plan unusable; the ``memory`` rule
+says it does not fit the budget (a valid but infeasible plan).
+
+Fusion legality is what a real compiler could emit as one kernel: ops of one phase and one block;
+at most one library anchor (GEMM or attention) per kernel with pointwise/reduction work in its
+epilogue (consumers of the anchor's output) or prologue (producers feeding it, pointwise only);
+pointwise and reductions chained vertically or siblings reading one input (horizontal); optimizer
+updates grouped freely (multi-tensor kernels); and no cycle between kernels (a kernel cannot need
+its own output through another kernel).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+
+from coplan.cost import ConfigError, check_against
+from coplan.cost.fusion import readers, source_op
+from coplan.ir.types import Graph, OpKind, Phase
+from coplan.plan.context import PlanContext
+from coplan.plan.types import Plan, PlanError
+
+#: ops that run as vendor-library kernels (cuBLAS, cuDNN/flash): one per fused kernel at most
+ANCHORS = frozenset({OpKind.MATMUL, OpKind.ATTENTION})
+#: ops a code generator can put into any kernel's prologue or epilogue
+POINTWISE = frozenset({OpKind.ELEMENTWISE, OpKind.COPY, OpKind.VIEW, OpKind.CREATION})
+#: reductions a generated kernel can hold (row-wise: norms, softmax, loss, sums)
+REDUCTIONS = frozenset({OpKind.REDUCTION, OpKind.NORM, OpKind.SOFTMAX, OpKind.LOSS})
+#: ops numerics rules keep in fp32 unless a stated tolerance allows less
+SENSITIVE = frozenset(
+    {OpKind.SOFTMAX, OpKind.NORM, OpKind.LOSS, OpKind.REDUCTION, OpKind.OPTIMIZER, OpKind.COLLECTIVE}
+)
+#: relative error of lowering a sensitive op to 16 bits (bf16 keeps 8 mantissa bits: 2^-8 ~ 0.4%
+#: per rounding, a row reduction accumulates it): the tolerance a plan must allow for it
+SENSITIVE_16BIT_ERROR = 2.0**-8
+
+
+@dataclass(frozen=True, slots=True)
+class Violation:
+    rule: str
+    level: str  # "structure" | "memory"
+    message: str
+
+    def __str__(self) -> str:
+        return f"{self.rule}: {self.message}"
+
+
+Rule = Callable[[Plan, PlanContext], Iterator[str]]
+_RULES: list[tuple[str, str, Rule]] = []
+
+
+def rule(level: str) -> Callable[[Rule], Rule]:
+    def register(fn: Rule) -> Rule:
+        _RULES.append((fn.__name__, level, fn))
+        return fn
+
+    return register
+
+
+@rule("structure")
+def identity(plan: Plan, ctx: PlanContext) -> Iterator[str]:
+    if plan.model != ctx.model_name:
+        yield f"plan is for model {plan.model!r}, this job is {ctx.model_name!r}"
+    if plan.graph and plan.graph != ctx.graph_fingerprint:
+        yield f"plan is for graph {plan.graph}, this model's graph is {ctx.graph_fingerprint}"
+    if plan.gpus != ctx.gpus:
+        yield f"plan is for {plan.gpus} GPUs, this job has {ctx.gpus}"
+    if plan.global_batch != ctx.global_batch or plan.seq != ctx.seq:
+        yield (
+            f"plan is for global batch {plan.global_batch} x seq {plan.seq}, this job is "
+            f"{ctx.global_batch} x {ctx.seq}"
+        )
+
+
+@rule("structure")
+def parallel(plan: Plan, ctx: PlanContext) -> Iterator[str]:
+    try:
+        config = ctx.config_of(plan)
+        m = ctx.model
+        if m.spec is not None:
+            check_against(
+                config,
+                gpus=ctx.gpus,
+                n_heads=m.spec.n_heads,
+                n_layers=m.spec.n_layers,
+                n_kv_heads=m.spec.kv_heads,
+            )
+        else:
+            prof = ctx.reference_profile
+            check_against(config, gpus=ctx.gpus, n_heads=prof.heads, n_layers=prof.n_layers)
+    except (ConfigError, PlanError) as e:
+        yield e.reason
+    per_stage = plan.remat.per_stage
+    if per_stage is not None and len(per_stage) != plan.parallel.pp:
+        yield f"remat.per_stage has {len(per_stage)} sets for {plan.parallel.pp} pipeline stages"
+
+
+def _kernel_graph_ok(graph: Graph, groups: list[tuple[int, ...]]) -> str | None:
+    """A cycle between kernels, if any (Kahn's algorithm on the quotient graph)."""
+    group_of = {}
+    for gi, g in enumerate(groups):
+        for i in g:
+            group_of[i] = gi
+    n = len(groups)
+    succ: list[set[int]] = [set() for _ in range(n)]
+    for gi, g in enumerate(groups):
+        for i in g:
+            for t in graph.ops[i].outputs:
+                for c in graph.tensors[t].consumers:
+                    gj = group_of.get(c)
+                    if gj is not None and gj != gi:
+                        succ[gi].add(gj)
+    indeg = [0] * n
+    for s in succ:
+        for j in s:
+            indeg[j] += 1
+    ready = [i for i in range(n) if indeg[i] == 0]
+    seen = 0
+    while ready:
+        i = ready.pop()
+        seen += 1
+        for j in succ[i]:
+            indeg[j] -= 1
+            if indeg[j] == 0:
+                ready.append(j)
+    if seen < n:
+        return "the fused kernels form a cycle (a kernel would need its own output through another kernel)"
+    return None
+
+
+def group_problem(graph: Graph, ids: tuple[int, ...]) -> str | None:
+    """Why one group of op ids cannot be one kernel, or None when it can."""
+    ops = [graph.ops[i] for i in ids]
+    phases = {op.phase for op in ops}
+    if len(phases) > 1:
+        return "mixes phases " + ", ".join(sorted(p.value for p in phases))
+    if Phase.OPTIMIZER in phases:
+        return None  # multi-tensor optimizer kernels group any updates
+    blocks = {op.block for op in ops}
+    if len(blocks) > 1:
+        return "spans blocks " + ", ".join(
+            str(b) for b in sorted(blocks, key=lambda b: -1 if b is None else b)
+        )
+    anchors = [op for op in ops if op.kind in ANCHORS]
+    if len(anchors) > 1:
+        return f"holds {len(anchors)} library kernels ({', '.join(op.name for op in anchors)}); at most one"
+    other = [op for op in ops if op.kind not in ANCHORS | POINTWISE | REDUCTIONS]
+    if other:
+        return f"{other[0].name} ({other[0].kind.value}) cannot be fused"
+    members = set(ids)
+    if anchors:
+        a = anchors[0]
+        # prologue: pointwise producers feeding the anchor (not reductions: a GEMM prologue cannot
+        # hold a row reduction); epilogue: anything downstream of the anchor
+        upstream = {op.id for op in ops if op.id != a.id and _reaches(graph, op.id, a.id, members)}
+        for i in upstream:
+            if graph.ops[i].kind in REDUCTIONS:
+                return f"{graph.ops[i].name} is a reduction in the prologue of {a.name}"
+    # connected: vertically (producer-consumer through views) or horizontally (shared input)
+    if not _connected(graph, ids):
+        return "its ops share no data (neither producer-consumer nor a common input)"
+    return None
+
+
+def _reaches(graph: Graph, src: int, dst: int, members: set[int]) -> bool:
+    stack, seen = [src], set()
+    while stack:
+        i = stack.pop()
+        if i == dst:
+            return True
+        if i in seen:
+            continue
+        seen.add(i)
+        for t in graph.ops[i].outputs:
+            for c in readers(graph, t):
+                if c in members:
+                    stack.append(c)
+    return False
+
+
+def _connected(graph: Graph, ids: tuple[int, ...]) -> bool:
+    members = set(ids)
+    adj: dict[int, set[int]] = {i: set() for i in ids}
+    by_input: dict[int, list[int]] = {}
+    for i in ids:
+        op = graph.ops[i]
+        for t in op.inputs:
+            src = source_op(graph, t)
+            if src in members and src != i:
+                adj[i].add(src)
+                adj[src].add(i)
+            base = graph.tensors[graph.tensors[t].storage_id].id
+            by_input.setdefault(base, []).append(i)
+    for users in by_input.values():
+        for a in users:
+            for b in users:
+                if a != b:
+                    adj[a].add(b)
+    start = ids[0]
+    stack, seen = [start], {start}
+    while stack:
+        for j in adj[stack.pop()]:
+            if j not in seen:
+                seen.add(j)
+                stack.append(j)
+    return seen == members
+
+
+@rule("structure")
+def fusion(plan: Plan, ctx: PlanContext) -> Iterator[str]:
+    idx = ctx.index
+    graph = idx.graph
+    unknown = [n for g in plan.fusion.groups for n in g if n not in idx.op_by_name]
+    if unknown:
+        yield f"fusion names unknown ops: {', '.join(unknown[:3])}"
+        return
+    expanded: list[tuple[int, ...]] = []
+    for g in plan.fusion.groups:
+        ids = tuple(idx.op_by_name[n].id for n in g)
+        why = group_problem(graph, ids)
+        if why:
+            yield f"group [{', '.join(g[:4])}{' ...' if len(g) > 4 else ''}] {why}"
+        expanded.append(ids)
+    if expanded:
+        covered = {i for g in expanded for i in g}
+        # the reference block's kernels (and outside ops) with singletons for the rest: a cycle
+        # there is a cycle in every block
+        scope = {i for g in expanded for i in g}
+        blocks = {graph.ops[i].block for i in scope}
+        singles: list[tuple[int, ...]] = [
+            (op.id,) for op in graph.ops if op.block in blocks and op.id not in covered
+        ]
+        why = _kernel_graph_ok(graph, expanded + singles)
+        if why:
+            yield why
+    saved = {n for names in idx.saved_names.values() for n in names}
+    for n in plan.fusion.recompute_in_backward:
+        op = idx.op_by_name.get(n)
+        if op is None:
+            yield f"fusion.recompute_in_backward names unknown op {n!r}"
+        elif op.kind not in POINTWISE:
+            yield f"fusion.recompute_in_backward: {n} ({op.kind.value}) is not pointwise"
+        elif not any(graph.tensors[t].name in plan.remat.all_names for t in op.outputs) and not any(
+            graph.tensors[t].name in saved for t in op.outputs
+        ):
+            yield f"fusion.recompute_in_backward: {n} produces no saved tensor"
+
+
+@rule("structure")
+def remat(plan: Plan, ctx: PlanContext) -> Iterator[str]:
+    saved = {n for names in ctx.index.saved_names.values() for n in names}
+    unknown = sorted(n for n in plan.remat.all_names if n not in saved)
+    if unknown:
+        yield f"remat names tensors that are not saved for backward: {', '.join(unknown[:3])}"
+
+
+@rule("structure")
+def precision(plan: Plan, ctx: PlanContext) -> Iterator[str]:
+    c = plan.precision
+    native = ctx.device_dtypes
+    if c.compute not in native and not (c.compute == "tf32" and "fp32" in native):
+        yield f"precision.compute {c.compute} is not supported by {ctx.cluster.name}'s devices"
+    if c.compute == "fp16" and not c.loss_scaling:
+        yield "fp16 needs loss scaling"
+    idx = ctx.index
+    tol = ctx.numerics.tolerance
+    for name, dtype in c.ops:
+        op = idx.op_by_name.get(name)
+        if op is None:
+            yield f"precision.ops names unknown op {name!r}"
+            continue
+        if dtype == "fp8" and op.kind is not OpKind.MATMUL:
+            yield f"precision.ops: {name} ({op.kind.value}) cannot run in fp8 (GEMMs only)"
+        if dtype == "fp8" and "fp8" not in native:
+            yield f"precision.ops: {name} in fp8, but {ctx.cluster.name}'s devices have no fp8 units"
+        if op.kind in SENSITIVE and dtype != "fp32" and tol < SENSITIVE_16BIT_ERROR:
+            yield (
+                f"precision.ops: {name} ({op.kind.value}) is numerically sensitive; {dtype} needs a "
+                f"tolerance >= {SENSITIVE_16BIT_ERROR:.2g}, the job allows {tol:.2g}"
+            )
+
+
+def check(plan: Plan, ctx: PlanContext, *, memory: bool = True) -> list[Violation]:
+    """Every violation of ``plan`` in ``ctx`` (empty when valid and, with ``memory``, fitting)."""
+    out = [Violation(name, level, msg) for name, level, fn in _RULES for msg in fn(plan, ctx)]
+    if memory and not any(v.level == "structure" for v in out):
+        est = ctx.price(plan)
+        if not ctx.fits(est):
+            out.append(
+                Violation(
+                    "memory",
+                    "memory",
+                    f"peak {est.memory.peak_bytes / 2**30:.1f} GiB on stage {est.memory.stage} exceeds the "
+                    f"budget of {ctx.budget / 2**30:.1f} GiB",
+                )
+            )
+    return out
+
+
+def is_valid(plan: Plan, ctx: PlanContext) -> bool:
+    return not any(v.level == "structure" for v in check(plan, ctx, memory=False))

@@ -1,0 +1,260 @@
+"""What every pass and strategy needs to know about a planning problem, in one explicit object.
+
+``PlanContext`` binds a model (its cost model and graph), a cluster, the job (GPUs, global batch,
+sequence length) and the constraints (memory budget, numerics tolerance). It turns a ``Plan`` into
+the cost model's ``TrainingConfig`` (expanding per-template decisions to every block) and prices
+it, so every strategy is measured by the same cost model.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from functools import cached_property
+
+from coplan.cost import ConfigError, CostModel, Estimate, TrainingConfig
+from coplan.cost.fusion import default_groups
+from coplan.cost.profile import GraphProfile
+from coplan.hardware.cluster import ClusterSpec
+from coplan.ir.fingerprint import fingerprint as graph_fingerprint
+from coplan.ir.types import Graph, Op, Phase
+from coplan.plan.types import FusionPlan, ParallelPlan, Plan, PrecisionPlan, RematPlan
+
+GiB = 1024**3
+#: Memory a job cannot plan for: the CUDA context and NCCL buffers (about 1 GiB on current
+#: drivers) and allocator fragmentation (PyTorch's caching allocator typically strands a few
+#: percent of the heap). The default budget is capacity minus this reserve.
+RESERVE_FIXED_BYTES = 1 * GiB
+RESERVE_FRACTION = 0.05
+
+
+def default_budget(capacity_bytes: float) -> float:
+    return capacity_bytes * (1 - RESERVE_FRACTION) - RESERVE_FIXED_BYTES
+
+
+@dataclass(frozen=True, slots=True)
+class Numerics:
+    """Per-op numerics tolerance: the relative error a planner may accept from lowering a
+    sensitive op (softmax, norm, loss) below fp32. 0 keeps every sensitive op in fp32."""
+
+    tolerance: float = 0.0
+
+
+class BlockIndex:
+    """Names of the reference block's ops and tensors, and their positions in every other block.
+
+    Blocks of one template have the same ops in the same order (``profile._signature``), so a
+    decision about the op at position ``i`` of the reference block applies to position ``i`` of
+    every block of the template.
+    """
+
+    def __init__(self, graph: Graph, profile: GraphProfile) -> None:
+        self.graph = graph
+        by_block: dict[int | None, list[Op]] = {}
+        for op in graph.ops:
+            by_block.setdefault(op.block, []).append(op)
+        self.block_ops = {b: ops for b, ops in by_block.items() if b is not None}
+        self.outside = tuple(by_block.get(None, ()))
+        self.ref_of: dict[int, int] = {}  # block -> its template's reference block
+        for t in profile.templates:
+            for b in t.blocks:
+                self.ref_of[b] = t.blocks[0]
+        self.op_by_name: dict[str, Op] = {}
+        self.position: dict[str, tuple[int, int]] = {}  # name -> (reference block, position)
+        for ref in sorted(set(self.ref_of.values())):
+            for i, op in enumerate(self.block_ops[ref]):
+                self.op_by_name[op.name] = op
+                self.position[op.name] = (ref, i)
+        for op in self.outside:
+            self.op_by_name[op.name] = op
+        self.saved_names: dict[int, tuple[str, ...]] = {
+            t.blocks[0]: tuple(n for _, n, _ in t.saved_items) for t in profile.templates
+        }
+
+    def expand(self, names: tuple[str, ...]) -> list[tuple[int, ...]]:
+        """Op-id groups of every block for one group of reference names (one per block, or one
+        for ops outside blocks)."""
+        refs = {self.position[n][0] for n in names if n in self.position}
+        if not refs:
+            return [tuple(self.op_by_name[n].id for n in names)]
+        ref = next(iter(refs))
+        pos = [self.position[n][1] for n in names]
+        return [
+            tuple(self.block_ops[b][i].id for i in pos) for b, r in sorted(self.ref_of.items()) if r == ref
+        ]
+
+    def named_phase(self, name: str) -> Phase:
+        return self.op_by_name[name].phase
+
+
+@dataclass
+class PlanContext:
+    """A planning problem. ``budget_bytes`` defaults to device capacity minus the stated reserve."""
+
+    model: CostModel
+    cluster: ClusterSpec
+    global_batch: int
+    seq: int
+    budget_bytes: float | None = None
+    numerics: Numerics = field(default_factory=Numerics)
+    _priced: dict[object, Estimate] = field(default_factory=dict, repr=False)
+    _configs: dict[object, TrainingConfig] = field(default_factory=dict, repr=False)
+    evaluations: int = 0
+
+    def __post_init__(self) -> None:
+        if self.budget_bytes is None:
+            cap = min(d.memory_bytes for d in self.cluster.devices)
+            self.budget_bytes = default_budget(cap)
+
+    # --- the problem ---------------------------------------------------------------------------
+
+    @property
+    def gpus(self) -> int:
+        return self.cluster.num_devices
+
+    @property
+    def budget(self) -> float:
+        assert self.budget_bytes is not None
+        return self.budget_bytes
+
+    @cached_property
+    def reference_profile(self) -> GraphProfile:
+        graph = self.model.graph
+        batch = graph.meta.batch if graph is not None else 1
+        return self.model.profile(batch, self.seq, "none")
+
+    @cached_property
+    def index(self) -> BlockIndex:
+        prof = self.reference_profile
+        return BlockIndex(prof.graph, prof)
+
+    @cached_property
+    def graph_fingerprint(self) -> str:
+        return graph_fingerprint(self.reference_profile.graph)
+
+    @property
+    def model_name(self) -> str:
+        return self.model.name
+
+    @cached_property
+    def device_dtypes(self) -> frozenset[str]:
+        """Precisions every device of the cluster runs natively in its matrix units."""
+        sets = [
+            frozenset(d for d in ("fp32", "tf32", "bf16", "fp16", "fp8") if dev.supports(d))
+            for dev in self.cluster.devices
+        ]
+        out = sets[0]
+        for s in sets[1:]:
+            out &= s
+        return out | {"fp32"}
+
+    def default_plan(self) -> Plan:
+        """What a user gets without planning: eager kernels, nothing recomputed, plain data
+        parallelism over every GPU with microbatch 1, fp32."""
+        return Plan(
+            model=self.model_name,
+            graph=self.graph_fingerprint,
+            cluster=self.cluster.name,
+            gpus=self.gpus,
+            global_batch=self.global_batch,
+            seq=self.seq,
+            parallel=ParallelPlan(dp=self.gpus, microbatch=1),
+            fusion=FusionPlan(),
+            remat=RematPlan(),
+            precision=PrecisionPlan(compute="fp32"),
+        )
+
+    # --- pricing -------------------------------------------------------------------------------
+
+    def expand_fusion(self, fusion: FusionPlan) -> tuple[tuple[int, ...], ...]:
+        """The plan's groups as op-id groups of the whole graph; every other op a singleton."""
+        idx = self.index
+        grouped: list[tuple[int, ...]] = []
+        covered: set[int] = set()
+        for g in fusion.groups:
+            for ids in idx.expand(g):
+                grouped.append(ids)
+                covered.update(ids)
+        singles = [(op.id,) for op in idx.graph.ops if op.id not in covered]
+        return tuple(grouped) + tuple(singles)
+
+    def config_of(self, plan: Plan) -> TrainingConfig:
+        """The cost model's configuration for ``plan`` (raises ``ConfigError`` when impossible)."""
+        key = (plan.parallel, plan.fusion, plan.remat, plan.precision, plan.flash_attention)
+        got = self._configs.get(key)
+        if got is not None:
+            return got
+        p = plan.parallel
+        fusion: str | tuple[tuple[int, ...], ...] = (
+            "none" if not plan.fusion.groups else self.expand_fusion(plan.fusion)
+        )
+        dp = self.gpus // (p.tp * p.pp) if p.tp * p.pp else 0
+        if p.dp != dp:
+            raise ConfigError(
+                "dp", f"tp x pp x dp = {p.tp} x {p.pp} x {p.dp} does not equal the {self.gpus} GPUs"
+            )
+        config = TrainingConfig(
+            tp=p.tp,
+            pp=p.pp,
+            dp=p.dp,
+            vpp=p.vpp,
+            microbatch=p.microbatch,
+            global_batch=plan.global_batch,
+            seq=plan.seq,
+            sequence_parallel=p.sequence_parallel,
+            recompute=plan.remat.recompute if plan.remat.recompute else "none",
+            zero=p.zero,
+            dtype=plan.precision.compute,
+            flash_attention=plan.flash_attention,
+            fusion=fusion,
+            master_weights=plan.precision.master_weights,
+            overlap_grad_reduce=True,
+            overlap_param_gather=p.zero >= 1,
+            stage_layers=p.stage_layers,
+        )
+        self._configs[key] = config
+        return config
+
+    def price(self, plan: Plan) -> Estimate:
+        """The cost model's estimate of ``plan`` (memoised by decisions)."""
+        key = (plan.parallel, plan.fusion, plan.remat, plan.precision, plan.flash_attention)
+        got = self._priced.get(key)
+        if got is None:
+            config = self.config_of(plan)
+            got = self.model.estimate(self.cluster, config)
+            self._priced[key] = got
+            self.evaluations += 1
+        return got
+
+    def fits(self, est: Estimate) -> bool:
+        return est.memory.peak_bytes <= self.budget
+
+    def describe_budget(self) -> str:
+        return f"{self.budget / GiB:.1f} GiB per GPU"
+
+
+def plan_summary(
+    plan: Plan, est: Estimate | None = None, index: BlockIndex | None = None
+) -> Mapping[str, str]:
+    """What a plan decided, in words (for tables and reports)."""
+    p, f, r, c = plan.parallel, plan.fusion, plan.remat, plan.precision
+    rec = sorted(r.all_names)
+    short = ", ".join(n.split(".", 2)[-1] for n in rec[:4]) + (" ..." if len(rec) > 4 else "")
+    out = {
+        "parallel": p.describe(),
+        "remat": "nothing recomputed" if not rec else f"recompute {len(rec)}: {short}",
+        "fusion": f"{len(f.groups)} fused groups ({f.fused_ops} ops), {f.label}",
+        "precision": c.compute
+        + (f", {len(c.ops)} ops overridden" if c.ops else "")
+        + (", loss scaling" if c.loss_scaling else ""),
+    }
+    if est is not None:
+        out["kernels"] = f"{est.kernels_per_step:,} kernels/step"
+    if index is not None and c.ops:
+        fp32 = [n for n, d in c.ops if d == "fp32"]
+        if fp32:
+            out["precision"] += f"; fp32: {', '.join(n.split('.', 2)[-1] for n in fp32[:4])}"
+    return out
+
+
+__all__ = ["BlockIndex", "GiB", "Numerics", "PlanContext", "default_budget", "default_groups", "plan_summary"]

@@ -1,0 +1,343 @@
+"""A plan: the four decisions coplan makes for one training job, as one immutable, versioned value.
+
+Vocabulary (fixed across ``coplan.plan``, ``coplan.passes`` and ``coplan.search``):
+
+- decisions inside a transformer block are made once per *block template* and name the ops and
+  tensors of the template's reference block (its first block: ``h.0.mlp.gelu``); every block of the
+  template follows it by position. Ops outside blocks (embedding, final norm, LM head, loss) are
+  named as they are;
+- **fusion** is a partition of ops into kernels: ``groups`` lists the multi-op kernels by op name;
+  every op not listed is a kernel of its own (views launch nothing);
+- **remat** is the set of saved forward tensors recomputed in backward instead of kept, per
+  pipeline stage when stages differ (the first stage holds the most in-flight microbatches);
+- **parallel** is the device layout, microbatching and sharding;
+- **precision** is the dtype of every op: ``compute`` for matmul-class ops, overrides per op name
+  (``fp32`` keeps a numerically sensitive op in full precision), plus master weights, loss scaling
+  and fp8 scaling;
+
+A plan's ``fingerprint`` is a hash of its decisions (not of how it was found), so two strategies
+that reach the same plan report the same fingerprint.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+from coplan.errors import SpecError
+
+PLAN_VERSION = 1
+COMPUTE_DTYPES: tuple[str, ...] = ("fp32", "tf32", "bf16", "fp16", "fp8")
+OP_DTYPES: tuple[str, ...] = ("fp32", "bf16", "fp16", "fp8")
+
+
+class PlanError(SpecError):
+    """A plan file or value that cannot be used (exit code 2)."""
+
+    def __init__(self, field: str | None, message: str, source: str = "plan") -> None:
+        super().__init__(source, field, message)
+
+
+def _positive(name: str, v: object) -> None:
+    if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+        raise PlanError(name, f"must be a positive integer, got {v!r}")
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ParallelPlan:
+    """Device layout and batching. ``tp * pp * dp`` is the GPU count; ``stage_layers`` (one count
+    per model chunk, ``pp * vpp`` of them) is the layers each pipeline chunk holds (None: even)."""
+
+    tp: int = 1
+    pp: int = 1
+    dp: int = 1
+    vpp: int = 1
+    sequence_parallel: bool = False
+    zero: int = 0
+    microbatch: int = 1
+    stage_layers: tuple[int, ...] | None = None
+
+    def __post_init__(self) -> None:
+        for name in ("tp", "pp", "dp", "vpp", "microbatch"):
+            _positive(f"parallel.{name}", getattr(self, name))
+        if self.zero not in (0, 1, 2, 3):
+            raise PlanError("parallel.zero", f"must be 0, 1, 2 or 3, got {self.zero!r}")
+        if self.stage_layers is not None:
+            object.__setattr__(self, "stage_layers", tuple(int(n) for n in self.stage_layers))
+
+    @property
+    def gpus(self) -> int:
+        return self.tp * self.pp * self.dp
+
+    def describe(self) -> str:
+        bits = [f"TP{self.tp}", f"PP{self.pp}", f"DP{self.dp}"]
+        if self.vpp > 1:
+            bits.append(f"VPP{self.vpp}")
+        if self.sequence_parallel:
+            bits.append("SP")
+        if self.zero:
+            bits.append(f"ZeRO-{self.zero}")
+        bits.append(f"mb{self.microbatch}")
+        return " ".join(bits)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class FusionPlan:
+    """Kernels: ``groups`` of op names fused into one kernel each (every other op alone).
+
+    ``recompute_in_backward`` names recomputed forward ops that run inside the backward kernel
+    reading them (Inductor's min-cut partitioner does this for cheap pointwise ops): they cost
+    their arithmetic but no launch and no extra memory traffic. ``label`` says where the groups
+    came from ("eager", "megatron", "greedy", "joint"); it is not part of the decision.
+    """
+
+    groups: tuple[tuple[str, ...], ...] = ()
+    recompute_in_backward: frozenset[str] = frozenset()
+    label: str = "eager"
+
+    def __post_init__(self) -> None:
+        groups = tuple(tuple(str(n) for n in g) for g in self.groups)
+        seen: set[str] = set()
+        for g in groups:
+            if len(g) < 2:
+                raise PlanError("fusion.groups", f"a group needs at least two ops, got {list(g)}")
+            for n in g:
+                if n in seen:
+                    raise PlanError("fusion.groups", f"op {n!r} is in two groups")
+                seen.add(n)
+        # canonical order: ops inside a group and groups by first op keep fingerprints stable
+        object.__setattr__(self, "groups", tuple(sorted(tuple(sorted(g)) for g in groups)))
+        object.__setattr__(
+            self, "recompute_in_backward", frozenset(str(n) for n in self.recompute_in_backward)
+        )
+
+    @property
+    def fused_ops(self) -> int:
+        return sum(len(g) for g in self.groups)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class RematPlan:
+    """Saved tensors recomputed instead of kept: ``recompute`` for every stage, or ``per_stage``
+    (one set per pipeline stage) when stages differ."""
+
+    recompute: frozenset[str] = frozenset()
+    per_stage: tuple[frozenset[str], ...] | None = None
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "recompute", frozenset(str(n) for n in self.recompute))
+        if self.per_stage is not None:
+            object.__setattr__(self, "per_stage", tuple(frozenset(str(n) for n in s) for s in self.per_stage))
+
+    def for_stage(self, stage: int) -> frozenset[str]:
+        if self.per_stage is None:
+            return self.recompute
+        return self.per_stage[stage]
+
+    @property
+    def all_names(self) -> frozenset[str]:
+        out = set(self.recompute)
+        for s in self.per_stage or ():
+            out |= s
+        return frozenset(out)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class PrecisionPlan:
+    """Dtypes: ``compute`` for matmul-class ops, ``ops`` overrides by op name (``"fp32"`` keeps an
+    op in full precision; ``"bf16"`` lowers a sensitive op under a tolerance rule), fp32 master
+    weights, dynamic loss scaling (fp16), per-tensor fp8 scaling (fp8)."""
+
+    compute: str = "fp32"
+    ops: tuple[tuple[str, str], ...] = ()
+    master_weights: bool = True
+    loss_scaling: bool = False
+    fp8_scaling: str = ""
+
+    def __post_init__(self) -> None:
+        if self.compute not in COMPUTE_DTYPES:
+            raise PlanError(
+                "precision.compute", f"must be one of {', '.join(COMPUTE_DTYPES)}, got {self.compute!r}"
+            )
+        ops = tuple(sorted((str(n), str(d)) for n, d in dict(self.ops).items()))
+        for n, d in ops:
+            if d not in OP_DTYPES:
+                raise PlanError(
+                    "precision.ops", f"op {n!r}: dtype must be one of {', '.join(OP_DTYPES)}, got {d!r}"
+                )
+        object.__setattr__(self, "ops", ops)
+        if self.compute == "fp16" and not self.loss_scaling:
+            raise PlanError("precision.loss_scaling", "fp16 training needs loss scaling")
+        if self.compute == "fp8" and self.fp8_scaling != "per-tensor":
+            object.__setattr__(self, "fp8_scaling", "per-tensor")
+
+    @property
+    def overrides(self) -> dict[str, str]:
+        return dict(self.ops)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Plan:
+    """One complete plan for a model on a cluster. ``model`` and ``graph`` (the graph fingerprint)
+    tie it to the model it was made for; ``gpus`` to the world size."""
+
+    model: str
+    graph: str
+    cluster: str
+    gpus: int
+    global_batch: int
+    seq: int
+    parallel: ParallelPlan = field(default_factory=ParallelPlan)
+    fusion: FusionPlan = field(default_factory=FusionPlan)
+    remat: RematPlan = field(default_factory=RematPlan)
+    precision: PrecisionPlan = field(default_factory=PrecisionPlan)
+    flash_attention: bool = True
+    version: int = PLAN_VERSION
+
+    def __post_init__(self) -> None:
+        _positive("gpus", self.gpus)
+        _positive("global_batch", self.global_batch)
+        _positive("seq", self.seq)
+        if self.version != PLAN_VERSION:
+            raise PlanError("version", f"this coplan reads plan version {PLAN_VERSION}, got {self.version!r}")
+
+    def with_(self, **changes: Any) -> Plan:
+        return replace(self, **changes)
+
+    # --- serialisation -------------------------------------------------------------------------
+
+    def decisions(self) -> dict[str, Any]:
+        """The four decisions as plain data (what the fingerprint hashes)."""
+        p, f, r, c = self.parallel, self.fusion, self.remat, self.precision
+        return {
+            "parallel": {
+                "tp": p.tp,
+                "pp": p.pp,
+                "dp": p.dp,
+                "vpp": p.vpp,
+                "sequence_parallel": p.sequence_parallel,
+                "zero": p.zero,
+                "microbatch": p.microbatch,
+                "stage_layers": list(p.stage_layers) if p.stage_layers is not None else None,
+            },
+            "fusion": {
+                "groups": [list(g) for g in f.groups],
+                "recompute_in_backward": sorted(f.recompute_in_backward),
+            },
+            "remat": {
+                "recompute": sorted(r.recompute),
+                "per_stage": [sorted(s) for s in r.per_stage] if r.per_stage is not None else None,
+            },
+            "precision": {
+                "compute": c.compute,
+                "ops": {n: d for n, d in c.ops},
+                "master_weights": c.master_weights,
+                "loss_scaling": c.loss_scaling,
+                "fp8_scaling": c.fp8_scaling,
+            },
+            "flash_attention": self.flash_attention,
+        }
+
+    @property
+    def fingerprint(self) -> str:
+        body = {
+            "model": self.model,
+            "graph": self.graph,
+            "gpus": self.gpus,
+            "global_batch": self.global_batch,
+            "seq": self.seq,
+            **self.decisions(),
+        }
+        blob = json.dumps(body, sort_keys=True, separators=(",", ":"))
+        return hashlib.sha256(blob.encode()).hexdigest()[:16]
+
+    def to_dict(self) -> dict[str, Any]:
+        d = {
+            "version": self.version,
+            "model": self.model,
+            "graph": self.graph,
+            "cluster": self.cluster,
+            "gpus": self.gpus,
+            "global_batch": self.global_batch,
+            "seq": self.seq,
+            **self.decisions(),
+            "fingerprint": self.fingerprint,
+        }
+        d["fusion"]["label"] = self.fusion.label
+        return d
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict(), indent=2)
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any], source: str = "plan") -> Plan:
+        if not isinstance(data, Mapping):
+            raise PlanError(None, "expected a JSON object", source)
+        try:
+            par = data.get("parallel", {}) or {}
+            fus = data.get("fusion", {}) or {}
+            rem = data.get("remat", {}) or {}
+            pre = data.get("precision", {}) or {}
+            per_stage = rem.get("per_stage")
+            plan = cls(
+                version=data.get("version", PLAN_VERSION),
+                model=str(data["model"]),
+                graph=str(data.get("graph", "")),
+                cluster=str(data.get("cluster", "")),
+                gpus=data["gpus"],
+                global_batch=data["global_batch"],
+                seq=data["seq"],
+                parallel=ParallelPlan(**{k: v for k, v in par.items()}),
+                fusion=FusionPlan(
+                    groups=tuple(tuple(g) for g in fus.get("groups", ())),
+                    recompute_in_backward=frozenset(fus.get("recompute_in_backward", ())),
+                    label=str(fus.get("label", "custom")),
+                ),
+                remat=RematPlan(
+                    recompute=frozenset(rem.get("recompute", ())),
+                    per_stage=tuple(frozenset(s) for s in per_stage) if per_stage is not None else None,
+                ),
+                precision=PrecisionPlan(
+                    compute=pre.get("compute", "fp32"),
+                    ops=tuple(dict(pre.get("ops", {})).items()),
+                    master_weights=bool(pre.get("master_weights", True)),
+                    loss_scaling=bool(pre.get("loss_scaling", False)),
+                    fp8_scaling=str(pre.get("fp8_scaling", "")),
+                ),
+                flash_attention=bool(data.get("flash_attention", True)),
+            )
+        except KeyError as e:
+            raise PlanError(str(e.args[0]), "missing", source) from None
+        except TypeError as e:
+            raise PlanError(None, f"malformed plan: {e}", source) from None
+        except PlanError as e:
+            raise PlanError(e.field, e.reason, source) from None
+        stated = data.get("fingerprint")
+        if stated is not None and stated != plan.fingerprint:
+            raise PlanError(
+                "fingerprint",
+                f"{stated} does not match the plan's decisions ({plan.fingerprint}): edited by hand?",
+                source,
+            )
+        return plan
+
+    @classmethod
+    def load(cls, path: str) -> Plan:
+        try:
+            with open(path, encoding="utf-8") as fh:
+                data = json.load(fh)
+        except FileNotFoundError:
+            raise PlanError(None, "no such file", path) from None
+        except json.JSONDecodeError as e:
+            raise PlanError(None, f"not valid JSON (line {e.lineno}: {e.msg})", path) from None
+        return cls.from_dict(data, source=path)
+
+
+def names(items: Iterable[str]) -> str:
+    """A short human list of names (first five)."""
+    xs = sorted(items)
+    head = ", ".join(xs[:5])
+    return head + (f" (+{len(xs) - 5} more)" if len(xs) > 5 else "")

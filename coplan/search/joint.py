@@ -1,0 +1,133 @@
+"""The joint strategy: fusion, remat, parallelism and precision decided together.
+
+Outer level: every (parallel layout, compute precision, fusion option) of the search space,
+bounded below by its step time with nothing recomputed (recomputation only adds time), and
+explored best-bound-first: once a fitting plan is found, every combination whose bound is not
+better is pruned, so the outer search is exact.
+
+Inner level, per combination that does not fit with nothing recomputed: which saved tensors to
+recompute, as a 0/1 knapsack solved exactly by OR-Tools CP-SAT (minimise the recompute seconds
+subject to freeing the missing bytes; each tensor's seconds and bytes measured on the cost model
+for this combination, so the fusion, precision and layout it is priced under are the real ones).
+The cost model's memory is not exactly additive (transients, liveness), so the solver's answer is
+priced and, if it still does not fit, re-solved with the shortfall added; then improved by local
+search (drop or swap one tensor) on the true cost model. Warm starts (the other strategies'
+plans) are priced too, so ``joint`` is never worse than a strategy it was given.
+"""
+
+from __future__ import annotations
+
+from coplan.passes.base import PassRecord, score
+from coplan.passes.remat import remat_pass, saved_names, with_remat
+from coplan.plan.context import PlanContext
+from coplan.plan.types import Plan
+from coplan.search.strategies import Options, strategy
+
+SCALE_S = 1e9  # CP-SAT works on integers: nanoseconds and bytes
+MAX_RESOLVES = 6
+
+
+def knapsack(items: list[tuple[str, float, float]], need: float) -> frozenset[str] | None:
+    """Names minimising total seconds with total freed bytes >= ``need`` (None: impossible).
+    ``items`` are (name, seconds, bytes freed)."""
+    from ortools.sat.python import cp_model
+
+    if need <= 0:
+        return frozenset()
+    if sum(b for _, _, b in items) < need:
+        return None
+    m = cp_model.CpModel()
+    xs = [m.new_bool_var(n) for n, _, _ in items]
+    m.add(sum(int(b) * x for (_, _, b), x in zip(items, xs, strict=True)) >= int(need) + 1)
+    m.minimize(sum(round(s * SCALE_S) * x for (_, s, _), x in zip(items, xs, strict=True)))
+    solver = cp_model.CpSolver()
+    solver.parameters.num_workers = 1
+    solver.parameters.max_time_in_seconds = 2.0
+    st = solver.solve(m)
+    if st not in (cp_model.OPTIMAL, cp_model.FEASIBLE):
+        return None
+    return frozenset(n for (n, _, _), x in zip(items, xs, strict=True) if solver.value(x))
+
+
+def optimise_remat(plan: Plan, ctx: PlanContext) -> Plan:
+    """The fastest fitting recompute set for ``plan``'s other decisions (see the module doc)."""
+    none = with_remat(plan, frozenset())
+    e0 = ctx.price(none)
+    if ctx.fits(e0):
+        return none
+    names = saved_names(ctx)
+    items = []
+    for n in names:
+        e = ctx.price(with_remat(plan, frozenset({n})))
+        freed = e0.memory.peak_bytes - e.memory.peak_bytes
+        if freed > 0:
+            items.append((n, max(0.0, e.step_time_s - e0.step_time_s), freed))
+    need = e0.memory.peak_bytes - ctx.budget
+    candidates = [none, with_remat(plan, frozenset(names)), remat_pass(ctx.index.graph, plan, ctx)]
+    chosen = None
+    for _ in range(MAX_RESOLVES):
+        chosen = knapsack(items, need)
+        if chosen is None:
+            break
+        p = with_remat(plan, chosen)
+        candidates.append(p)
+        e = ctx.price(p)
+        if ctx.fits(e):
+            break
+        need += e.memory.peak_bytes - ctx.budget
+    best = min(candidates, key=lambda p: score(p, ctx))
+    return _local_search(best, ctx, names)
+
+
+def _local_search(plan: Plan, ctx: PlanContext, names: tuple[str, ...]) -> Plan:
+    """Drop-one and swap-one moves on the recompute set while they improve the true score."""
+    cur, key = plan, score(plan, ctx)
+    improved = True
+    while improved:
+        improved = False
+        s = cur.remat.recompute
+        moves = [s - {n} for n in s] + [s | {n} for n in names if n not in s]
+        moves += [(s - {a}) | {b} for a in s for b in names if b not in s]
+        for m in moves:
+            p = with_remat(cur, frozenset(m))
+            k = score(p, ctx)
+            if k < key:
+                cur, key, improved = p, k, True
+                break
+    return cur
+
+
+@strategy("joint")
+def joint(ctx: PlanContext, opts: Options) -> tuple[Plan, list[PassRecord], list[str]]:
+    base = ctx.default_plan()
+    combos = [
+        base.with_(parallel=par, precision=prec, fusion=fus)
+        for par in opts.space.parallel(ctx)
+        for prec in opts.space.precisions(ctx)
+        for fus in opts.space.fusions(ctx)
+    ]
+    bounds = sorted(((ctx.price(p).step_time_s, i, p) for i, p in enumerate(combos)), key=lambda x: x[:2])
+    best: Plan | None = None
+    best_key = (3, 0.0)
+    for w in opts.warm:
+        k = score(w, ctx)
+        if k < best_key:
+            best, best_key = w, k
+    explored = 0
+    for n, (lb, _, p) in enumerate(bounds):
+        if opts.progress:
+            opts.progress("joint", n, len(bounds))
+        if best_key[0] == 0 and lb >= best_key[1]:
+            break
+        cand = optimise_remat(p, ctx)
+        explored += 1
+        k = score(cand, ctx)
+        if k < best_key:
+            best, best_key = cand, k
+    assert best is not None
+    notes = [
+        f"{len(combos):,} layout x precision x fusion combinations, {explored} solved inside (bound-pruned)"
+    ]
+    if opts.warm:
+        notes.append(f"warm-started from {len(opts.warm)} plans")
+    return best, [], notes

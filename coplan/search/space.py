@@ -1,0 +1,59 @@
+"""The space strategies search, shared so that every strategy (and the exhaustive oracle) sees
+the same choices."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+
+from coplan.passes.fusion import _as_plan, greedy_groups, megatron_fusion, scope_ops
+from coplan.passes.parallel import candidates
+from coplan.plan.context import PlanContext
+from coplan.plan.types import FusionPlan, ParallelPlan, PrecisionPlan
+
+Progress = Callable[[str, int, int], None]
+
+FUSION_OPTIONS: tuple[str, ...] = ("eager", "greedy", "epilogue", "megatron")
+
+
+@dataclass(frozen=True, slots=True)
+class SearchSpace:
+    """Which choices a search may make. ``dtypes`` None: every compute precision the devices run
+    natively; ``fusion``: named fusion options (``eager``: none; ``greedy``: Inductor-style;
+    ``epilogue``: greedy plus pointwise epilogues and prologues fused into GEMMs, as Triton GEMM
+    templates and cuBLASLt epilogues allow; ``megatron``: Megatron-LM's fused kernels)."""
+
+    dtypes: tuple[str, ...] | None = None
+    fusion: tuple[str, ...] = ("greedy", "epilogue")
+    zero: tuple[int, ...] = (0, 1, 2, 3)
+
+    def precisions(self, ctx: PlanContext) -> list[PrecisionPlan]:
+        native = ctx.device_dtypes
+        want = self.dtypes if self.dtypes is not None else ("fp32", "bf16", "fp16", "fp8")
+        out = []
+        for d in want:
+            if d not in native:
+                continue
+            if d == "fp16" and "bf16" in native and self.dtypes is None:
+                continue  # bf16 has fp16's speed without loss scaling: fp16 is never better
+            out.append(PrecisionPlan(compute=d, loss_scaling=(d == "fp16")))
+        return out
+
+    def fusions(self, ctx: PlanContext) -> list[FusionPlan]:
+        return [fusion_option(ctx, name) for name in self.fusion]
+
+    def parallel(self, ctx: PlanContext) -> Iterator[ParallelPlan]:
+        return candidates(ctx, zero=self.zero)
+
+
+def fusion_option(ctx: PlanContext, name: str) -> FusionPlan:
+    graph = ctx.index.graph
+    if name == "eager":
+        return FusionPlan()
+    if name == "megatron":
+        return megatron_fusion(ctx)
+    if name == "greedy":
+        return _as_plan(graph, greedy_groups(graph, scope_ops(ctx)), "greedy")
+    if name == "epilogue":
+        return _as_plan(graph, greedy_groups(graph, scope_ops(ctx), into_anchors=True), "epilogue")
+    raise ValueError(f"unknown fusion option {name!r}; options: {', '.join(FUSION_OPTIONS)}")

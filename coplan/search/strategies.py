@@ -1,0 +1,178 @@
+"""The planning strategies, registered by name, all returning ``StrategyResult``.
+
+- ``sequential``: the production passes one after another (fusion -> remat -> parallel ->
+  precision by default; any order), each with the later decisions at their defaults;
+- ``sequential-best``: all 24 orders, the best kept;
+- ``iterated``: the passes repeated until a full round changes nothing (coordinate descent);
+- ``hierarchical``: Alpa-style: parallel layouts outside, fusion, precision and remat decided per
+  layout inside by the production passes;
+- ``joint``: all four together (``joint.py``);
+- ``exhaustive``: every combination of the search space, for small problems (the test oracle).
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+from coplan.passes.base import DEFAULT_ORDER, PassRecord, choose, run_passes, score
+from coplan.plan.checker import check
+from coplan.plan.context import PlanContext
+from coplan.plan.types import Plan
+from coplan.search.result import Point, StrategyResult
+from coplan.search.space import Progress, SearchSpace
+
+STRATEGIES: dict[str, Callable[..., tuple[Plan, list[PassRecord], list[str]]]] = {}
+DEFAULT_STRATEGIES: tuple[str, ...] = ("sequential", "sequential-best", "iterated", "hierarchical", "joint")
+MAX_ROUNDS = 10
+
+
+def strategy(
+    name: str,
+) -> Callable[
+    [Callable[..., tuple[Plan, list[PassRecord], list[str]]]],
+    Callable[..., tuple[Plan, list[PassRecord], list[str]]],
+]:
+    def deco(
+        fn: Callable[..., tuple[Plan, list[PassRecord], list[str]]],
+    ) -> Callable[..., tuple[Plan, list[PassRecord], list[str]]]:
+        STRATEGIES[name] = fn
+        return fn
+
+    return deco
+
+
+@dataclass
+class Options:
+    """Inputs every strategy accepts (unused ones are ignored)."""
+
+    order: Sequence[str] = DEFAULT_ORDER
+    space: SearchSpace = field(default_factory=SearchSpace)
+    progress: Progress | None = None
+    warm: list[Plan] = field(default_factory=list)  # plans found by other strategies (joint)
+    max_evaluations: int = 400_000
+
+
+def run_strategy(name: str, ctx: PlanContext, opts: Options | None = None) -> StrategyResult:
+    if name not in STRATEGIES:
+        raise KeyError(name)
+    opts = opts or Options()
+    before = set(ctx._priced)
+    evals0 = ctx.evaluations
+    t0 = time.perf_counter()
+    plan, records, notes = STRATEGIES[name](ctx, opts)
+    dt = time.perf_counter() - t0
+    est = ctx.price(plan)
+    violations = tuple(check(plan, ctx))
+    new = [e for k, e in ctx._priced.items() if k not in before] or [est]
+    points = tuple(Point(e.step_time_s, e.memory.peak_bytes, ctx.fits(e)) for e in new)
+    return StrategyResult(
+        strategy=name,
+        plan=plan,
+        estimate=est,
+        violations=violations,
+        plan_time_s=dt,
+        evaluations=ctx.evaluations - evals0,
+        considered=points,
+        passes=tuple(records),
+        notes=tuple(notes),
+    )
+
+
+@strategy("sequential")
+def sequential(ctx: PlanContext, opts: Options) -> tuple[Plan, list[PassRecord], list[str]]:
+    plan, records = run_passes(ctx.default_plan(), ctx, opts.order)
+    return plan, records, [f"order: {' -> '.join(opts.order)}"]
+
+
+@strategy("sequential-best")
+def sequential_best(ctx: PlanContext, opts: Options) -> tuple[Plan, list[PassRecord], list[str]]:
+    orders = list(itertools.permutations(DEFAULT_ORDER))
+    results = []
+    for i, order in enumerate(orders):
+        if opts.progress:
+            opts.progress("sequential-best", i, len(orders))
+        plan, records = run_passes(ctx.default_plan(), ctx, order)
+        results.append((score(plan, ctx), i, plan, records, order))
+    results.sort(key=lambda r: (r[0], r[1]))
+    _, _, plan, records, order = results[0]
+    return plan, records, [f"best order: {' -> '.join(order)} of {len(orders)}"]
+
+
+@strategy("iterated")
+def iterated(ctx: PlanContext, opts: Options) -> tuple[Plan, list[PassRecord], list[str]]:
+    plan = ctx.default_plan()
+    all_records: list[PassRecord] = []
+    for rnd in range(1, MAX_ROUNDS + 1):
+        new, records = run_passes(plan, ctx, opts.order)
+        all_records.extend(records)
+        if choose((plan, new), ctx) is plan and rnd > 1:
+            return plan, all_records, [f"converged after {rnd} rounds"]
+        if new.fingerprint == plan.fingerprint:
+            return new, all_records, [f"converged after {rnd} rounds"]
+        plan = new
+    return plan, all_records, [f"stopped after {MAX_ROUNDS} rounds"]
+
+
+@strategy("hierarchical")
+def hierarchical(ctx: PlanContext, opts: Options) -> tuple[Plan, list[PassRecord], list[str]]:
+    from coplan.passes.fusion import fusion_pass
+    from coplan.passes.precision import precision_pass
+    from coplan.passes.remat import remat_pass
+
+    graph = ctx.index.graph
+    base = ctx.default_plan()
+    # the inner passes do not depend on the layout for fusion and precision: decide them once
+    inner = precision_pass(graph, fusion_pass(graph, base, ctx), ctx)
+    outer = [inner.with_(parallel=p) for p in opts.space.parallel(ctx)]
+    # branch and bound: remat only adds time, so a layout priced with nothing recomputed bounds
+    # every plan of that layout from below
+    bounds = sorted(((ctx.price(p).step_time_s, i, p) for i, p in enumerate(outer)), key=lambda x: x[:2])
+    best: Plan | None = None
+    best_key = (3, 0.0)
+    explored = 0
+    for n, (lb, _, p) in enumerate(bounds):
+        if opts.progress:
+            opts.progress("hierarchical", n, len(bounds))
+        if best_key[0] == 0 and lb >= best_key[1]:
+            break
+        cand = remat_pass(graph, p, ctx)
+        explored += 1
+        k = score(cand, ctx)
+        if k < best_key:
+            best, best_key = cand, k
+    assert best is not None or not outer
+    return (best or inner), [], [f"{len(outer)} layouts, {explored} optimized inside (bound-pruned)"]
+
+
+@strategy("exhaustive")
+def exhaustive(ctx: PlanContext, opts: Options) -> tuple[Plan, list[PassRecord], list[str]]:
+    from coplan.passes.remat import saved_names, with_remat
+
+    names = saved_names(ctx)
+    subsets = [frozenset(c) for r in range(len(names) + 1) for c in itertools.combinations(names, r)]
+    base = ctx.default_plan()
+    layouts = list(opts.space.parallel(ctx))
+    precisions = opts.space.precisions(ctx)
+    fusions = opts.space.fusions(ctx)
+    total = len(layouts) * len(precisions) * len(fusions) * len(subsets)
+    if total > opts.max_evaluations:
+        raise ValueError(
+            f"exhaustive search would price {total:,} plans "
+            f"(limit {opts.max_evaluations:,}); use a smaller problem"
+        )
+    best: Plan | None = None
+    best_key = (3, 0.0)
+    for i, (par, prec, fus) in enumerate(itertools.product(layouts, precisions, fusions)):
+        if opts.progress:
+            opts.progress("exhaustive", i, len(layouts) * len(precisions) * len(fusions))
+        p0 = base.with_(parallel=par, precision=prec, fusion=fus)
+        for s in subsets:
+            p = with_remat(p0, s)
+            k = score(p, ctx)
+            if k < best_key:
+                best, best_key = p, k
+    assert best is not None
+    return best, [], [f"{total:,} plans priced"]
