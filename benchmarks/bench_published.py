@@ -2,10 +2,11 @@
 
     python benchmarks/bench_published.py [--runs benchmarks/data/published_runs.json] [--json OUT]
 
-Each run in the data file names its model, cluster preset, parallel layout, batch, recompute,
-precision and attention kernel, and the step time its source measured. The same device presets
-price every run (one profile per device, nothing fitted per run). Prints a table and the mean and
-worst absolute error; ``--json`` writes the rows.
+Each run in the data file names its model, cluster preset, parallel layout (with ``stage_layers``
+where the source's recipe splits layers unevenly), batch, recompute, precision and attention
+kernel, and the step time its source measured. The same device presets price every run (one
+profile per device, nothing fitted per run). Prints a table and the mean and worst absolute error;
+``--json`` writes the rows.
 """
 
 from __future__ import annotations
@@ -43,6 +44,8 @@ def run_one(run: dict) -> dict:
         overlap_grad_reduce=run.get("overlap", {}).get("grad_reduce", True),
         overlap_param_gather=run.get("overlap", {}).get("param_gather", False),
         tp_comm_overlap=run.get("overlap", {}).get("tp_comm", False),
+        # an uneven pipeline layout, in virtual-stage order, where the source's recipe gives one
+        stage_layers=tuple(run["stage_layers"]) if run.get("stage_layers") else None,
     )
     start = time.perf_counter()
     est = CostModel(spec=spec).estimate(cluster, config)

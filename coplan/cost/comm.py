@@ -2,11 +2,13 @@
 
 Ranks are laid out as Megatron-LM does (tensor-parallel fastest, then data-parallel, then
 pipeline), so a process group is ``size`` ranks ``stride`` apart. A collective over a group that
-spans nodes runs hierarchically, as NCCL does: a ring inside each node over NVLink-class links, and
-across nodes each of the ``r`` local members carries ``1/r`` of the data through its own NIC.
-Bandwidth terms follow the ring algorithm (all-reduce moves ``2(n-1)/n`` of the buffer through each
-link, all-gather and reduce-scatter ``(n-1)/n``); latency terms follow a tree (``log2 n`` hops),
-which NCCL picks for small messages.
+spans nodes runs as NCCL's ring does: one ring over all ``n`` members, each node's members
+consecutive, with one ring per NIC (channel) so that each of the ``r`` local members' NICs carries
+``1/r`` of the data. Bandwidth terms follow the ring algorithm (all-reduce moves ``2(n-1)/n`` of the
+buffer out of each member, all-gather and reduce-scatter ``(n-1)/n``); the NVLink hops and the NIC
+hops are stages of the same pipelined ring, so they run concurrently and the slower level sets the
+time (nccl-tests' multi-node bus bandwidth is the NICs' rate, not a harmonic mix of NVLink and
+NIC rates). Latency terms follow a tree (``log2 n`` hops), which NCCL picks for small messages.
 """
 
 from __future__ import annotations
@@ -45,6 +47,18 @@ class Group:
         """Time for a ring-style collective moving ``factor * (n-1)/n`` of ``bytes_`` per link."""
         t = 0.0
         e = self.efficiency
+        if self.local > 1 and self.nodes > 1 and self.inter is not None:
+            # one pipelined ring over both levels: of the (n-1)/n of the buffer each member sends,
+            # (r-1)/r leaves over NVLink and 1/r over the node's r NICs, concurrently
+            n, r = self.size, self.local
+            sent = factor * (n - 1) / n * bytes_
+            intra, inter = self.intra, self.inter
+            t_intra = sent * (r - 1) / r / (intra.bandwidth * intra.efficiency * e)
+            t_inter = sent / r / (inter.bandwidth * inter.efficiency * e)
+            t = max(t_intra, t_inter)
+            t += factor * math.ceil(math.log2(r)) * intra.latency_s
+            t += factor * math.ceil(math.log2(self.nodes)) * inter.latency_s
+            return t
         if self.local > 1:
             lvl = self.intra
             t += factor * (self.local - 1) / self.local * bytes_ / (lvl.bandwidth * lvl.efficiency * e)

@@ -436,16 +436,21 @@ class _Priced:
         if c.tp == 1:
             return 0.0
         ab = c.act_bytes
+        # fp8 with sequence parallelism: Transformer Engine quantises a GEMM input before gathering
+        # it (the fused norm writes fp8, the output gradient is cast before its all-gather), so the
+        # block's all-gathers move 1-byte elements; reductions stay in 16 bits, and the embedding
+        # and LM head run in 16 bits anyway
+        ag = 1 if c.dtype == "fp8" and part.blocks else ab
         fwd = bwd = 0.0
         for n in part.tp_exits:
             if c.sequence_parallel:
                 fwd += g.reduce_scatter(n * ab)
-                bwd += g.all_gather(n * ab)
+                bwd += g.all_gather(n * ag)
             else:
                 fwd += g.all_reduce(n * ab)
         for n in part.tp_entries:
             if c.sequence_parallel:
-                fwd += g.all_gather(n * ab)
+                fwd += g.all_gather(n * ag)
                 # (the saved input shard is re-gathered for the weight gradient too, but Megatron
                 # overlaps that all-gather with the input-gradient GEMM, so it is not priced)
                 bwd += g.reduce_scatter(n * ab)

@@ -278,3 +278,33 @@ def test_a_config_that_does_not_fit_still_prints(capsys):
     assert code == 0
     data = json.loads(out)
     assert data["fits"] is False and data["memory"]["peak_bytes"] > data["memory"]["capacity_bytes"]
+
+
+def test_multi_node_ring_runs_both_levels_concurrently() -> None:
+    # NCCL's ring crosses NVLink and the NICs in one pipeline: the slower level sets the time
+    from coplan.cost.comm import Group
+
+    cluster = load_cluster("dgx-h100", 32)
+    g = Group.of(cluster, 16, 2, 1.0)  # 4 members per node on 4 nodes
+    assert (g.local, g.nodes) == (4, 4)
+    nbytes = 4e9
+    nic = cluster.inter_node
+    assert nic is not None
+    sent = 15 / 16 * nbytes
+    expected = sent / 4 / (nic.bandwidth * nic.efficiency)  # the NICs are the slower level here
+    lat = math.ceil(math.log2(4)) * (cluster.groups[0].intra_node.latency_s + nic.latency_s)
+    assert g.reduce_scatter(nbytes) == pytest.approx(expected + lat)
+    assert g.all_reduce(nbytes) == pytest.approx(2 * (expected + lat))
+
+
+def test_fp8_sequence_parallel_gathers_one_byte_elements() -> None:
+    # Transformer Engine gathers fp8-quantised GEMM inputs; reduce-scatters stay 16-bit
+    spec = ModelSpec(
+        name="t", n_layers=8, d_model=4096, n_heads=32, vocab_size=4096, seq_len=4096, activation="gelu"
+    )
+    cluster = load_cluster("dgx-h100", 8)
+    base = TrainingConfig(tp=8, dp=1, microbatch=1, global_batch=1, seq=4096, sequence_parallel=True)
+    bf16 = CostModel(spec=spec).estimate(cluster, base).stages[0].tp_comm_s
+    fp8 = CostModel(spec=spec).estimate(cluster, base.with_(dtype="fp8")).stages[0].tp_comm_s
+    # all-gathers are half of the block's collectives by bytes: fp8 saves at most a quarter overall
+    assert 0.6 * bf16 < fp8 < 0.9 * bf16
