@@ -22,6 +22,7 @@ app = typer.Typer(
 app.command("graph")(graph_cmd.graph)
 app.command("hardware")(hardware_cmd.hardware)
 app.command("plan")(plan_cmd.plan)
+app.command("compare")(plan_cmd.compare)
 app.command("estimate")(estimate_cmd.estimate)
 app.command("calibrate")(calibrate_cmd.calibrate)
 

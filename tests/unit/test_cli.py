@@ -182,23 +182,63 @@ def test_hardware_text(capsys: pytest.CaptureFixture[str]) -> None:
 
 @needs_hardware
 @pytest.mark.capture
-def test_plan_json(capsys: pytest.CaptureFixture[str]) -> None:
-    code, out, err = run(capsys, "plan", "--model", "gpt-tiny", "--json")
+def test_plan_json(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    out_file = tmp_path / "plan.json"
+    code, out, err = run(
+        capsys, "plan", "--model", "gpt-tiny", "--global-batch", "8", "--json", "--out", str(out_file)
+    )
     assert code == 0, err
     data = json.loads(out)
-    assert data["planned"] is False
-    assert data["graph"].keys() >= SUMMARY_KEYS
-    assert data["graph"]["params"] == GPT_TINY_PARAMS and data["graph"]["batch"] == 1
-    assert data["cluster"]["name"]
+    for key in ("step_time_s", "tokens_per_s", "mfu", "peak_bytes", "fits", "plan_time_s", "plan"):
+        assert key in data, key
+    assert data["fits"] is True and data["peak_bytes"] <= data["budget_bytes"]
+    assert data["plan"]["model"] == "gpt-tiny" and data["plan"]["gpus"] == 1
+    # the file holds the same plan, and it loads back with a matching fingerprint
+    from coplan.plan import Plan
+
+    assert Plan.load(str(out_file)).fingerprint == data["plan"]["fingerprint"]
 
 
 @needs_hardware
-@pytest.mark.capture
 def test_plan_text(capsys: pytest.CaptureFixture[str]) -> None:
-    code, out, err = run(capsys, "plan", "-m", "gpt-tiny", "--global-batch", "2", "--seq", "16")
+    code, out, err = run(capsys, "plan", "-m", "gpt-tiny", "--global-batch", "4", "--seq", "16")
     assert code == 0, err
-    assert out.splitlines()[0].startswith("note: the planner is not implemented yet")
-    assert "2 × 16" in out and "136,960" in out
+    assert "gpt-tiny" in out and "step time" in out and "fingerprint" in out
+
+
+@needs_hardware
+def test_compare_json_contract(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    report = tmp_path / "r.html"
+    code, out, err = run(
+        capsys, "compare", "-m", "gpt-tiny", "--global-batch", "8", "--json", "--html", str(report)
+    )
+    assert code == 0, err
+    data = json.loads(out)
+    names = {"sequential", "sequential-best", "iterated", "hierarchical", "joint"}
+    assert set(data["strategies"]) == names
+    for entry in data["strategies"].values():
+        assert {
+            "step_time_s",
+            "tokens_per_s",
+            "mfu",
+            "peak_bytes",
+            "fits",
+            "plan_time_s",
+            "plan",
+        } <= entry.keys()
+    joint = data["strategies"]["joint"]["step_time_s"]
+    assert all(joint <= e["step_time_s"] * (1 + 1e-9) for e in data["strategies"].values() if e["fits"])
+    text = report.read_text()
+    assert "<img" in text and "joint" in text
+
+
+@needs_hardware
+def test_infeasible_plan_exits_3(capsys: pytest.CaptureFixture[str]) -> None:
+    code, out, err = run(capsys, "plan", "-m", "llama2-70b", "--gpus", "1", "--seq", "512", "--json")
+    assert code == 3
+    data = json.loads(out)
+    assert data["fits"] is False and "nothing fits" in data["reason"]
+    assert err.startswith("error: nothing fits") and len(err.strip().splitlines()) == 1
 
 
 @needs_hardware
@@ -209,6 +249,9 @@ def test_plan_text(capsys: pytest.CaptureFixture[str]) -> None:
         (("--gpus", "0"), "--gpus"),
         (("--cluster", "dgx-h100", "--gpus", "12"), "12"),
         (("--global-batch", "0"), "--global-batch"),
+        (("--memory-budget-gb", "-1"), "--memory-budget-gb"),
+        (("--strategy", "magic"), "magic"),
+        (("--strategy", "sequential", "--order", "fusion,remat"), "--order"),
     ],
 )
 def test_plan_errors(capsys: pytest.CaptureFixture[str], args: tuple[str, ...], needle: str) -> None:
