@@ -21,7 +21,7 @@ from coplan.cost import ConfigError, check_against
 from coplan.cost.fusion import readers, source_op
 from coplan.ir.types import Graph, OpKind, Phase
 from coplan.plan.context import PlanContext
-from coplan.plan.types import Plan, PlanError
+from coplan.plan.types import FusionPlan, Plan, PlanError
 
 #: ops that run as vendor-library kernels (cuBLAS, cuDNN/flash): one per fused kernel at most
 ANCHORS = frozenset({OpKind.MATMUL, OpKind.ATTENTION})
@@ -78,7 +78,9 @@ def identity(plan: Plan, ctx: PlanContext) -> Iterator[str]:
 @rule("structure")
 def parallel(plan: Plan, ctx: PlanContext) -> Iterator[str]:
     try:
-        config = ctx.config_of(plan)
+        # the layout rules do not depend on fusion; leaving the groups out keeps a group naming
+        # unknown ops (the fusion rule's finding) from failing the expansion here
+        config = ctx.config_of(plan.with_(fusion=FusionPlan()))
         m = ctx.model
         if m.spec is not None:
             check_against(

@@ -18,7 +18,7 @@ from coplan.cost.profile import GraphProfile
 from coplan.hardware.cluster import ClusterSpec
 from coplan.ir.fingerprint import fingerprint as graph_fingerprint
 from coplan.ir.types import Graph, Op, Phase
-from coplan.plan.types import FusionPlan, ParallelPlan, Plan, PrecisionPlan, RematPlan
+from coplan.plan.types import FusionPlan, ParallelPlan, Plan, PlanError, PrecisionPlan, RematPlan
 
 GiB = 1024**3
 #: Memory a job cannot plan for: the CUDA context and NCCL buffers (about 1 GiB on current
@@ -74,10 +74,16 @@ class BlockIndex:
     def expand(self, names: tuple[str, ...]) -> list[tuple[int, ...]]:
         """Op-id groups of every block for one group of reference names (one per block, or one
         for ops outside blocks)."""
-        refs = {self.position[n][0] for n in names if n in self.position}
-        if not refs:
+        unknown = [n for n in names if n not in self.op_by_name]
+        if unknown:
+            raise PlanError("fusion.groups", f"unknown op {unknown[0]!r}")
+        refs = {self.position[n][0] if n in self.position else None for n in names}
+        if refs == {None}:
             return [tuple(self.op_by_name[n].id for n in names)]
+        if len(refs) > 1:  # the checker's fusion rule reports this as a group spanning blocks
+            raise PlanError("fusion.groups", f"group {list(names)} spans blocks")
         ref = next(iter(refs))
+        assert ref is not None
         pos = [self.position[n][1] for n in names]
         return [
             tuple(self.block_ops[b][i].id for i in pos) for b, r in sorted(self.ref_of.items()) if r == ref

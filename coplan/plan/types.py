@@ -63,8 +63,12 @@ class ParallelPlan:
     def __post_init__(self) -> None:
         for name in ("tp", "pp", "dp", "vpp", "microbatch"):
             _positive(f"parallel.{name}", getattr(self, name))
-        if self.zero not in (0, 1, 2, 3):
+        if self.zero not in (0, 1, 2, 3) or isinstance(self.zero, bool):
             raise PlanError("parallel.zero", f"must be 0, 1, 2 or 3, got {self.zero!r}")
+        if not isinstance(self.sequence_parallel, bool):
+            raise PlanError(
+                "parallel.sequence_parallel", f"must be true or false, got {self.sequence_parallel!r}"
+            )
         if self.stage_layers is not None:
             object.__setattr__(self, "stage_layers", tuple(int(n) for n in self.stage_layers))
 
@@ -277,11 +281,14 @@ class Plan:
         if not isinstance(data, Mapping):
             raise PlanError(None, "expected a JSON object", source)
         try:
-            par = data.get("parallel", {}) or {}
-            fus = data.get("fusion", {}) or {}
-            rem = data.get("remat", {}) or {}
-            pre = data.get("precision", {}) or {}
+            par = _section(data, "parallel")
+            fus = _section(data, "fusion")
+            rem = _section(data, "remat")
+            pre = _section(data, "precision")
             per_stage = rem.get("per_stage")
+            ops = pre.get("ops", {})
+            if not isinstance(ops, Mapping):
+                raise PlanError("precision.ops", "must be an object of op name to dtype")
             plan = cls(
                 version=data.get("version", PLAN_VERSION),
                 model=str(data["model"]),
@@ -292,26 +299,34 @@ class Plan:
                 seq=data["seq"],
                 parallel=ParallelPlan(**{k: v for k, v in par.items()}),
                 fusion=FusionPlan(
-                    groups=tuple(tuple(g) for g in fus.get("groups", ())),
-                    recompute_in_backward=frozenset(fus.get("recompute_in_backward", ())),
+                    groups=tuple(
+                        _names("fusion.groups", g) for g in _list("fusion.groups", fus.get("groups", ()))
+                    ),
+                    recompute_in_backward=frozenset(
+                        _names("fusion.recompute_in_backward", fus.get("recompute_in_backward", ()))
+                    ),
                     label=str(fus.get("label", "custom")),
                 ),
                 remat=RematPlan(
-                    recompute=frozenset(rem.get("recompute", ())),
-                    per_stage=tuple(frozenset(s) for s in per_stage) if per_stage is not None else None,
+                    recompute=frozenset(_names("remat.recompute", rem.get("recompute", ()))),
+                    per_stage=tuple(
+                        frozenset(_names("remat.per_stage", s)) for s in _list("remat.per_stage", per_stage)
+                    )
+                    if per_stage is not None
+                    else None,
                 ),
                 precision=PrecisionPlan(
                     compute=pre.get("compute", "fp32"),
-                    ops=tuple(dict(pre.get("ops", {})).items()),
-                    master_weights=bool(pre.get("master_weights", True)),
-                    loss_scaling=bool(pre.get("loss_scaling", False)),
+                    ops=tuple(ops.items()),
+                    master_weights=_flag(pre, "master_weights", True, "precision."),
+                    loss_scaling=_flag(pre, "loss_scaling", False, "precision."),
                     fp8_scaling=str(pre.get("fp8_scaling", "")),
                 ),
-                flash_attention=bool(data.get("flash_attention", True)),
+                flash_attention=_flag(data, "flash_attention", True),
             )
         except KeyError as e:
             raise PlanError(str(e.args[0]), "missing", source) from None
-        except TypeError as e:
+        except (TypeError, ValueError) as e:
             raise PlanError(None, f"malformed plan: {e}", source) from None
         except PlanError as e:
             raise PlanError(e.field, e.reason, source) from None
@@ -334,6 +349,38 @@ class Plan:
         except json.JSONDecodeError as e:
             raise PlanError(None, f"not valid JSON (line {e.lineno}: {e.msg})", path) from None
         return cls.from_dict(data, source=path)
+
+
+def _section(data: Mapping[str, Any], key: str) -> Mapping[str, Any]:
+    """One decision's object (absent or null: every default)."""
+    v = data.get(key)
+    if v is None:
+        return {}
+    if not isinstance(v, Mapping):
+        raise PlanError(key, f"must be an object, got {type(v).__name__}")
+    return v
+
+
+def _flag(data: Mapping[str, Any], key: str, default: bool, prefix: str = "") -> bool:
+    """A JSON true/false (``bool("false")`` would read a quoted "false" as true)."""
+    v = data.get(key, default)
+    if not isinstance(v, bool):
+        raise PlanError(prefix + key, f"must be true or false, got {v!r}")
+    return v
+
+
+def _list(field: str, v: object) -> list[Any] | tuple[Any, ...]:
+    if not isinstance(v, list | tuple):
+        raise PlanError(field, f"must be a list, got {type(v).__name__}")
+    return v
+
+
+def _names(field: str, v: object) -> tuple[str, ...]:
+    """A list of op or tensor names (a bare string would otherwise be read as its characters)."""
+    items = _list(field, v)
+    if not all(isinstance(n, str) for n in items):
+        raise PlanError(field, f"must be a list of names, got {v!r}")
+    return tuple(items)
 
 
 def names(items: Iterable[str]) -> str:

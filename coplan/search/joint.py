@@ -80,8 +80,18 @@ def optimise_remat(plan: Plan, ctx: PlanContext) -> Plan:
 
 
 def _local_search(plan: Plan, ctx: PlanContext, names: tuple[str, ...]) -> Plan:
-    """Drop-one and swap-one moves on the recompute set while they improve the true score."""
-    cur, key = plan, score(plan, ctx)
+    """Drop-one and swap-one moves on the recompute set while they improve the true score.
+
+    Ties in score go to the smaller recompute set, so a drop that costs nothing is taken: tensors
+    one op produces together (a norm's mean and rstd) are only freed of their recompute when both
+    are dropped, and the first drop alone leaves the time unchanged (a plateau a strict descent
+    would stop on). Every accepted move lowers (score, set size), so the search terminates.
+    """
+
+    def key_of(p: Plan) -> tuple[int, float, int]:
+        return (*score(p, ctx), len(p.remat.recompute))
+
+    cur, key = plan, key_of(plan)
     improved = True
     while improved:
         improved = False
@@ -90,7 +100,7 @@ def _local_search(plan: Plan, ctx: PlanContext, names: tuple[str, ...]) -> Plan:
         moves += [(s - {a}) | {b} for a in s for b in names if b not in s]
         for m in moves:
             p = with_remat(cur, frozenset(m))
-            k = score(p, ctx)
+            k = key_of(p)
             if k < key:
                 cur, key, improved = p, k, True
                 break
@@ -124,7 +134,11 @@ def joint(ctx: PlanContext, opts: Options) -> tuple[Plan, list[PassRecord], list
         k = score(cand, ctx)
         if k < best_key:
             best, best_key = cand, k
-    assert best is not None
+    if best is None:
+        # no layout of the space is possible for this job (nor a warm start): report the default
+        # plan, which run_strategy prices, so the job's error (ConfigError) is what the user sees,
+        # as with every other strategy
+        best = base
     notes = [
         f"{len(combos):,} layout x precision x fusion combinations, {explored} solved inside (bound-pruned)"
     ]

@@ -174,5 +174,6 @@ def exhaustive(ctx: PlanContext, opts: Options) -> tuple[Plan, list[PassRecord],
             k = score(p, ctx)
             if k < best_key:
                 best, best_key = p, k
-    assert best is not None
+    if best is None:  # no layout is possible: the default plan carries the job's error
+        best = base
     return best, [], [f"{total:,} plans priced"]

@@ -1,0 +1,650 @@
+"""Plans: the JSON round trip and fingerprint, the checker's rules (fusion legality, names,
+numerics, identity, layout, memory) and the four decision passes with their runner.
+
+Ops are found by the tensors they produce (``h.0.mlp.gelu``), not by their numbered names, so the
+tests follow the synthetic builder if it renumbers ops.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import json
+from pathlib import Path
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from coplan.cost import CostModel
+from coplan.errors import CoplanError
+from coplan.hardware import load_cluster
+from coplan.hardware.cluster import ClusterSpec
+from coplan.ir.types import OpKind, Phase
+from coplan.models.spec import PRESETS, ModelSpec
+from coplan.passes import DEFAULT_ORDER, PASSES, run_passes
+from coplan.passes.fusion import fusion_pass
+from coplan.passes.parallel import candidates, parallel_pass
+from coplan.passes.precision import precision_pass
+from coplan.passes.remat import remat_pass, saved_names, with_remat
+from coplan.plan import (
+    FusionPlan,
+    Numerics,
+    ParallelPlan,
+    Plan,
+    PlanContext,
+    PlanError,
+    PrecisionPlan,
+    RematPlan,
+    check,
+    is_valid,
+)
+from coplan.plan.checker import ANCHORS, group_problem
+from coplan.plan.types import COMPUTE_DTYPES, OP_DTYPES
+
+TINY = ("gpt-tiny", "llama-tiny", "moe-tiny")
+
+
+def make_ctx(
+    model: str | ModelSpec = "gpt-tiny",
+    cluster: str | ClusterSpec = "dgx-h100",
+    gpus: int = 2,
+    *,
+    global_batch: int = 8,
+    seq: int = 64,
+    budget_bytes: float | None = None,
+    numerics: Numerics | None = None,
+) -> PlanContext:
+    spec = PRESETS[model] if isinstance(model, str) else model
+    hw = load_cluster(cluster, gpus) if isinstance(cluster, str) else cluster
+    return PlanContext(
+        CostModel(spec=spec),
+        hw,
+        global_batch=global_batch,
+        seq=seq,
+        budget_bytes=budget_bytes,
+        numerics=numerics or Numerics(),
+    )
+
+
+@pytest.fixture(scope="module")
+def gpt() -> PlanContext:
+    """gpt-tiny on two H100s with the default budget (read-only: tests that change the budget
+    build their own context)."""
+    return make_ctx()
+
+
+def producer(ctx: PlanContext, tensor: str, phase: Phase = Phase.FORWARD) -> str:
+    """The name of the op of ``phase`` that writes ``tensor``."""
+    graph = ctx.index.graph
+    for op in ctx.index.op_by_name.values():
+        if op.phase is phase and any(graph.tensors[t].name == tensor for t in op.outputs):
+            return op.name
+    raise AssertionError(f"no {phase.value} op writes {tensor!r}")
+
+
+def messages(plan: Plan, ctx: PlanContext, rule: str) -> list[str]:
+    return [v.message for v in check(plan, ctx, memory=False) if v.rule == rule]
+
+
+# Plan values and JSON -----------------------------------------------------------------------------
+
+NAMES = tuple(f"h.0.op{i}" for i in range(12))
+
+
+@st.composite
+def plans(draw: st.DrawFn) -> Plan:
+    names = draw(st.lists(st.sampled_from(NAMES), unique=True, max_size=9))
+    sizes = draw(st.lists(st.integers(2, 3), max_size=3))
+    groups, at = [], 0
+    for n in sizes:
+        if at + n > len(names):
+            break
+        groups.append(tuple(names[at : at + n]))
+        at += n
+    pp = draw(st.integers(1, 4))
+    compute = draw(st.sampled_from(COMPUTE_DTYPES))
+    name_sets = st.frozensets(st.sampled_from(NAMES), max_size=4)
+    return Plan(
+        model=draw(st.sampled_from(("gpt-tiny", "llama2-7b", "custom model"))),
+        graph=draw(st.text("0123456789abcdef", min_size=16, max_size=16)),
+        cluster=draw(st.sampled_from(("dgx-h100[8]", "dgx-a100-40gb[2]"))),
+        gpus=draw(st.integers(1, 64)),
+        global_batch=draw(st.integers(1, 512)),
+        seq=draw(st.integers(1, 8192)),
+        parallel=ParallelPlan(
+            tp=draw(st.integers(1, 8)),
+            pp=pp,
+            dp=draw(st.integers(1, 8)),
+            vpp=draw(st.integers(1, 4)),
+            sequence_parallel=draw(st.booleans()),
+            zero=draw(st.integers(0, 3)),
+            microbatch=draw(st.integers(1, 16)),
+            stage_layers=draw(st.none() | st.lists(st.integers(1, 8), min_size=pp, max_size=pp).map(tuple)),
+        ),
+        fusion=FusionPlan(
+            groups=tuple(groups),
+            recompute_in_backward=draw(name_sets),
+            label=draw(st.sampled_from(("eager", "greedy", "joint"))),
+        ),
+        remat=RematPlan(
+            recompute=draw(name_sets),
+            per_stage=draw(st.none() | st.lists(name_sets, min_size=pp, max_size=pp).map(tuple)),
+        ),
+        precision=PrecisionPlan(
+            compute=compute,
+            ops=tuple(draw(st.dictionaries(st.sampled_from(NAMES), st.sampled_from(OP_DTYPES))).items()),
+            master_weights=draw(st.booleans()),
+            loss_scaling=compute == "fp16" or draw(st.booleans()),
+            fp8_scaling=draw(st.sampled_from(("", "per-tensor"))),
+        ),
+        flash_attention=draw(st.booleans()),
+    )
+
+
+@settings(max_examples=60, deadline=None)
+@given(plans())
+def test_plan_json_round_trip(plan):
+    d = plan.to_dict()
+    assert d["fingerprint"] == plan.fingerprint
+    assert Plan.from_dict(d) == plan
+    back = Plan.from_dict(json.loads(plan.to_json()))
+    assert back == plan
+    assert back.fingerprint == plan.fingerprint
+    assert back.to_json() == plan.to_json()
+
+
+@settings(max_examples=40, deadline=None)
+@given(plans(), st.randoms(use_true_random=False))
+def test_fingerprint_ignores_the_order_decisions_are_written_in(plan, rnd):
+    groups = [list(g) for g in plan.fusion.groups]
+    for g in groups:
+        rnd.shuffle(g)
+    rnd.shuffle(groups)
+    ops = list(plan.precision.ops)
+    rnd.shuffle(ops)
+    same = plan.with_(
+        fusion=dataclasses.replace(plan.fusion, groups=tuple(tuple(g) for g in groups)),
+        precision=dataclasses.replace(plan.precision, ops=tuple(ops)),
+    )
+    assert same == plan
+    assert same.fingerprint == plan.fingerprint
+
+
+BASE = Plan(model="gpt-tiny", graph="0123456789abcdef", cluster="dgx-h100[2]", gpus=2, global_batch=8, seq=64)
+
+
+@pytest.mark.parametrize(
+    "changed",
+    [
+        BASE.with_(parallel=ParallelPlan(microbatch=2)),
+        BASE.with_(parallel=ParallelPlan(zero=1)),
+        BASE.with_(parallel=ParallelPlan(tp=2)),
+        BASE.with_(parallel=ParallelPlan(pp=2, stage_layers=(1, 1))),
+        BASE.with_(fusion=FusionPlan(groups=(("a", "b"),))),
+        BASE.with_(fusion=FusionPlan(recompute_in_backward=frozenset({"a"}))),
+        BASE.with_(remat=RematPlan(recompute=frozenset({"h.0.mlp.gelu"}))),
+        BASE.with_(remat=RematPlan(per_stage=(frozenset(),))),
+        BASE.with_(precision=PrecisionPlan(compute="bf16")),
+        BASE.with_(precision=PrecisionPlan(ops=(("a", "bf16"),))),
+        BASE.with_(precision=PrecisionPlan(master_weights=False)),
+        BASE.with_(flash_attention=False),
+        BASE.with_(global_batch=16),
+        BASE.with_(seq=128),
+        BASE.with_(gpus=4),
+        BASE.with_(model="llama-tiny"),
+        BASE.with_(graph="fedcba9876543210"),
+    ],
+)
+def test_fingerprint_changes_with_any_decision(changed):
+    assert changed.fingerprint != BASE.fingerprint
+
+
+def test_fingerprint_ignores_where_a_plan_came_from():
+    # the label says which strategy produced the groups; two strategies reaching the same plan
+    # report the same fingerprint
+    assert BASE.with_(fusion=FusionPlan(label="joint")).fingerprint == BASE.fingerprint
+
+
+def test_hand_edited_plan_with_stale_fingerprint_is_refused():
+    d = BASE.to_dict()
+    d["parallel"]["microbatch"] = 4
+    with pytest.raises(PlanError) as e:
+        Plan.from_dict(d, source="plan.json")
+    assert e.value.field == "fingerprint"
+    assert "edited by hand" in str(e.value)
+    assert str(e.value).startswith("plan.json: field 'fingerprint'")
+    # without a stated fingerprint the edit is taken as is
+    del d["fingerprint"]
+    assert Plan.from_dict(d).parallel.microbatch == 4
+
+
+@pytest.mark.parametrize("missing", ["model", "gpus", "global_batch", "seq"])
+def test_missing_field_is_named(missing):
+    d = BASE.to_dict()
+    del d[missing]
+    del d["fingerprint"]
+    with pytest.raises(PlanError) as e:
+        Plan.from_dict(d, source="p.json")
+    assert e.value.field == missing
+    assert f"field '{missing}'" in str(e.value)
+
+
+@pytest.mark.parametrize(
+    ("edit", "field"),
+    [
+        (lambda d: d["parallel"].update(tp=0), "parallel.tp"),
+        (lambda d: d["parallel"].update(zero=4), "parallel.zero"),
+        (lambda d: d.update(gpus="2"), "gpus"),
+        (lambda d: d["precision"].update(compute="fp4"), "precision.compute"),
+        (lambda d: d["precision"].update(compute="fp16", loss_scaling=False), "precision.loss_scaling"),
+        (lambda d: d["fusion"].update(groups=[["a"]]), "fusion.groups"),
+        (lambda d: d["fusion"].update(groups=[["a", "b"], ["b", "c"]]), "fusion.groups"),
+        (lambda d: d.update(version=99), "version"),
+    ],
+)
+def test_bad_field_is_named(edit, field):
+    d = BASE.to_dict()
+    del d["fingerprint"]
+    edit(d)
+    with pytest.raises(PlanError) as e:
+        Plan.from_dict(d, source="p.json")
+    assert e.value.field == field
+    assert str(e.value).startswith(f"p.json: field '{field}'")
+
+
+JSON = st.recursive(
+    st.none() | st.booleans() | st.integers(-3, 3) | st.floats(allow_nan=False) | st.text(max_size=3),
+    lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=3), inner, max_size=3),
+    max_leaves=6,
+)
+_D = BASE.to_dict()
+FIELDS = [(k,) for k in _D if k != "fingerprint"] + [
+    (k, j) for k in _D if isinstance(_D[k], dict) for j in _D[k]
+]
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.sampled_from(FIELDS), JSON)
+def test_any_hand_edit_is_a_plan_or_a_plan_error(where, value):
+    # a plan file is user input: whatever a field is edited to, loading gives a plan or a one-line
+    # PlanError, never another exception
+    d = BASE.to_dict()
+    del d["fingerprint"]
+    if len(where) == 1:
+        d[where[0]] = value
+    else:
+        d[where[0]][where[1]] = value
+    try:
+        Plan.from_dict(d, source="p.json")
+    except PlanError as e:
+        assert str(e).startswith("p.json")
+        assert "\n" not in str(e)
+
+
+@pytest.mark.parametrize(
+    ("edit", "field"),
+    [
+        # quoted booleans would read as true; bare strings as sets of characters
+        (lambda d: d.update(flash_attention="false"), "flash_attention"),
+        (lambda d: d["precision"].update(master_weights="no"), "precision.master_weights"),
+        (lambda d: d["parallel"].update(sequence_parallel="false"), "parallel.sequence_parallel"),
+        (lambda d: d["remat"].update(recompute="h.0.mlp.gelu"), "remat.recompute"),
+        (lambda d: d["fusion"].update(groups=["ab"]), "fusion.groups"),
+        (lambda d: d.update(parallel=[1, 2]), "parallel"),
+        (lambda d: d["precision"].update(ops=[["a", "bf16"]]), "precision.ops"),
+    ],
+)
+def test_wrongly_typed_field_is_named(edit, field):
+    d = BASE.to_dict()
+    del d["fingerprint"]
+    edit(d)
+    with pytest.raises(PlanError) as e:
+        Plan.from_dict(d, source="p.json")
+    assert e.value.field == field
+
+
+def test_plan_is_a_json_object():
+    with pytest.raises(PlanError, match="expected a JSON object"):
+        Plan.from_dict([1, 2], source="p.json")  # type: ignore[arg-type]
+
+
+def test_plan_file_round_trip_and_one_line_errors(tmp_path: Path):
+    good = tmp_path / "plan.json"
+    good.write_text(BASE.to_json())
+    assert Plan.load(str(good)) == BASE
+
+    missing = tmp_path / "nope.json"
+    with pytest.raises(PlanError) as e:
+        Plan.load(str(missing))
+    assert str(missing) in str(e.value)
+    assert "no such file" in str(e.value)
+    assert "\n" not in str(e.value)
+    assert isinstance(e.value, CoplanError)
+    assert e.value.exit_code == 2
+
+    bad = tmp_path / "bad.json"
+    bad.write_text('{"model": "gpt-tiny",\n  oops}')
+    with pytest.raises(PlanError) as e:
+        Plan.load(str(bad))
+    assert str(bad) in str(e.value)
+    assert "not valid JSON (line 2" in str(e.value)
+    assert "\n" not in str(e.value)
+
+    stale = tmp_path / "stale.json"
+    d = BASE.to_dict()
+    d["seq"] = 32
+    stale.write_text(json.dumps(d))
+    with pytest.raises(PlanError, match="edited by hand") as e:
+        Plan.load(str(stale))
+    assert str(e.value).startswith(f"{stale}: field 'fingerprint'")
+
+
+# The checker --------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("model", TINY)
+def test_default_plan_is_valid_and_fits(model):
+    ctx = make_ctx(model)
+    plan = ctx.default_plan()
+    assert check(plan, ctx) == []
+    assert is_valid(plan, ctx)
+    assert plan.graph == ctx.graph_fingerprint
+
+
+@pytest.mark.parametrize(
+    ("group", "why"),
+    [
+        # the QKV and MLP-in GEMMs with the attention between them
+        (("h.0.attn.c_attn.out", "h.0.attn.c_proj.out"), "holds 2 library kernels"),
+        (("h.0.mlp.c_fc.out", "h.0.mlp.gelu", "h.0.mlp.c_proj.out"), "holds 2 library kernels"),
+        (("h.0.mlp.gelu", "bwd:h.0.mlp.c_fc.out.grad"), "mixes phases backward, forward"),
+        # the attention residual add and the GELU read nothing in common
+        (("h.0.attn_residual", "h.0.mlp.gelu"), "share no data"),
+        # a layer norm feeding a GEMM: a row reduction cannot sit in a GEMM prologue
+        (("h.0.ln_2.out", "h.0.mlp.c_fc.out"), "is a reduction in the prologue"),
+        # the final norm (outside the blocks) with the first block's norm
+        (("ln_f.out", "h.0.ln_1.out"), "spans blocks"),
+    ],
+)
+def test_illegal_fusion_group_is_refused(gpt, group, why):
+    ops = tuple(
+        producer(gpt, t[4:], Phase.BACKWARD) if t.startswith("bwd:") else producer(gpt, t) for t in group
+    )
+    plan = gpt.default_plan().with_(fusion=FusionPlan(groups=(ops,)))
+    found = messages(plan, gpt, "fusion")
+    assert any(why in m for m in found), found
+    assert not is_valid(plan, gpt)
+    ids = tuple(gpt.index.op_by_name[n].id for n in ops)
+    assert group_problem(gpt.index.graph, ids) is not None
+
+
+def test_reduction_in_prologue_names_the_norm_and_the_gemm(gpt):
+    norm, gemm = producer(gpt, "h.0.ln_2.out"), producer(gpt, "h.0.mlp.c_fc.out")
+    plan = gpt.default_plan().with_(fusion=FusionPlan(groups=((norm, gemm),)))
+    assert messages(plan, gpt, "fusion") == [
+        f"group [{', '.join(sorted((norm, gemm)))}] {norm} is a reduction in the prologue of {gemm}"
+    ]
+
+
+def test_legal_epilogue_group_passes(gpt):
+    # the contrast to the refusals above: pointwise work after a GEMM is one kernel
+    gemm, gelu = producer(gpt, "h.0.mlp.c_fc.out"), producer(gpt, "h.0.mlp.gelu")
+    plan = gpt.default_plan().with_(fusion=FusionPlan(groups=((gemm, gelu),)))
+    assert check(plan, gpt) == []
+
+
+def test_cycle_between_kernels_is_refused(gpt):
+    # the two residual adds are connected (the first feeds the second) and each is pointwise, so
+    # the group itself is legal; but the second needs the MLP, which needs the first's output
+    a, b = producer(gpt, "h.0.attn_residual"), producer(gpt, "h.0.mlp_residual")
+    ids = (gpt.index.op_by_name[a].id, gpt.index.op_by_name[b].id)
+    assert group_problem(gpt.index.graph, ids) is None
+    plan = gpt.default_plan().with_(fusion=FusionPlan(groups=((a, b),)))
+    assert any("form a cycle" in m for m in messages(plan, gpt, "fusion"))
+
+
+def test_unknown_names_are_refused_without_crashing(gpt):
+    base = gpt.default_plan()
+    gelu = producer(gpt, "h.0.mlp.gelu")
+    plan = base.with_(fusion=FusionPlan(groups=(("no_such_op", gelu),)))
+    assert messages(plan, gpt, "fusion") == ["fusion names unknown ops: no_such_op"]
+    assert messages(plan, gpt, "parallel") == []  # the layout rule does not trip over the groups
+    with pytest.raises(PlanError, match="unknown op 'no_such_op'"):
+        gpt.price(plan)
+
+    plan = base.with_(remat=RematPlan(recompute=frozenset({"h.0.no_such_tensor"})))
+    assert messages(plan, gpt, "remat") == [
+        "remat names tensors that are not saved for backward: h.0.no_such_tensor"
+    ]
+    # a real tensor that is not saved for backward (the GEMM output the residual add consumes)
+    plan = base.with_(remat=RematPlan(recompute=frozenset({"h.0.attn.c_proj.out"})))
+    assert messages(plan, gpt, "remat")
+
+    plan = base.with_(precision=PrecisionPlan(ops=(("no_such_op", "fp32"),)))
+    assert messages(plan, gpt, "precision") == ["precision.ops names unknown op 'no_such_op'"]
+
+    plan = base.with_(fusion=FusionPlan(recompute_in_backward=frozenset({"no_such_op"})))
+    assert messages(plan, gpt, "fusion") == ["fusion.recompute_in_backward names unknown op 'no_such_op'"]
+
+
+def test_fp8_needs_fp8_units():
+    a100 = make_ctx(cluster="dgx-a100-40gb")
+    plan = a100.default_plan().with_(precision=PrecisionPlan(compute="fp8"))
+    assert any("fp8 is not supported" in m for m in messages(plan, a100, "precision"))
+    gemm = producer(a100, "h.0.attn.c_attn.out")
+    plan = a100.default_plan().with_(precision=PrecisionPlan(compute="bf16", ops=((gemm, "fp8"),)))
+    assert any("no fp8 units" in m for m in messages(plan, a100, "precision"))
+
+    h100 = make_ctx(cluster="dgx-h100")
+    plan = h100.default_plan().with_(precision=PrecisionPlan(compute="fp8"))
+    assert check(plan, h100) == []
+    # fp8 is for GEMMs only, even where the device has it
+    norm = producer(h100, "h.0.ln_1.out")
+    plan = h100.default_plan().with_(precision=PrecisionPlan(compute="bf16", ops=((norm, "fp8"),)))
+    assert any("cannot run in fp8 (GEMMs only)" in m for m in messages(plan, h100, "precision"))
+
+
+def test_sensitive_op_needs_a_stated_tolerance():
+    strict = make_ctx()
+    norm = producer(strict, "h.0.ln_1.out")
+    plan = strict.default_plan().with_(precision=PrecisionPlan(compute="bf16", ops=((norm, "bf16"),)))
+    found = messages(plan, strict, "precision")
+    assert len(found) == 1
+    assert f"{norm} (norm) is numerically sensitive" in found[0]
+
+    loose = make_ctx(numerics=Numerics(tolerance=0.01))
+    assert messages(plan, loose, "precision") == []
+    # keeping it in fp32 never needs a tolerance
+    plan = strict.default_plan().with_(precision=PrecisionPlan(compute="bf16", ops=((norm, "fp32"),)))
+    assert messages(plan, strict, "precision") == []
+
+
+def test_decisions_the_cost_model_cannot_price_are_refused(gpt):
+    # per-op dtypes, per-stage remat and recompute-in-backward are in the plan format but not
+    # priced yet: the checker refuses them rather than price them as if absent
+    base = gpt.default_plan()
+    norm = producer(gpt, "h.0.ln_1.out")
+    gelu = producer(gpt, "h.0.mlp.gelu")
+    for plan in (
+        base.with_(precision=PrecisionPlan(ops=((norm, "fp32"),))),
+        base.with_(remat=RematPlan(per_stage=(frozenset(),))),
+        base.with_(fusion=FusionPlan(recompute_in_backward=frozenset({gelu}))),
+    ):
+        assert [v.rule for v in check(plan, gpt)] == ["priced"]
+
+
+def test_plan_for_another_job_is_refused(gpt):
+    plan = gpt.default_plan()
+    found = messages(plan.with_(model="llama-tiny"), gpt, "identity")
+    assert found == ["plan is for model 'llama-tiny', this job is 'gpt-tiny'"]
+    assert messages(plan.with_(graph="0" * 16), gpt, "identity")
+    assert messages(plan.with_(global_batch=16), gpt, "identity") == [
+        "plan is for global batch 16 x seq 64, this job is 8 x 64"
+    ]
+    one = make_ctx(gpus=1)
+    assert "plan is for 2 GPUs, this job has 1" in messages(plan, one, "identity")
+    # the same model with another shape is another graph
+    other = make_ctx(ModelSpec(**{**PRESETS["gpt-tiny"].to_dict(), "d_model": 128}))
+    assert any("graph" in m for m in messages(plan, other, "identity"))
+
+
+def test_layout_rules():
+    ctx = make_ctx(gpus=8)
+    heads = PRESETS["gpt-tiny"].n_heads
+    plan = ctx.default_plan().with_(parallel=ParallelPlan(tp=8))
+    found = messages(plan, ctx, "parallel")
+    assert any(f"does not divide the model's {heads} attention heads" in m for m in found), found
+    plan = ctx.default_plan().with_(parallel=ParallelPlan(tp=2, dp=3))
+    assert any("does not equal the 8 GPUs" in m for m in messages(plan, ctx, "parallel"))
+    plan = ctx.default_plan().with_(
+        parallel=ParallelPlan(pp=2, dp=4), remat=RematPlan(per_stage=(frozenset(),))
+    )
+    assert "remat.per_stage has 1 sets for 2 pipeline stages" in messages(plan, ctx, "parallel")
+    assert is_valid(ctx.default_plan().with_(parallel=ParallelPlan(tp=4, dp=2)), ctx)
+
+
+def test_memory_is_its_own_level():
+    ctx = make_ctx(budget_bytes=1024.0)
+    plan = ctx.default_plan()
+    found = check(plan, ctx)
+    assert [(v.rule, v.level) for v in found] == [("memory", "memory")]
+    assert "exceeds the budget" in found[0].message
+    assert check(plan, ctx, memory=False) == []
+    assert is_valid(plan, ctx)  # valid, but does not fit
+
+
+def test_default_budget_leaves_the_stated_reserve():
+    ctx = make_ctx(cluster="dgx-a100-40gb")
+    cap = ctx.cluster.devices[0].memory_bytes
+    assert ctx.budget == pytest.approx(cap * 0.95 - 2**30)
+
+
+# Passes -------------------------------------------------------------------------------------------
+
+
+def test_runner_records_every_pass(gpt):
+    start = gpt.default_plan()
+    plan, records = run_passes(start, gpt)
+    assert [r.name for r in records] == list(DEFAULT_ORDER)
+    assert records[0].before == start.fingerprint
+    assert records[-1].after == plan.fingerprint
+    for a, b in itertools.pairwise(records):
+        assert a.after == b.before
+        assert a.step_after_s == b.step_before_s
+        assert a.peak_after_bytes == b.peak_before_bytes
+    for r in records:
+        assert r.seconds >= 0
+        assert r.changed == (r.before != r.after)
+        assert r.to_dict()["name"] == r.name
+    # on this job every pass changes something: greedy fusion, the layout, bf16 (remat: no)
+    assert {r.name for r in records if r.changed} == {"fusion", "parallel", "precision"}
+    final = gpt.price(plan)
+    assert records[-1].step_after_s == final.step_time_s
+    assert final.step_time_s < records[0].step_before_s
+
+
+def test_runner_disables_by_name(gpt):
+    plan, records = run_passes(gpt.default_plan(), gpt, disable=("precision", "remat"))
+    assert [r.name for r in records] == ["fusion", "parallel"]
+    assert plan.precision.compute == "fp32"
+    plan, records = run_passes(gpt.default_plan(), gpt, order=("precision",))
+    assert [r.name for r in records] == ["precision"]
+    assert plan.precision.compute == "bf16"
+
+
+@pytest.mark.parametrize(("order", "disable"), [(("fusion", "nope"), ()), (DEFAULT_ORDER, ("nope",))])
+def test_runner_refuses_unknown_pass(gpt, order, disable):
+    with pytest.raises(ValueError, match="unknown pass 'nope'"):
+        run_passes(gpt.default_plan(), gpt, order, disable)
+    assert set(DEFAULT_ORDER) == set(PASSES)
+
+
+def _tight(model: str = "gpt-tiny", gpus: int = 1) -> tuple[PlanContext, Plan, float, float]:
+    """A context, a bf16 greedy-fused plan, and its peak with every saved tensor recomputed and
+    with none (the budget is the caller's)."""
+    ctx = make_ctx(model, gpus=gpus)
+    plan = precision_pass(ctx.index.graph, fusion_pass(ctx.index.graph, ctx.default_plan(), ctx), ctx)
+    full = ctx.price(with_remat(plan, frozenset(saved_names(ctx)))).memory.peak_bytes
+    none = ctx.price(with_remat(plan, frozenset())).memory.peak_bytes
+    assert full < none
+    return ctx, plan, full, none
+
+
+@pytest.mark.parametrize("model", TINY)
+@pytest.mark.parametrize("where", [0.0, 0.5, 0.9])
+def test_remat_pass_fits_a_budget_that_needs_recomputation(model, where):
+    ctx, plan, full, none = _tight(model)
+    ctx.budget_bytes = full + where * (none - full)
+    out = remat_pass(ctx.index.graph, plan, ctx)
+    assert out.remat.recompute, "the budget is below the peak with nothing recomputed"
+    assert check(out, ctx) == []
+    # only the remat decision changed
+    assert out.with_(remat=plan.remat) == plan
+
+
+def test_remat_pass_recomputes_nothing_while_the_plan_fits():
+    ctx, plan, _, none = _tight()
+    ctx.budget_bytes = none
+    start = with_remat(plan, frozenset(saved_names(ctx)))
+    assert remat_pass(ctx.index.graph, start, ctx).remat.recompute == frozenset()
+
+
+@pytest.mark.parametrize("model", TINY)
+def test_fusion_pass_output_passes_the_checker(model):
+    ctx = make_ctx(model)
+    plan = fusion_pass(ctx.index.graph, ctx.default_plan(), ctx)
+    assert plan.fusion.groups
+    assert plan.fusion.label == "greedy"
+    assert check(plan, ctx) == []
+    # Inductor's default: GEMMs and attention stay library kernels
+    kinds = {ctx.index.op_by_name[n].kind for g in plan.fusion.groups for n in g}
+    assert not kinds & ANCHORS
+    assert plan.with_(fusion=FusionPlan()) == ctx.default_plan()
+    # fewer kernels than eager
+    assert ctx.price(plan).kernels_per_step < ctx.price(ctx.default_plan()).kernels_per_step
+
+
+@pytest.mark.parametrize(
+    ("model", "gpus", "global_batch"), [("gpt-tiny", 8, 16), ("llama-tiny", 4, 8), ("moe-tiny", 2, 6)]
+)
+def test_parallel_candidates_use_every_gpu(model, gpus, global_batch):
+    ctx = make_ctx(model, gpus=gpus, global_batch=global_batch)
+    spec = PRESETS[model]
+    layouts = list(candidates(ctx))
+    assert layouts
+    assert len(set(layouts)) == len(layouts)
+    for p in layouts:
+        assert p.tp * p.pp * p.dp == gpus
+        assert spec.n_heads % p.tp == 0
+        assert spec.n_layers % (p.pp * p.vpp) == 0
+        assert global_batch % (p.microbatch * p.dp) == 0
+        assert is_valid(ctx.default_plan().with_(parallel=p), ctx), p
+    assert {p.tp for p in layouts} > {1}
+    out = parallel_pass(ctx.index.graph, ctx.default_plan(), ctx)
+    assert out.parallel in layouts
+    assert check(out, ctx) == []
+    assert ctx.price(out).step_time_s <= min(
+        ctx.price(ctx.default_plan().with_(parallel=p)).step_time_s for p in layouts[:5]
+    )
+
+
+def test_precision_pass_follows_amp():
+    h100 = make_ctx()
+    out = precision_pass(h100.index.graph, h100.default_plan(), h100)
+    assert out.precision == PrecisionPlan(compute="bf16")  # never fp8: that takes a TE recipe
+    device = load_cluster("dgx-a100-80gb", 1).devices[0]
+    no_bf16 = dataclasses.replace(
+        device, name="no-bf16", peak_flops={k: v for k, v in device.peak_flops.items() if k != "bf16"}
+    )
+    ctx = make_ctx(cluster=ClusterSpec.single_node(no_bf16, 1), gpus=1)
+    out = precision_pass(ctx.index.graph, ctx.default_plan(), ctx)
+    assert out.precision == PrecisionPlan(compute="fp16", loss_scaling=True)
+    assert check(out, ctx) == []
+
+
+def test_norms_and_gemms_are_what_the_rules_say(gpt):
+    # the fixtures above rely on these kinds; fail here, not with a confusing message there
+    assert gpt.index.op_by_name[producer(gpt, "h.0.ln_2.out")].kind is OpKind.NORM
+    assert gpt.index.op_by_name[producer(gpt, "h.0.mlp.c_fc.out")].kind is OpKind.MATMUL
+    assert gpt.index.op_by_name[producer(gpt, "h.0.mlp.gelu")].kind is OpKind.ELEMENTWISE
