@@ -3,10 +3,11 @@
     python benchmarks/bench_cpu_accuracy.py [--profile PATH] [--quick] [--ops N]
 
 For each configuration (model, batch, sequence, recompute mode, precision) the benchmark times full
-eager training steps (forward, backward, AdamW step, zero_grad; 2 threads; the median of 5 steps
-after 3 of warm-up, in 2 rounds over all configurations, the faster round kept),
+eager training steps (forward, backward, AdamW step, zero_grad; 2 threads; the median of 3 steps
+after 2 of warm-up, in 5 rounds over all configurations, the fastest round kept; the first rounds
+run after the calibration's passes over its microbenchmarks, so both see the same minutes),
 captures the same step with ``capture_module`` and prices it with ``CostModel(graph=...).estimate``
-on the calibrated profile (``coplan calibrate``, run first unless ``--profile`` names one), and
+on the calibrated profile (``coplan calibrate``, run here unless ``--profile`` names one), and
 measures the activation bytes autograd really saves (``saved_tensors_hooks``, each storage once,
 parameters and inputs excluded) against the estimate's ``activations_bytes``.
 
@@ -15,7 +16,10 @@ activation bytes within 5%. ``--ops N`` also profiles configuration N with ``tor
 prints measured vs modelled time per aten op (where the model misprices).
 
 Results go to ``benchmarks/results/cpu_accuracy.json`` (and the profile used to
-``benchmarks/results/cpu_profile.json`` when calibrated here).
+``benchmarks/results/cpu_profile.json`` when calibrated here), with the share of the CPU other
+processes used during the run (``contention``) and a canary's speed (a fixed GEMM and a tiny
+autograd chain) at the start and after each round (``canary_s``): on a shared machine a busy
+stretch reads slow, and its numbers are not this CPU's.
 """
 
 from __future__ import annotations
@@ -23,12 +27,13 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import platform
 import statistics
 import sys
 import time
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -241,7 +246,10 @@ def op_breakdown(case: Case, graph: Graph, cluster: ClusterSpec) -> list[tuple[s
     prof_ = CostModel(graph=graph).profile(case.batch, case.seq, "none")
     rates = Rates.of(cluster.device, cfg.dtype)
     ab = cfg.act_bytes
-    scale = Scale(1, False, (ab, ab, 4, 4, 1, 1), ab, True)
+    # fp32-class tensors (gradients, optimizer state, the loss) are 16-bit in a pure 16-bit run, as
+    # the estimate prices them
+    wide = 4 if (cfg.master_weights or not cfg.mixed) else ab
+    scale = Scale(1, False, (ab, ab, wide, wide, 1, 1), ab, True)
     modelled: Counter[str] = Counter()
     kernels: Counter[str] = Counter()
     for part, n in [(t, len(t.blocks)) for t in prof_.templates] + [(prof_.pre, 1), (prof_.post, 1)]:
@@ -258,29 +266,99 @@ def op_breakdown(case: Case, graph: Graph, cluster: ClusterSpec) -> list[tuple[s
 # --- the run ----------------------------------------------------------------------------------------
 
 
-def _profile(args: argparse.Namespace) -> tuple[ClusterSpec, str, list[dict[str, Any]]]:
+class Contention:
+    """The share of the machine's CPU time other processes used while a phase ran (Linux
+    ``/proc/stat``; None elsewhere). Every figure here is a time measured on a possibly shared
+    machine: a phase another tenant kept busy reads slow, so the results say how disturbed it was."""
+
+    def __init__(self) -> None:
+        self.start = self._sample()
+
+    @staticmethod
+    def _sample() -> tuple[float, float, float] | None:
+        try:
+            with open("/proc/stat") as f:
+                ticks = [int(v) for v in f.readline().split()[1:]]
+        except (OSError, ValueError):
+            return None
+        hz = os.sysconf("SC_CLK_TCK")
+        busy = (sum(ticks) - ticks[3] - ticks[4]) / hz  # all but idle and iowait
+        own = sum(os.times()[:4])  # this process and its reaped children (collective workers)
+        return busy, own, time.perf_counter()
+
+    def share(self) -> float | None:
+        end = self._sample()
+        if self.start is None or end is None:
+            return None
+        busy, own, wall = (b - a for a, b in zip(self.start, end, strict=True))
+        return max(0.0, busy - own) / max(wall * (os.cpu_count() or 1), 1e-9)
+
+
+def canary() -> tuple[float, float]:
+    """The machine's speed at this moment: seconds of a fixed fp32 GEMM, and per op of a tiny
+    autograd chain (dispatch-bound, as the small configurations are), each the fastest of 20. A
+    neighbour on the same host (shared caches, memory) slows them without using this machine's
+    CPUs, which ``Contention`` cannot see; calibration and measurement should see the same speed."""
+    a, b = torch.randn(384, 384), torch.randn(384, 384)
+    x, g = torch.ones(8, requires_grad=True), torch.ones(8)
+
+    def chain() -> object:
+        z = x
+        for _ in range(32):
+            z = z * 1.0001
+        return torch.autograd.grad(z, x, g)
+
+    def fastest(fn: Any) -> float:
+        best = math.inf
+        for _ in range(20):
+            t0 = time.perf_counter()
+            fn()
+            best = min(best, time.perf_counter() - t0)
+        return best
+
+    return fastest(lambda: torch.mm(a, b)), fastest(chain) / 64
+
+
+def _profile(
+    args: argparse.Namespace, between: Callable[[int], None]
+) -> tuple[ClusterSpec, str, list[dict[str, Any]]]:
     if args.profile:
         return load_cluster(args.profile, 1), args.profile, []
     from coplan.hardware.calibrate import calibrate, write_profile
 
     t0 = time.perf_counter()
-    cal = calibrate("cpu", procs=1, quick=args.quick)
+    cal = calibrate("cpu", procs=1, quick=args.quick, between_passes=between)
     path = write_profile(cal, RESULTS / "cpu_profile.json")
-    print(f"calibrated in {time.perf_counter() - t0:.0f} s -> {path}")
+    print(f"calibrated and measured in {time.perf_counter() - t0:.0f} s -> {path}")
     print("fit residuals: " + ", ".join(f"{k} {v:.0%}" for k, v in cal.residuals.items()))
     return load_cluster(str(path), 1), str(path), [m.to_dict() for m in cal.measurements]
 
 
-def measure(cases: Sequence[Case], rounds: int, warmup: int, steps: int) -> list[list[list[float]]]:
-    """Step times of every case, ``rounds`` times round-robin: ``[case][round][step]``. A case's time
-    is its fastest round's median: on a shared VM another tenant can slow every step of a minute by a
-    third, and spreading each case over the run keeps one bad minute from spoiling one case (the
-    calibration keeps each microbenchmark's fastest round the same way)."""
-    out: list[list[list[float]]] = [[] for _ in cases]
-    for _ in range(rounds):
-        for i, case in enumerate(cases):
-            out[i].append(time_steps(case, warmup, steps))
-    return out
+class Rounds:
+    """Step times of every case, one round-robin round at a time: ``times[case][round][step]``. A
+    case's time is its fastest round's median: on a shared VM another tenant can slow every step of
+    a minute by a third, and spreading each case over the run keeps one bad minute from spoiling one
+    case. The rounds run between the calibration's passes over its microbenchmarks (which keeps each
+    one's fastest pass the same way), so calibration and measurement see the same stretches of the
+    host's load rather than one a quiet minute and the other a busy one. ``speed`` is the canary
+    after each round."""
+
+    def __init__(self, cases: Sequence[Case], rounds: int, warmup: int, steps: int) -> None:
+        self.cases, self.rounds, self.warmup, self.steps = cases, rounds, warmup, steps
+        self.times: list[list[list[float]]] = [[] for _ in cases]
+        self.speed: dict[str, tuple[float, float]] = {}
+
+    @property
+    def done(self) -> int:
+        return len(self.times[0]) if self.times else self.rounds
+
+    def run(self, _pass: int = 0) -> None:
+        """One more round, if any is left (``_pass``: the calibration pass it follows)."""
+        if self.done >= self.rounds:
+            return
+        for i, case in enumerate(self.cases):
+            self.times[i].append(time_steps(case, self.warmup, self.steps))
+        self.speed[f"after round {self.done}"] = canary()
 
 
 def row(
@@ -324,12 +402,19 @@ def main(argv: Sequence[str] | None = None) -> int:
     torch.set_num_threads(THREADS)
     RESULTS.mkdir(exist_ok=True)
     started = time.perf_counter()
-    cluster, profile_path, calibration = _profile(args)
     preset = load_cluster("cpu")
     cases = [CASES[i] for i in QUICK] if args.quick else list(CASES)
     graphs = [capture(case) for case in cases]
-    rounds, warmup, steps = (1, 2, 3) if args.quick else (2, 3, 5)
-    times = measure(cases, rounds, warmup, steps)
+    # five short rounds (the first three after the calibration's passes): on this shared VM the host
+    # can slow a whole round of a small configuration by a fifth, and more rounds spread over the
+    # run are likelier to catch one quiet stretch each
+    rounds = Rounds(cases, *((1, 2, 3) if args.quick else (5, 2, 3)))
+    load, speed = Contention(), {"at the start": canary()}
+    cluster, profile_path, calibration = _profile(args, rounds.run)
+    while rounds.done < rounds.rounds:
+        rounds.run()
+    contention, speed = load.share(), {**speed, **rounds.speed}
+    times = rounds.times
     rows = [row(c, g, cluster, preset, t) for c, g, t in zip(cases, graphs, times, strict=True)]
     print(
         f"\n{'#':>2} {'config':32} {'measured s':>10} {'predicted s':>11} {'error':>7} {'preset err':>10} "
@@ -369,6 +454,20 @@ def main(argv: Sequence[str] | None = None) -> int:
         + (f"{summary['max_abs_saved_bytes_error']:.2%}" if acts else "-")
         + f" -> targets {'met' if ok else 'MISSED'}"
     )
+    if contention is not None:
+        busy = contention > 0.1
+        print(
+            f"other processes used {contention:.0%} of the CPU during the run"
+            + (": a busy machine reads slow, re-run when it is quiet" if busy else "")
+        )
+    for i, what in enumerate(("a 384^3 fp32 GEMM", "an op of an autograd chain")):
+        seen = [v[i] for v in speed.values()]
+        drift = max(seen) / min(seen) - 1
+        print(
+            f"{what} took "
+            + ", ".join(f"{v[i] * 1e6:.1f} us {k}" for k, v in speed.items())
+            + (f": the machine's speed drifted {drift:.0%} during the run" if drift > 0.1 else "")
+        )
     ops = None
     if args.ops is not None:
         case = cases[args.ops]
@@ -383,6 +482,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         "device": cluster.device.to_dict(),
         "targets": {"step_error": STEP_TARGET, "spearman": SPEARMAN_TARGET, "saved_bytes_error": ACT_TARGET},
         "summary": {**summary, "targets_met": ok},
+        "contention": contention,
+        "canary_s": {k: {"gemm": g, "autograd_op": d} for k, (g, d) in speed.items()},
         "results": rows,
         "ops": [dict(zip(OP_FIELDS, o, strict=True)) for o in ops] if ops else None,
         "calibration_measurements": calibration,

@@ -4,6 +4,18 @@ A kernel takes ``max(compute time, memory time) + launch``: compute at the devic
 kernel's dtype times an achievable efficiency (per dtype for GEMMs, shrinking for small or thin
 matrices: ``d / (d + matmul_half_dim)`` per GEMM dimension), memory traffic at the device's
 bandwidth times its memory efficiency. One rule per kernel kind, registered by decorator.
+
+Refinements a device opts into by giving the efficiency keys (a calibrated CPU does; the GPU presets
+do not, and price exactly as without them):
+
+- ``vector.<family>[.<dtype>]``: non-matrix work at a rate per family (``VECTOR_FAMILIES``);
+- ``attention.<dtype>``: a measured fused-attention efficiency, before the shape factor over the
+  head dimension too (a CPU flash kernel runs its tiles through generic GEMMs whose inner dimension
+  is the head dim: a 32-wide head runs at a fraction of a 128-wide one per FLOP);
+  ``attention_backward.<dtype>`` the gradient kernel's, a separate implementation (on a CPU its
+  16-bit GEMMs take another, slower path than the forward's);
+- ``first_touch``: tensors written to fresh storage at least as large as the last-level cache are
+  page-faulted in by the host, at that fraction of the memory bandwidth, on top of the roofline.
 """
 
 from __future__ import annotations
@@ -12,7 +24,11 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from coplan.cost.profile import TP, Kernel, Vec, vdot
-from coplan.hardware.device import DeviceSpec
+from coplan.hardware.device import VECTOR_FAMILIES, DeviceSpec
+
+#: The precision non-matrix work runs in under each training dtype (fp8 training keeps its
+#: activations in 16 bits; tf32 is a matmul mode of fp32 tensors).
+_VECTOR_DTYPE = {"tf32": "fp32", "fp8": "bf16"}
 
 
 @dataclass(frozen=True, slots=True)
@@ -20,11 +36,16 @@ class Rates:
     """A device's rates for one training precision, looked up once per estimate."""
 
     mm_flops: float  # achievable matrix FLOP/s before shape derating
-    attn_flops: float  # achievable flash-attention FLOP/s before shape derating
-    vec_flops: float  # achievable vector FLOP/s
+    attn_flops: float  # achievable flash-attention FLOP/s before shape derating (forward)
+    vec_flops: float  # achievable vector FLOP/s (elementwise; every family without vec_rates)
     bandwidth: float  # achievable memory bytes/s
     half_dim: float
     launch_s: float
+    vec_rates: tuple[float, ...] = ()  # achievable FLOP/s per VECTOR_FAMILIES entry; () = vec_flops
+    attn_bwd_flops: float = 0.0  # the same for the attention gradient kernel (0: attn_flops)
+    attn_head_half: float = 0.0  # half-dimension derating the head dim of flash attention (0: none)
+    first_touch: float = 0.0  # bytes/s of page-faulting fresh storage in (0: no such tier)
+    cache_bytes: float = 0.0  # fresh tensors at least this large pay the first-touch tier
 
     @classmethod
     def of(cls, device: DeviceSpec, dtype: str) -> Rates:
@@ -32,13 +53,24 @@ class Rates:
         peak = device.peak(mm_dtype)
         # attention stays in 16 bits under fp8 training (Transformer Engine's default recipe)
         attn_dtype = _fallback(device, "fp8") if mm_dtype == "fp8" else mm_dtype
+        vec_dtype = _VECTOR_DTYPE.get(dtype, dtype)
+        vec = device.vector_flops * device.efficiency_of("vector", vec_dtype)
+        families = tuple(
+            device.vector_flops * device.vector_efficiency(f, vec_dtype) for f in VECTOR_FAMILIES
+        )
+        first = device.efficiency.get("first_touch")
         return cls(
             mm_flops=peak * device.efficiency_of("matmul", mm_dtype),
             attn_flops=device.peak(attn_dtype) * device.efficiency_of("attention", attn_dtype),
-            vec_flops=device.vector_flops * device.efficiency_of("vector"),
+            attn_bwd_flops=device.peak(attn_dtype) * device.efficiency_of("attention_backward", attn_dtype),
+            vec_flops=vec,
             bandwidth=device.memory_bandwidth * device.efficiency_of("memory"),
             half_dim=device.matmul_half_dim,
             launch_s=device.kernel_launch_s,
+            vec_rates=() if all(f == vec for f in families) else families,
+            attn_head_half=device.matmul_half_dim if device.has_efficiency("attention", attn_dtype) else 0.0,
+            first_touch=device.memory_bandwidth * first if first else 0.0,
+            cache_bytes=float(device.sram_bytes),
         )
 
 
@@ -113,11 +145,28 @@ def _free(k: Kernel, r: Rates, s: Scale) -> float:
     return 0.0
 
 
+def vector_compute(k: Kernel, r: Rates, s: Scale) -> float:
+    """Seconds of a kernel's non-matrix FLOPs, each family at its own rate where the device has them."""
+    if r.vec_rates and k.vec_split:
+        return sum(f / v for f, v in zip(k.vec_split, r.vec_rates, strict=True) if f) / s.div(k.shard)
+    return k.vec_flops / s.div(k.shard) / r.vec_flops
+
+
+def first_touch(k: Kernel, r: Rates, s: Scale) -> float:
+    """Seconds of page-faulting in the fresh storage of the tensors ``k`` writes that are at least
+    the cache's size (0 on devices without the tier). Paid on top of the roofline: the faults are
+    serialised in the OS, not overlapped with the kernel's own traffic."""
+    if r.first_touch <= 0.0 or not k.fresh:
+        return 0.0
+    big = (b for b in (vdot(v, s.weights) for v in k.fresh) if b >= r.cache_bytes)
+    return sum(big) / r.first_touch
+
+
 @kernel_rule("vector")
 def _vector(k: Kernel, r: Rates, s: Scale) -> float:
-    compute = k.vec_flops / s.div(k.shard) / r.vec_flops
+    compute = vector_compute(k, r, s)
     memory = vdot(k.bytes, s.weights) / r.bandwidth
-    return max(compute, memory) + r.launch_s
+    return max(compute, memory) + first_touch(k, r, s) + r.launch_s
 
 
 @kernel_rule("matmul")
@@ -127,11 +176,11 @@ def _matmul(k: Kernel, r: Rates, s: Scale) -> float:
     if k.shard_dim >= 0 and s.tp > 1:
         dims = tuple(max(1, d // s.tp) if i == k.shard_dim else d for i, d in enumerate(dims))  # type: ignore[assignment]
     compute = k.mm_flops / div / (r.mm_flops * shape_factor(dims, r.half_dim))
-    compute += k.vec_flops / div / r.vec_flops  # fused epilogue work, if any
+    compute += vector_compute(k, r, s)  # fused epilogue work, if any
     memory = vdot(k.bytes, s.weights) / r.bandwidth
     # fp8: Transformer Engine fuses the quantisation of activations into the kernel producing them
     # (norm, activation function) and casts weights once per step, so no extra pass is priced here
-    return max(compute, memory) + r.launch_s
+    return max(compute, memory) + first_touch(k, r, s) + r.launch_s
 
 
 @kernel_rule("attention")
@@ -141,8 +190,10 @@ def _attention(k: Kernel, r: Rates, s: Scale) -> float:
     memory = vdot(k.bytes, s.weights) / r.bandwidth
     if s.flash:
         # a causal flash kernel skips the blocks above the diagonal: half the counted FLOPs
-        compute = 0.5 * k.mm_flops / div / (r.attn_flops * shape_factor((sq, sk), r.half_dim))
-        return max(compute, memory) + r.launch_s
+        shape = shape_factor((sq, sk), r.half_dim) * shape_factor((d,), r.attn_head_half)
+        rate = r.attn_bwd_flops if k.phase.value == "backward" and r.attn_bwd_flops else r.attn_flops
+        compute = 0.5 * k.mm_flops / div / (rate * shape)
+        return max(compute, memory) + first_touch(k, r, s) + r.launch_s
     # unfused: two batched GEMMs at matmul efficiency, and the score matrix through memory
     # (forward: written by QK^T, read and written by softmax, read by AV = 4 passes;
     # backward: dP written, P and dP read, dS written, dS read by two GEMMs = 6 passes)

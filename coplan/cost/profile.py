@@ -21,6 +21,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
 from coplan.cost.fusion import default_groups, readers, source_op
+from coplan.hardware.device import VECTOR_FAMILIES
 from coplan.ir.types import Graph, Op, OpKind, Phase, Tensor, TensorRole
 
 # Element-vector layout: index = precision class * 2 + shard class.
@@ -35,6 +36,21 @@ _TP_MODULE = re.compile(
     r"(attn|attention|mlp|ffn|feed_forward|moe|expert|router|gate_proj|up_proj|down_proj)"
 )
 _FLOAT = frozenset({"float32", "float16", "bfloat16", "tf32", "float64", "float8_e4m3fn", "float8_e5m2"})
+
+#: Elementwise ops evaluated with a transcendental function (a polynomial or table per element, tens
+#: of instructions where the op rules count a handful of FLOPs) or a long-latency square root unit
+#: (an fp32 square root issues a few times less often than an add: AdamW's denominator).
+_TRANSCENDENTAL = frozenset(
+    {"gelu", "gelu_backward", "silu", "silu_backward", "tanh", "tanh_backward", "sigmoid", "sigmoid_backward"}
+    | {"exp", "exp2", "expm1", "log", "log2", "log1p", "erf", "sin", "cos", "softplus", "sqrt", "rsqrt"}
+)
+#: The vector family of each op kind (``VECTOR_FAMILIES``); kinds not listed are elementwise.
+_FAMILY_OF_KIND = {
+    OpKind.REDUCTION: "reduction",
+    OpKind.LOSS: "reduction",
+    OpKind.NORM: "norm",
+    OpKind.SOFTMAX: "softmax",
+}
 
 
 def vadd(a: Sequence[float], b: Sequence[float]) -> Vec:
@@ -53,6 +69,9 @@ class Kernel:
     ``dims`` are the GEMM's (M, N, K) and ``shard_dim`` the one tensor parallelism divides (-1: none).
     ``attn`` is (batch * heads, query length, key length, head dim) for attention kernels.
     ``bytes`` is the element/byte vector of the tensors crossing the kernel's boundary.
+    ``vec_split`` is ``vec_flops`` by vector family (``VECTOR_FAMILIES`` order; empty: all
+    elementwise), ``fresh`` the vector of each tensor the kernel writes to newly allocated storage
+    (not in place, not a view), which a host allocator may hand over unmapped.
     """
 
     phase: Phase
@@ -66,6 +85,8 @@ class Kernel:
     attn: tuple[int, int, int, int] = (0, 0, 0, 0)
     ops: tuple[int, ...] = ()
     attn_core: bool = False
+    vec_split: tuple[float, ...] = ()
+    fresh: tuple[Vec, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)
@@ -362,7 +383,9 @@ class _Ctx:
         ops = [g.ops[i] for i in grp]
         real = [op for op in ops if op.kind is not OpKind.VIEW]
         phase = ops[0].phase
-        if not real:
+        if not real or (phase is Phase.OPTIMIZER and self._scalar_only(real)):
+            # views; and the step-counter math of a capturable optimizer (0-d tensors: bias
+            # corrections), which the default eager optimizer does on host floats, launching nothing
             return Kernel(phase, "free", REPL, 0.0, 0.0, ZERO, ops=grp)
         inside = set(grp)
         produced = {t for op in real for t in op.outputs}
@@ -377,6 +400,7 @@ class _Ctx:
                 v = self.vec(t)
                 for i in range(NV):
                     b[i] += v[i]
+        fresh: list[Vec] = []
         for tid in produced:
             t = g.tensors[tid]
             direct = set(t.consumers)
@@ -384,7 +408,10 @@ class _Ctx:
                 v = self.vec(t)
                 for i in range(NV):
                     b[i] += v[i]
+                if t.alias_of is None and t.shape:
+                    fresh.append(v)
         bv: Vec = (b[0], b[1], b[2], b[3], b[4], b[5])
+        split = self.vec_split(real)
         mm = next((op for op in real if op.kind is OpKind.MATMUL), None)
         at = next((op for op in real if op.kind is OpKind.ATTENTION), None)
         shard = self._shard[(at or mm or real[0]).id]
@@ -394,13 +421,58 @@ class _Ctx:
             fwd_op = g.ops[at.forward_op] if at.phase is Phase.BACKWARD and at.forward_op is not None else at
             attn = self.attn_geometry(fwd_op)
             return Kernel(
-                phase, "attention", shard, mm_flops, vec_flops, bv, attn=attn, ops=grp, attn_core=True
+                phase,
+                "attention",
+                shard,
+                mm_flops,
+                vec_flops,
+                bv,
+                attn=attn,
+                ops=grp,
+                attn_core=True,
+                vec_split=split,
+                fresh=tuple(fresh),
             )
         if mm is not None:
             dims, sdim = self.mm_dims(mm, shard)
-            return Kernel(phase, "matmul", shard, mm_flops, vec_flops, bv, dims=dims, shard_dim=sdim, ops=grp)
+            return Kernel(
+                phase,
+                "matmul",
+                shard,
+                mm_flops,
+                vec_flops,
+                bv,
+                dims=dims,
+                shard_dim=sdim,
+                ops=grp,
+                vec_split=split,
+                fresh=tuple(fresh),
+            )
         core = any(op.kind is OpKind.SOFTMAX and op.block is not None for op in real)
-        return Kernel(phase, "vector", shard, mm_flops, vec_flops, tuple(b), ops=grp, attn_core=core)  # type: ignore[arg-type]
+        return Kernel(
+            phase,
+            "vector",
+            shard,
+            mm_flops,
+            vec_flops,
+            bv,
+            ops=grp,
+            attn_core=core,
+            vec_split=split,
+            fresh=tuple(fresh),
+        )
+
+    def _scalar_only(self, ops: Sequence[Op]) -> bool:
+        ts = self.g.tensors
+        return all(not ts[t].shape for op in ops for t in (*op.inputs, *op.outputs))
+
+    def vec_split(self, ops: Sequence[Op]) -> tuple[float, ...]:
+        """Vector FLOPs of ``ops`` by family (``VECTOR_FAMILIES`` order)."""
+        out = [0.0] * len(VECTOR_FAMILIES)
+        for op in ops:
+            if op.vector_flops:
+                out[VECTOR_FAMILIES.index(_family(op))] += float(op.vector_flops)
+        return tuple(out)
 
     def attn_geometry(self, op: Op) -> tuple[int, int, int, int]:
         """(batch * heads, query length, key length, head dim) of a forward attention op, from its
@@ -555,6 +627,14 @@ class _Ctx:
                 if any(c not in ids and g.ops[c].phase is Phase.FORWARD for c in t.consumers):
                     best = max(best, float(t.numel))
         return best
+
+
+def _family(op: Op) -> str:
+    """The vector family of one op: transcendental elementwise functions apart from the rest."""
+    name = op.target.split(".")[1] if op.target.startswith("aten.") else op.target
+    if op.kind is OpKind.ELEMENTWISE and name.removesuffix("_") in _TRANSCENDENTAL:
+        return "transcendental"
+    return _FAMILY_OF_KIND.get(op.kind, "elementwise")
 
 
 def _is_temp(t: Tensor) -> bool:

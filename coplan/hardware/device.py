@@ -31,7 +31,29 @@ DTYPES: tuple[str, ...] = ("fp32", "tf32", "bf16", "fp16", "fp8")
 #: ``matmul.<dtype>`` (e.g. ``matmul.fp32`` on a CPU whose fp32 GEMM reaches a lower fraction of peak
 #: than its bf16 one); ``attention`` is the fused (flash) attention kernel's fraction of the matrix
 #: peak, ``network`` the fraction of link bandwidth collectives achieve (NCCL's bus bandwidth).
-EFFICIENCY_KINDS: tuple[str, ...] = ("matmul", "attention", "vector", "memory", "network")
+#: ``attention`` and ``vector`` may be given per dtype too (``DTYPED_KINDS``), and ``vector`` per
+#: family of non-matrix work (``vector.<family>``, ``vector.<family>.<dtype>``; see
+#: ``vector_efficiency``). ``attention_backward`` is the fused attention gradient kernel's fraction
+#: where it differs from the forward kernel's (absent: ``attention``). ``first_touch`` is the fraction
+#: of ``memory_bandwidth`` at which memory newly mapped by the host allocator is written (page
+#: faults: a CPU's allocator hands tensors too large for the last-level cache back to the OS on
+#: free); absent, no such tier is priced.
+EFFICIENCY_KINDS: tuple[str, ...] = (
+    "matmul",
+    "attention",
+    "attention_backward",
+    "vector",
+    "memory",
+    "network",
+    "first_touch",
+)
+
+#: Kinds whose efficiency may be refined per dtype as ``<kind>.<dtype>``.
+DTYPED_KINDS: tuple[str, ...] = ("matmul", "attention", "attention_backward", "vector")
+
+#: Families of non-matrix work whose achievable rate per counted FLOP differs (the op rules count a
+#: few FLOPs per element; a tanh-GELU executes tens of instructions for its 8, a sum one for its 1).
+VECTOR_FAMILIES: tuple[str, ...] = ("elementwise", "transcendental", "reduction", "norm", "softmax")
 
 # torch / numpy spellings accepted by ``canonical_dtype`` so callers can pass IR dtype names as-is.
 _DTYPE_ALIASES: dict[str, str] = {
@@ -93,7 +115,8 @@ class DeviceSpec:
         efficiency: achievable fraction of peak per kind of work (``EFFICIENCY_KINDS``), in (0, 1].
             These are *starting values* for the cost model, meant to be calibrated by measurement;
             a missing kind means no derating (1.0), except ``attention`` (defaults to ``matmul``)
-            and ``matmul.<dtype>`` (defaults to ``matmul``).
+            and ``<kind>.<dtype>`` (defaults to ``<kind>``). A measured ``attention.<dtype>`` is the
+            fraction before the head-dimension shape derating (see ``coplan.cost.kernels``).
         matmul_half_dim: shape derating of matrix work: a GEMM of sizes M, N, K reaches
             ``efficiency * prod(d / (d + matmul_half_dim))`` of peak, so small or thin matrices
             (tile and wave quantization, fixed per-kernel work) run slower per FLOP than large ones.
@@ -143,17 +166,41 @@ class DeviceSpec:
     def efficiency_of(self, work: str, dtype: str | None = None) -> float:
         """Achievable fraction of peak for ``work`` in ``EFFICIENCY_KINDS`` (1.0 when not given).
 
-        ``dtype`` refines ``matmul`` and ``attention`` (``matmul.bf16`` wins over ``matmul``);
-        ``attention`` falls back to the matmul figure."""
+        ``dtype`` refines the ``DTYPED_KINDS``: ``<kind>.<dtype>`` wins over ``<kind>``, so a device
+        without per-dtype entries prices every dtype as before. ``attention.<dtype>`` falls back to
+        ``attention``, then to the matmul figure of the same dtype; ``attention_backward.<dtype>``
+        to ``attention_backward``, then to the forward figure of the same dtype."""
         if work not in EFFICIENCY_KINDS:
             raise ValueError(f"unknown efficiency kind {work!r}; expected one of {EFFICIENCY_KINDS}")
         eff = self.efficiency
+        key = canonical_dtype(dtype) if dtype and work in DTYPED_KINDS else None
         if work in ("matmul", "attention"):
-            mm = eff.get(f"matmul.{canonical_dtype(dtype)}", eff.get("matmul", 1.0)) if dtype else None
-            if mm is None:
-                mm = eff.get("matmul", 1.0)
-            return eff.get("attention", mm) if work == "attention" else mm
+            mm = eff.get(f"matmul.{key}", eff.get("matmul", 1.0)) if key else eff.get("matmul", 1.0)
+            if work == "matmul":
+                return mm
+            return eff.get(f"attention.{key}", eff.get("attention", mm)) if key else eff.get("attention", mm)
+        if work == "attention_backward":
+            fwd = self.efficiency_of("attention", dtype)
+            return eff.get(f"{work}.{key}", eff.get(work, fwd)) if key else eff.get(work, fwd)
+        if key:
+            return eff.get(f"{work}.{key}", eff.get(work, 1.0))
         return eff.get(work, 1.0)
+
+    def vector_efficiency(self, family: str, dtype: str | None = None) -> float:
+        """Achievable fraction of ``vector_flops`` for one of ``VECTOR_FAMILIES`` in ``dtype``:
+        ``vector.<family>.<dtype>``, else ``vector.<family>``, else ``efficiency_of("vector", dtype)``."""
+        if family not in VECTOR_FAMILIES:
+            raise ValueError(f"unknown vector family {family!r}; expected one of {VECTOR_FAMILIES}")
+        eff = self.efficiency
+        if dtype:
+            key = f"vector.{family}.{canonical_dtype(dtype)}"
+            if key in eff:
+                return eff[key]
+        return eff.get(f"vector.{family}", self.efficiency_of("vector", dtype))
+
+    def has_efficiency(self, work: str, dtype: str) -> bool:
+        """Whether ``<work>.<dtype>`` is given (a measured per-dtype figure, not a fallback)."""
+        return f"{work}.{canonical_dtype(dtype)}" in self.efficiency
 
     def summary(self) -> str:
         """One human-readable line (memory in GiB, bandwidth in TB/s, peaks in TFLOP/s)."""
@@ -233,10 +280,14 @@ def _efficiency(src: str, value: object) -> FrozenMap:
     out: dict[str, float] = {}
     for work, fraction in value.items():
         where = f"efficiency.{work}"
-        base, _, dtype = str(work).partition(".")
-        if base == "matmul" and dtype:
-            if dtype not in DTYPES:
-                fail(src, where, f"unknown dtype {dtype!r}; expected matmul.<{'|'.join(DTYPES)}>")
+        base, _, rest = str(work).partition(".")
+        if base == "vector" and rest.partition(".")[0] in VECTOR_FAMILIES:
+            family, _, dtype = rest.partition(".")
+            if dtype and dtype not in DTYPES:
+                fail(src, where, f"unknown dtype {dtype!r}; expected vector.{family}.<{'|'.join(DTYPES)}>")
+        elif base in DTYPED_KINDS and rest:
+            if rest not in DTYPES:
+                fail(src, where, f"unknown dtype {rest!r}; expected {base}.<{'|'.join(DTYPES)}>")
         elif work not in EFFICIENCY_KINDS:
             fail(src, where, f"unknown kind; expected one of: {', '.join(EFFICIENCY_KINDS)}")
         number = check_number(src, where, fraction)

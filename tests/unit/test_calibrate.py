@@ -19,6 +19,7 @@ from coplan.hardware.calibrate import Measurement, Params, calibrate, predict, p
 from coplan.hardware.calibrate.fit import (
     fit,
     fit_attention,
+    fit_first_touch,
     fit_launch,
     fit_link,
     fit_matmul,
@@ -27,28 +28,48 @@ from coplan.hardware.calibrate.fit import (
     rms_residuals,
 )
 from coplan.hardware.calibrate.probes import Plan, transformer_gemms
+from coplan.hardware.device import VECTOR_FAMILIES
 
+# A machine whose families differ as a CPU's do: a tanh-GELU slower per counted FLOP than a sum, and
+# 16-bit work slower than fp32 where conversions dominate.
+VEC_RATES = {
+    "elementwise.fp32": 1.8e10,
+    "transcendental.fp32": 9e9,
+    "reduction.fp32": 4.5e10,
+    "norm.fp32": 3e10,
+    "softmax.fp32": 2.4e10,
+    "elementwise.bf16": 1.2e10,
+    "transcendental.bf16": 8e9,
+    "reduction.bf16": 4e10,
+    "norm.bf16": 1.8e10,
+    "softmax.bf16": 2.2e10,
+}
 TRUTH = Params(
     peaks={"fp32": 4e11, "bf16": 8e11},
     mm_flops={"fp32": 1.5e11, "bf16": 6.2e11},
-    attention=0.07,
-    vec_flops=1.8e10,
+    attention={"fp32": 0.07, "bf16": 0.04},
+    vec_flops=VEC_RATES["elementwise.fp32"],
     bandwidth=9e10,
     half_dim=48.0,
     launch_s=3.5e-6,
     link_bandwidth=2.5e9,
     link_latency_s=4e-5,
+    vec_rates=VEC_RATES,
+    attention_backward={"fp32": 0.06, "bf16": 0.025},
+    first_touch=3e9,
+    cache_bytes=float(1 << 25),
 )
 START = Params(
     peaks=TRUTH.peaks,
     mm_flops={"fp32": 2e11, "bf16": 4e11},
-    attention=0.5,
+    attention={"fp32": 0.5, "bf16": 0.5},
     vec_flops=2e11,
     bandwidth=2e10,
     half_dim=0.0,
     launch_s=1e-6,
     link_bandwidth=1e10,
     link_latency_s=1e-6,
+    cache_bytes=TRUTH.cache_bytes,
 )
 
 
@@ -59,9 +80,23 @@ def _timed(ms: list[Measurement], p: Params = TRUTH) -> list[Measurement]:
 
 def _synthetic() -> list[Measurement]:
     ms = [Measurement("launch", "autograd chain (per kernel)", "fp32", 0.0, dims=(8,))]
-    for n in (1 << 12, 1 << 16, 1 << 20, 1 << 22):
-        for per, nbytes in ((1.0, 12.0), (8.0, 8.0), (5.0, 8.0), (1.0, 4.0)):  # memory- and compute-bound
-            ms.append(Measurement("vector", f"v{per} {n}", "fp32", 0.0, vec_flops=per * n, bytes=nbytes * n))
+    for dtype in ("fp32", "bf16"):
+        for family in VECTOR_FAMILIES:
+            for n in (1 << 12, 1 << 16, 1 << 20, 1 << 22):
+                for per, nbytes in ((1.0, 12.0), (8.0, 4.0)):  # memory- and compute-bound
+                    ms.append(
+                        Measurement(
+                            "vector",
+                            f"{family} v{per} {n}",
+                            dtype,
+                            0.0,
+                            vec_flops=per * n,
+                            bytes=nbytes * n,
+                            family=family,
+                        )
+                    )
+    for size in (1 << 25, 1 << 26):
+        ms.append(Measurement("first_touch", f"fresh {size}", "fp32", 0.0, bytes=float(size)))
     for dtype in ("fp32", "bf16"):
         size = 4 if dtype == "fp32" else 2
         for m, n, k, _ in ((64, 64, 64, ""), (256, 256, 256, ""), *transformer_gemms(1024, 256, 2048)):
@@ -120,12 +155,20 @@ def test_each_stage_recovers_its_rates_from_exact_timings() -> None:
     known = replace(START, launch_s=TRUTH.launch_s)
     vec = fit_vector(ms, known)
     assert _close(vec.bandwidth, TRUTH.bandwidth) and _close(vec.vec_flops, TRUTH.vec_flops)
-    mm = fit_matmul(ms, replace(known, bandwidth=TRUTH.bandwidth, vec_flops=TRUTH.vec_flops))
+    assert vec.vec_rates.keys() == VEC_RATES.keys()
+    for key, rate in VEC_RATES.items():
+        assert _close(vec.vec_rates[key], rate), key
+    touch = fit_first_touch(ms, replace(TRUTH, first_touch=1e8))
+    assert _close(touch.first_touch, TRUTH.first_touch)
+    vector = {"bandwidth": TRUTH.bandwidth, "vec_flops": TRUTH.vec_flops, "vec_rates": VEC_RATES}
+    mm = fit_matmul(ms, replace(known, **vector))  # type: ignore[arg-type]
     assert _close(mm.half_dim, TRUTH.half_dim)
     for dtype, rate in TRUTH.mm_flops.items():
         assert _close(mm.mm_flops[dtype], rate)
-    att = fit_attention(ms, replace(TRUTH, attention=0.9))
-    assert _close(att.attention, TRUTH.attention)
+    att = fit_attention(ms, replace(TRUTH, attention={"fp32": 0.9, "bf16": 0.9}, attention_backward={}))
+    for dtype in ("fp32", "bf16"):
+        assert _close(att.attention[dtype], TRUTH.attention[dtype])
+        assert _close(att.attention_backward[dtype], TRUTH.attention_backward[dtype])
     link = fit_link(ms, replace(TRUTH, link_bandwidth=1e11, link_latency_s=1e-3))
     assert _close(link.link_bandwidth, TRUTH.link_bandwidth) and _close(
         link.link_latency_s, TRUTH.link_latency_s
@@ -136,15 +179,19 @@ def test_full_fit_recovers_every_rate_and_leaves_no_residual() -> None:
     ms = _synthetic()
     got = fit(ms, START)
     for name in (
-        "attention",
         "vec_flops",
         "bandwidth",
         "half_dim",
         "launch_s",
         "link_bandwidth",
         "link_latency_s",
+        "first_touch",
     ):
         assert _close(getattr(got, name), getattr(TRUTH, name)), name
+    for name in ("attention", "attention_backward", "vec_rates", "mm_flops"):
+        want = getattr(TRUTH, name)
+        assert getattr(got, name).keys() == want.keys(), name
+        assert all(_close(getattr(got, name)[k], v) for k, v in want.items()), name
     fitted = [replace(m, fitted=predict(m, got)) for m in ms]
     assert all(v < 1e-6 for v in rms_residuals(fitted).values())
 
@@ -159,8 +206,13 @@ def test_fitted_rates_round_trip_through_the_device_spec() -> None:
     for dtype in ("fp32", "bf16"):
         rates = Rates.of(device, dtype)
         assert _close(rates.mm_flops, p.mm_flops[dtype])
-        assert _close(rates.attn_flops, p.peaks[dtype] * p.attention)
+        assert _close(rates.attn_flops, p.peaks[dtype] * p.attention[dtype])
+        assert _close(rates.attn_bwd_flops, p.peaks[dtype] * p.attention_backward[dtype])
+        assert rates.attn_head_half == device.matmul_half_dim  # measured per dtype: head dim derated
         assert _close(rates.vec_flops, p.vec_flops) and _close(rates.bandwidth, p.bandwidth)
+        for family, rate in zip(VECTOR_FAMILIES, rates.vec_rates, strict=True):
+            assert _close(rate, p.vec_rates[f"{family}.{dtype}"])
+        assert _close(rates.first_touch, p.first_touch) and rates.cache_bytes == base.sram_bytes
         assert rates.half_dim == pytest.approx(p.half_dim, abs=1e-3) and rates.launch_s == p.launch_s
 
 
@@ -236,7 +288,7 @@ def test_quick_cpu_calibration_writes_a_loadable_profile(
     data = json.loads(stdout)  # the whole of stdout is one JSON document
     assert data["out"] == str(out)
     kinds = {m["kind"] for m in data["measurements"]}
-    assert kinds == {"launch", "vector", "matmul", "attention"}
+    assert kinds == {"launch", "vector", "first_touch", "matmul", "attention"}
     assert all(m["seconds"] > 0 and m["fitted_s"] > 0 for m in data["measurements"])
     assert json.loads(out.read_text())["groups"] == data["groups"]  # the file is the cluster spec alone
     _check_sane(out)

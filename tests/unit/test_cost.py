@@ -308,3 +308,104 @@ def test_fp8_sequence_parallel_gathers_one_byte_elements() -> None:
     fp8 = CostModel(spec=spec).estimate(cluster, base.with_(dtype="fp8")).stages[0].tp_comm_s
     # all-gathers are half of the block's collectives by bytes: fp8 saves at most a quarter overall
     assert 0.6 * bf16 < fp8 < 0.9 * bf16
+
+
+# --- refinements a calibrated CPU opts into (devices without their keys price as before) ----------
+
+
+def _kernel_rates(**efficiency: float) -> tuple[object, object]:
+    from dataclasses import replace as _replace
+
+    from coplan.cost.kernels import Rates
+    from coplan.hardware import device_presets
+
+    cpu = device_presets()["cpu"]
+    device = _replace(cpu, efficiency={**cpu.efficiency, **efficiency})
+    return device, Rates.of(device, "bf16")
+
+
+def _vector_kernel(family: str = "elementwise", flops: float = 1e9, fresh: tuple = ()) -> object:
+    from coplan.cost.profile import Kernel
+    from coplan.hardware.device import VECTOR_FAMILIES
+    from coplan.ir.types import Phase
+
+    split = tuple(flops if f == family else 0.0 for f in VECTOR_FAMILIES)
+    return Kernel(Phase.FORWARD, "vector", 0, 0.0, flops, (0, 0, 0, 0, 8.0, 0), vec_split=split, fresh=fresh)
+
+
+_SCALE_BYTES = (2.0, 2.0, 4.0, 4.0, 1.0, 1.0)
+
+
+def test_devices_without_the_refinement_keys_keep_one_vector_rate_and_no_tiers():
+    from coplan.cost.kernels import Rates
+    from coplan.hardware import device_presets
+
+    for name, device in device_presets().items():
+        for dtype in ("fp32", "bf16"):
+            r = Rates.of(device, dtype)
+            assert r.vec_rates == () and r.attn_head_half == 0.0 and r.first_touch == 0.0, name
+            assert r.attn_bwd_flops == r.attn_flops, name
+
+
+def test_vector_families_are_priced_at_their_own_rate():
+    from coplan.cost.kernels import Scale, kernel_time
+
+    device, rates = _kernel_rates(**{"vector": 0.1, "vector.transcendental.bf16": 0.025})
+    scale = Scale(1, False, _SCALE_BYTES, 2, True)
+    plain = kernel_time(_vector_kernel("elementwise"), rates, scale) - rates.launch_s
+    gelu = kernel_time(_vector_kernel("transcendental"), rates, scale) - rates.launch_s
+    assert plain == pytest.approx(1e9 / (device.vector_flops * 0.1))
+    assert gelu == pytest.approx(4 * plain)  # a quarter of the rate per counted FLOP
+    assert device.vector_efficiency("transcendental", "fp32") == 0.1  # other dtypes fall back
+
+
+def test_fresh_tensors_as_large_as_the_cache_pay_the_first_touch_tier():
+    from coplan.cost.kernels import Scale, kernel_time
+
+    device, rates = _kernel_rates(first_touch=0.01)
+    scale = Scale(1, False, _SCALE_BYTES, 2, True)
+    elements = device.sram_bytes / 4  # an fp32-class slot (index 2): exactly the cache's size
+    big = (0.0, 0.0, float(elements), 0.0, 0.0, 0.0)
+    small = (0.0, 0.0, float(elements - 1), 0.0, 0.0, 0.0)
+    base = kernel_time(_vector_kernel(flops=1e3), rates, scale)
+    extra = kernel_time(_vector_kernel(flops=1e3, fresh=(big,)), rates, scale) - base
+    assert extra == pytest.approx(device.sram_bytes / (device.memory_bandwidth * 0.01))
+    assert kernel_time(_vector_kernel(flops=1e3, fresh=(small,)), rates, scale) == base
+
+
+def test_a_measured_attention_efficiency_per_dtype_also_derates_the_head_dimension():
+    from dataclasses import replace as _replace
+
+    from coplan.cost.kernels import Scale, kernel_time, shape_factor
+    from coplan.cost.profile import Kernel
+    from coplan.ir.types import Phase
+
+    scale = Scale(1, False, _SCALE_BYTES, 2, True)
+
+    def per_flop(rates: object, d: int, phase: Phase = Phase.FORWARD) -> float:
+        flops = 4.0 * 8 * 256 * 256 * d
+        k = Kernel(phase, "attention", 0, flops, 0.0, (0, 0, 0, 0, 0, 0), attn=(8, 256, 256, d))
+        return (kernel_time(k, rates, scale) - rates.launch_s) / flops  # type: ignore[attr-defined]
+
+    _, old = _kernel_rates(matmul=0.5, attention=0.2)
+    old = _replace(old, half_dim=32.0)
+    assert per_flop(old, 32) == pytest.approx(per_flop(old, 128))
+    _, new = _kernel_rates(**{"attention.bf16": 0.2, "attention_backward.bf16": 0.1})
+    new = _replace(new, half_dim=32.0, attn_head_half=32.0)
+    ratio = shape_factor((128,), 32.0) / shape_factor((32,), 32.0)
+    assert per_flop(new, 32) / per_flop(new, 128) == pytest.approx(ratio)
+    assert per_flop(new, 64, Phase.BACKWARD) == pytest.approx(2 * per_flop(new, 64))
+
+
+def test_the_step_counter_math_of_a_captured_optimizer_launches_nothing():
+    from coplan.capture.api import capture_spec
+
+    graph = capture_spec(PRESETS["gpt-tiny"], 2, 32)
+    prof = CostModel(graph=graph).profile(2, 32, "none")
+    parts = (*prof.templates, prof.pre, prof.post)
+    kernels = [k for part in parts for k in part.optimizer]
+    scalar = [
+        k for k in kernels if all(not graph.tensors[t].shape for i in k.ops for t in graph.ops[i].inputs)
+    ]
+    assert scalar and all(k.kind == "free" for k in scalar)  # bias corrections on 0-d tensors
+    assert any(k.kind == "vector" for k in kernels)  # the updates themselves are priced

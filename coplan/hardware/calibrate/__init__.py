@@ -8,11 +8,15 @@ one):
 
 1. ``kernel_launch_s``: the per-kernel cost of an autograd chain of tiny ops, forward and backward
    (eager training pays a dispatch and an autograd node per aten op, not just the bare dispatch);
-2. ``efficiency.memory`` and ``efficiency.vector`` from elementwise ops, reductions, norms and
-   softmax at several sizes;
-3. ``efficiency.matmul.<dtype>`` and ``matmul_half_dim`` from GEMMs of several sizes and shapes;
-4. ``efficiency.attention`` from fused attention forward and backward;
-5. with several processes, the intra-node link's latency and bandwidth from all-reduce and
+2. ``efficiency.memory`` and ``efficiency.vector.<family>.<dtype>`` from elementwise ops,
+   transcendental activations, reductions, norms and softmax at several sizes (``vector``, the
+   fallback, is the widest dtype's elementwise rate);
+3. on a CPU, ``efficiency.first_touch`` from writing fresh tensors as large as the last-level cache
+   (the host allocator returns such blocks to the OS, so every step page-faults them in again);
+4. ``efficiency.matmul.<dtype>`` and ``matmul_half_dim`` from GEMMs of several sizes and shapes;
+5. ``efficiency.attention.<dtype>`` and ``efficiency.attention_backward.<dtype>`` from fused
+   attention forward and backward at several sequence lengths and head dimensions;
+6. with several processes, the intra-node link's latency and bandwidth from all-reduce and
    all-gather at several message sizes.
 
 Data-sheet values (``peak_flops``, ``vector_flops``, ``memory_bandwidth``) are kept and the measured
@@ -40,6 +44,7 @@ from coplan.hardware.calibrate.probes import (
     Plan,
     _Clock,
     attention_probes,
+    first_touch_probes,
     launch_probes,
     matmul_probes,
     measure_collectives,
@@ -162,13 +167,14 @@ def _start_params(base: DeviceSpec, dtypes: Sequence[str]) -> Params:
     return Params(
         peaks={d: base.peak(d) for d in dtypes},
         mm_flops={d: base.peak(d) * base.efficiency_of("matmul", d) for d in dtypes},
-        attention=base.efficiency_of("attention", dtypes[0]),
+        attention={d: base.efficiency_of("attention", d) for d in dtypes},
         vec_flops=base.vector_flops * base.efficiency_of("vector"),
         bandwidth=base.memory_bandwidth * base.efficiency_of("memory"),
         half_dim=base.matmul_half_dim or 64.0,
         launch_s=base.kernel_launch_s,
         link_bandwidth=base.memory_bandwidth,
         link_latency_s=1e-5,
+        cache_bytes=float(base.sram_bytes),
     )
 
 
@@ -192,11 +198,24 @@ def to_device(
 
     for d in dtypes:
         eff[f"matmul.{d}"], peaks[d] = fraction(f"matmul {d}", p.mm_flops[d], peaks[d])
-    eff["attention"] = min(1.0, p.attention)
-    # "matmul" (no dtype) is what dtypes without their own entry fall back to: the widest fitted one
+    # measured per dtype (it then derates the head dimension too: see coplan.cost.kernels)
+    attn = [d for d in dtypes if d in p.attention]
+    for d in attn:
+        eff[f"attention.{d}"] = min(1.0, p.attention[d])
+    for d, fraction_bwd in p.attention_backward.items():
+        eff[f"attention_backward.{d}"] = min(1.0, fraction_bwd)
+    # the entries without a dtype are what other dtypes fall back to: the widest fitted one
+    if attn:
+        eff["attention"] = eff[f"attention.{attn[0]}"]
     eff["matmul"] = eff[f"matmul.{dtypes[0]}"]
-    eff["vector"], vector = fraction("vector", p.vec_flops, base.vector_flops)
+    # one data-sheet vector rate for every family: raised to the fastest measured one if below it
+    _, vector = fraction("vector", max([p.vec_flops, *p.vec_rates.values()]), base.vector_flops)
+    eff["vector"] = p.vec_flops / vector
+    for key, rate in p.vec_rates.items():
+        eff[f"vector.{key}"] = rate / vector
     eff["memory"], bandwidth = fraction("memory bandwidth", p.bandwidth, base.memory_bandwidth)
+    if p.first_touch > 0.0:
+        eff["first_touch"] = min(1.0, p.first_touch / bandwidth)
     device = replace(
         base,
         name=name,
@@ -223,10 +242,16 @@ def _level(p: Params, device: DeviceSpec, backend: str) -> InterconnectLevel:
 
 
 def calibrate(
-    device: str = "cpu", *, procs: int | None = None, quick: bool = False, progress: Progress | None = None
+    device: str = "cpu",
+    *,
+    procs: int | None = None,
+    quick: bool = False,
+    progress: Progress | None = None,
+    between_passes: Callable[[int], None] | None = None,
 ) -> Calibration:
     """Measure ``device`` ("cpu" or "cuda") and fit a profile. ``procs`` processes (default 2 on
-    cpu, the GPU count on cuda, at least 2 to measure a link; 1 skips collectives)."""
+    cpu, the GPU count on cuda, at least 2 to measure a link; 1 skips collectives).
+    ``between_passes(i)`` runs after the ``i``-th pass over the microbenchmarks (see ``run_probes``)."""
     _check_device(device)
     if procs is None:
         procs = 2 if device == "cpu" else torch.cuda.device_count()
@@ -238,10 +263,13 @@ def calibrate(
     dtypes = _dtypes(device, base)
     plan = Plan.of(device, quick)
     clock = _Clock(device, target_s=plan.target_s, samples=plan.samples)
-    attn_dtypes = [d for d in dtypes if d != "tf32"]  # attention has no TF32 path
-    probes = launch_probes(device) + vector_probes(device, dtypes, plan)
+    # attention has no TF32 path, and vector work on tf32 runs is fp32 work
+    wide = [d for d in dtypes if d != "tf32"]
+    probes = launch_probes(device) + vector_probes(device, wide, plan)
     cache = base.sram_bytes if base is not None else int(torch.cuda.get_device_properties(0).L2_cache_size)
-    probes += matmul_probes(device, dtypes, plan, cache) + attention_probes(device, attn_dtypes, plan)
+    if device == "cpu":  # a GPU's caching allocator keeps its blocks mapped: no first-touch tier
+        probes += first_touch_probes(cache)
+    probes += matmul_probes(device, dtypes, plan, cache) + attention_probes(device, wide, plan)
     total = len(probes) * plan.passes + (1 if procs >= MIN_PROCS else 0)
     done = 0
 
@@ -251,8 +279,16 @@ def calibrate(
         if progress is not None:
             progress(label, done, total)
 
-    started = time.perf_counter()
-    ms = run_probes(probes, clock, plan.passes, tick)
+    started, elsewhere = time.perf_counter(), 0.0
+
+    def between(n: int) -> None:  # the caller's interleaved work is not the calibration's time
+        nonlocal elsewhere
+        if between_passes is not None:
+            t0 = time.perf_counter()
+            between_passes(n)
+            elsewhere += time.perf_counter() - t0
+
+    ms = run_probes(probes, clock, plan.passes, tick, between)
     backend = ""
     if procs >= MIN_PROCS:
         coll, backend = measure_collectives(device, procs, plan, tick)
@@ -264,12 +300,13 @@ def calibrate(
     params = fit(ms, _start_params(base, dtypes))
     fitted = tuple(replace(m, fitted=predict(m, params)) for m in ms)
     residuals = rms_residuals(fitted)
+    took = time.perf_counter() - started - elsewhere
     when = datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
     res_text = ", ".join(f"{k} {v:.1%}" for k, v in residuals.items())
     source = (
         f"measured by `coplan calibrate --device {device}{' --quick' if quick else ''}` on {hardware} "
         f"({torch.get_num_threads()} torch threads) at {when} with torch {torch.__version__}, "
-        f"{len(ms)} microbenchmarks in {time.perf_counter() - started:.0f} s; started from preset "
+        f"{len(ms)} microbenchmarks in {took:.0f} s; started from preset "
         f"'{base.name}' (data-sheet peaks kept); rms relative residual of the fit: {res_text}"
     )
     dev_spec, notes = to_device(base, params, dtypes, f"{base.name}-calibrated", source)

@@ -11,15 +11,16 @@ from __future__ import annotations
 import math
 import statistics
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import numpy as np
 
 from coplan.hardware.cluster import InterconnectLevel
+from coplan.hardware.device import VECTOR_FAMILIES
 
 #: What each microbenchmark kind measures, in fit order.
-KINDS: tuple[str, ...] = ("launch", "vector", "matmul", "attention", "collective")
+KINDS: tuple[str, ...] = ("launch", "vector", "first_touch", "matmul", "attention", "collective")
 
 
 @dataclass(frozen=True, slots=True)
@@ -29,8 +30,10 @@ class Measurement:
     ``flops`` are matrix FLOPs as ``torch.utils.flop_counter`` counts them (what capture records),
     ``vec_flops`` vector FLOPs by coplan's op rules, ``bytes`` the bytes read and written.
     ``dims`` is (M, N, K) for a GEMM, (batch * heads, q, k, head dim) for attention, and
-    (processes,) for a collective. ``phase`` is "backward" for attention gradients. ``fitted`` is
-    the calibrated model's time for the same work (0 until fitted).
+    (processes,) for a collective. ``phase`` is "backward" for attention gradients. ``family`` is
+    the vector family (``VECTOR_FAMILIES``) of a vector kernel. A ``first_touch`` measurement writes
+    ``bytes`` of newly allocated storage. ``fitted`` is the calibrated model's time for the same work
+    (0 until fitted).
     """
 
     kind: str
@@ -44,6 +47,7 @@ class Measurement:
     phase: str = "forward"
     fitted: float = 0.0
     used: bool = True  # False: reported for comparison, not fitted (bare dispatch)
+    family: str = "elementwise"
 
     @property
     def error(self) -> float:
@@ -63,6 +67,7 @@ class Measurement:
             "bytes": self.bytes,
             "dims": list(self.dims),
             "phase": self.phase,
+            "family": self.family,
             "fitted": self.used,
         }
 
@@ -76,13 +81,17 @@ class Params:
 
     peaks: dict[str, float]  # dtype -> data-sheet matrix peak FLOP/s (not fitted)
     mm_flops: dict[str, float]  # dtype -> achievable matrix FLOP/s before shape derating
-    attention: float  # fused attention's fraction of each dtype's peak (one for all, as the device keeps)
-    vec_flops: float
+    attention: dict[str, float]  # dtype -> fused attention's fraction of that dtype's peak
+    vec_flops: float  # non-matrix FLOP/s of work without a family rate (``vec_rates``)
     bandwidth: float
     half_dim: float
     launch_s: float
     link_bandwidth: float = 0.0  # achievable link bytes/s (link bandwidth x network efficiency)
     link_latency_s: float = 0.0
+    vec_rates: dict[str, float] = field(default_factory=dict)  # "<family>.<dtype>" -> FLOP/s
+    attention_backward: dict[str, float] = field(default_factory=dict)  # dtype -> ...; else attention
+    first_touch: float = 0.0  # bytes/s of page-faulting fresh storage in (0: not measured)
+    cache_bytes: float = 0.0  # fresh tensors at least this large pay first_touch
 
 
 def predict(m: Measurement, p: Params) -> float:
@@ -98,13 +107,20 @@ def predict(m: Measurement, p: Params) -> float:
         )
         group = Group(n, n, 1, level, None, 1.0)
         return group.all_reduce(m.bytes) if m.name.startswith("all_reduce") else group.all_gather(m.bytes)
+    family = tuple(p.vec_rates.get(f"{f}.{m.dtype}", p.vec_flops) for f in VECTOR_FAMILIES)
     rates = Rates(
         mm_flops=p.mm_flops.get(m.dtype, 0.0) or max(p.mm_flops.values(), default=1.0),
-        attn_flops=p.peaks.get(m.dtype, 0.0) * p.attention,
+        attn_flops=p.peaks.get(m.dtype, 0.0) * p.attention.get(m.dtype, 1.0),
+        attn_bwd_flops=p.peaks.get(m.dtype, 0.0) * p.attention_backward.get(m.dtype, 0.0),
         vec_flops=p.vec_flops,
         bandwidth=p.bandwidth,
         half_dim=p.half_dim,
         launch_s=p.launch_s,
+        vec_rates=family if p.vec_rates else (),
+        # the device written keeps attention per dtype, which derates the head dimension too
+        attn_head_half=p.half_dim,
+        first_touch=p.first_touch,
+        cache_bytes=p.cache_bytes,
     )
     # bytes are already bytes: every slot weighs 1; one device, no tensor parallelism, flash attention
     return kernel_time(_kernel(m), rates, Scale(1, False, (1.0, 1.0, 1.0, 1.0, 1.0, 1.0), 4, True))
@@ -122,7 +138,9 @@ def _kernel(m: Measurement) -> Any:
     if m.kind == "attention":
         a = (*tuple(m.dims), 1, 1, 1, 1)
         return Kernel(phase, "attention", 0, m.flops, 0.0, data, attn=(a[0], a[1], a[2], a[3]))
-    return Kernel(phase, "vector", 0, 0.0, m.vec_flops, data)
+    split = tuple(m.vec_flops if f == m.family else 0.0 for f in VECTOR_FAMILIES)
+    fresh = (data,) if m.kind == "first_touch" else ()
+    return Kernel(phase, "vector", 0, 0.0, m.vec_flops, data, vec_split=split, fresh=fresh)
 
 
 # --- least squares ----------------------------------------------------------------------------------
@@ -179,23 +197,51 @@ def _log_residuals(
 
 
 def fit_vector(ms: Sequence[Measurement], base: Params) -> Params:
-    """Achievable memory bandwidth and vector FLOP/s from non-matrix kernels (launch fixed).
+    """Achievable memory bandwidth, and a FLOP rate per vector family and dtype, from non-matrix
+    kernels (launch fixed). The op rules count a few FLOPs per element whatever the op: a sum, a
+    norm and a tanh-GELU differ several-fold in time per counted FLOP, and a 16-bit op converts
+    every element to fp32 and back, so one rate for all of them cannot fit.
 
-    Started from several points around the measurements' own median rates: where one term never
-    binds, its gradient is zero and a single start could not move it."""
+    Started from several points around the measurements' own rates: where one term never binds,
+    its gradient is zero and a single start could not move it. The elementwise rate of the widest
+    dtype becomes ``vec_flops``, the rate of work without a family."""
     ms = [m for m in ms if m.kind == "vector" and m.used]
+    if not ms:
+        return base
+    keys = sorted({f"{m.family}.{m.dtype}" for m in ms})
+
+    def make(x: np.ndarray) -> Params:
+        rates = {k: math.exp(v) for k, v in zip(keys, x[1:], strict=True)}
+        return replace(base, bandwidth=math.exp(x[0]), vec_rates=rates, vec_flops=_plain(rates, base))
+
+    res = _log_residuals(ms, make)
+    bw = math.log(max(m.bytes / m.seconds for m in ms))
+    # each family's fastest probe: a lower bound on its rate (it ignores launch and memory time)
+    top = [math.log(max(m.vec_flops / m.seconds for m in ms if f"{m.family}.{m.dtype}" == k)) for k in keys]
+    starts = [[bw + a, *(v + b for v in top)] for a in (-0.5, 0.0) for b in (0.0, 0.5, 1.5)]
+    return make(_best(res, starts))
+
+
+def _plain(rates: dict[str, float], base: Params) -> float:
+    for dtype in ("fp32", *sorted(base.peaks)):
+        if f"elementwise.{dtype}" in rates:
+            return rates[f"elementwise.{dtype}"]
+    return base.vec_flops
+
+
+def fit_first_touch(ms: Sequence[Measurement], base: Params) -> Params:
+    """The rate at which fresh storage larger than the cache is page-faulted in (bandwidth fixed):
+    the time of writing newly allocated tensors beyond what their bytes cost at that bandwidth."""
+    ms = [m for m in ms if m.kind == "first_touch" and m.used]
     if not ms:
         return base
 
     def make(x: np.ndarray) -> Params:
-        return replace(base, bandwidth=math.exp(x[0]), vec_flops=math.exp(x[1]))
+        return replace(base, first_touch=math.exp(x[0]))
 
-    res = _log_residuals(ms, make)
-    bw = math.log(statistics.median(m.bytes / m.seconds for m in ms))
-    vf = math.log(statistics.median(m.vec_flops / m.seconds for m in ms))
-    starts = [(math.log(base.bandwidth), math.log(base.vec_flops))]
-    starts += [(bw + a, vf + b) for a in (-1.0, 0.0, 1.0) for b in (-1.0, 0.0, 1.0)]
-    return make(_best(res, starts))
+    extra = [max(m.seconds - m.bytes / base.bandwidth - base.launch_s, 1e-9) for m in ms]
+    start = math.log(max(1.0, statistics.median(m.bytes / e for m, e in zip(ms, extra, strict=True))))
+    return make(least_squares(_log_residuals(ms, make), [start]))
 
 
 def _best(res: Callable[[np.ndarray], np.ndarray], starts: Iterable[Sequence[float]]) -> np.ndarray:
@@ -228,16 +274,27 @@ def fit_matmul(ms: Sequence[Measurement], base: Params) -> Params:
 
 
 def fit_attention(ms: Sequence[Measurement], base: Params) -> Params:
-    """Fused attention's fraction of the matrix peak, one for every dtype as ``efficiency.attention``
-    is (shape derating by the matmul half-dimension, fixed)."""
+    """Fused attention's fraction of each dtype's matrix peak, forward and backward kernels apart
+    (``efficiency.attention.<dtype>``, ``efficiency.attention_backward.<dtype>``; shape derating over
+    query, key and head dimensions by the matmul half-dimension, fixed). Per dtype: a CPU's flash
+    kernel runs fp32 and bf16 at about the same speed, while their peaks differ 2x; per phase: the
+    gradient kernel is another implementation (on a CPU its bf16 GEMMs take a slower path)."""
     ms = [m for m in ms if m.kind == "attention" and m.used]
-    if not ms:
-        return base
+    p = base
+    for dtype in sorted({m.dtype for m in ms}):
+        for backward in (False, True):
+            mine = [m for m in ms if m.dtype == dtype and (m.phase == "backward") == backward]
+            if not mine:
+                continue
 
-    def make(x: np.ndarray) -> Params:
-        return replace(base, attention=math.exp(x[0]))
+            def make(x: np.ndarray, dtype: str = dtype, backward: bool = backward, p: Params = p) -> Params:
+                if backward:
+                    return replace(p, attention_backward={**p.attention_backward, dtype: math.exp(x[0])})
+                return replace(p, attention={**p.attention, dtype: math.exp(x[0])})
 
-    return make(least_squares(_log_residuals(ms, make), [math.log(base.attention)]))
+            start = math.log(base.attention.get(dtype, 0.5))
+            p = make(least_squares(_log_residuals(mine, make), [start]))
+    return p
 
 
 def fit_link(ms: Sequence[Measurement], base: Params) -> Params:
@@ -267,6 +324,7 @@ def fit(ms: Sequence[Measurement], start: Params) -> Params:
     if launch is not None:
         p = replace(p, launch_s=launch)
     p = fit_vector(ms, p)
+    p = fit_first_touch(ms, p)
     p = fit_matmul(ms, p)
     p = fit_attention(ms, p)
     return fit_link(ms, p)

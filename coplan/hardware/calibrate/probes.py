@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import math
+import mmap
 import os
 import socket
 import statistics
@@ -71,17 +72,25 @@ def _probe(kind: str, name: str, dtype: str, fn: Callable[[], object], **fields:
 
 
 def run_probes(
-    probes: Sequence[Probe], clock: _Clock, passes: int, tick: Callable[[str], None]
+    probes: Sequence[Probe],
+    clock: _Clock,
+    passes: int,
+    tick: Callable[[str], None],
+    between: Callable[[int], None] | None = None,
 ) -> list[Measurement]:
     """Time every probe ``passes`` times, in rounds over the whole list, and keep each probe's
     fastest round: another process stealing a core for a second then spoils one round of a few
     probes, not every sample of them (on a shared 2-core VM a contended parallel op waits a whole
-    scheduler tick, milliseconds, however small it is)."""
+    scheduler tick, milliseconds, however small it is). ``between(i)`` runs after pass ``i``: work
+    to be measured under the same conditions (an accuracy benchmark's own timings) interleaved with
+    the passes, so that a slow minute of the host spoils a share of both, not all of one."""
     best = [math.inf] * len(probes)
-    for _ in range(passes):
+    for n in range(passes):
         for i, probe in enumerate(probes):
             best[i] = min(best[i], probe.timer(clock))
             tick(probe.template.name)
+        if between is not None:
+            between(n)
     return [replace(p.template, seconds=max(t, 1e-9)) for p, t in zip(probes, best, strict=True)]
 
 
@@ -139,8 +148,19 @@ class Plan:
         squares = tuple((n * g, n * g, n * g, "nn") for n in (64, 128, 256, 512, 1024))
         mm = squares + transformer_gemms(2048 * g, 256 * g, 4096 * g)
         mm += transformer_gemms(512 * g, 384 * g, 8192 * g, every=False)
-        attn = ((2, 4, 64, 32), (4, 4, 128, 64), (8, 4, 256, 64), (2, 8, 512, 64), (4, 6, 256, 64))
-        vec = tuple(v << b for b in (14, 16, 18, 20, 22))
+        # sequence lengths 64 to 512 and head dims 32 to 128: a CPU's flash kernel slows with both
+        attn = (
+            (2, 4, 64, 32),
+            (4, 4, 128, 32),
+            (4, 4, 256, 32),
+            (4, 4, 128, 64),
+            (8, 4, 256, 64),
+            (2, 8, 512, 64),
+            (4, 6, 256, 64),
+            (2, 4, 256, 128),
+        )
+        # from 64Ki elements: below that a CPU op's time is its dispatch, whatever it computes
+        vec = tuple(v << b for b in (16, 18, 20, 22))
         return cls(mm, attn, vec, (1 << 10, 1 << 14, 1 << 17, 1 << 20, 1 << 22, 1 << 24), 0.01, 3, 3)
 
 
@@ -273,9 +293,26 @@ def attention_probes(dev: str, dtypes: Sequence[str], plan: Plan) -> list[Probe]
     return out
 
 
+#: The vector family (``VECTOR_FAMILIES``) of each vector microbenchmark.
+_FAMILY = {
+    "add": "elementwise",
+    "mul": "elementwise",
+    "addcmul": "elementwise",
+    "gelu": "transcendental",
+    "gelu_bwd": "transcendental",
+    "sqrt": "transcendental",
+    "sum": "reduction",
+    "layer_norm": "norm",
+    "layer_norm_bwd": "norm",
+    "log_softmax": "softmax",
+    "log_softmax_bwd": "softmax",
+}
+
+
 def _vector_cases(n: int, dtype: torch.dtype, dev: str) -> list[tuple[str, str, Callable[[], object], float]]:
     """(name, aten op whose rule counts its vector FLOPs, call, bytes read and written): the
-    non-matrix kernels a GPT training step spends its vector time in, forward and backward."""
+    non-matrix kernels a GPT training step spends its vector time in, forward and backward, and an
+    optimizer update's two-FLOP elementwise op."""
     aten = torch.ops.aten
     x = torch.randn(n, dtype=dtype, device=dev)
     y = torch.randn(n, dtype=dtype, device=dev)
@@ -287,10 +324,13 @@ def _vector_cases(n: int, dtype: torch.dtype, dev: str) -> list[tuple[str, str, 
     soft = x.view(-1, min(n, 1024))
     logp = F.log_softmax(soft, dim=-1)
     e, stats = x.element_size(), _nbytes(mean, rstd)
+    pos = x.abs() + 0.5  # AdamW's denominators: positive (a square root of zero takes a slow path)
     mask = [True, True, True]
     return [
         ("add", "add", lambda: x + y, 3 * n * e),
         ("mul", "mul", lambda: x * y, 3 * n * e),
+        ("addcmul", "addcmul", lambda: torch.addcmul(x, y, y, value=0.5), 3 * n * e),
+        ("sqrt", "sqrt", lambda: pos.sqrt(), 2 * n * e),
         ("gelu", "gelu", lambda: F.gelu(x, approximate="tanh"), 2 * n * e),
         ("gelu_bwd", "gelu_backward", lambda: aten.gelu_backward(y, x, approximate="tanh"), 3 * n * e),
         ("sum", "sum", lambda: x.sum(), n * e),
@@ -324,11 +364,39 @@ def vector_probes(dev: str, dtypes: Sequence[str], plan: Plan) -> list[Probe]:
         for n in plan.vector_sizes:
             for name, op, fn, nbytes in _vector_cases(n, _TORCH_DTYPES[dtype], dev):
                 flops = rule_for(op, pointwise=True).flops_per_element * n
-                out.append(
-                    _probe(
-                        "vector", f"{name} {_count(n)}", dtype, fn, vec_flops=flops, bytes=nbytes, dims=(n,)
-                    )
-                )
+                fields = {"vec_flops": flops, "bytes": nbytes, "dims": (n,), "family": _FAMILY[name]}
+                out.append(_probe("vector", f"{name} {_count(n)}", dtype, fn, **fields))
+    return out
+
+
+class _FreshWrite:
+    """Fill newly mapped memory as an fp32 tensor, then unmap it: what a host allocator does for a
+    tensor too large for its heap (glibc maps it afresh and unmaps it on free), so every first write
+    page-faults its pages in. Mapped here directly, so that the heap's state (a preceding workload
+    may leave room enough to serve the block without faults) cannot hide the cost."""
+
+    def __init__(self, nbytes: int) -> None:
+        self.nbytes = nbytes
+
+    def __call__(self) -> object:
+        m = mmap.mmap(-1, self.nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+        t = torch.frombuffer(m, dtype=torch.float32)
+        t.fill_(1.0)
+        del t  # the tensor holds the buffer: release it before unmapping
+        m.close()
+        return None
+
+
+def first_touch_probes(cache_bytes: int) -> list[Probe]:
+    """Writing fresh memory as large as the cache, and twice that (what a training step's logits
+    and their gradients pay every step on a CPU). None where the OS offers no anonymous mappings."""
+    if not hasattr(mmap, "MAP_ANONYMOUS"):
+        return []
+    out = []
+    for size in (cache_bytes, 2 * cache_bytes):
+        n = max(1, size // 4)
+        name = f"fresh {_count(n * 4)}B"
+        out.append(_probe("first_touch", name, "fp32", _FreshWrite(n * 4), bytes=float(n * 4), dims=(n,)))
     return out
 
 
