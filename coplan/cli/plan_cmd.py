@@ -48,6 +48,10 @@ BudgetOpt = Annotated[
         help="Memory per GPU the plan may use, GiB [default: capacity x 0.95 - 1 GiB reserve].",
     ),
 ]
+OrderOpt = Annotated[
+    str | None,
+    typer.Option("--order", help="Pass order for 'sequential', e.g. remat,fusion,parallel,precision."),
+]
 ToleranceOpt = Annotated[
     float,
     typer.Option(
@@ -208,10 +212,7 @@ def plan(
             "--strategy", "-s", help="sequential, sequential-best, iterated, hierarchical, joint, exhaustive."
         ),
     ] = "joint",
-    order: Annotated[
-        str | None,
-        typer.Option("--order", help="Pass order for 'sequential', e.g. remat,fusion,parallel,precision."),
-    ] = None,
+    order: OrderOpt = None,
     tolerance: ToleranceOpt = 0.0,
     out: Annotated[Path | None, typer.Option("--out", "-o", help="Write the plan as JSON here.")] = None,
     json: JsonOpt = False,
@@ -289,7 +290,7 @@ def compare(
     strategies: Annotated[
         str, typer.Option("--strategies", help="Comma-separated strategies to compare.")
     ] = "sequential,sequential-best,iterated,hierarchical,joint",
-    order: Annotated[str | None, typer.Option("--order", help="Pass order for 'sequential'.")] = None,
+    order: OrderOpt = None,
     tolerance: ToleranceOpt = 0.0,
     json: JsonOpt = False,
     html: Annotated[

@@ -12,6 +12,7 @@ import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
+from coplan.errors import CoplanError
 from coplan.ir.types import Graph
 from coplan.plan.context import PlanContext
 from coplan.plan.types import Plan
@@ -66,7 +67,7 @@ class PassRecord:
 def _price(plan: Plan, ctx: PlanContext) -> tuple[float, float]:
     try:
         est = ctx.price(plan)
-    except Exception:  # a default plan may not be priceable (divisibility); record as unknown
+    except CoplanError:  # a default plan may not be priceable (divisibility); record as unknown
         return float("nan"), float("nan")
     return est.step_time_s, est.memory.peak_bytes
 
@@ -103,7 +104,7 @@ def score(plan: Plan, ctx: PlanContext) -> tuple[int, float]:
     the rest by peak memory (the closest to fitting first). Unpriceable plans sort last."""
     try:
         est = ctx.price(plan)
-    except Exception:
+    except CoplanError:
         return (2, float("inf"))
     if ctx.fits(est):
         return (0, est.step_time_s)

@@ -13,7 +13,7 @@ from collections.abc import Iterator
 from coplan.ir.types import Graph
 from coplan.passes.base import choose, register
 from coplan.plan.context import PlanContext
-from coplan.plan.types import ParallelPlan, Plan
+from coplan.plan.types import ParallelPlan, Plan, RematPlan
 
 MAX_MICROBATCH = 64
 VPP_CHOICES = (1, 2, 4)
@@ -70,11 +70,9 @@ def parallel_pass(graph: Graph, plan: Plan, ctx: PlanContext) -> Plan:
     return best if best is not None else plan
 
 
-def _fit_stages(plan: Plan, par: ParallelPlan) -> object:
+def _fit_stages(plan: Plan, par: ParallelPlan) -> RematPlan:
     """Per-stage remat sets only carry over when the stage count is unchanged."""
     r = plan.remat
     if r.per_stage is not None and len(r.per_stage) != par.pp:
-        from coplan.plan.types import RematPlan
-
         return RematPlan(recompute=r.recompute)
     return r

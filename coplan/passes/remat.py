@@ -9,6 +9,7 @@ always a candidate too, and the best fitting candidate wins.
 
 from __future__ import annotations
 
+from coplan.errors import CoplanError
 from coplan.ir.types import Graph
 from coplan.passes.base import choose, register, score
 from coplan.plan.context import PlanContext
@@ -59,5 +60,5 @@ def remat_pass(graph: Graph, plan: Plan, ctx: PlanContext) -> Plan:
         full = with_remat(plan, frozenset(saved_names(ctx)))
         best = choose((none, greedy, full), ctx)
         return best if best is not None else plan
-    except Exception:  # an unpriceable plan (the parallel defaults may not divide): leave it
+    except CoplanError:  # an unpriceable plan (the parallel defaults may not divide): leave it
         return plan

@@ -13,11 +13,10 @@ from dataclasses import dataclass, field
 from functools import cached_property
 
 from coplan.cost import ConfigError, CostModel, Estimate, TrainingConfig
-from coplan.cost.fusion import default_groups
 from coplan.cost.profile import GraphProfile
 from coplan.hardware.cluster import ClusterSpec
 from coplan.ir.fingerprint import fingerprint as graph_fingerprint
-from coplan.ir.types import Graph, Op, Phase
+from coplan.ir.types import Graph, Op
 from coplan.plan.types import FusionPlan, ParallelPlan, Plan, PlanError, PrecisionPlan, RematPlan
 
 GiB = 1024**3
@@ -89,9 +88,6 @@ class BlockIndex:
             tuple(self.block_ops[b][i].id for i in pos) for b, r in sorted(self.ref_of.items()) if r == ref
         ]
 
-    def named_phase(self, name: str) -> Phase:
-        return self.op_by_name[name].phase
-
 
 @dataclass
 class PlanContext:
@@ -105,6 +101,7 @@ class PlanContext:
     numerics: Numerics = field(default_factory=Numerics)
     _priced: dict[object, Estimate] = field(default_factory=dict, repr=False)
     _configs: dict[object, TrainingConfig] = field(default_factory=dict, repr=False)
+    _expanded: dict[FusionPlan, tuple[tuple[int, ...], ...]] = field(default_factory=dict, repr=False)
     evaluations: int = 0
 
     def __post_init__(self) -> None:
@@ -173,7 +170,14 @@ class PlanContext:
     # --- pricing -------------------------------------------------------------------------------
 
     def expand_fusion(self, fusion: FusionPlan) -> tuple[tuple[int, ...], ...]:
-        """The plan's groups as op-id groups of the whole graph; every other op a singleton."""
+        """The plan's groups as op-id groups of the whole graph; every other op a singleton
+        (memoised: a search prices many recompute sets under one fusion plan)."""
+        got = self._expanded.get(fusion)
+        if got is None:
+            got = self._expanded[fusion] = self._expand(fusion)
+        return got
+
+    def _expand(self, fusion: FusionPlan) -> tuple[tuple[int, ...], ...]:
         idx = self.index
         grouped: list[tuple[int, ...]] = []
         covered: set[int] = set()
@@ -186,7 +190,7 @@ class PlanContext:
 
     def config_of(self, plan: Plan) -> TrainingConfig:
         """The cost model's configuration for ``plan`` (raises ``ConfigError`` when impossible)."""
-        key = (plan.parallel, plan.fusion, plan.remat, plan.precision, plan.flash_attention)
+        key = _decisions(plan)
         got = self._configs.get(key)
         if got is not None:
             return got
@@ -223,7 +227,7 @@ class PlanContext:
 
     def price(self, plan: Plan) -> Estimate:
         """The cost model's estimate of ``plan`` (memoised by decisions)."""
-        key = (plan.parallel, plan.fusion, plan.remat, plan.precision, plan.flash_attention)
+        key = _decisions(plan)
         got = self._priced.get(key)
         if got is None:
             config = self.config_of(plan)
@@ -237,6 +241,11 @@ class PlanContext:
 
     def describe_budget(self) -> str:
         return f"{self.budget / GiB:.1f} GiB per GPU"
+
+
+def _decisions(plan: Plan) -> tuple[object, ...]:
+    """What pricing depends on (not the plan's identity fields, which the checker compares)."""
+    return (plan.parallel, plan.fusion, plan.remat, plan.precision, plan.flash_attention)
 
 
 def plan_summary(
@@ -263,4 +272,4 @@ def plan_summary(
     return out
 
 
-__all__ = ["BlockIndex", "GiB", "Numerics", "PlanContext", "default_budget", "default_groups", "plan_summary"]
+__all__ = ["BlockIndex", "GiB", "Numerics", "PlanContext", "default_budget", "plan_summary"]

@@ -21,7 +21,7 @@ from coplan.passes.base import PassRecord, score
 from coplan.passes.remat import remat_pass, saved_names, with_remat
 from coplan.plan.context import PlanContext
 from coplan.plan.types import Plan
-from coplan.search.strategies import Options, strategy
+from coplan.search.strategies import Options, bound_search, strategy
 
 SCALE_S = 1e9  # CP-SAT works on integers: nanoseconds and bytes
 MAX_RESOLVES = 6
@@ -110,30 +110,10 @@ def _local_search(plan: Plan, ctx: PlanContext, names: tuple[str, ...]) -> Plan:
 @strategy("joint")
 def joint(ctx: PlanContext, opts: Options) -> tuple[Plan, list[PassRecord], list[str]]:
     base = ctx.default_plan()
-    combos = [
-        base.with_(parallel=par, precision=prec, fusion=fus)
-        for par in opts.space.parallel(ctx)
-        for prec in opts.space.precisions(ctx)
-        for fus in opts.space.fusions(ctx)
-    ]
-    bounds = sorted(((ctx.price(p).step_time_s, i, p) for i, p in enumerate(combos)), key=lambda x: x[:2])
-    best: Plan | None = None
-    best_key = (3, 0.0)
-    for w in opts.warm:
-        k = score(w, ctx)
-        if k < best_key:
-            best, best_key = w, k
-    explored = 0
-    for n, (lb, _, p) in enumerate(bounds):
-        if opts.progress:
-            opts.progress("joint", n, len(bounds))
-        if best_key[0] == 0 and lb >= best_key[1]:
-            break
-        cand = optimise_remat(p, ctx)
-        explored += 1
-        k = score(cand, ctx)
-        if k < best_key:
-            best, best_key = cand, k
+    combos = opts.space.plans(ctx, base)
+    best, explored = bound_search(
+        ctx, combos, lambda p: optimise_remat(p, ctx), "joint", opts.progress, opts.warm
+    )
     if best is None:
         # no layout of the space is possible for this job (nor a warm start): report the default
         # plan, which run_strategy prices, so the job's error (ConfigError) is what the user sees,

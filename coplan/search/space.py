@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from coplan.passes.fusion import _as_plan, greedy_groups, megatron_fusion, scope_ops
 from coplan.passes.parallel import candidates
 from coplan.plan.context import PlanContext
-from coplan.plan.types import FusionPlan, ParallelPlan, PrecisionPlan
+from coplan.plan.types import FusionPlan, ParallelPlan, Plan, PrecisionPlan
 
 Progress = Callable[[str, int, int], None]
 
@@ -44,6 +44,16 @@ class SearchSpace:
 
     def parallel(self, ctx: PlanContext) -> Iterator[ParallelPlan]:
         return candidates(ctx, zero=self.zero)
+
+    def plans(self, ctx: PlanContext, base: Plan) -> list[Plan]:
+        """``base`` under every layout x compute precision x fusion option of the space."""
+        precisions, fusions = self.precisions(ctx), self.fusions(ctx)
+        return [
+            base.with_(parallel=par, precision=prec, fusion=fus)
+            for par in self.parallel(ctx)
+            for prec in precisions
+            for fus in fusions
+        ]
 
 
 def fusion_option(ctx: PlanContext, name: str) -> FusionPlan:

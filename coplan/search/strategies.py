@@ -127,24 +127,47 @@ def hierarchical(ctx: PlanContext, opts: Options) -> tuple[Plan, list[PassRecord
     # the inner passes do not depend on the layout for fusion and precision: decide them once
     inner = precision_pass(graph, fusion_pass(graph, base, ctx), ctx)
     outer = [inner.with_(parallel=p) for p in opts.space.parallel(ctx)]
-    # branch and bound: remat only adds time, so a layout priced with nothing recomputed bounds
-    # every plan of that layout from below
-    bounds = sorted(((ctx.price(p).step_time_s, i, p) for i, p in enumerate(outer)), key=lambda x: x[:2])
+    best, explored = bound_search(
+        ctx, outer, lambda p: remat_pass(graph, p, ctx), "hierarchical", opts.progress
+    )
+    assert best is not None or not outer
+    return (best or inner), [], [f"{len(outer)} layouts, {explored} optimized inside (bound-pruned)"]
+
+
+def bound_search(
+    ctx: PlanContext,
+    plans: Sequence[Plan],
+    solve: Callable[[Plan], Plan],
+    name: str,
+    progress: Progress | None,
+    warm: Sequence[Plan] = (),
+) -> tuple[Plan | None, int]:
+    """Branch and bound over ``plans`` (nothing recomputed yet), each completed by ``solve``.
+
+    Recomputation only adds time, so a plan priced with nothing recomputed bounds every completion
+    of it from below: plans are explored best bound first, and once a fitting plan is found every
+    plan whose bound is not better is pruned. ``warm`` plans seed the incumbent. Returns the best
+    plan by ``score`` (None when ``plans`` and ``warm`` are empty) and how many were solved.
+    """
     best: Plan | None = None
     best_key = (3, 0.0)
+    for w in warm:
+        k = score(w, ctx)
+        if k < best_key:
+            best, best_key = w, k
+    bounds = sorted(((ctx.price(p).step_time_s, i, p) for i, p in enumerate(plans)), key=lambda x: x[:2])
     explored = 0
     for n, (lb, _, p) in enumerate(bounds):
-        if opts.progress:
-            opts.progress("hierarchical", n, len(bounds))
+        if progress:
+            progress(name, n, len(bounds))
         if best_key[0] == 0 and lb >= best_key[1]:
             break
-        cand = remat_pass(graph, p, ctx)
+        cand = solve(p)
         explored += 1
         k = score(cand, ctx)
         if k < best_key:
             best, best_key = cand, k
-    assert best is not None or not outer
-    return (best or inner), [], [f"{len(outer)} layouts, {explored} optimized inside (bound-pruned)"]
+    return best, explored
 
 
 @strategy("exhaustive")
@@ -154,10 +177,8 @@ def exhaustive(ctx: PlanContext, opts: Options) -> tuple[Plan, list[PassRecord],
     names = saved_names(ctx)
     subsets = [frozenset(c) for r in range(len(names) + 1) for c in itertools.combinations(names, r)]
     base = ctx.default_plan()
-    layouts = list(opts.space.parallel(ctx))
-    precisions = opts.space.precisions(ctx)
-    fusions = opts.space.fusions(ctx)
-    total = len(layouts) * len(precisions) * len(fusions) * len(subsets)
+    combos = opts.space.plans(ctx, base)
+    total = len(combos) * len(subsets)
     if total > opts.max_evaluations:
         raise ValueError(
             f"exhaustive search would price {total:,} plans "
@@ -165,10 +186,9 @@ def exhaustive(ctx: PlanContext, opts: Options) -> tuple[Plan, list[PassRecord],
         )
     best: Plan | None = None
     best_key = (3, 0.0)
-    for i, (par, prec, fus) in enumerate(itertools.product(layouts, precisions, fusions)):
+    for i, p0 in enumerate(combos):
         if opts.progress:
-            opts.progress("exhaustive", i, len(layouts) * len(precisions) * len(fusions))
-        p0 = base.with_(parallel=par, precision=prec, fusion=fus)
+            opts.progress("exhaustive", i, len(combos))
         for s in subsets:
             p = with_remat(p0, s)
             k = score(p, ctx)
