@@ -16,6 +16,8 @@ from coplan.errors import SpecError
 
 RECOMPUTE_MODES: tuple[str, ...] = ("none", "selective", "full")
 DTYPES: tuple[str, ...] = ("fp32", "tf32", "bf16", "fp16", "fp8")
+#: Dtypes a single op may be given (``TrainingConfig.op_dtypes``).
+OP_DTYPES: tuple[str, ...] = ("fp32", "bf16", "fp16", "fp8")
 FUSION_MODES: tuple[str, ...] = ("megatron", "none")
 
 
@@ -48,6 +50,17 @@ class TrainingConfig:
             step's forward (Megatron ``--overlap-param-gather``).
         tp_comm_overlap: tensor-parallel collectives overlap GEMMs (Transformer Engine userbuffers).
         stage_layers: layers held by each pipeline stage (default: an even split).
+        recompute_per_stage: one recompute mode or set per pipeline stage, overriding ``recompute``
+            (the first stage holds the most in-flight microbatches and may recompute more).
+        recompute_fused: names of pointwise forward ops of block 0 that a recompute set re-runs
+            inside the backward kernel reading their output (Inductor's partitioner does this):
+            their arithmetic is paid, but no launch, no memory traffic and no stored copy.
+        op_dtypes: (op id, dtype) overrides of the precision each op runs in; a backward op
+            follows its forward op. ``"fp32"`` stores the op's outputs in fp32 (autocast's fp32
+            list), ``"bf16"``/``"fp16"`` runs it in 16 bits, ``"fp8"`` (GEMMs) quantises its
+            inputs with per-tensor scales. A library kernel (GEMM, attention) reading a tensor
+            stored in another dtype needs a cast: free when a generated (fused) kernel next to it
+            can do it, else a kernel of its own.
     """
 
     tp: int = 1
@@ -68,6 +81,9 @@ class TrainingConfig:
     overlap_param_gather: bool = False
     tp_comm_overlap: bool = False
     stage_layers: tuple[int, ...] | None = None
+    recompute_per_stage: tuple[str | frozenset[str], ...] | None = None
+    recompute_fused: frozenset[str] = frozenset()
+    op_dtypes: tuple[tuple[int, str], ...] = ()
 
     def __post_init__(self) -> None:
         for name in ("tp", "pp", "dp", "vpp", "microbatch", "global_batch"):
@@ -78,17 +94,22 @@ class TrainingConfig:
             isinstance(self.seq, bool) or not isinstance(self.seq, int) or self.seq < 1
         ):
             raise ConfigError("seq", f"must be a positive integer, got {self.seq!r}")
-        if isinstance(self.recompute, str):
-            if self.recompute not in RECOMPUTE_MODES:
+        object.__setattr__(self, "recompute", _recompute_mode("recompute", self.recompute))
+        if self.recompute_per_stage is not None:
+            modes = tuple(_recompute_mode("recompute_per_stage", r) for r in self.recompute_per_stage)
+            if len(modes) != self.pp:
                 raise ConfigError(
-                    "recompute", f"must be one of {', '.join(RECOMPUTE_MODES)}, got {self.recompute!r}"
+                    "recompute_per_stage", f"needs one mode per pipeline stage ({self.pp}), got {len(modes)}"
                 )
-        elif isinstance(self.recompute, Iterable):
-            object.__setattr__(self, "recompute", frozenset(str(t) for t in self.recompute))
-        else:
-            raise ConfigError(
-                "recompute", f"expected a mode or a set of tensor names, got {self.recompute!r}"
-            )
+            object.__setattr__(self, "recompute_per_stage", modes)
+        object.__setattr__(self, "recompute_fused", frozenset(str(n) for n in self.recompute_fused))
+        dts = tuple(sorted((int(i), str(d)) for i, d in dict(self.op_dtypes).items()))
+        for i, d in dts:
+            if d not in OP_DTYPES:
+                raise ConfigError(
+                    "op_dtypes", f"op {i}: dtype must be one of {', '.join(OP_DTYPES)}, got {d!r}"
+                )
+        object.__setattr__(self, "op_dtypes", dts)
         if self.zero not in (0, 1, 2, 3) or isinstance(self.zero, bool):
             raise ConfigError("zero", f"must be 0, 1, 2 or 3, got {self.zero!r}")
         if self.dtype not in DTYPES:
@@ -121,6 +142,12 @@ class TrainingConfig:
     @property
     def gpus(self) -> int:
         return self.tp * self.pp * self.dp
+
+    def recompute_of(self, stage: int) -> str | frozenset[str]:
+        """The recompute mode or set of pipeline stage ``stage``."""
+        if self.recompute_per_stage is not None:
+            return self.recompute_per_stage[stage]
+        return self.recompute
 
     @property
     def num_microbatches(self) -> int:
@@ -162,7 +189,24 @@ class TrainingConfig:
             "overlap_param_gather": self.overlap_param_gather,
             "tp_comm_overlap": self.tp_comm_overlap,
             "stage_layers": list(self.stage_layers) if self.stage_layers else None,
+            "recompute_per_stage": (
+                None
+                if self.recompute_per_stage is None
+                else [r if isinstance(r, str) else sorted(r) for r in self.recompute_per_stage]
+            ),
+            "recompute_fused": sorted(self.recompute_fused),
+            "op_dtypes": [list(x) for x in self.op_dtypes],
         }
+
+
+def _recompute_mode(field: str, mode: object) -> str | frozenset[str]:
+    if isinstance(mode, str):
+        if mode not in RECOMPUTE_MODES:
+            raise ConfigError(field, f"must be one of {', '.join(RECOMPUTE_MODES)}, got {mode!r}")
+        return mode
+    if isinstance(mode, Iterable):
+        return frozenset(str(t) for t in mode)
+    raise ConfigError(field, f"expected a mode or a set of tensor names, got {mode!r}")
 
 
 def check_against(

@@ -27,10 +27,12 @@ from typing import Any
 
 from coplan.cost.comm import Group, p2p_time
 from coplan.cost.config import TrainingConfig
-from coplan.cost.kernels import Rates, Scale, kernel_time, launches
-from coplan.cost.profile import ACT, NV, REPL, TP, GraphProfile, Part, Vec, vadd, vdot
+from coplan.cost.fusion import readers
+from coplan.cost.kernels import Rates, Scale, kernel_time, launches, vector_compute
+from coplan.cost.profile import ACT, NV, REPL, TP, GraphProfile, Kernel, Part, Vec, vadd, vdot
 from coplan.hardware.cluster import ClusterSpec
 from coplan.hardware.device import DeviceSpec
+from coplan.ir.types import Phase
 
 BREAKDOWN_KEYS: tuple[str, ...] = (
     "compute",
@@ -210,21 +212,25 @@ def estimate(profile: GraphProfile, cluster: ClusterSpec, config: TrainingConfig
     stages = []
     launch_total = 0.0
     kernels_total = 0
-    rec = config.recompute
     costs: dict[DeviceSpec, _PartCost] = {}
     heads: dict[tuple[DeviceSpec, str], _PartCost] = {}
     for s in range(p):
         device = devices[s]
         cost = costs.get(device)
         if cost is None:
-            cost = costs[device] = _PartCost(Rates.of(device, config.dtype), scale, config, tp_group, profile)
+            cost = costs[device] = _PartCost(
+                Rates.of(device, config.dtype), scale, config, tp_group, profile, device
+            )
         rates = cost.r
         head_cost = None
         if config.dtype == "fp8":
             key = (device, "head")
             head_cost = heads.get(key)
             if head_cost is None:
-                head_cost = heads[key] = _PartCost(Rates.of(device, "bf16"), scale, config, tp_group, profile)
+                head_cost = heads[key] = _PartCost(
+                    Rates.of(device, "bf16"), scale, config, tp_group, profile, device
+                )
+        rec = config.recompute_of(s)
         # this stage's layers, by template (all chunks of the stage)
         mine = _chunk_templates(templates, layers, starts, s, p, v)
         parts: list[tuple[Part, float]] = _count(mine)
@@ -265,8 +271,12 @@ def estimate(profile: GraphProfile, cluster: ClusterSpec, config: TrainingConfig
                         for i in range(NV)
                     )  # type: ignore[assignment]
                 tr = pc.transient(part)
-                if mode == "full" or (isinstance(mode, frozenset) and mode):
+                if mode == "full":
                     tr += vdot(part.saved["none"], weights)  # the block's recomputed activations
+                elif isinstance(mode, frozenset) and mode:
+                    # what the block's backward re-materialises: the dropped tensors, less those
+                    # recomputed inside the backward kernel reading them (never stored)
+                    tr += vdot(_rematerialised(profile, part, mode, config.recompute_fused), weights)
                 transient = max(transient, tr)
             else:
                 tp_comm += n * pc.tp_comm(part, "none")
@@ -393,10 +403,30 @@ class _PartCost:
     """Prices parts for one stage's device and the configuration; memoises per part."""
 
     def __init__(
-        self, rates: Rates, scale: Scale, config: TrainingConfig, tp_group: Group, profile: GraphProfile
+        self,
+        rates: Rates,
+        scale: Scale,
+        config: TrainingConfig,
+        tp_group: Group,
+        profile: GraphProfile,
+        device: DeviceSpec,
     ) -> None:
         self.r, self.s, self.c, self.tp, self.profile = rates, scale, config, tp_group, profile
+        self.device = device
         self._memo: dict[int, _Priced] = {}
+        self._rates: dict[str, Rates] = {}
+
+    def rates(self, k: Kernel) -> Rates:
+        """The rates of kernel ``k``: its own precision's when overridden, else the stage's."""
+        if not k.dtype:
+            return self.r
+        got = self._rates.get(k.dtype)
+        if got is None:
+            got = self._rates[k.dtype] = Rates.of(self.device, k.dtype)
+        return got
+
+    def time(self, k: Kernel) -> float:
+        return kernel_time(k, self.rates(k), self.s)
 
     def of(self, part: Part) -> _Priced:
         key = id(part)
@@ -411,13 +441,13 @@ class _Priced:
     __slots__ = ("backward", "cost", "forward", "fwd_times", "kernels", "optimizer")
 
     def __init__(self, cost: _PartCost, part: Part) -> None:
-        r, s = cost.r, cost.s
+        s = cost.s
         self.cost = cost
-        self.fwd_times = [kernel_time(k, r, s) for k in part.forward]
+        self.fwd_times = [cost.time(k) for k in part.forward]
         self.forward = sum(self.fwd_times)
-        self.backward = sum(kernel_time(k, r, s) for k in part.backward)
+        self.backward = sum(cost.time(k) for k in part.backward)
         # optimizer kernels: everything scales with the local (TP-sharded) parameters
-        self.optimizer = sum(kernel_time(k, r, s) for k in part.optimizer)
+        self.optimizer = sum(cost.time(k) for k in part.optimizer)
         self.kernels = sum(launches(k, s) for k in (*part.forward, *part.backward, *part.optimizer))
 
     def recompute(self, part: Part, mode: str | frozenset[str]) -> float:
@@ -428,8 +458,21 @@ class _Priced:
         if mode == "selective":
             return sum(t for k, t in zip(part.forward, self.fwd_times, strict=True) if k.attn_core)
         assert isinstance(mode, frozenset)
-        ops, _ = _recompute_closure(self.cost.profile, part, mode)
-        return sum(t for k, t in zip(part.forward, self.fwd_times, strict=True) if ops.intersection(k.ops))
+        prof = self.cost.profile
+        ops, _ = _recompute_closure(prof, part, mode)
+        fused = _fused_ids(prof, part, self.cost.c.recompute_fused) & ops
+        total = 0.0
+        for k, t in zip(part.forward, self.fwd_times, strict=True):
+            rerun = ops.intersection(k.ops)
+            if not rerun:
+                continue
+            if rerun <= fused:
+                # re-run inside the backward kernels that read the values: arithmetic only, once
+                # per reading kernel, no launch and no memory traffic
+                total += _fused_recompute_time(prof, k, rerun, self.cost.rates(k), self.cost.s)
+            else:
+                total += t
+        return total
 
     def tp_comm(self, part: Part, mode: str | frozenset[str]) -> float:
         c, g = self.cost.c, self.cost.tp
@@ -472,6 +515,51 @@ def _saved(profile: GraphProfile, part: Part, mode: str | frozenset[str]) -> Vec
         return part.saved[mode]
     _, dropped = _recompute_closure(profile, part, mode)
     return tuple(a - b for a, b in zip(part.saved["none"], dropped, strict=True))  # type: ignore[return-value]
+
+
+def _fused_ids(profile: GraphProfile, part: Part, names: frozenset[str]) -> frozenset[int]:
+    """Op ids of ``part``'s reference block named in ``names`` (ops recomputed in backward kernels)."""
+    if not names:
+        return frozenset()
+    key = ("fused", names)
+    got = part.cache.get(key)
+    if got is None:
+        ops = profile.graph.ops
+        got = part.cache[key] = frozenset(i for i in part.op_ids if ops[i].name in names)
+    return got  # type: ignore[return-value]
+
+
+def _fused_recompute_time(
+    profile: GraphProfile, k: Kernel, rerun: frozenset[int], r: Rates, s: Scale
+) -> float:
+    """Seconds of the arithmetic of ``rerun`` (ops of forward kernel ``k``) repeated inside every
+    backward kernel reading their outputs."""
+    g = profile.graph
+    flops = 0.0
+    for i in rerun:
+        op = g.ops[i]
+        readers_bwd = {c for t in op.outputs for c in readers(g, t) if g.ops[c].phase is Phase.BACKWARD}
+        flops += op.vector_flops * max(1, len(readers_bwd))
+    if not k.vec_flops:
+        return 0.0
+    return vector_compute(k, r, s) * flops / k.vec_flops
+
+
+def _rematerialised(profile: GraphProfile, part: Part, names: frozenset[str], fused: frozenset[str]) -> Vec:
+    """Saved elements a recompute set brings back into memory during the block's backward."""
+    _, dropped = _recompute_closure(profile, part, names)
+    fids = _fused_ids(profile, part, fused)
+    if not fids:
+        return dropped
+    g = profile.graph
+    by_id = {tid: vec for tid, _, vec in part.saved_items}
+    out = list(dropped)
+    for tid, _, _ in part.saved_items:
+        t = g.tensors[tid]
+        if t.name in names and t.producer in fids:
+            for i, x in enumerate(by_id[tid]):
+                out[i] -= x
+    return tuple(out)  # type: ignore[return-value]
 
 
 def _recompute_closure(

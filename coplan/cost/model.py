@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from coplan.capture.synthetic import build_graph
 from coplan.cost.config import ConfigError, TrainingConfig, check_against
 from coplan.cost.estimate import Estimate, estimate
-from coplan.cost.profile import GraphProfile, profile_graph
+from coplan.cost.profile import GraphProfile, Precision, profile_graph
 from coplan.hardware.cluster import ClusterSpec
 from coplan.ir.types import Graph
 from coplan.models.spec import ModelSpec
@@ -30,7 +30,7 @@ class CostModel:
 
     spec: ModelSpec | None = None
     graph: Graph | None = None
-    _profiles: dict[tuple[int, int, object], GraphProfile] = field(default_factory=dict, repr=False)
+    _profiles: dict[tuple[int, int, object, object], GraphProfile] = field(default_factory=dict, repr=False)
 
     def __post_init__(self) -> None:
         if (self.spec is None) == (self.graph is None):
@@ -47,9 +47,15 @@ class CostModel:
         return config.seq or self.graph.meta.seq
 
     def profile(
-        self, microbatch: int, seq: int, fusion: str | tuple[tuple[int, ...], ...] = "megatron"
+        self,
+        microbatch: int,
+        seq: int,
+        fusion: str | tuple[tuple[int, ...], ...] = "megatron",
+        precision: Precision | None = None,
     ) -> GraphProfile:
-        key = (microbatch, seq, fusion)
+        # per-op dtypes change tensor widths and casts; without overrides the dtype is a weight
+        precision = precision if precision and precision[1] else None
+        key = (microbatch, seq, fusion, precision)
         got = self._profiles.get(key)
         if got is not None:
             return got
@@ -65,7 +71,7 @@ class CostModel:
                     f"cannot price {microbatch} x {seq} without re-capturing",
                 )
             graph = self.graph
-        got = profile_graph(graph, fusion)
+        got = profile_graph(graph, fusion, precision)
         self._profiles[key] = got
         return got
 
@@ -81,5 +87,7 @@ class CostModel:
 
     def estimate(self, cluster: ClusterSpec, config: TrainingConfig) -> Estimate:
         self.check(cluster, config)
-        prof = self.profile(config.microbatch, self.seq_of(config), config.fusion)
+        prof = self.profile(
+            config.microbatch, self.seq_of(config), config.fusion, (config.dtype, config.op_dtypes)
+        )
         return estimate(prof, cluster, config)

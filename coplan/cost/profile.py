@@ -71,7 +71,8 @@ class Kernel:
     ``bytes`` is the element/byte vector of the tensors crossing the kernel's boundary.
     ``vec_split`` is ``vec_flops`` by vector family (``VECTOR_FAMILIES`` order; empty: all
     elementwise), ``fresh`` the vector of each tensor the kernel writes to newly allocated storage
-    (not in place, not a view), which a host allocator may hand over unmapped.
+    (not in place, not a view), which a host allocator may hand over unmapped. ``dtype`` is the
+    precision of an overridden kernel (its anchor's, or all its ops'); "" runs in the training dtype.
     """
 
     phase: Phase
@@ -87,6 +88,7 @@ class Kernel:
     attn_core: bool = False
     vec_split: tuple[float, ...] = ()
     fresh: tuple[Vec, ...] = ()
+    dtype: str = ""  # the precision it runs in when overridden ("": the training dtype)
 
 
 @dataclass(frozen=True, slots=True)
@@ -142,14 +144,23 @@ class GraphProfile:
         return tuple(t for _, t in order)
 
 
-def profile_graph(graph: Graph, fusion: str | tuple[tuple[int, ...], ...] = "megatron") -> GraphProfile:
-    """Digest ``graph`` under the fusion groups ``fusion`` (a mode of ``default_groups`` or groups)."""
+#: A precision assignment: the training dtype and (op id, dtype) overrides (``TrainingConfig``).
+Precision = tuple[str, tuple[tuple[int, str], ...]]
+
+
+def profile_graph(
+    graph: Graph,
+    fusion: str | tuple[tuple[int, ...], ...] = "megatron",
+    precision: Precision | None = None,
+) -> GraphProfile:
+    """Digest ``graph`` under the fusion groups ``fusion`` (a mode of ``default_groups`` or groups)
+    and, when ``precision`` has per-op overrides, the dtypes and casts they imply."""
     groups = default_groups(graph, fusion) if isinstance(fusion, str) else fusion
-    ctx = _Ctx(graph)
     group_of: dict[int, tuple[int, ...]] = {}
     for g in groups:
         for i in g:
             group_of[i] = tuple(g)
+    ctx = _Ctx(graph, precision if precision and precision[1] else None, group_of)
     by_block: dict[int | None, list[Op]] = {}
     for op in graph.ops:
         by_block.setdefault(op.block, []).append(op)
@@ -193,10 +204,21 @@ def _signature(graph: Graph, ops: Sequence[Op]) -> tuple[object, ...]:
     return tuple((op.target, op.phase, tuple(graph.tensors[t].shape for t in op.outputs)) for op in ops)
 
 
+#: Bytes per element of each dtype an op may be given.
+_DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2, "fp8": 1}
+#: The storage dtype of activations under each training dtype (fp8 recipes keep them in 16 bits).
+_ACT_DTYPE = {"fp32": "fp32", "tf32": "fp32", "bf16": "bf16", "fp16": "fp16", "fp8": "bf16"}
+
+
 class _Ctx:
     """Per-graph lookups shared by all parts."""
 
-    def __init__(self, graph: Graph) -> None:
+    def __init__(
+        self,
+        graph: Graph,
+        precision: Precision | None = None,
+        group_of: dict[int, tuple[int, ...]] | None = None,
+    ) -> None:
         self.g = graph
         loss = next((op for op in graph.ops if op.kind is OpKind.LOSS and op.phase is Phase.FORWARD), None)
         shape = graph.tensors[loss.inputs[0]].shape if loss is not None else ()
@@ -217,6 +239,22 @@ class _Ctx:
                 and self._touches_vocab(op)
             ):
                 self._f32_ops.add(op.id)  # Megatron computes the vocab-parallel loss on fp32 logits
+        self.group_of = group_of or {}
+        self._dtype: dict[int, str] = {}  # op id -> overridden dtype (backward ops follow forward)
+        self._act = "fp32"
+        self._casts: dict[tuple[int, str], tuple[int, bool]] = {}  # (tensor, dtype) -> (consumer, fused)
+        self._extra_write: dict[tuple[int, ...], list[float]] = {}  # group -> cast copies written
+        if precision is not None:
+            compute, overrides = precision
+            self._act = _ACT_DTYPE[compute]
+            over = dict(overrides)
+            for op in graph.ops:
+                d = over.get(op.id)
+                if d is None and op.forward_op is not None:
+                    d = over.get(op.forward_op)
+                if d is not None and op.phase is not Phase.OPTIMIZER:
+                    self._dtype[op.id] = d
+            self._place_casts()
 
     # --- classification ------------------------------------------------------------------------
 
@@ -256,10 +294,124 @@ class _Ctx:
         return ACT
 
     def vec(self, t: Tensor) -> Vec:
-        cls, sh = self.tensor_class(t), self.tensor_shard(t)
+        sh = self.tensor_shard(t)
         out = [0.0] * NV
+        stored = self._stored_override(t)
+        if stored is not None:
+            # an overridden op's output: its own width whatever the training dtype
+            out[FIX * 2 + sh] = float(t.numel * _DTYPE_BYTES[stored])
+            return tuple(out)  # type: ignore[return-value]
+        cls = self.tensor_class(t)
         out[cls * 2 + sh] = float(t.nbytes if cls == FIX else t.numel)
         return tuple(out)  # type: ignore[return-value]
+
+    def as_dtype(self, t: Tensor, dtype: str) -> Vec:
+        """The element/byte vector of ``t`` stored as ``dtype``."""
+        out = [0.0] * NV
+        out[FIX * 2 + self.tensor_shard(t)] = float(t.numel * _DTYPE_BYTES[dtype])
+        return tuple(out)  # type: ignore[return-value]
+
+    # --- precision -----------------------------------------------------------------------------
+
+    def _is_value(self, t: Tensor) -> bool:
+        """An activation or activation gradient in floating point (what casts apply to)."""
+        return t.dtype in _FLOAT and _is_temp(t)
+
+    def _stored_override(self, t: Tensor) -> str | None:
+        """The dtype ``t`` is stored in when its producer is overridden (None: the default class)."""
+        if not self._dtype:
+            return None
+        base = self.g.tensors[t.storage_id]
+        p = base.producer
+        d = self._dtype.get(p) if p is not None else None
+        if d is None or not self._is_value(base):
+            return None
+        if d == "fp8":
+            return None  # an fp8 GEMM writes its output in the activation dtype
+        return d
+
+    def stored_dtype(self, t: Tensor) -> str:
+        """The dtype ``t`` is stored in under this precision assignment."""
+        d = self._stored_override(t)
+        if d is not None:
+            return d
+        return "fp32" if self.tensor_class(t) == F32 else self._act
+
+    def needed_dtype(self, op: Op) -> str:
+        """The dtype a library kernel (GEMM, attention) reads its activation inputs in."""
+        d = self._dtype.get(op.id)
+        if d is None:
+            return self._act
+        if d == "fp8" and op.kind is not OpKind.MATMUL:
+            return "bf16"
+        return d
+
+    def op_dtype(self, op: Op) -> str:
+        """The dtype an op runs in ("" for the training dtype)."""
+        return self._dtype.get(op.id, "")
+
+    def _generated(self, grp: tuple[int, ...]) -> bool:
+        """Whether a kernel is generated code that can absorb a cast: a fused group of several
+        real ops (an eager op is a fixed library kernel, and so is a lone GEMM)."""
+        return sum(1 for i in grp if self.g.ops[i].kind is not OpKind.VIEW) >= 2
+
+    def _place_casts(self) -> None:
+        """Every (tensor, dtype) a library kernel needs that its storage is not in, and where the
+        cast runs: in the producer's generated kernel (an extra write), in the consumer's own
+        generated kernel (free), or as a kernel of its own."""
+        g = self.g
+        for op in g.ops:
+            if op.kind not in (OpKind.MATMUL, OpKind.ATTENTION) or op.phase is Phase.OPTIMIZER:
+                continue
+            need = self.needed_dtype(op)
+            for tid in op.inputs:
+                t = g.tensors[tid]
+                base = g.tensors[t.storage_id]
+                if not self._is_value(base) or self.stored_dtype(base) == need:
+                    continue
+                key = (base.id, need)
+                if key in self._casts:
+                    continue
+                src = source_op(g, tid)
+                if op.id not in self._dtype and (src is None or src not in self._dtype):
+                    # the default precision's own conversions (fp32 loss gradients into the LM
+                    # head's GEMM) are part of the stack's fused kernels, priced without overrides too
+                    continue
+                prod_grp = self.group_of.get(src, (src,)) if src is not None else ()
+                own = self.group_of.get(op.id, (op.id,))
+                if src is not None and g.ops[src].phase is op.phase and self._generated(prod_grp):
+                    acc = self._extra_write.setdefault(tuple(prod_grp), [0.0] * NV)
+                    for i, x in enumerate(self.as_dtype(base, need)):
+                        acc[i] += x
+                    self._casts[key] = (op.id, True)
+                else:
+                    self._casts[key] = (op.id, self._generated(own))
+
+    def cast_kernels(self, ops: Sequence[Op]) -> list[Kernel]:
+        """Stand-alone cast kernels needed by ``ops`` (one per tensor and dtype)."""
+        out = []
+        ids = {op.id for op in ops}
+        for (tid, need), (consumer, fused) in self._casts.items():
+            if fused or consumer not in ids:
+                continue
+            t = self.g.tensors[tid]
+            op = self.g.ops[consumer]
+            # read, convert, write; fp8 also finds the tensor's absolute maximum for its scale
+            flops = float(t.numel * (3 if need == "fp8" else 1))
+            out.append(
+                Kernel(
+                    op.phase,
+                    "vector",
+                    self.tensor_shard(t),
+                    0.0,
+                    flops,
+                    vadd(self.vec(t), self.as_dtype(t, need)),
+                    vec_split=(flops,) + (0.0,) * (len(VECTOR_FAMILIES) - 1),
+                    fresh=(self.as_dtype(t, need),),
+                    dtype=need,
+                )
+            )
+        return out
 
     # --- head split ----------------------------------------------------------------------------
 
@@ -306,6 +458,8 @@ class _Ctx:
             done.add(grp)
             k = self.kernel(grp)
             {Phase.FORWARD: fwd, Phase.BACKWARD: bwd, Phase.OPTIMIZER: opt}[k.phase].append(k)
+        for k in self.cast_kernels(ops):
+            (fwd if k.phase is Phase.FORWARD else bwd).append(k)
         params = [0.0, 0.0]
         seen: set[int] = set()
         for op in ops:
@@ -389,15 +543,20 @@ class _Ctx:
             return Kernel(phase, "free", REPL, 0.0, 0.0, ZERO, ops=grp)
         inside = set(grp)
         produced = {t for op in real for t in op.outputs}
-        b = [0.0] * NV
+        b = list(self._extra_write.get(tuple(grp), [0.0] * NV))
         seen: set[int] = set()
         for op in real:
+            need = (
+                self.needed_dtype(op) if self._casts and op.kind in (OpKind.MATMUL, OpKind.ATTENTION) else ""
+            )
             for tid in op.inputs:
                 if tid in produced or tid in seen:
                     continue
                 seen.add(tid)
                 t = g.tensors[tid]
-                v = self.vec(t)
+                base = g.tensors[t.storage_id]
+                # a library kernel reads the cast copy when its input had to be converted
+                v = self.as_dtype(t, need) if need and (base.id, need) in self._casts else self.vec(t)
                 for i in range(NV):
                     b[i] += v[i]
         fresh: list[Vec] = []
@@ -414,6 +573,12 @@ class _Ctx:
         split = self.vec_split(real)
         mm = next((op for op in real if op.kind is OpKind.MATMUL), None)
         at = next((op for op in real if op.kind is OpKind.ATTENTION), None)
+        anchor = at or mm
+        if anchor is not None:
+            dtype = self.op_dtype(anchor)
+        else:
+            dts = {self.op_dtype(op) for op in real}
+            dtype = dts.pop() if len(dts) == 1 else ""
         shard = self._shard[(at or mm or real[0]).id]
         vec_flops = float(sum(op.vector_flops for op in real))
         mm_flops = float(sum(op.flops for op in real))
@@ -432,6 +597,7 @@ class _Ctx:
                 attn_core=True,
                 vec_split=split,
                 fresh=tuple(fresh),
+                dtype=dtype,
             )
         if mm is not None:
             dims, sdim = self.mm_dims(mm, shard)
@@ -447,6 +613,7 @@ class _Ctx:
                 ops=grp,
                 vec_split=split,
                 fresh=tuple(fresh),
+                dtype=dtype,
             )
         core = any(op.kind is OpKind.SOFTMAX and op.block is not None for op in real)
         return Kernel(
@@ -460,6 +627,7 @@ class _Ctx:
             attn_core=core,
             vec_split=split,
             fresh=tuple(fresh),
+            dtype=dtype,
         )
 
     def _scalar_only(self, ops: Sequence[Op]) -> bool:

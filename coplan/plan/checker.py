@@ -285,18 +285,6 @@ def precision(plan: Plan, ctx: PlanContext) -> Iterator[str]:
             )
 
 
-@rule("structure")
-def priced(plan: Plan, ctx: PlanContext) -> Iterator[str]:
-    # decisions the plan format holds but the cost model cannot price yet are refused rather than
-    # silently priced as if absent
-    if plan.remat.per_stage is not None:
-        yield "remat.per_stage: per-stage recompute sets are not priced by the cost model yet"
-    if plan.precision.ops:
-        yield "precision.ops: per-op dtype overrides are not priced by the cost model yet"
-    if plan.fusion.recompute_in_backward:
-        yield "fusion.recompute_in_backward is not priced by the cost model yet"
-
-
 def check(plan: Plan, ctx: PlanContext, *, memory: bool = True) -> list[Violation]:
     """Every violation of ``plan`` in ``ctx`` (empty when valid and, with ``memory``, fitting)."""
     out = [Violation(name, level, msg) for name, level, fn in _RULES for msg in fn(plan, ctx)]

@@ -102,6 +102,7 @@ class PlanContext:
     _priced: dict[object, Estimate] = field(default_factory=dict, repr=False)
     _configs: dict[object, TrainingConfig] = field(default_factory=dict, repr=False)
     _expanded: dict[FusionPlan, tuple[tuple[int, ...], ...]] = field(default_factory=dict, repr=False)
+    _dtypes: dict[object, tuple[tuple[int, str], ...]] = field(default_factory=dict, repr=False)
     evaluations: int = 0
 
     def __post_init__(self) -> None:
@@ -188,6 +189,19 @@ class PlanContext:
         singles = [(op.id,) for op in idx.graph.ops if op.id not in covered]
         return tuple(grouped) + tuple(singles)
 
+    def expand_dtypes(self, precision: PrecisionPlan) -> tuple[tuple[int, str], ...]:
+        """The plan's per-op dtypes as (op id, dtype) for every block (memoised)."""
+        if not precision.ops:
+            return ()
+        got = self._dtypes.get(precision.ops)
+        if got is None:
+            out: list[tuple[int, str]] = []
+            for name, dtype in precision.ops:
+                for ids in self.index.expand((name,)):
+                    out.extend((i, dtype) for i in ids)
+            got = self._dtypes[precision.ops] = tuple(out)
+        return got
+
     def config_of(self, plan: Plan) -> TrainingConfig:
         """The cost model's configuration for ``plan`` (raises ``ConfigError`` when impossible)."""
         key = _decisions(plan)
@@ -203,6 +217,10 @@ class PlanContext:
             raise ConfigError(
                 "dp", f"tp x pp x dp = {p.tp} x {p.pp} x {p.dp} does not equal the {self.gpus} GPUs"
             )
+        rem = plan.remat
+        per_stage = (
+            None if rem.per_stage is None else tuple(names if names else "none" for names in rem.per_stage)
+        )
         config = TrainingConfig(
             tp=p.tp,
             pp=p.pp,
@@ -212,7 +230,10 @@ class PlanContext:
             global_batch=plan.global_batch,
             seq=plan.seq,
             sequence_parallel=p.sequence_parallel,
-            recompute=plan.remat.recompute if plan.remat.recompute else "none",
+            recompute=rem.recompute if rem.recompute else "none",
+            recompute_per_stage=per_stage,
+            recompute_fused=plan.fusion.recompute_in_backward,
+            op_dtypes=self.expand_dtypes(plan.precision),
             zero=p.zero,
             dtype=plan.precision.compute,
             flash_attention=plan.flash_attention,

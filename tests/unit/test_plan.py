@@ -460,18 +460,74 @@ def test_sensitive_op_needs_a_stated_tolerance():
     assert messages(plan, strict, "precision") == []
 
 
-def test_decisions_the_cost_model_cannot_price_are_refused(gpt):
-    # per-op dtypes, per-stage remat and recompute-in-backward are in the plan format but not
-    # priced yet: the checker refuses them rather than price them as if absent
-    base = gpt.default_plan()
-    norm = producer(gpt, "h.0.ln_1.out")
-    gelu = producer(gpt, "h.0.mlp.gelu")
-    for plan in (
-        base.with_(precision=PrecisionPlan(ops=((norm, "fp32"),))),
-        base.with_(remat=RematPlan(per_stage=(frozenset(),))),
-        base.with_(fusion=FusionPlan(recompute_in_backward=frozenset({gelu}))),
-    ):
-        assert [v.rule for v in check(plan, gpt)] == ["priced"]
+def test_an_fp32_op_widens_its_outputs_and_costs_a_cast_unless_fused():
+    ctx = make_ctx(gpus=1)
+    spec = PRESETS["gpt-tiny"]
+    norm = producer(ctx, "h.0.ln_2.out")
+    base = ctx.default_plan().with_(precision=PrecisionPlan(compute="bf16"))
+    wide = base.with_(precision=PrecisionPlan(compute="bf16", ops=((norm, "fp32"),)))
+    assert check(wide, ctx) == []
+    e0, e1 = ctx.price(base), ctx.price(wide)
+    # every block's saved norm outputs (the normalised values and the statistics) are stored in 4
+    # bytes instead of 2 (one microbatch in flight)
+    g = ctx.index.graph
+    outs = [g.tensors[t] for t in ctx.index.op_by_name[norm].outputs]
+    assert "h.0.ln_2.out" in {t.name for t in outs}
+    widened = sum(t.numel * 2 for t in outs if t.saved_for_backward)
+    assert e1.memory.activations_bytes - e0.memory.activations_bytes == pytest.approx(spec.n_layers * widened)
+    # the GEMM reading it is a library kernel: eager needs a cast kernel per block and microbatch
+    m = ctx.config_of(base).num_microbatches
+    extra = e1.kernels_per_step - e0.kernels_per_step
+    assert extra >= m * spec.n_layers and extra % (m * spec.n_layers) == 0
+    assert e1.step_time_s > e0.step_time_s
+    # fused with the residual add feeding it, the norm is generated code: its forward cast becomes
+    # an extra write in its epilogue, not a kernel
+    groups = FusionPlan(groups=((producer(ctx, "h.0.attn_residual"), norm),), label="test")
+    assert check(wide.with_(fusion=groups), ctx) == []
+    f0, f1 = ctx.price(base.with_(fusion=groups)), ctx.price(wide.with_(fusion=groups))
+    assert f1.kernels_per_step - f0.kernels_per_step == extra - m * spec.n_layers
+
+
+def test_a_16bit_loss_halves_the_logits_it_keeps():
+    ctx = make_ctx(gpus=1, numerics=Numerics(tolerance=0.01))
+    loss_ops = [op.name for op in ctx.index.outside if op.kind is OpKind.LOSS and op.phase is Phase.FORWARD]
+    soft = [op.name for op in ctx.index.outside if op.phase is Phase.FORWARD and op.target == "log_softmax"]
+    assert loss_ops and soft
+    base = ctx.default_plan().with_(precision=PrecisionPlan(compute="bf16"))
+    low = base.with_(precision=PrecisionPlan(compute="bf16", ops=tuple((n, "bf16") for n in soft + loss_ops)))
+    assert check(low, ctx) == []
+    assert ctx.price(low).memory.peak_bytes < ctx.price(base).memory.peak_bytes
+    # without the tolerance the checker keeps the loss in fp32
+    strict = make_ctx(gpus=1)
+    assert any("numerically sensitive" in str(v) for v in check(low, strict))
+
+
+def test_per_stage_remat_is_priced_per_stage():
+    ctx = make_ctx(gpus=2)
+    names = frozenset(saved_names(ctx))
+    layout = ParallelPlan(pp=2, microbatch=1)
+    base = ctx.default_plan().with_(parallel=layout)
+    every = ctx.price(base.with_(remat=RematPlan(recompute=names)))
+    first = ctx.price(base.with_(remat=RematPlan(per_stage=(names, frozenset()))))
+    none = ctx.price(base)
+    # stage 0 recomputes as in ``every``, stage 1 as in ``none``
+    assert first.stages[0].recompute_s == pytest.approx(every.stages[0].recompute_s)
+    assert first.stages[1].recompute_s == 0.0
+    assert first.stages[0].memory.activations_bytes == pytest.approx(every.stages[0].memory.activations_bytes)
+    assert first.stages[1].memory.activations_bytes == pytest.approx(none.stages[1].memory.activations_bytes)
+
+
+def test_recompute_inside_the_backward_kernel_costs_arithmetic_only():
+    ctx = make_ctx(gpus=1)
+    gelu = producer(ctx, "h.0.mlp.gelu")
+    base = ctx.default_plan().with_(remat=RematPlan(recompute=frozenset({"h.0.mlp.gelu"})))
+    inside = base.with_(fusion=FusionPlan(recompute_in_backward=frozenset({gelu})))
+    assert check(inside, ctx) == []
+    e0, e1 = ctx.price(base), ctx.price(inside)
+    assert 0.0 < e1.breakdown_s["recompute"] < e0.breakdown_s["recompute"]
+    assert e1.kernels_per_step == e0.kernels_per_step  # recomputation launches nothing extra here
+    assert e1.memory.activations_bytes == e0.memory.activations_bytes  # still not kept
+    assert e1.memory.peak_bytes <= e0.memory.peak_bytes  # and never materialised
 
 
 def test_plan_for_another_job_is_refused(gpt):
