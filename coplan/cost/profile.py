@@ -387,6 +387,30 @@ class _Ctx:
                 else:
                     self._casts[key] = (op.id, self._generated(own))
 
+    def saved_copy(self, t: Tensor) -> Vec:
+        """What keeping ``t`` for backward stores: a library kernel that read a cast copy keeps
+        that copy (autocast's linear saves its 16-bit input, not the fp32 norm output); other
+        backward readers keep ``t`` itself."""
+        if not self._casts:
+            return self.vec(t)
+        needs = {d for (tid, d) in self._casts if tid == t.id}
+        if not needs:
+            return self.vec(t)
+        g = self.g
+        total: Vec = ZERO
+        plain = False
+        for c in readers(g, t.id):
+            op = g.ops[c]
+            if op.phase is not Phase.BACKWARD:
+                continue
+            need = self.needed_dtype(op) if op.kind in (OpKind.MATMUL, OpKind.ATTENTION) else ""
+            if need in needs:
+                needs.discard(need)
+                total = vadd(total, self.as_dtype(t, need))
+            elif not need or need == self.stored_dtype(t):
+                plain = True
+        return vadd(total, self.vec(t)) if plain else total
+
     def cast_kernels(self, ops: Sequence[Op]) -> list[Kernel]:
         """Stand-alone cast kernels needed by ``ops`` (one per tensor and dtype)."""
         out = []
@@ -529,7 +553,7 @@ class _Ctx:
                 t = g.tensors[tid]
                 base = g.tensors[t.storage_id]
                 if t.saved_for_backward and base.role is TensorRole.ACTIVATION and base.producer in ids:
-                    out.setdefault(base.id, (base.id, base.name, self.vec(base)))
+                    out.setdefault(base.id, (base.id, base.name, self.saved_copy(base)))
         return tuple(out.values())
 
     def kernel(self, grp: tuple[int, ...]) -> Kernel:
@@ -703,7 +727,7 @@ class _Ctx:
                     keep[base.id] = base
         total: Vec = ZERO
         for t in keep.values():
-            total = vadd(total, self.vec(t))
+            total = vadd(total, self.saved_copy(t) if mode != "full" else self.vec(t))
         return total
 
     def _is_core_output(self, t: Tensor, ids: set[int]) -> bool:

@@ -1,27 +1,85 @@
 """The precision pass: AMP-style rules, with the other decisions fixed.
 
 As ``torch.autocast`` does: matmul-class ops run in bf16 where the device has bf16 units, else in
-fp16 with dynamic loss scaling, else fp32; numerically sensitive ops (softmax, norms, loss,
-reductions, the optimizer update, gradient accumulation and all-reduce) stay fp32, which is the
-plan's default for them, and master weights stay fp32. AMP never picks fp8 (that takes a
-Transformer Engine recipe), so neither does this pass.
+fp16 with dynamic loss scaling, else fp32; the ops on autocast's fp32 list (norms, softmax,
+log-softmax, the loss) run in fp32 and store fp32 outputs, so a GEMM reading one needs a cast back
+to 16 bits (a kernel of its own unless fusion puts it into a generated kernel); master weights stay
+fp32. AMP never picks fp8 (that takes a Transformer Engine recipe), so neither does this pass.
+
+The other precision variants a search may choose (``precision_variant``):
+
+- ``fused``: no per-op overrides: sensitive ops accumulate in fp32 inside their (fused) kernels and
+  read and write the compute dtype, as Megatron-LM's fused norm, softmax and cross-entropy kernels
+  do; the loss on the vocabulary stays fp32;
+- ``autocast``: the AMP rules above;
+- ``loss16``: ``fused`` with the loss path (log-softmax, loss) in 16 bits too, which the checker
+  allows only under a stated numerics tolerance (``plan.checker.SENSITIVE_16BIT_ERROR``).
 """
 
 from __future__ import annotations
 
-from coplan.ir.types import Graph
+from coplan.ir.types import Graph, Op, OpKind, Phase
 from coplan.passes.base import register
 from coplan.plan.context import PlanContext
 from coplan.plan.types import Plan, PrecisionPlan
 
+PRECISION_VARIANTS: tuple[str, ...] = ("fused", "autocast", "loss16")
+#: op kinds (and aten targets of elementwise ops) on torch.autocast's fp32 list
+_AUTOCAST_FP32_KINDS = frozenset({OpKind.NORM, OpKind.SOFTMAX, OpKind.LOSS})
+_AUTOCAST_FP32_TARGETS = frozenset({"log_softmax", "softmax", "layer_norm", "rms_norm"})
+_LOSS_TARGETS = frozenset({"log_softmax", "cross_entropy", "nll_loss"})
+
+
+def _forward_ops(ctx: PlanContext) -> list[Op]:
+    """Forward ops a precision decision names: the reference blocks' and those outside blocks."""
+    idx = ctx.index
+    refs = sorted(set(idx.ref_of.values()))
+    ops = [op for r in refs for op in idx.block_ops[r]] + list(idx.outside)
+    return [op for op in ops if op.phase is Phase.FORWARD]
+
+
+def _target(op: Op) -> str:
+    return op.target.split(".")[1] if op.target.startswith("aten.") else op.target
+
+
+def autocast_ops(ctx: PlanContext) -> tuple[tuple[str, str], ...]:
+    """fp32 overrides for the ops autocast runs in fp32."""
+    return tuple(
+        (op.name, "fp32")
+        for op in _forward_ops(ctx)
+        if op.kind in _AUTOCAST_FP32_KINDS or _target(op).removesuffix("_") in _AUTOCAST_FP32_TARGETS
+    )
+
+
+def loss16_ops(ctx: PlanContext, dtype: str) -> tuple[tuple[str, str], ...]:
+    """16-bit overrides for the loss path on the vocabulary (outside the blocks)."""
+    return tuple(
+        (op.name, dtype)
+        for op in _forward_ops(ctx)
+        if op.block is None and (op.kind is OpKind.LOSS or _target(op).removesuffix("_") in _LOSS_TARGETS)
+    )
+
+
+def precision_variant(ctx: PlanContext, compute: str, variant: str) -> PrecisionPlan | None:
+    """The precision plan of ``variant`` for ``compute`` (None: the variant does not apply)."""
+    scaling = compute == "fp16"
+    if variant == "fused" or compute in ("fp32", "tf32"):
+        return PrecisionPlan(compute=compute, loss_scaling=scaling) if variant == "fused" else None
+    if variant == "autocast":
+        return PrecisionPlan(compute=compute, ops=autocast_ops(ctx), loss_scaling=scaling)
+    if variant == "loss16":
+        half = "fp16" if compute == "fp16" else "bf16"
+        ops = loss16_ops(ctx, half)
+        return PrecisionPlan(compute=compute, ops=ops, loss_scaling=scaling) if ops else None
+    raise ValueError(f"unknown precision variant {variant!r}; variants: {', '.join(PRECISION_VARIANTS)}")
+
 
 def amp_precision(ctx: PlanContext) -> PrecisionPlan:
     native = ctx.device_dtypes
-    if "bf16" in native:
-        return PrecisionPlan(compute="bf16")
-    if "fp16" in native:
-        return PrecisionPlan(compute="fp16", loss_scaling=True)
-    return PrecisionPlan(compute="fp32")
+    compute = "bf16" if "bf16" in native else "fp16" if "fp16" in native else "fp32"
+    plan = precision_variant(ctx, compute, "autocast") or precision_variant(ctx, compute, "fused")
+    assert plan is not None
+    return plan
 
 
 @register("precision")

@@ -9,9 +9,12 @@ always a candidate too, and the best fitting candidate wins.
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 from coplan.errors import CoplanError
 from coplan.ir.types import Graph
 from coplan.passes.base import choose, register, score
+from coplan.plan.checker import POINTWISE
 from coplan.plan.context import PlanContext
 from coplan.plan.types import Plan, RematPlan
 
@@ -23,18 +26,47 @@ def saved_names(ctx: PlanContext) -> tuple[str, ...]:
     return tuple(dict.fromkeys(out))
 
 
-def with_remat(plan: Plan, names: frozenset[str]) -> Plan:
-    return plan.with_(remat=RematPlan(recompute=names))
+#: Fusion plans made by a code generator (Inductor-style); eager ops and Megatron's hand-written
+#: kernels cannot take recomputation into their backward kernels.
+COMPILED = frozenset({"greedy", "epilogue", "joint"})
+
+
+def with_remat(plan: Plan, names: frozenset[str], ctx: PlanContext | None = None) -> Plan:
+    """``plan`` recomputing ``names``. Given ``ctx`` and a compiled fusion plan, pointwise producers
+    of recomputed tensors re-run inside the backward kernels reading them, as Inductor's min-cut
+    partitioner emits them (arithmetic only: no launch, no traffic, nothing stored)."""
+    plan = plan.with_(remat=RematPlan(recompute=names))
+    if ctx is None:
+        return plan
+    fused = in_backward(ctx, names) if plan.fusion.label in COMPILED else frozenset()
+    if fused != plan.fusion.recompute_in_backward:
+        plan = plan.with_(fusion=replace(plan.fusion, recompute_in_backward=fused))
+    return plan
+
+
+def in_backward(ctx: PlanContext, names: frozenset[str]) -> frozenset[str]:
+    """Pointwise ops of the reference blocks producing the tensors ``names``."""
+    idx = ctx.index
+    graph = idx.graph
+    out = set()
+    for op in idx.op_by_name.values():
+        if (
+            op.kind in POINTWISE
+            and op.block is not None
+            and any(graph.tensors[t].name in names for t in op.outputs)
+        ):
+            out.add(op.name)
+    return frozenset(out)
 
 
 def ranked(plan: Plan, ctx: PlanContext, base: frozenset[str] = frozenset()) -> list[tuple[float, str]]:
     """Saved tensors not in ``base`` by recompute seconds per byte freed (cheapest first)."""
-    est0 = ctx.price(with_remat(plan, base))
+    est0 = ctx.price(with_remat(plan, base, ctx))
     out = []
     for n in saved_names(ctx):
         if n in base:
             continue
-        est = ctx.price(with_remat(plan, base | {n}))
+        est = ctx.price(with_remat(plan, base | {n}, ctx))
         freed = est0.memory.peak_bytes - est.memory.peak_bytes
         cost = est.step_time_s - est0.step_time_s
         if freed <= 0:
@@ -47,17 +79,17 @@ def ranked(plan: Plan, ctx: PlanContext, base: frozenset[str] = frozenset()) -> 
 @register("remat")
 def remat_pass(graph: Graph, plan: Plan, ctx: PlanContext) -> Plan:
     try:
-        none = with_remat(plan, frozenset())
+        none = with_remat(plan, frozenset(), ctx)
         if score(none, ctx)[0] == 0:
             return none
         chosen: frozenset[str] = frozenset()
         greedy = none
         for _, n in ranked(plan, ctx):
             chosen = chosen | {n}
-            greedy = with_remat(plan, chosen)
+            greedy = with_remat(plan, chosen, ctx)
             if score(greedy, ctx)[0] == 0:
                 break
-        full = with_remat(plan, frozenset(saved_names(ctx)))
+        full = with_remat(plan, frozenset(saved_names(ctx)), ctx)
         best = choose((none, greedy, full), ctx)
         return best if best is not None else plan
     except CoplanError:  # an unpriceable plan (the parallel defaults may not divide): leave it

@@ -51,25 +51,25 @@ def knapsack(items: list[tuple[str, float, float]], need: float) -> frozenset[st
 
 def optimise_remat(plan: Plan, ctx: PlanContext) -> Plan:
     """The fastest fitting recompute set for ``plan``'s other decisions (see the module doc)."""
-    none = with_remat(plan, frozenset())
+    none = with_remat(plan, frozenset(), ctx)
     e0 = ctx.price(none)
     if ctx.fits(e0):
         return none
     names = saved_names(ctx)
     items = []
     for n in names:
-        e = ctx.price(with_remat(plan, frozenset({n})))
+        e = ctx.price(with_remat(plan, frozenset({n}), ctx))
         freed = e0.memory.peak_bytes - e.memory.peak_bytes
         if freed > 0:
             items.append((n, max(0.0, e.step_time_s - e0.step_time_s), freed))
     need = e0.memory.peak_bytes - ctx.budget
-    candidates = [none, with_remat(plan, frozenset(names)), remat_pass(ctx.index.graph, plan, ctx)]
+    candidates = [none, with_remat(plan, frozenset(names), ctx), remat_pass(ctx.index.graph, plan, ctx)]
     chosen = None
     for _ in range(MAX_RESOLVES):
         chosen = knapsack(items, need)
         if chosen is None:
             break
-        p = with_remat(plan, chosen)
+        p = with_remat(plan, chosen, ctx)
         candidates.append(p)
         e = ctx.price(p)
         if ctx.fits(e):
@@ -99,7 +99,7 @@ def _local_search(plan: Plan, ctx: PlanContext, names: tuple[str, ...]) -> Plan:
         moves = [s - {n} for n in s] + [s | {n} for n in names if n not in s]
         moves += [(s - {a}) | {b} for a in s for b in names if b not in s]
         for m in moves:
-            p = with_remat(cur, frozenset(m))
+            p = with_remat(cur, frozenset(m), ctx)
             k = key_of(p)
             if k < key:
                 cur, key, improved = p, k, True

@@ -8,6 +8,8 @@ from dataclasses import dataclass
 
 from coplan.passes.fusion import _as_plan, greedy_groups, megatron_fusion, scope_ops
 from coplan.passes.parallel import candidates
+from coplan.passes.precision import PRECISION_VARIANTS, precision_variant
+from coplan.plan.checker import SENSITIVE_16BIT_ERROR
 from coplan.plan.context import PlanContext
 from coplan.plan.types import FusionPlan, ParallelPlan, Plan, PrecisionPlan
 
@@ -21,13 +23,17 @@ class SearchSpace:
     """Which choices a search may make. ``dtypes`` None: every compute precision the devices run
     natively; ``fusion``: named fusion options (``eager``: none; ``greedy``: Inductor-style;
     ``epilogue``: greedy plus pointwise epilogues and prologues fused into GEMMs, as Triton GEMM
-    templates and cuBLASLt epilogues allow; ``megatron``: Megatron-LM's fused kernels)."""
+    templates and cuBLASLt epilogues allow; ``megatron``: Megatron-LM's fused kernels);
+    ``precision``: variants of per-op dtypes (``passes.precision.PRECISION_VARIANTS``)."""
 
     dtypes: tuple[str, ...] | None = None
     fusion: tuple[str, ...] = ("greedy", "epilogue")
     zero: tuple[int, ...] = (0, 1, 2, 3)
+    precision: tuple[str, ...] = PRECISION_VARIANTS
 
     def precisions(self, ctx: PlanContext) -> list[PrecisionPlan]:
+        """Every compute dtype of the space under every precision variant that applies (the
+        16-bit loss only where the job's numerics tolerance allows it)."""
         native = ctx.device_dtypes
         want = self.dtypes if self.dtypes is not None else ("fp32", "bf16", "fp16", "fp8")
         out = []
@@ -36,7 +42,12 @@ class SearchSpace:
                 continue
             if d == "fp16" and "bf16" in native and self.dtypes is None:
                 continue  # bf16 has fp16's speed without loss scaling: fp16 is never better
-            out.append(PrecisionPlan(compute=d, loss_scaling=(d == "fp16")))
+            for v in self.precision:
+                if v == "loss16" and ctx.numerics.tolerance < SENSITIVE_16BIT_ERROR:
+                    continue
+                p = precision_variant(ctx, d, v)
+                if p is not None:
+                    out.append(p)
         return out
 
     def fusions(self, ctx: PlanContext) -> list[FusionPlan]:

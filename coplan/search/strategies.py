@@ -190,7 +190,7 @@ def exhaustive(ctx: PlanContext, opts: Options) -> tuple[Plan, list[PassRecord],
         if opts.progress:
             opts.progress("exhaustive", i, len(combos))
         for s in subsets:
-            p = with_remat(p0, s)
+            p = with_remat(p0, s, ctx)
             k = score(p, ctx)
             if k < best_key:
                 best, best_key = p, k
