@@ -279,6 +279,16 @@ def plan_summary(
     out = {
         "parallel": p.describe(),
         "remat": "nothing recomputed" if not rec else f"recompute {len(rec)}: {short}",
+        **(
+            {"remat per stage": " / ".join(str(len(x)) for x in r.per_stage) + " tensors"}
+            if r.per_stage is not None
+            else {}
+        ),
+        **(
+            {"recomputed in backward kernels": str(len(f.recompute_in_backward))}
+            if f.recompute_in_backward
+            else {}
+        ),
         "fusion": f"{len(f.groups)} fused groups ({f.fused_ops} ops), {f.label}",
         "precision": c.compute
         + (f", {len(c.ops)} ops overridden" if c.ops else "")

@@ -20,7 +20,7 @@ from __future__ import annotations
 from coplan.passes.base import PassRecord, score
 from coplan.passes.remat import remat_pass, saved_names, with_remat
 from coplan.plan.context import PlanContext
-from coplan.plan.types import Plan
+from coplan.plan.types import Plan, RematPlan
 from coplan.search.strategies import Options, bound_search, strategy
 
 SCALE_S = 1e9  # CP-SAT works on integers: nanoseconds and bytes
@@ -107,6 +107,45 @@ def _local_search(plan: Plan, ctx: PlanContext, names: tuple[str, ...]) -> Plan:
     return cur
 
 
+def per_stage_remat(plan: Plan, ctx: PlanContext) -> Plan:
+    """Let pipeline stages recompute less than the most loaded one.
+
+    Stage ``i`` of a 1F1B pipeline holds ``pp - i`` microbatches in flight, so the set that makes
+    the first stage fit over-recomputes on later ones; the last stage, which also runs the LM head
+    and loss, often paces the pipeline. Starting from the shared set, tensors are dropped from one
+    stage's set while the true score improves (ties to fewer recomputed tensors).
+    """
+    pp = plan.parallel.pp
+    shared = plan.remat.recompute
+    if pp == 1 or not shared or plan.remat.per_stage is not None:
+        return plan
+
+    def build(sets: list[frozenset[str]]) -> Plan:
+        if all(x == sets[0] for x in sets):
+            return with_remat(plan, sets[0], ctx)
+        p = with_remat(plan, frozenset().union(*sets), ctx)
+        return p.with_(remat=RematPlan(per_stage=tuple(sets)))
+
+    def key_of(p: Plan) -> tuple[int, float, int]:
+        return (*score(p, ctx), sum(len(x) for x in (p.remat.per_stage or (p.remat.recompute,))))
+
+    sets = [shared] * pp
+    best, key = plan, key_of(plan)
+    improved = True
+    while improved:
+        improved = False
+        for s in range(pp - 1, -1, -1):
+            for n in sorted(sets[s]):
+                trial = list(sets)
+                trial[s] = sets[s] - {n}
+                p = build(trial)
+                k = key_of(p)
+                if k < key:
+                    best, key, sets, improved = p, k, trial, True
+                    break
+    return best
+
+
 @strategy("joint")
 def joint(ctx: PlanContext, opts: Options) -> tuple[Plan, list[PassRecord], list[str]]:
     base = ctx.default_plan()
@@ -114,6 +153,8 @@ def joint(ctx: PlanContext, opts: Options) -> tuple[Plan, list[PassRecord], list
     best, explored = bound_search(
         ctx, combos, lambda p: optimise_remat(p, ctx), "joint", opts.progress, opts.warm
     )
+    if best is not None:
+        best = per_stage_remat(best, ctx)
     if best is None:
         # no layout of the space is possible for this job (nor a warm start): report the default
         # plan, which run_strategy prices, so the job's error (ConfigError) is what the user sees,

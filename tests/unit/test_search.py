@@ -358,3 +358,28 @@ def test_space_layouts_are_valid():
     assert layouts
     assert {p.zero for p in layouts} == {0, 1}
     assert all(is_valid(ctx.default_plan().with_(parallel=p), ctx) for p in layouts)
+
+
+def test_later_pipeline_stages_recompute_less():
+    from coplan.plan.types import ParallelPlan
+    from coplan.search.joint import optimise_remat, per_stage_remat
+
+    ctx = make_ctx(gpus=2, global_batch=8)
+    plan = ctx.default_plan().with_(parallel=ParallelPlan(pp=2, microbatch=1))
+    every = with_remat(plan, frozenset(saved_names(ctx)), ctx)
+    none, full = ctx.price(plan), ctx.price(every)
+    # stage 0 holds two microbatches in flight, stage 1 one: a budget between stage 0's peak with
+    # everything recomputed and with nothing, and above stage 1's peak with nothing recomputed
+    lo = max(full.stages[0].memory.peak_bytes, none.stages[1].memory.peak_bytes)
+    hi = none.stages[0].memory.peak_bytes
+    assert lo < hi
+    ctx.budget_bytes = (lo + hi) / 2
+    shared = optimise_remat(plan, ctx)
+    assert shared.remat.recompute and ctx.fits(ctx.price(shared))
+    out = per_stage_remat(shared, ctx)
+    assert check(out, ctx) == []
+    assert out.remat.per_stage is not None
+    assert len(out.remat.per_stage[1]) < len(out.remat.per_stage[0])
+    est = ctx.price(out)
+    assert est.stages[1].recompute_s < ctx.price(shared).stages[1].recompute_s
+    assert est.step_time_s <= ctx.price(shared).step_time_s
