@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from coplan.cost import ConfigError, check_against
 from coplan.cost.fusion import readers, source_op
 from coplan.ir.types import Graph, OpKind, Phase
-from coplan.plan.context import PlanContext
+from coplan.plan.context import PlanContext, binary_bytes
 from coplan.plan.types import FusionPlan, Plan, PlanError
 
 #: ops that run as vendor-library kernels (cuBLAS, cuDNN/flash): one per fused kernel at most
@@ -295,8 +295,8 @@ def check(plan: Plan, ctx: PlanContext, *, memory: bool = True) -> list[Violatio
                 Violation(
                     "memory",
                     "memory",
-                    f"peak {est.memory.peak_bytes / 2**30:.1f} GiB on stage {est.memory.stage} exceeds the "
-                    f"budget of {ctx.budget / 2**30:.1f} GiB",
+                    f"peak {binary_bytes(est.memory.peak_bytes)} on stage {est.memory.stage} exceeds the "
+                    f"budget of {binary_bytes(ctx.budget)}",
                 )
             )
     return out

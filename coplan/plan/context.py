@@ -27,6 +27,15 @@ RESERVE_FIXED_BYTES = 1 * GiB
 RESERVE_FRACTION = 0.05
 
 
+def binary_bytes(n: float) -> str:
+    """``3.5 * 2**30`` -> ``"3.5 GiB"``; small sizes in MiB, KiB or bytes (budgets of tiny test
+    models would all read ``0.0 GiB``)."""
+    for scale, unit in ((2**40, "TiB"), (GiB, "GiB"), (2**20, "MiB"), (2**10, "KiB")):
+        if abs(n) >= scale:
+            return f"{n / scale:.1f} {unit}"
+    return f"{int(n)} B"
+
+
 def default_budget(capacity_bytes: float) -> float:
     return capacity_bytes * (1 - RESERVE_FRACTION) - RESERVE_FIXED_BYTES
 
@@ -261,7 +270,7 @@ class PlanContext:
         return est.memory.peak_bytes <= self.budget
 
     def describe_budget(self) -> str:
-        return f"{self.budget / GiB:.1f} GiB per GPU"
+        return f"{binary_bytes(self.budget)} per GPU"
 
 
 def _decisions(plan: Plan) -> tuple[object, ...]:
@@ -303,4 +312,4 @@ def plan_summary(
     return out
 
 
-__all__ = ["BlockIndex", "GiB", "Numerics", "PlanContext", "default_budget", "plan_summary"]
+__all__ = ["BlockIndex", "GiB", "Numerics", "PlanContext", "binary_bytes", "default_budget", "plan_summary"]

@@ -716,3 +716,11 @@ def test_norms_and_gemms_are_what_the_rules_say(gpt):
     assert gpt.index.op_by_name[producer(gpt, "h.0.ln_2.out")].kind is OpKind.NORM
     assert gpt.index.op_by_name[producer(gpt, "h.0.mlp.c_fc.out")].kind is OpKind.MATMUL
     assert gpt.index.op_by_name[producer(gpt, "h.0.mlp.gelu")].kind is OpKind.ELEMENTWISE
+
+
+def test_memory_violation_reads_in_units_that_fit_the_model():
+    ctx = make_ctx(gpus=1)
+    est = ctx.price(ctx.default_plan())
+    ctx.budget_bytes = est.memory.peak_bytes / 2
+    (v,) = [v for v in check(ctx.default_plan(), ctx) if v.rule == "memory"]
+    assert "0.0 GiB" not in v.message and "MiB" in v.message, v.message
