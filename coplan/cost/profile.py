@@ -681,10 +681,15 @@ class _Ctx:
 
     def mm_dims(self, op: Op, shard: int) -> tuple[tuple[int, int, int], int]:
         out = self.g.tensors[op.outputs[0]].shape
-        n = int(out[-1]) if out else 1
-        m = 1
-        for d in out[:-1]:
-            m *= int(d)
+        if len(out) == 4:
+            # an input gradient in attention's head layout (batch, heads, seq, head dim): the
+            # GEMM is (batch * seq) x (heads * head dim), the head split is only a view
+            m, n = int(out[0]) * int(out[2]), int(out[1]) * int(out[3])
+        else:
+            n = int(out[-1]) if out else 1
+            m = 1
+            for d in out[:-1]:
+                m *= int(d)
         k = max(1, round(op.flops / (2 * max(1, m * n)))) if op.flops else 1
         dims = (m, n, k)
         if shard != TP:

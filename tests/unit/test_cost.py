@@ -409,3 +409,25 @@ def test_the_step_counter_math_of_a_captured_optimizer_launches_nothing():
     ]
     assert scalar and all(k.kind == "free" for k in scalar)  # bias corrections on 0-d tensors
     assert any(k.kind == "vector" for k in kernels)  # the updates themselves are priced
+
+
+def test_gemm_dims_of_the_attention_output_projection_gradient():
+    # the input gradient of the output projection comes out in the head layout (b, heads, s, hd);
+    # the GEMM is still (b * s) x (heads * hd) x d_model, not (b * heads * s) x hd x d_model
+    from coplan.capture.synthetic import build_graph
+    from coplan.cost.profile import profile_graph
+
+    spec = PRESETS["gpt2-124m"]
+    b, s, d = 2, 128, spec.d_model
+    prof = profile_graph(build_graph(spec, b, s))
+    g = prof.graph
+    for k in prof.templates[0].backward:
+        if k.kind != "matmul":
+            continue
+        op = g.ops[next(i for i in k.ops if g.ops[i].kind.value == "matmul")]
+        if op.module_path.endswith("attn.c_proj") and op.target == "linear_bwd_input":
+            assert k.dims == (b * s, d, d)
+            assert k.mm_flops == 2 * b * s * d * d
+            break
+    else:
+        raise AssertionError("no input-gradient GEMM of the attention output projection")
