@@ -85,6 +85,8 @@ class ParallelPlan:
         if self.zero:
             bits.append(f"ZeRO-{self.zero}")
         bits.append(f"mb{self.microbatch}")
+        if self.stage_layers is not None:
+            bits.append("layers " + "/".join(str(n) for n in self.stage_layers))
         return " ".join(bits)
 
 

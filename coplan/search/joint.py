@@ -17,6 +17,8 @@ plans) are priced too, so ``joint`` is never worse than a strategy it was given.
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 from coplan.passes.base import PassRecord, score
 from coplan.passes.remat import remat_pass, saved_names, with_remat
 from coplan.plan.context import PlanContext
@@ -107,6 +109,40 @@ def _local_search(plan: Plan, ctx: PlanContext, names: tuple[str, ...]) -> Plan:
     return cur
 
 
+def rebalance_stages(plan: Plan, ctx: PlanContext) -> Plan:
+    """Move layers between neighbouring pipeline stages while the true score improves.
+
+    An even split is rarely balanced: the first stage also runs the embedding and holds the most
+    microbatches in flight, the last runs the LM head and loss. Moves of one layer between
+    neighbours (each stage keeps at least one) are tried until none improves (ties are refused,
+    so the search terminates).
+    """
+    par = plan.parallel
+    if par.pp == 1 or par.vpp > 1:
+        return plan
+    n = ctx.reference_profile.n_layers
+    layers = list(par.stage_layers or [n // par.pp + (1 if i < n % par.pp else 0) for i in range(par.pp)])
+    best, key = plan, score(plan, ctx)
+    improved = True
+    while improved:
+        improved = False
+        for i in range(par.pp):
+            for j in (i - 1, i + 1):
+                if not 0 <= j < par.pp or layers[i] <= 1:
+                    continue
+                trial = list(layers)
+                trial[i] -= 1
+                trial[j] += 1
+                p = plan.with_(parallel=replace(par, stage_layers=tuple(trial)))
+                k = score(p, ctx)
+                if k < key:
+                    best, key, layers, improved = p, k, trial, True
+                    break
+            if improved:
+                break
+    return best
+
+
 def per_stage_remat(plan: Plan, ctx: PlanContext) -> Plan:
     """Let pipeline stages recompute less than the most loaded one.
 
@@ -153,8 +189,8 @@ def joint(ctx: PlanContext, opts: Options) -> tuple[Plan, list[PassRecord], list
     best, explored = bound_search(
         ctx, combos, lambda p: optimise_remat(p, ctx), "joint", opts.progress, opts.warm
     )
-    if best is not None:
-        best = per_stage_remat(best, ctx)
+    if best is not None and opts.space.stages:
+        best = per_stage_remat(rebalance_stages(best, ctx), ctx)
     if best is None:
         # no layout of the space is possible for this job (nor a warm start): report the default
         # plan, which run_strategy prices, so the job's error (ConfigError) is what the user sees,

@@ -24,12 +24,15 @@ class SearchSpace:
     natively; ``fusion``: named fusion options (``eager``: none; ``greedy``: Inductor-style;
     ``epilogue``: greedy plus pointwise epilogues and prologues fused into GEMMs, as Triton GEMM
     templates and cuBLASLt epilogues allow; ``megatron``: Megatron-LM's fused kernels);
-    ``precision``: variants of per-op dtypes (``passes.precision.PRECISION_VARIANTS``)."""
+    ``precision``: variants of per-op dtypes (``passes.precision.PRECISION_VARIANTS``); ``stages``:
+    whether joint may split layers unevenly and recompute per stage (exhaustive cannot enumerate
+    those, so the oracle tests turn it off)."""
 
     dtypes: tuple[str, ...] | None = None
     fusion: tuple[str, ...] = ("greedy", "epilogue")
     zero: tuple[int, ...] = (0, 1, 2, 3)
     precision: tuple[str, ...] = PRECISION_VARIANTS
+    stages: bool = True  # refine pipeline stages: uneven layer split, per-stage recompute sets
 
     def precisions(self, ctx: PlanContext) -> list[PrecisionPlan]:
         """Every compute dtype of the space under every precision variant that applies (the

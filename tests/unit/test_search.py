@@ -32,7 +32,7 @@ from coplan.search.space import FUSION_OPTIONS, fusion_option
 
 #: the space the oracle tests search: small enough for exhaustive, rich enough that the four
 #: decisions interact (bf16 halves activations and weights, ZeRO-1 shards optimizer state)
-SMALL = SearchSpace(dtypes=("fp32", "bf16"), fusion=("eager", "greedy"), zero=(0, 1))
+SMALL = SearchSpace(dtypes=("fp32", "bf16"), fusion=("eager", "greedy"), zero=(0, 1), stages=False)
 #: strategies joint is compared with (exhaustive is the oracle, tested separately)
 BASELINES = tuple(s for s in DEFAULT_STRATEGIES if s != "joint")
 
@@ -383,3 +383,18 @@ def test_later_pipeline_stages_recompute_less():
     est = ctx.price(out)
     assert est.stages[1].recompute_s < ctx.price(shared).stages[1].recompute_s
     assert est.step_time_s <= ctx.price(shared).step_time_s
+
+
+def test_rebalancing_moves_layers_off_the_pacing_stage():
+    from coplan.plan.types import ParallelPlan
+    from coplan.search.joint import rebalance_stages
+
+    spec = ModelSpec(name="gpt-deep", n_layers=8, d_model=256, n_heads=4, vocab_size=65536, seq_len=512)
+    ctx = PlanContext(CostModel(spec=spec), load_cluster("dgx-h100", 2), global_batch=16, seq=512)
+    plan = ctx.default_plan().with_(parallel=ParallelPlan(pp=2, microbatch=1))
+    out = rebalance_stages(plan, ctx)
+    assert check(out, ctx) == []
+    # the last stage also runs a large-vocabulary LM head and loss: it gives layers away
+    assert out.parallel.stage_layers is not None
+    assert sum(out.parallel.stage_layers) == 8 and out.parallel.stage_layers[1] < 4
+    assert ctx.price(out).step_time_s < ctx.price(plan).step_time_s
