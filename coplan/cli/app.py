@@ -7,7 +7,7 @@ from collections.abc import Sequence
 
 import typer
 
-from coplan.cli import calibrate_cmd, estimate_cmd, graph_cmd, hardware_cmd, plan_cmd
+from coplan.cli import calibrate_cmd, estimate_cmd, graph_cmd, hardware_cmd, plan_cmd, run_cmd
 from coplan.cli.common import one_line
 from coplan.errors import CoplanError
 
@@ -25,6 +25,7 @@ app.command("plan")(plan_cmd.plan)
 app.command("compare")(plan_cmd.compare)
 app.command("estimate")(estimate_cmd.estimate)
 app.command("calibrate")(calibrate_cmd.calibrate)
+app.command("run")(run_cmd.run)
 
 
 def report(err: CoplanError) -> int:

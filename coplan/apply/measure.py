@@ -1,0 +1,162 @@
+"""Measuring instruments shared by ``coplan run`` and the benchmarks: live memory on a CPU, saved
+activation bytes of an eager step, and rank statistics."""
+
+from __future__ import annotations
+
+import math
+import statistics
+import weakref
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
+
+
+class LiveBytes(TorchDispatchMode):
+    """Peak bytes of tensor storages alive while the mode is active, on top of ``base`` bytes.
+
+    Every storage an op returns is counted once, from its first appearance until it is freed
+    (a weak reference's callback); storages that existed before (``exclude``: parameters,
+    gradients, optimizer state, the batch) are in ``base`` instead. This is what an allocator
+    without caching holds, which is what the cost model's peak is (no fragmentation, no cache).
+    It sits below autograd and compilation, so it neither changes nor recompiles the step
+    (``torch.distributed._tools.mem_tracker`` installs module hooks, which make Dynamo recompile).
+    """
+
+    def __init__(self, base: int = 0, exclude: Iterable[int] = ()) -> None:
+        super().__init__()
+        self.base = base
+        self.live = 0
+        self.peak = 0
+        self._known: set[int] = set(exclude)
+        self._refs: list[Any] = []
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        out = func(*args, **(kwargs or {}))
+        for t in tree_leaves(out):
+            if isinstance(t, torch.Tensor) and not t.is_meta:
+                self._track(t)
+        return out
+
+    def _track(self, t: torch.Tensor) -> None:
+        try:
+            st = t.untyped_storage()
+            ptr = st.data_ptr()
+        except (RuntimeError, NotImplementedError):  # subclasses without storage; storages freed
+            return  # by resizing to zero (FSDP2's unsharded parameters)
+        if ptr in self._known or ptr == 0:
+            return
+        self._known.add(ptr)
+        size = st.nbytes()
+        self.live += size
+        self.peak = max(self.peak, self.live)
+
+        def freed(_: object, ptr: int = ptr, size: int = size) -> None:
+            self.live -= size
+            self._known.discard(ptr)
+
+        self._refs.append(weakref.ref(st, freed))
+
+    @property
+    def peak_bytes(self) -> int:
+        return self.base + self.peak
+
+
+def storages(tensors: Iterable[torch.Tensor]) -> dict[int, int]:
+    """Distinct storages of ``tensors``: pointer -> bytes (local shards of distributed tensors)."""
+    out: dict[int, int] = {}
+    for t in tensors:
+        local: Callable[[], torch.Tensor] | None = getattr(t, "to_local", None)
+        x = local() if local is not None else t
+        st = x.untyped_storage()
+        out.setdefault(st.data_ptr(), st.nbytes())
+    return out
+
+
+def state_tensors(model: torch.nn.Module, opt: torch.optim.Optimizer) -> list[torch.Tensor]:
+    """Parameters, gradients and optimizer state: what lives across steps."""
+    out: list[torch.Tensor] = []
+    for p in model.parameters():
+        out.append(p)
+        if p.grad is not None:
+            out.append(p.grad)
+    for state in opt.state.values():
+        out.extend(v for v in state.values() if isinstance(v, torch.Tensor))
+    return out
+
+
+def _unpack(t: torch.Tensor) -> torch.Tensor:
+    return t
+
+
+class SavedBytes:
+    """Storages autograd saves for backward while active (``saved_tensors_hooks``): eager ops and
+    compiled regions alike (a compiled forward's saved values pass through the same hooks).
+
+    Parameters (leaves that require grad, as autograd sees them: FSDP2's unsharded parameters
+    too) and the storages in ``exclude`` (the batch) are left out; ``activation_bytes(other)``
+    also leaves out storages a compiled region reported as parameter copies or inputs.
+    """
+
+    def __init__(self, exclude: Iterable[torch.Tensor] = ()) -> None:
+        self._skip = set(storages(exclude))
+        self.seen: dict[int, int] = {}
+        self._hooks: Any = None
+
+    def _pack(self, t: torch.Tensor) -> torch.Tensor:
+        if t.device.type == "meta" or (t.is_leaf and t.requires_grad):
+            return t
+        local: Callable[[], torch.Tensor] | None = getattr(t, "to_local", None)
+        st = (local() if local is not None else t).untyped_storage()
+        if st.data_ptr() not in self._skip:
+            self.seen.setdefault(st.data_ptr(), st.nbytes())
+        return t
+
+    def __enter__(self) -> SavedBytes:
+        # the hook runs inside frames Dynamo may be compiling: keep it out of their graphs
+        pack = torch.compiler.disable(self._pack)
+        self._hooks = torch.autograd.graph.saved_tensors_hooks(pack, _unpack)
+        self._hooks.__enter__()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._hooks.__exit__(*exc)
+
+    def activation_bytes(self, other: Iterable[int] = ()) -> int:
+        drop = set(other)
+        return sum(b for p, b in self.seen.items() if p not in drop)
+
+
+def eager_saved_bytes(fn: Callable[[], Any], exclude: Iterable[torch.Tensor]) -> int:
+    """Bytes of the distinct storages autograd saves while ``fn`` runs (each storage once,
+    parameters and ``exclude``'s storages left out): eager autograd's saved set."""
+    with SavedBytes(exclude) as sb:
+        out = fn()
+    del out
+    return sb.activation_bytes()
+
+
+def ranks(values: Sequence[float]) -> list[float]:
+    """1-based ranks, ties sharing their average rank."""
+    order = sorted(range(len(values)), key=lambda i: values[i])
+    out = [0.0] * len(values)
+    i = 0
+    while i < len(order):
+        j = i
+        while j + 1 < len(order) and values[order[j + 1]] == values[order[i]]:
+            j += 1
+        for k in range(i, j + 1):
+            out[order[k]] = (i + j) / 2 + 1
+        i = j + 1
+    return out
+
+
+def spearman(a: Sequence[float], b: Sequence[float]) -> float:
+    """Spearman's rank correlation: Pearson's correlation of the ranks."""
+    ra, rb = ranks(a), ranks(b)
+    ma, mb = statistics.fmean(ra), statistics.fmean(rb)
+    cov = sum((x - ma) * (y - mb) for x, y in zip(ra, rb, strict=True))
+    var = math.sqrt(sum((x - ma) ** 2 for x in ra) * sum((y - mb) ** 2 for y in rb))
+    return cov / var if var else 0.0

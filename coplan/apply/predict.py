@@ -1,0 +1,135 @@
+"""What the cost model predicts for a run, and which plans a run must refuse.
+
+The prediction prices the plan on the cluster the run executes on. On a CPU, ``nproc`` processes
+share one machine: each process gets ``1/nproc`` of the threads, so each modelled device is the
+calibrated device (measured with all threads) with ``1/nproc`` of its arithmetic and memory
+throughput (launch overhead per kernel unchanged). Processes talk through the cluster's measured
+link when it has one (``coplan calibrate --procs N``), else through shared memory at the device's
+bandwidth.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+from coplan.apply.dist import supported
+from coplan.cost import CostModel
+from coplan.errors import SpecError
+from coplan.hardware.cluster import ClusterSpec, InterconnectLevel, NodeGroup
+from coplan.hardware.device import DeviceSpec
+from coplan.models.spec import ModelSpec
+from coplan.plan.checker import check
+from coplan.plan.context import PlanContext
+from coplan.plan.types import Plan, PlanError
+
+#: checker findings a run applies anyway (reported as notes): the cost model cannot price them
+#: yet, but the runner can execute them, which is how they get measured
+
+
+def cpu_share(device: DeviceSpec, share: float) -> DeviceSpec:
+    """``device`` with ``share`` of its throughput (processes splitting one CPU's threads)."""
+    return replace(
+        device,
+        name=f"{device.name} x{share:.2g}",
+        peak_flops={k: v * share for k, v in device.peak_flops.items()},
+        vector_flops=device.vector_flops * share,
+        memory_bandwidth=device.memory_bandwidth * share,
+    )
+
+
+def run_cluster(cluster: ClusterSpec, nproc: int, device: str) -> ClusterSpec:
+    """The cluster a run of ``nproc`` processes on ``device`` executes on, as the cost model sees it."""
+    first = cluster.groups[0]
+    dev = first.device
+    if device == "cpu" and nproc > 1:
+        dev = cpu_share(dev, 1 / nproc)
+    elif nproc <= cluster.num_devices and device != "cpu":
+        return cluster.resized(nproc)
+    link = first.intra_node
+    if nproc > 1 and link.name == "loopback":
+        link = InterconnectLevel("shared-memory", dev.memory_bandwidth, 0.0, "fully-connected", "node")
+    group = NodeGroup(dev, nproc, 1, link)
+    return ClusterSpec(f"{cluster.name}[{nproc}]", (group,), None, cluster.source)
+
+
+def make_context(spec: ModelSpec, cluster: ClusterSpec, global_batch: int, seq: int) -> PlanContext:
+    return PlanContext(CostModel(spec=spec), cluster, global_batch=global_batch, seq=seq)
+
+
+def refuse(plan: Plan, ctx: PlanContext, nproc: int) -> list[str]:
+    """Validate ``plan`` for this run: raises ``PlanError`` (exit 2, one line) when it was made for
+    another model, world size, batch or sequence, or is invalid; returns notes on what is applied
+    the run should know."""
+    src = "plan"
+    if plan.model != ctx.model_name:
+        raise PlanError("model", f"plan is for model {plan.model!r}, this run trains {ctx.model_name!r}", src)
+    if plan.gpus != nproc:
+        raise PlanError(
+            "gpus",
+            f"plan is for a world size of {plan.gpus}, this run has --nproc {nproc} "
+            f"(re-plan with --gpus {nproc})",
+            src,
+        )
+    why = supported(plan.parallel)
+    if why:
+        raise PlanError("parallel", why, src)
+    notes: list[str] = []
+    problems = [str(v) for v in check(plan, ctx, memory=False)]
+    if problems:
+        more = f" (+{len(problems) - 1} more)" if len(problems) > 1 else ""
+        raise PlanError(None, f"cannot be applied to this run: {problems[0]}{more}", src)
+    return notes
+
+
+@dataclass(frozen=True, slots=True)
+class Prediction:
+    step_time_s: float
+    saved_activation_bytes: float
+    peak_bytes: float
+    breakdown_s: dict[str, float]
+
+    def figures(self) -> dict[str, float]:
+        return {
+            "step_time_s": self.step_time_s,
+            "saved_activation_bytes": self.saved_activation_bytes,
+            "peak_bytes": self.peak_bytes,
+        }
+
+
+def predict(plan: Plan, ctx: PlanContext) -> Prediction:
+    """The cost model's step time, activation bytes (one microbatch in flight, most loaded rank)
+    and peak memory for ``plan``."""
+    priced = plan
+    try:
+        est = ctx.price(priced)
+    except SpecError as e:
+        raise PlanError(None, f"cannot be priced: {e}", "plan") from None
+    return Prediction(
+        step_time_s=est.step_time_s,
+        saved_activation_bytes=est.memory.activations_bytes,
+        peak_bytes=est.memory.peak_bytes,
+        breakdown_s=dict(est.breakdown_s),
+    )
+
+
+def plan_for(
+    ctx: PlanContext,
+    *,
+    recompute: frozenset[str] = frozenset(),
+    compute: str = "fp32",
+    tp: int = 1,
+    zero: int = 0,
+    microbatch: int | None = None,
+) -> Plan:
+    """A hand-made plan for ``ctx`` (tests, benchmarks): eager kernels, the given recompute set,
+    precision and layout over all of ``ctx``'s devices (data parallel over what tensor
+    parallelism leaves)."""
+    from coplan.plan.types import ParallelPlan, PrecisionPlan, RematPlan
+
+    dp = ctx.gpus // tp
+    mb = microbatch or max(1, ctx.global_batch // dp)
+    return ctx.default_plan().with_(
+        parallel=ParallelPlan(tp=tp, dp=dp, zero=zero, microbatch=mb),
+        remat=RematPlan(recompute=recompute),
+        precision=PrecisionPlan(compute=compute, loss_scaling=compute == "fp16"),
+    )

@@ -1,0 +1,149 @@
+"""One run of a plan, end to end: validate, predict, train (in this process or ``nproc`` spawned
+ones), and put measured and predicted side by side (the object ``coplan run --json`` prints)."""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any
+
+from coplan.apply.dist import from_torchrun, launch
+from coplan.apply.predict import make_context, predict, refuse, run_cluster
+from coplan.apply.train import Job, RankResult, run_rank, step_time, tolerance_of
+from coplan.errors import CoplanError
+from coplan.hardware.cluster import ClusterSpec
+from coplan.models.spec import ModelSpec
+from coplan.plan.types import Plan
+
+
+class RunError(CoplanError):
+    """A run that failed in a worker process for a reason the user can act on."""
+
+
+@dataclass(frozen=True, slots=True)
+class RunRequest:
+    plan: Plan
+    spec: ModelSpec
+    steps: int
+    nproc: int
+    global_batch: int
+    seq: int
+    cluster: ClusterSpec
+    device: str = "cpu"
+    threads: int = 0
+    seed: int = 0
+
+
+def run_plan(req: RunRequest) -> dict[str, Any]:
+    """Validate ``req.plan`` for this run (``PlanError`` when it was made for another model, world
+    size, batch or sequence), price it, train, and return the report."""
+    cluster = run_cluster(req.cluster, req.nproc, req.device)
+    ctx = make_context(req.spec, cluster, req.global_batch, req.seq)
+    notes = refuse(req.plan, ctx, req.nproc)
+    pred = predict(req.plan, ctx)
+    threads = req.threads
+    if not threads and req.device == "cpu":
+        threads = max(1, (os.cpu_count() or 1) // req.nproc)  # processes share the machine's cores
+    job = Job(
+        plan=req.plan.to_dict(),
+        spec=req.spec,
+        global_batch=req.global_batch,
+        seq=req.seq,
+        steps=req.steps,
+        device=req.device,
+        threads=threads,
+        seed=req.seed,
+    )
+    res = execute(job, req.nproc)
+    return report(req, cluster, pred.figures(), pred.breakdown_s, res, notes)
+
+
+def execute(job: Job, nproc: int) -> RankResult:
+    """Run ``job`` here (one process, or a rank of a torchrun job) or in ``nproc`` spawned processes."""
+    env = from_torchrun()
+    if env is not None:
+        rank, world = env
+        if world != nproc:
+            raise RunError(f"torchrun started {world} processes, --nproc is {nproc}")
+        res = run_rank(rank, world, job)
+        if res is None:
+            raise SystemExit(0)  # only the main rank reports
+        return res
+    if nproc == 1:
+        res = run_rank(0, 1, job)
+        assert res is not None
+        return res
+    with tempfile.TemporaryDirectory() as tmp:
+        out = Path(tmp) / "result.json"
+        job = replace(job, result=str(out))
+        try:
+            launch(run_rank, nproc, (job,))
+        except Exception as e:  # a worker's traceback: keep the user's error line if it wrote one
+            if out.exists():
+                data = json.loads(out.read_text())
+                if "error" in data:
+                    raise RunError(data["error"]) from None
+            raise RunError(f"a worker process failed: {str(e).strip().splitlines()[-1]}") from e
+        data = json.loads(out.read_text())
+    if "error" in data:
+        raise RunError(data["error"])
+    return RankResult(**data)
+
+
+def report(
+    req: RunRequest,
+    cluster: ClusterSpec,
+    predicted: dict[str, float],
+    breakdown: dict[str, float],
+    res: RankResult,
+    notes: list[str],
+) -> dict[str, Any]:
+    tol = tolerance_of(req.plan)
+    err = res.max_rel_err
+    planned = len(req.plan.fusion.groups)
+    honoured = _honoured(res, planned)
+    p = req.plan
+    return {
+        "measured": {
+            "step_time_s": step_time(res),
+            "saved_activation_bytes": res.saved["activation"],
+            "peak_bytes": res.peak_bytes,
+        },
+        "predicted": predicted,
+        "loss": res.loss,
+        "grad_check": {"max_rel_err": err, "tolerance": tol, "ok": bool(err <= tol)},
+        "fusion": {"groups_planned": planned, "groups_honoured": honoured},
+        "run": {
+            "model": req.spec.name,
+            "plan": p.fingerprint,
+            "device": req.device,
+            "nproc": req.nproc,
+            "cluster": cluster.name,
+            "global_batch": req.global_batch,
+            "seq": req.seq,
+            "steps": req.steps,
+            "layout": p.parallel.describe(),
+            "precision": p.precision.compute,
+            "recomputed": res.recomputed,
+            "not_found": res.missing,
+            "step_times_s": res.step_times_s,
+            "timed_steps": res.timed_steps,
+            "saved_other_bytes": {"param": res.saved["param"], "input": res.saved["input"]},
+            "worst_param": res.worst_param,
+            "compiled_regions": res.regions,
+            "predicted_breakdown_s": breakdown,
+            "fusion_detail": res.fusion,
+            "notes": notes + res.notes,
+        },
+    }
+
+
+def _honoured(res: RankResult, planned: int) -> int:
+    """Planned groups every compiled graph honoured (the least over forward/backward records)."""
+    if not planned:
+        return 0
+    counts = [int(f.get("groups_honoured", 0)) for f in res.fusion if f.get("phase") == "forward"]
+    return min(counts) if counts else 0

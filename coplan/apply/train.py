@@ -1,0 +1,322 @@
+"""Train N steps under a plan and measure them next to the cost model's prediction.
+
+One ``Job`` (plain, picklable data) runs in every process (``run_rank``). Each step is
+``global_batch / (dp * microbatch)`` microbatches of forward and backward (gradients accumulated;
+DDP reduces on the last one), an optimizer step (AdamW, fp32 state), and for fp16 dynamic loss
+scaling. What is measured, and how:
+
+- ``saved_activation_bytes``: the storages autograd saved for backward in the forward of the first
+  microbatch of the first step (``saved_tensors_hooks``, each storage once: compiled regions and
+  any part that ran eagerly), activations only (parameters, the 16-bit copies the compiled
+  forward reported and the batch excluded, as the cost model counts them elsewhere), on the most
+  loaded rank;
+- ``grad_check``: the gradients of the first step (initial weights, first batch, before any
+  update) against an eager fp32 reference of the same model on the same global batch, as the
+  largest relative error ``||g - g_ref|| / ||g_ref||`` over parameters;
+- ``peak_bytes``: the largest live memory of a training step: CUDA's allocator peak, or on a CPU
+  every tensor storage alive (``measure.LiveBytes``) over the second step;
+- ``step_time_s``: the median wall time of the steps after those two (the first compiles, the
+  second runs under the tracker), the slowest rank's per step.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import math
+import statistics
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager, nullcontext
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from coplan.apply.backend import Backend
+from coplan.apply.dist import Rank, apply_dp, apply_tp, full_grad, init, mesh
+from coplan.apply.measure import LiveBytes, SavedBytes, state_tensors, storages
+from coplan.apply.precision import LossScaler, compute_dtype, model_dtype, tolerance
+from coplan.errors import CoplanError
+from coplan.models.spec import ModelSpec
+from coplan.models.transformer import Transformer
+from coplan.plan.types import Plan, PlanError
+
+
+@dataclass(frozen=True, slots=True)
+class Job:
+    """One run: everything a process needs, as plain data (it crosses a process spawn)."""
+
+    plan: dict[str, Any]
+    spec: ModelSpec
+    global_batch: int
+    seq: int
+    steps: int
+    device: str = "cpu"
+    threads: int = 0  # torch threads per process (0: the machine's cores / processes)
+    seed: int = 0
+    result: str = ""  # file the main rank writes its ``RankResult`` to (multi-process runs)
+
+
+@dataclass
+class RankResult:
+    """What one run measured (the main rank's view, other ranks folded in)."""
+
+    loss: list[float]
+    step_times_s: list[float]
+    timed_steps: list[int]
+    saved: dict[str, int]
+    peak_bytes: float
+    max_rel_err: float
+    worst_param: str
+    regions: int
+    recomputed: list[str]
+    missing: list[str]
+    fusion: list[dict[str, Any]]
+    skipped_steps: int = 0
+    notes: list[str] = field(default_factory=list)
+
+    def to_dict(self) -> dict[str, Any]:
+        return dict(self.__dict__)
+
+
+def batches(
+    spec: ModelSpec, global_batch: int, seq: int, steps: int, seed: int
+) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """The global batch of every step (the same on every rank, each takes its share)."""
+    gen = torch.Generator().manual_seed(seed + 1)
+    out = []
+    for _ in range(steps):
+        idx = torch.randint(0, spec.vocab_size, (global_batch, seq), generator=gen)
+        tgt = torch.randint(0, spec.vocab_size, (global_batch, seq), generator=gen)
+        out.append((idx, tgt))
+    return out
+
+
+def build(spec: ModelSpec, seed: int) -> Transformer:
+    torch.manual_seed(seed)
+    return Transformer(spec)
+
+
+def reference_grads(model: Transformer, idx: torch.Tensor, tgt: torch.Tensor) -> dict[str, torch.Tensor]:
+    """Gradients of the eager fp32 model on the whole global batch."""
+    model.zero_grad(set_to_none=True)
+    model(idx, tgt).backward()
+    return {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+def rel_errors(
+    model: torch.nn.Module, ref: dict[str, torch.Tensor], perms: dict[str, torch.Tensor]
+) -> tuple[float, str]:
+    """(largest relative gradient error over parameters, its name). Every rank must call this
+    (gathering a sharded gradient is collective)."""
+    worst, name = 0.0, ""
+    for n, p in model.named_parameters():
+        g = full_grad(p)
+        if g is None or n not in ref:
+            continue
+        want = ref[n]
+        if n in perms:
+            want = want[perms[n]]
+        want = want.to(g.device)
+        err = float((g.float() - want).norm() / want.norm().clamp(min=1e-30))
+        if not math.isfinite(err):
+            err = math.inf
+        if err > worst or not name:
+            worst, name = err, n
+    return worst, name
+
+
+@contextmanager
+def peak_tracker(
+    device: torch.device, model: torch.nn.Module, opt: torch.optim.Optimizer
+) -> Iterator[list[float]]:
+    """Yields a one-element list that holds the step's peak live bytes afterwards."""
+    out = [0.0]
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+        yield out
+        torch.cuda.synchronize(device)
+        out[0] = float(torch.cuda.max_memory_allocated(device))
+        return
+    state = storages(state_tensors(model, opt))
+    tracker = LiveBytes(base=sum(state.values()), exclude=state)
+    with tracker:
+        yield out
+    out[0] = float(tracker.peak_bytes)
+
+
+def _all_max(values: list[float], world: int) -> list[float]:
+    if world == 1:
+        return values
+    t = torch.tensor(values, dtype=torch.float64)
+    torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.MAX)
+    return t.tolist()
+
+
+def _all_mean(values: list[float], world: int) -> list[float]:
+    if world == 1:
+        return values
+    t = torch.tensor(values, dtype=torch.float64)
+    torch.distributed.all_reduce(t)
+    return (t / world).tolist()
+
+
+def run_rank(rank: int, world: int, job: Job) -> RankResult | None:
+    """Train ``job`` as process ``rank`` of ``world``; the main rank returns (and, for spawned
+    runs, writes) the result, the others None. A ``CoplanError`` is written as ``{"error": ...}``."""
+    try:
+        res = _run(rank, world, job)
+    except CoplanError as e:
+        if job.result and rank == 0:
+            Path(job.result).write_text(json.dumps({"error": str(e), "exit_code": e.exit_code}))
+        raise
+    if res is not None and job.result:
+        Path(job.result).write_text(json.dumps(res.to_dict()))
+    return res
+
+
+def _run(rank: int, world: int, job: Job) -> RankResult | None:
+    plan = Plan.from_dict(job.plan)
+    par = plan.parallel
+    if job.threads:
+        torch.set_num_threads(job.threads)
+    r: Rank = init(rank, world, job.device, par)
+    spec = job.spec
+    micro = par.microbatch
+    per_rank = job.global_batch // par.dp
+    if job.global_batch % (par.dp * micro):
+        raise PlanError(
+            "parallel.microbatch",
+            f"global batch {job.global_batch} is not a multiple of dp x microbatch = {par.dp} x {micro}",
+        )
+    n_micro = per_rank // micro
+    data = batches(spec, job.global_batch, job.seq, job.steps, job.seed)
+
+    base = build(spec, job.seed)
+    reference = copy.deepcopy(base)  # fp32 eager, unparallelized
+    base = base.to(model_dtype(plan.precision)).to(r.device)
+    perms: dict[str, torch.Tensor] = {}
+    dev_mesh: Any = mesh(r, par) if world > 1 else None
+    if par.tp > 1:
+        perms = apply_tp(base, dev_mesh["tp"], par.tp)
+    wrapped: torch.nn.Module = base
+    if par.dp > 1:
+        wrapped = apply_dp(base, dev_mesh["dp"], par, compute_dtype(plan.precision))
+    be = Backend(plan, spec)
+    # a process that already compiled this model's code (an earlier run) would reuse that graph,
+    # which holds the earlier plan's backend: start from an empty cache
+    torch._dynamo.reset()
+    compiled = torch.compile(wrapped, backend=be)
+    params = [p for p in base.parameters()]
+    opt = torch.optim.AdamW(params, lr=3e-4, betas=(0.9, 0.95), weight_decay=0.1, foreach=False)
+    scaler = LossScaler(plan.precision.loss_scaling)
+    ddp_sync = getattr(wrapped, "no_sync", None)
+
+    def step(i: int, first: bool) -> tuple[float, float, bool]:
+        idx, tgt = data[i]
+        lo = r.dp_rank * per_rank
+        total = 0.0
+        for m in range(n_micro):
+            a, b = lo + m * micro, lo + (m + 1) * micro
+            x, y = idx[a:b].to(r.device), tgt[a:b].to(r.device)
+            if first and m == 0:
+                be.reset_saved()
+            last = m == n_micro - 1
+            ctx = ddp_sync() if ddp_sync is not None and not last else nullcontext()
+            with ctx:
+                if first and m == 0:
+                    with SavedBytes(exclude=(x, y)) as sb:
+                        loss = compiled(x, y)
+                    saved.update(be.last_saved)
+                    saved["compiled_activation"] = saved.pop("activation")
+                    saved["activation"] = sb.activation_bytes(be.other_storages)
+                else:
+                    loss = compiled(x, y)
+                scaler.scaled(loss / n_micro).backward()
+            total += float(loss.detach()) / n_micro
+        ok = scaler.unscale(params)
+        err = math.nan
+        if first:
+            ref = reference_grads(reference, data[0][0], data[0][1])
+            err_name = rel_errors(base, ref, perms)
+            err = err_name[0]
+            worst.append(err_name[1])
+        if ok:
+            opt.step()
+        opt.zero_grad(set_to_none=True)
+        return total, err, ok
+
+    saved: dict[str, int] = {}
+    worst: list[str] = []
+    losses: list[float] = []
+    times: list[float] = []
+    peak = 0.0
+    max_err = math.nan
+    for i in range(job.steps):
+        sync(r.device)
+        t0 = time.perf_counter()
+        if i == 1:
+            with peak_tracker(r.device, base, opt) as got:
+                loss, err, _ = step(i, False)
+            peak = got[0]
+        else:
+            loss, err, _ = step(i, i == 0)
+        sync(r.device)
+        times.append(time.perf_counter() - t0)
+        losses.append(loss)
+        if i == 0:
+            max_err = err
+    if job.steps == 1:
+        # no second step to track: the memory of a step past compilation is unknown
+        peak = math.nan
+    times = _all_max(times, world)
+    losses = _all_mean(losses, world)
+    figures = _all_max([float(saved.get("activation", 0)), peak, max_err], world)
+    timed = list(range(2, job.steps)) or list(range(1, job.steps)) or [0]
+    notes = []
+    if job.steps < 3:
+        notes.append(
+            f"{job.steps} step(s): the timed step{'s' if len(timed) > 1 else ''} {timed} "
+            "include compilation or memory tracking; run at least 3 steps for a clean time"
+        )
+    if scaler.skipped:
+        notes.append(f"loss scaling skipped {scaler.skipped} step(s) with non-finite gradients")
+    fusion = be.report.fusion
+    if rank != 0:
+        return None
+    cuts = be.report.cuts
+    return RankResult(
+        loss=losses,
+        step_times_s=times,
+        timed_steps=timed,
+        saved={
+            "activation": int(figures[0]),
+            "compiled_activation": saved.get("compiled_activation", 0),
+            "param": saved.get("param", 0),
+            "input": saved.get("input", 0),
+        },
+        peak_bytes=figures[1],
+        max_rel_err=figures[2],
+        worst_param=worst[0] if worst else "",
+        regions=be.report.regions,
+        recomputed=sorted({n for c in cuts for n in c.recomputed}),
+        missing=list(be.report.missing),
+        fusion=fusion,
+        skipped_steps=scaler.skipped,
+        notes=notes,
+    )
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def step_time(res: RankResult) -> float:
+    return statistics.median(res.step_times_s[i] for i in res.timed_steps)
+
+
+def tolerance_of(plan: Plan) -> float:
+    return tolerance(plan.precision)

@@ -1,0 +1,188 @@
+"""``coplan run``: train N steps under a plan and show measured next to predicted.
+
+    coplan run --model M --plan plan.json --steps N [--nproc K] [--batch B] [--seq S] [--json]
+
+``--batch`` is the global batch (sequences per optimizer step) and ``--seq`` the sequence length;
+both default to the plan's and must match it (a plan is made for one job). A plan made for another
+model, world size (``--nproc``), batch or sequence length is refused: one line, exit 2.
+``--record runs.jsonl`` appends the run for ``coplan calibrate --runs``.
+"""
+
+from __future__ import annotations
+
+import json as jsonlib
+import math
+from pathlib import Path
+from typing import TYPE_CHECKING, Annotated, Any
+
+import typer
+from rich import box
+from rich.table import Table
+
+from coplan.cli.common import human_bytes, positive, print_json, stdout
+from coplan.cli.graph_cmd import JsonOpt
+from coplan.errors import SpecError
+
+if TYPE_CHECKING:
+    from coplan.hardware.cluster import ClusterSpec
+    from coplan.plan.types import Plan
+
+DEVICES = ("auto", "cpu", "cuda")
+
+
+def _cluster(name: str | None, plan: Plan, device: str) -> ClusterSpec:
+    from coplan.hardware import load_cluster
+
+    if name is not None:
+        return load_cluster(name)
+    try:
+        return load_cluster(plan.cluster)
+    except SpecError:
+        if device == "cpu":
+            return load_cluster("cpu")
+        raise SpecError(
+            "--cluster", None, f"the plan's cluster {plan.cluster!r} is not a preset or file: name one"
+        ) from None
+
+
+def _device(device: str) -> str:
+    import torch
+
+    if device not in DEVICES:
+        raise SpecError("--device", None, f"must be one of {', '.join(DEVICES)}, got {device!r}")
+    if device == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    if device == "cuda" and not torch.cuda.is_available():
+        raise SpecError("--device", None, "cuda was asked for, but no CUDA device is visible")
+    return device
+
+
+def run(
+    model: Annotated[str, typer.Option("--model", "-m", help="Model preset name or a spec JSON file.")],
+    plan: Annotated[Path, typer.Option("--plan", "-p", help="Plan JSON file (coplan plan --out).")],
+    steps: Annotated[int, typer.Option("--steps", "-n", help="Training steps to run.")] = 5,
+    nproc: Annotated[int, typer.Option("--nproc", help="Processes (devices) to train on.")] = 1,
+    batch: Annotated[
+        int | None,
+        typer.Option("--batch", "-b", help="Global batch, sequences per step [default: the plan's]."),
+    ] = None,
+    seq: Annotated[
+        int | None, typer.Option("--seq", "-s", help="Sequence length [default: the plan's].")
+    ] = None,
+    device: Annotated[
+        str, typer.Option("--device", help="auto, cpu or cuda (NCCL between processes).")
+    ] = "auto",
+    cluster: Annotated[
+        str | None,
+        typer.Option(
+            "--cluster", "-c", help="Hardware the prediction prices [default: the plan's, else cpu]."
+        ),
+    ] = None,
+    threads: Annotated[
+        int, typer.Option("--threads", help="Torch threads per process [default: cores / processes].")
+    ] = 0,
+    record: Annotated[
+        Path | None,
+        typer.Option("--record", help="Append this run to a JSONL file for coplan calibrate --runs."),
+    ] = None,
+    json: JsonOpt = False,
+) -> None:
+    """Train a few steps under a plan; report measured against predicted."""
+    from coplan.apply.run import RunRequest, run_plan
+    from coplan.models.spec import load_model_spec
+    from coplan.plan.types import Plan
+
+    positive("--steps", steps)
+    positive("--nproc", nproc)
+    positive("--batch", batch, optional=True)
+    positive("--seq", seq, optional=True)
+    if threads < 0:
+        raise SpecError("--threads", None, f"must be >= 0, got {threads}")
+    dev = _device(device)
+    spec = load_model_spec(model)
+    p = Plan.load(str(plan))
+    req = RunRequest(
+        plan=p,
+        spec=spec,
+        steps=steps,
+        nproc=nproc,
+        global_batch=batch or p.global_batch,
+        seq=spec.resolve_seq(seq or p.seq),
+        cluster=_cluster(cluster, p, dev),
+        device=dev,
+        threads=threads,
+    )
+    out = run_plan(req)
+    if record is not None:
+        append_record(record, req, out)
+    if json:
+        print_json(_jsonable(out))
+    else:
+        show(out)
+
+
+def append_record(path: Path, req: Any, out: dict[str, Any]) -> None:
+    """One JSON line per run: the job, the plan and what was measured and predicted."""
+    line = {
+        "model": req.spec.to_dict() if hasattr(req.spec, "to_dict") else req.spec.name,
+        "plan": req.plan.to_dict(),
+        "nproc": req.nproc,
+        "device": req.device,
+        "global_batch": req.global_batch,
+        "seq": req.seq,
+        **{k: out[k] for k in ("measured", "predicted", "grad_check")},
+        "cluster": out["run"]["cluster"],
+    }
+    with path.open("a", encoding="utf-8") as fh:
+        fh.write(jsonlib.dumps(_jsonable(line)) + "\n")
+
+
+def _jsonable(x: Any) -> Any:
+    """NaN and infinity as null (JSON has neither)."""
+    if isinstance(x, float) and not math.isfinite(x):
+        return None
+    if isinstance(x, dict):
+        return {k: _jsonable(v) for k, v in x.items()}
+    if isinstance(x, list | tuple):
+        return [_jsonable(v) for v in x]
+    return x
+
+
+def show(out: dict[str, Any]) -> None:
+    console = stdout()
+    r = out["run"]
+    console.print(
+        f"[bold]{r['model']}[/bold] plan {r['plan']} ({r['layout']}, {r['precision']}) on {r['nproc']} x "
+        f"{r['device']}, global batch {r['global_batch']} x seq {r['seq']}, {r['steps']} steps",
+        soft_wrap=True,
+    )
+    table = Table(box=box.SIMPLE_HEAD)
+    for col in ("", "measured", "predicted", "error"):
+        table.add_column(col, justify="left" if not col else "right")
+    m, p = out["measured"], out["predicted"]
+    for key, label, fmt in (
+        ("step_time_s", "step time", lambda v: f"{v * 1e3:.2f} ms"),
+        ("saved_activation_bytes", "saved activations", human_bytes),
+        ("peak_bytes", "peak memory", human_bytes),
+    ):
+        mv, pv = m[key], p[key]
+        ok = isinstance(mv, int | float) and math.isfinite(mv) and mv > 0
+        table.add_row(label, fmt(mv) if ok else "-", fmt(pv), f"{pv / mv - 1:+.1%}" if ok else "-")
+    console.print(table)
+    g = out["grad_check"]
+    console.print(
+        f"gradients vs eager fp32: max relative error {g['max_rel_err']:.2e} "
+        f"(tolerance {g['tolerance']:.0e}) " + ("[green]ok[/green]" if g["ok"] else "[red]FAILED[/red]"),
+        soft_wrap=True,
+    )
+    console.print("loss per step: " + ", ".join(f"{v:.4f}" for v in out["loss"]), soft_wrap=True)
+    f = out["fusion"]
+    console.print(f"fusion groups honoured: {f['groups_honoured']} of {f['groups_planned']}")
+    if r["recomputed"]:
+        console.print(f"recomputed in backward: {len(r['recomputed'])} tensors")
+    if r["not_found"]:
+        console.print(
+            f"[yellow]plan tensors with no node in the graph: {', '.join(r['not_found'][:5])}[/yellow]"
+        )
+    for note in r["notes"]:
+        console.print(f"[dim]{note}[/dim]", soft_wrap=True)

@@ -1,0 +1,212 @@
+"""Plans applied to real training (``coplan.apply``, ``coplan run``), single process on a CPU.
+
+The partitioner must save exactly what the plan keeps (the cost model's activation bytes, to the
+byte, for the dense GPT), recomputed tensors must really be gone from what autograd keeps,
+gradients must match eager fp32 within the precision's tolerance, and the CLI must keep its JSON
+contract and refuse plans made for another job with one line and exit code 2.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+import coplan
+from coplan.apply.measure import SavedBytes, spearman
+from coplan.apply.names import map_saved, saved_tensor_names
+from coplan.apply.precision import FP8_MAX, LossScaler, fp8_quantize, tolerance
+from coplan.apply.predict import make_context, plan_for
+from coplan.apply.train import batches, build, reference_grads, rel_errors
+from coplan.cli.app import main
+from coplan.hardware import load_cluster
+from coplan.models.spec import PRESETS
+from coplan.plan.types import ParallelPlan, RematPlan
+
+SPEC = PRESETS["gpt-tiny"]
+B, S = 4, 32
+
+
+@pytest.fixture(scope="module")
+def ctx():
+    return make_context(SPEC, load_cluster("cpu"), B, S)
+
+
+def _names(ctx, mode: str) -> frozenset[str]:
+    names = [n for v in ctx.index.saved_names.values() for n in v]
+    if mode == "full":
+        return frozenset(n for n in names if not n.endswith("mlp_residual"))
+    if mode == "selective":
+        return frozenset(n for n in names if n.endswith(("attn.out", "attn.lse")))
+    return frozenset()
+
+
+def _plan(ctx, mode: str = "none", compute: str = "fp32"):
+    plan = plan_for(ctx, compute=compute)
+    return plan.with_(remat=RematPlan(recompute=_names(ctx, mode)))
+
+
+def _compiled_step(plan):
+    """(saved bytes by the compiled forward, shapes+dtypes autograd saved, grads, backend)."""
+    torch._dynamo.reset()
+    model = build(SPEC, 0)
+    be = coplan.backend(plan, SPEC)
+    compiled = torch.compile(model, backend=be)
+    idx, tgt = batches(SPEC, B, S, 1, 0)[0]
+    be.reset_saved()
+    shapes: list[tuple[tuple[int, ...], torch.dtype]] = []
+
+    def pack(t):
+        if not (t.is_leaf and t.requires_grad):
+            shapes.append((tuple(t.shape), t.dtype))
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        loss = compiled(idx, tgt)
+    saved = dict(be.last_saved)
+    loss.backward()
+    return saved, shapes, model, be, (idx, tgt)
+
+
+@pytest.mark.parametrize("mode", ["none", "full", "selective"])
+def test_saved_bytes_are_the_plans(ctx, mode):
+    plan = _plan(ctx, mode)
+    saved, shapes, model, be, batch = _compiled_step(plan)
+    predicted = ctx.price(plan).memory.activations_bytes
+    # the cost model counts the loss scalars, which backward never reads (4 bytes)
+    assert saved["activation"] == pytest.approx(predicted, abs=16)
+    assert not be.report.missing
+    hidden = SPEC.d_model
+    lse = (B, SPEC.n_heads, S)
+    ffn = (B * S, 4 * hidden)
+    if mode == "selective":
+        assert lse not in [s for s, _ in shapes]  # the attention core is recomputed
+        assert ffn in [s for s, _ in shapes]
+    if mode == "full":
+        assert lse not in [s for s, _ in shapes] and ffn not in [s for s, _ in shapes]
+    if mode == "none":
+        assert lse in [s for s, _ in shapes] and ffn in [s for s, _ in shapes]
+    ref = build(SPEC, 0)
+    err, _ = rel_errors(model, reference_grads(ref, *batch), {})
+    assert err <= tolerance(plan.precision)
+
+
+def test_recompute_lowers_bytes_in_order(ctx):
+    got = {m: _compiled_step(_plan(ctx, m))[0]["activation"] for m in ("none", "selective", "full")}
+    assert got["full"] < got["selective"] < got["none"]
+
+
+def test_bf16_plan_casts_and_stays_close(ctx):
+    plan = _plan(ctx, "none", "bf16")
+    saved, shapes, model, be, batch = _compiled_step(plan)
+    assert saved["activation"] == pytest.approx(ctx.price(plan).memory.activations_bytes, rel=0.01)
+    dtypes = {d for _, d in shapes}
+    assert torch.bfloat16 in dtypes
+    # the loss path stays fp32: log-softmax of the logits is saved in fp32
+    assert ((B * S, SPEC.vocab_size), torch.float32) in shapes
+    assert be.report.casts[0].param_casts == len(list(model.parameters()))
+    err, _ = rel_errors(model, reference_grads(build(SPEC, 0), *batch), {})
+    assert 0 < err <= tolerance(plan.precision)
+
+
+def test_every_saved_tensor_has_a_node(ctx):
+    plan = _plan(ctx)
+    _, _, _, be, _ = _compiled_step(plan)
+    cut = be.report.cuts[0]
+    assert set(cut.saved) == set(saved_tensor_names(be.ir))
+    assert map_saved  # the mapping module is importable as the partitioner uses it
+
+
+def test_fp8_quantize_rounds_to_the_grid_and_passes_gradients():
+    x = torch.randn(64, 32, requires_grad=True)
+    q = fp8_quantize(x)
+    scale = x.detach().abs().max() / FP8_MAX
+    grid = (q.detach() / scale).to(torch.float8_e4m3fn).float() * scale
+    assert torch.allclose(q.detach(), grid, rtol=1e-6)
+    assert (q.detach() - x.detach()).abs().max() > 0
+    assert float((q.detach() - x.detach()).norm() / x.detach().norm()) < 0.05
+    q.sum().backward()
+    assert torch.equal(x.grad, torch.ones_like(x))
+
+
+def test_loss_scaler_skips_overflow():
+    p = torch.nn.Parameter(torch.ones(2))
+    s = LossScaler(True, init_scale=8.0)
+    p.grad = torch.tensor([16.0, float("inf")])
+    assert not s.unscale([p]) and s.scale == 4.0 and s.skipped == 1
+    p.grad = torch.tensor([8.0, 4.0])
+    assert s.unscale([p]) and torch.equal(p.grad, torch.tensor([2.0, 1.0]))
+
+
+def test_spearman():
+    assert spearman([1, 2, 3, 4], [10, 20, 30, 40]) == pytest.approx(1.0)
+    assert spearman([1, 2, 3, 4], [4, 3, 2, 1]) == pytest.approx(-1.0)
+
+
+def test_saved_bytes_measures_eager_autograd():
+    x = torch.randn(8, 16, requires_grad=True)
+    w = torch.nn.Parameter(torch.randn(16, 16))
+    with SavedBytes() as sb:
+        y = torch.tanh(x @ w)
+    del y
+    # matmul saves x (a leaf: excluded) and w (a parameter: excluded); tanh saves its output
+    assert sb.activation_bytes() == 8 * 16 * 4
+
+
+# --- the CLI --------------------------------------------------------------------------------------
+
+
+def _cli(capsys, *args):
+    with pytest.raises(SystemExit) as exc:
+        main(["run", *args])
+    out = capsys.readouterr()
+    return exc.value.code, out.out, out.err
+
+
+@pytest.fixture(scope="module")
+def plan_file(tmp_path_factory, ctx) -> Path:
+    path = tmp_path_factory.mktemp("plans") / "plan.json"
+    plan = _plan(ctx, "selective").with_(parallel=ParallelPlan(microbatch=2))
+    path.write_text(plan.to_json())
+    return path
+
+
+def test_run_json_contract(capsys, plan_file):
+    code, out, err = _cli(capsys, "--model", "gpt-tiny", "--plan", str(plan_file), "--steps", "3", "--json")
+    assert code == 0, err
+    data = json.loads(out)
+    assert {"measured", "predicted", "loss", "grad_check", "fusion"} <= set(data)
+    keys = {"step_time_s", "saved_activation_bytes", "peak_bytes"}
+    assert set(data["measured"]) == keys and set(data["predicted"]) == keys
+    assert set(data["grad_check"]) == {"max_rel_err", "tolerance", "ok"}
+    assert set(data["fusion"]) == {"groups_planned", "groups_honoured"}
+    assert len(data["loss"]) == 3 and all(v > 0 for v in data["loss"])
+    assert data["grad_check"]["ok"] and data["grad_check"]["tolerance"] == 1e-4
+    m, p = data["measured"], data["predicted"]
+    assert abs(m["saved_activation_bytes"] / p["saved_activation_bytes"] - 1) <= 0.05
+    assert m["step_time_s"] > 0 and m["peak_bytes"] > m["saved_activation_bytes"]
+
+
+@pytest.mark.parametrize(
+    ("args", "needle"),
+    [
+        (["--model", "llama-tiny"], "plan is for model 'gpt-tiny'"),
+        (["--model", "gpt-tiny", "--nproc", "2"], "world size of 1"),
+        (["--model", "gpt-tiny", "--batch", "8"], "global batch 4"),
+        (["--model", "gpt-tiny", "--steps", "0"], "--steps"),
+    ],
+)
+def test_run_refuses_plans_for_another_job(capsys, plan_file, args, needle):
+    code, out, err = _cli(capsys, "--plan", str(plan_file), *args)
+    assert code == 2
+    assert out == "" and err.count("\n") == 1 and needle in err and "Traceback" not in err
+
+
+def test_run_refuses_pipeline_plans(capsys, tmp_path, ctx):
+    plan = ctx.default_plan().with_(gpus=2, parallel=ParallelPlan(pp=2, microbatch=1))
+    path = tmp_path / "pp.json"
+    path.write_text(plan.to_json())
+    code, _, err = _cli(capsys, "--model", "gpt-tiny", "--plan", str(path), "--nproc", "2")
+    assert code == 2 and "pipeline" in err
