@@ -41,6 +41,7 @@ from typing import Any
 import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 
+from coplan.apply.measure import spearman
 from coplan.capture.api import capture_module
 from coplan.cost import CostModel, Estimate, TrainingConfig
 from coplan.hardware import ClusterSpec, load_cluster
@@ -188,33 +189,6 @@ def capture(case: Case) -> Graph:
 
 
 # --- statistics -------------------------------------------------------------------------------------
-
-
-def ranks(values: Sequence[float]) -> list[float]:
-    """1-based ranks, ties sharing their average rank."""
-    order = sorted(range(len(values)), key=lambda i: values[i])
-    out = [0.0] * len(values)
-    i = 0
-    while i < len(order):
-        j = i
-        while j + 1 < len(order) and values[order[j + 1]] == values[order[i]]:
-            j += 1
-        for k in range(i, j + 1):
-            out[order[k]] = (i + j) / 2 + 1
-        i = j + 1
-    return out
-
-
-def spearman(a: Sequence[float], b: Sequence[float]) -> float:
-    """Spearman's rank correlation: Pearson's correlation of the ranks."""
-    ra, rb = ranks(a), ranks(b)
-    ma, mb = statistics.fmean(ra), statistics.fmean(rb)
-    cov = sum((x - ma) * (y - mb) for x, y in zip(ra, rb, strict=True))
-    var = math.sqrt(sum((x - ma) ** 2 for x in ra) * sum((y - mb) ** 2 for y in rb))
-    return cov / var if var else 0.0
-
-
-# --- per-op diagnosis -------------------------------------------------------------------------------
 
 
 def op_breakdown(case: Case, graph: Graph, cluster: ClusterSpec) -> list[tuple[str, float, int, float, int]]:
