@@ -29,7 +29,7 @@ from typing import Any
 import torch
 
 from coplan.apply.measure import spearman
-from coplan.apply.predict import make_context, plan_for, run_cluster
+from coplan.apply.predict import make_context, megatron_recompute, plan_for, run_cluster
 from coplan.apply.run import RunRequest, run_plan
 from coplan.hardware import load_cluster
 from coplan.models.spec import ModelSpec
@@ -66,17 +66,6 @@ CASES = (
 QUICK = (0, 1, 2, 4, 6, 8)
 
 
-def recompute_set(ctx: Any, mode: str) -> frozenset[str]:
-    """Megatron's modes as plan sets: full = every saved tensor of the block but its output (the
-    next block's input, which full recomputation keeps); selective = the attention core."""
-    names = [n for v in ctx.index.saved_names.values() for n in v]
-    if mode == "full":
-        return frozenset(n for n in names if not n.endswith("mlp_residual"))
-    if mode == "selective":
-        return frozenset(n for n in names if n.endswith(("attn.out", "attn.lse")))
-    return frozenset()
-
-
 def joint_plan(ctx: Any, compute: str) -> Plan:
     """The joint strategy's plan in the space the runner applies (eager kernels, no ZeRO, the
     given dtype) under a budget of 70% of the unrecomputed plan's peak, so recomputation pays."""
@@ -95,7 +84,7 @@ def run_case(case: Case, profile: str, steps: int) -> dict[str, Any]:
         plan = joint_plan(ctx, case.compute)
     else:
         plan = plan_for(ctx, compute=case.compute, tp=case.tp, zero=case.zero)
-        plan = plan.with_(remat=RematPlan(recompute=recompute_set(ctx, case.recompute)))
+        plan = plan.with_(remat=RematPlan(recompute=megatron_recompute(ctx, case.recompute)))
     req = RunRequest(
         plan=plan, spec=SPEC, steps=steps, nproc=case.nproc, global_batch=BATCH, seq=SEQ, cluster=base
     )

@@ -133,3 +133,15 @@ def plan_for(
         remat=RematPlan(recompute=recompute),
         precision=PrecisionPlan(compute=compute, loss_scaling=compute == "fp16"),
     )
+
+
+def megatron_recompute(ctx: PlanContext, mode: str) -> frozenset[str]:
+    """Megatron's recompute modes as plan sets: ``full`` = every saved tensor of the block but its
+    output (the next block's input, which full recomputation keeps); ``selective`` = the attention
+    core; anything else = nothing."""
+    names = [n for v in ctx.index.saved_names.values() for n in v]
+    if mode == "full":
+        return frozenset(n for n in names if not n.endswith("mlp_residual"))
+    if mode == "selective":
+        return frozenset(n for n in names if n.endswith(("attn.out", "attn.lse")))
+    return frozenset()

@@ -3,7 +3,8 @@
 from coplan.cost.config import ConfigError, TrainingConfig, check_against
 from coplan.cost.estimate import BREAKDOWN_KEYS, Estimate, MemoryEstimate, StageEstimate, estimate
 from coplan.cost.model import CostModel
-from coplan.cost.profile import GraphProfile, profile_graph
+from coplan.cost.parts import GraphProfile
+from coplan.cost.profile import profile_graph
 
 __all__ = [
     "BREAKDOWN_KEYS",

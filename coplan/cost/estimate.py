@@ -29,7 +29,7 @@ from coplan.cost.comm import Group, p2p_time
 from coplan.cost.config import TrainingConfig
 from coplan.cost.fusion import readers
 from coplan.cost.kernels import Rates, Scale, kernel_time, launches, vector_compute
-from coplan.cost.profile import ACT, NV, REPL, TP, GraphProfile, Kernel, Part, Vec, vadd, vdot
+from coplan.cost.parts import ACT, NV, REPL, TP, GraphProfile, Kernel, Part, Vec, vadd, vdot
 from coplan.hardware.cluster import ClusterSpec
 from coplan.hardware.device import DeviceSpec
 from coplan.ir.types import Phase
@@ -469,7 +469,9 @@ class _Priced:
             if rerun <= fused:
                 # re-run inside the backward kernels that read the values: arithmetic only, once
                 # per reading kernel, no launch and no memory traffic
-                total += _fused_recompute_time(prof, k, rerun, self.cost.rates(k), self.cost.s)
+                if k.vec_flops:
+                    share = _fused_flops(prof, part, rerun) / k.vec_flops
+                    total += vector_compute(k, self.cost.rates(k), self.cost.s) * share
             else:
                 total += t
         return total
@@ -529,37 +531,40 @@ def _fused_ids(profile: GraphProfile, part: Part, names: frozenset[str]) -> froz
     return got  # type: ignore[return-value]
 
 
-def _fused_recompute_time(
-    profile: GraphProfile, k: Kernel, rerun: frozenset[int], r: Rates, s: Scale
-) -> float:
-    """Seconds of the arithmetic of ``rerun`` (ops of forward kernel ``k``) repeated inside every
-    backward kernel reading their outputs."""
-    g = profile.graph
-    flops = 0.0
-    for i in rerun:
-        op = g.ops[i]
-        readers_bwd = {c for t in op.outputs for c in readers(g, t) if g.ops[c].phase is Phase.BACKWARD}
-        flops += op.vector_flops * max(1, len(readers_bwd))
-    if not k.vec_flops:
-        return 0.0
-    return vector_compute(k, r, s) * flops / k.vec_flops
+def _fused_flops(profile: GraphProfile, part: Part, rerun: frozenset[int]) -> float:
+    """Vector FLOPs of the ops ``rerun`` repeated inside every backward kernel reading their outputs
+    (graph-only, so memoised on the part: a search prices the same sets again and again)."""
+    key = ("fused_flops", rerun)
+    got = part.cache.get(key)
+    if got is None:
+        g = profile.graph
+        flops = 0.0
+        for i in rerun:
+            op = g.ops[i]
+            bwd = {c for t in op.outputs for c in readers(g, t) if g.ops[c].phase is Phase.BACKWARD}
+            flops += op.vector_flops * max(1, len(bwd))
+        got = part.cache[key] = flops
+    return got  # type: ignore[return-value]
 
 
 def _rematerialised(profile: GraphProfile, part: Part, names: frozenset[str], fused: frozenset[str]) -> Vec:
-    """Saved elements a recompute set brings back into memory during the block's backward."""
+    """Saved elements a recompute set brings back into memory during the block's backward: the
+    dropped tensors, less those recomputed inside backward kernels (never stored)."""
     _, dropped = _recompute_closure(profile, part, names)
     fids = _fused_ids(profile, part, fused)
     if not fids:
         return dropped
-    g = profile.graph
-    by_id = {tid: vec for tid, _, vec in part.saved_items}
-    out = list(dropped)
-    for tid, _, _ in part.saved_items:
-        t = g.tensors[tid]
-        if t.name in names and t.producer in fids:
-            for i, x in enumerate(by_id[tid]):
-                out[i] -= x
-    return tuple(out)  # type: ignore[return-value]
+    key = ("rematerialised", names, fused)
+    got = part.cache.get(key)
+    if got is None:
+        g = profile.graph
+        out = list(dropped)
+        for tid, name, vec in part.saved_items:
+            if name in names and g.tensors[tid].producer in fids:
+                for i, x in enumerate(vec):
+                    out[i] -= x
+        got = part.cache[key] = tuple(out)
+    return got  # type: ignore[return-value]
 
 
 def _recompute_closure(

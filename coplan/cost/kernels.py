@@ -23,7 +23,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from coplan.cost.profile import TP, Kernel, Vec, vdot
+from coplan.cost.parts import TP, Kernel, Vec, vdot
 from coplan.hardware.device import VECTOR_FAMILIES, DeviceSpec
 
 #: The precision non-matrix work runs in under each training dtype (fp8 training keeps its

@@ -13,7 +13,8 @@ from dataclasses import dataclass, field
 from coplan.capture.synthetic import build_graph
 from coplan.cost.config import ConfigError, TrainingConfig, check_against
 from coplan.cost.estimate import Estimate, estimate
-from coplan.cost.profile import GraphProfile, Precision, profile_graph
+from coplan.cost.parts import GraphProfile, Precision
+from coplan.cost.profile import profile_graph
 from coplan.hardware.cluster import ClusterSpec
 from coplan.ir.types import Graph
 from coplan.models.spec import ModelSpec

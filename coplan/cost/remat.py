@@ -9,7 +9,7 @@ kept. This is the closure Checkmate-style solvers price; issue-4's remat pass ch
 from __future__ import annotations
 
 from coplan.cost.config import ConfigError
-from coplan.cost.profile import Part, Vec
+from coplan.cost.parts import Part, Vec
 from coplan.ir.types import Graph, TensorRole
 
 

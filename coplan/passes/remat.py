@@ -46,17 +46,9 @@ def with_remat(plan: Plan, names: frozenset[str], ctx: PlanContext | None = None
 
 def in_backward(ctx: PlanContext, names: frozenset[str]) -> frozenset[str]:
     """Pointwise ops of the reference blocks producing the tensors ``names``."""
-    idx = ctx.index
-    graph = idx.graph
-    out = set()
-    for op in idx.op_by_name.values():
-        if (
-            op.kind in POINTWISE
-            and op.block is not None
-            and any(graph.tensors[t].name in names for t in op.outputs)
-        ):
-            out.add(op.name)
-    return frozenset(out)
+    producer = ctx.index.producer_of
+    ops = [op for op in (producer.get(n) for n in names) if op is not None]
+    return frozenset(op.name for op in ops if op.kind in POINTWISE and op.block is not None)
 
 
 def ranked(plan: Plan, ctx: PlanContext, base: frozenset[str] = frozenset()) -> list[tuple[float, str]]:

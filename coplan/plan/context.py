@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from functools import cached_property
 
 from coplan.cost import ConfigError, CostModel, Estimate, TrainingConfig
-from coplan.cost.profile import GraphProfile
+from coplan.cost.parts import GraphProfile
 from coplan.hardware.cluster import ClusterSpec
 from coplan.ir.fingerprint import fingerprint as graph_fingerprint
 from coplan.ir.types import Graph, Op
@@ -75,6 +75,10 @@ class BlockIndex:
                 self.position[op.name] = (ref, i)
         for op in self.outside:
             self.op_by_name[op.name] = op
+        # reference tensors by name -> the op producing them (what recomputing one re-runs)
+        self.producer_of: dict[str, Op] = {
+            graph.tensors[t].name: op for op in self.op_by_name.values() for t in op.outputs
+        }
         self.saved_names: dict[int, tuple[str, ...]] = {
             t.blocks[0]: tuple(n for _, n, _ in t.saved_items) for t in profile.templates
         }

@@ -27,11 +27,12 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field, replace
 from typing import Any
 
+from coplan.cost.config import DTYPES, OP_DTYPES
 from coplan.errors import SpecError
 
 PLAN_VERSION = 1
-COMPUTE_DTYPES: tuple[str, ...] = ("fp32", "tf32", "bf16", "fp16", "fp8")
-OP_DTYPES: tuple[str, ...] = ("fp32", "bf16", "fp16", "fp8")
+#: the cost model's precisions, so a plan and the configuration it becomes accept the same ones
+COMPUTE_DTYPES: tuple[str, ...] = DTYPES
 
 
 class PlanError(SpecError):

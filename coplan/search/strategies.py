@@ -149,12 +149,8 @@ def bound_search(
     plan whose bound is not better is pruned. ``warm`` plans seed the incumbent. Returns the best
     plan by ``score`` (None when ``plans`` and ``warm`` are empty) and how many were solved.
     """
-    best: Plan | None = None
-    best_key = (3, 0.0)
-    for w in warm:
-        k = score(w, ctx)
-        if k < best_key:
-            best, best_key = w, k
+    best = choose(warm, ctx)
+    best_key = score(best, ctx) if best is not None else (3, 0.0)
     bounds = sorted(((ctx.price(p).step_time_s, i, p) for i, p in enumerate(plans)), key=lambda x: x[:2])
     explored = 0
     for n, (lb, _, p) in enumerate(bounds):

@@ -18,7 +18,7 @@ import coplan
 from coplan.apply.measure import SavedBytes, spearman
 from coplan.apply.names import map_saved, saved_tensor_names
 from coplan.apply.precision import FP8_MAX, LossScaler, fp8_quantize, tolerance
-from coplan.apply.predict import make_context, plan_for
+from coplan.apply.predict import make_context, megatron_recompute, plan_for
 from coplan.apply.train import batches, build, reference_grads, rel_errors
 from coplan.cli.app import main
 from coplan.hardware import load_cluster
@@ -34,18 +34,9 @@ def ctx():
     return make_context(SPEC, load_cluster("cpu"), B, S)
 
 
-def _names(ctx, mode: str) -> frozenset[str]:
-    names = [n for v in ctx.index.saved_names.values() for n in v]
-    if mode == "full":
-        return frozenset(n for n in names if not n.endswith("mlp_residual"))
-    if mode == "selective":
-        return frozenset(n for n in names if n.endswith(("attn.out", "attn.lse")))
-    return frozenset()
-
-
 def _plan(ctx, mode: str = "none", compute: str = "fp32"):
     plan = plan_for(ctx, compute=compute)
-    return plan.with_(remat=RematPlan(recompute=_names(ctx, mode)))
+    return plan.with_(remat=RematPlan(recompute=megatron_recompute(ctx, mode)))
 
 
 def _compiled_step(plan):

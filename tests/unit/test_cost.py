@@ -325,7 +325,7 @@ def _kernel_rates(**efficiency: float) -> tuple[object, object]:
 
 
 def _vector_kernel(family: str = "elementwise", flops: float = 1e9, fresh: tuple = ()) -> object:
-    from coplan.cost.profile import Kernel
+    from coplan.cost.parts import Kernel
     from coplan.hardware.device import VECTOR_FAMILIES
     from coplan.ir.types import Phase
 
@@ -377,7 +377,7 @@ def test_a_measured_attention_efficiency_per_dtype_also_derates_the_head_dimensi
     from dataclasses import replace as _replace
 
     from coplan.cost.kernels import Scale, kernel_time, shape_factor
-    from coplan.cost.profile import Kernel
+    from coplan.cost.parts import Kernel
     from coplan.ir.types import Phase
 
     scale = Scale(1, False, _SCALE_BYTES, 2, True)

@@ -127,7 +127,7 @@ def predict(m: Measurement, p: Params) -> float:
 
 
 def _kernel(m: Measurement) -> Any:
-    from coplan.cost.profile import Kernel
+    from coplan.cost.parts import Kernel
     from coplan.ir.types import Phase
 
     phase = Phase.BACKWARD if m.phase == "backward" else Phase.FORWARD

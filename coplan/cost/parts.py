@@ -1,0 +1,116 @@
+"""The cost model's value types for a digested graph: kernels, parts and the graph profile.
+
+``profile.py`` builds them once per graph (and fusion and precision assignment); ``kernels.py``
+and ``estimate.py`` price them. Costs are element vectors split by *precision class* (activations,
+fp32 values, fixed-width bytes) and *shard class* (replicated, tensor-parallel), so a configuration
+weights them with one dot product.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from coplan.ir.types import Graph, Phase
+
+# Element-vector layout: index = precision class * 2 + shard class.
+ACT, F32, FIX = 0, 1, 2  # activation precision; always fp32; fixed width (already in bytes)
+REPL, TP = 0, 1
+NV = 6
+Vec = tuple[float, float, float, float, float, float]
+ZERO: Vec = (0.0, 0.0, 0.0, 0.0, 0.0, 0.0)
+
+
+def vadd(a: Sequence[float], b: Sequence[float]) -> Vec:
+    return tuple(x + y for x, y in zip(a, b, strict=True))  # type: ignore[return-value]
+
+
+def vdot(a: Sequence[float], w: Sequence[float]) -> float:
+    return a[0] * w[0] + a[1] * w[1] + a[2] * w[2] + a[3] * w[3] + a[4] * w[4] + a[5] * w[5]
+
+
+@dataclass(frozen=True, slots=True)
+class Kernel:
+    """One launched kernel (a fusion group), costs for the whole unsharded microbatch.
+
+    ``kind`` is ``"matmul"``, ``"attention"``, ``"vector"`` or ``"free"`` (views only).
+    ``dims`` are the GEMM's (M, N, K) and ``shard_dim`` the one tensor parallelism divides (-1: none).
+    ``attn`` is (batch * heads, query length, key length, head dim) for attention kernels.
+    ``bytes`` is the element/byte vector of the tensors crossing the kernel's boundary.
+    ``vec_split`` is ``vec_flops`` by vector family (``VECTOR_FAMILIES`` order; empty: all
+    elementwise), ``fresh`` the vector of each tensor the kernel writes to newly allocated storage
+    (not in place, not a view), which a host allocator may hand over unmapped. ``dtype`` is the
+    precision of an overridden kernel (its anchor's, or all its ops'); "" runs in the training dtype.
+    """
+
+    phase: Phase
+    kind: str
+    shard: int
+    mm_flops: float
+    vec_flops: float
+    bytes: Vec
+    dims: tuple[int, int, int] = (0, 0, 0)
+    shard_dim: int = -1
+    attn: tuple[int, int, int, int] = (0, 0, 0, 0)
+    ops: tuple[int, ...] = ()
+    attn_core: bool = False
+    vec_split: tuple[float, ...] = ()
+    fresh: tuple[Vec, ...] = ()
+    dtype: str = ""  # the precision it runs in when overridden ("": the training dtype)
+
+
+@dataclass(frozen=True, slots=True)
+class Part:
+    """A template block or one end of the model (embedding side ``pre``, loss side ``post``)."""
+
+    name: str
+    blocks: tuple[int, ...]
+    forward: tuple[Kernel, ...]
+    backward: tuple[Kernel, ...]
+    optimizer: tuple[Kernel, ...]
+    params: tuple[float, float]  # (replicated, tensor-parallel) parameter counts
+    saved: dict[str, Vec]  # recompute mode -> saved element vector ("none", "selective", "full")
+    transient: tuple[Vec, ...]  # live non-saved temporaries at each op of the part's fwd + bwd
+    tp_exits: tuple[float, ...] = ()  # elements of tensors leaving a sharded region (forward)
+    tp_entries: tuple[float, ...] = ()  # elements of tensors entering a sharded region (forward)
+    boundary: float = 0.0  # elements of the activation passed to the next pipeline stage
+    scores: float = 0.0  # batch * heads * q * k elements of non-flash attention scores
+    flash_saved: Vec = ZERO  # kept only for the fused attention's backward (its output, logsumexp)
+    model_flops: float = 0.0  # matrix FLOPs of forward + backward (what MFU counts)
+    op_ids: tuple[int, ...] = ()
+    saved_items: tuple[tuple[int, str, Vec], ...] = ()  # (tensor id, name, vector) kept with no recompute
+    cache: dict[object, object] = field(default_factory=dict, compare=False, repr=False)
+
+
+@dataclass(frozen=True, slots=True)
+class GraphProfile:
+    """What the cost model needs of a graph, per template block and model end."""
+
+    graph: Graph
+    fusion: str | tuple[tuple[int, ...], ...]
+    templates: tuple[Part, ...]
+    pre: Part
+    post: Part
+    n_layers: int
+    batch: int
+    seq: int
+    vocab: int
+    hidden: int
+    heads: int
+    model_flops: float  # forward + backward matrix FLOPs of one microbatch, whole model
+
+    def template_of(self, block: int) -> Part:
+        for t in self.templates:
+            if block in t.blocks:
+                return t
+        raise KeyError(block)
+
+    @property
+    def layer_templates(self) -> tuple[Part, ...]:
+        """The template of each layer, in order."""
+        order = sorted((b, t) for t in self.templates for b in t.blocks)
+        return tuple(t for _, t in order)
+
+
+#: A precision assignment: the training dtype and (op id, dtype) overrides (``TrainingConfig``).
+Precision = tuple[str, tuple[tuple[int, str], ...]]
