@@ -135,6 +135,24 @@ def plan_for(
     )
 
 
+def baseline_plan(plan: Plan, ctx: PlanContext, mode: str) -> Plan:
+    """What a baseline run (``Job.mode``) executes, as a plan the cost model can price: the plan's
+    layout and batch, no recomputation, autocast to the plan's 16-bit compute dtype (fp8 plans:
+    bf16, which autocast offers; fp32 plans: fp32), and kernels as ``torch.compile``'s defaults
+    fuse them (greedy pointwise fusion) or, eagerly, one per op."""
+    from coplan.passes.precision import precision_variant
+    from coplan.plan.types import RematPlan
+    from coplan.search.space import fusion_option
+
+    if mode == "plan":
+        return plan
+    compute = {"fp8": "bf16", "tf32": "fp32"}.get(plan.precision.compute, plan.precision.compute)
+    prec = precision_variant(ctx, compute, "autocast") or precision_variant(ctx, compute, "fused")
+    assert prec is not None
+    fusion = fusion_option(ctx, "greedy" if mode == "compile" else "eager")
+    return plan.with_(fusion=fusion, remat=RematPlan(), precision=prec)
+
+
 def megatron_recompute(ctx: PlanContext, mode: str) -> frozenset[str]:
     """Megatron's recompute modes as plan sets: ``full`` = every saved tensor of the block but its
     output (the next block's input, which full recomputation keeps); ``selective`` = the attention

@@ -11,12 +11,12 @@ from pathlib import Path
 from typing import Any
 
 from coplan.apply.dist import from_torchrun, launch
-from coplan.apply.predict import make_context, predict, refuse, run_cluster
-from coplan.apply.train import Job, RankResult, run_rank, step_time, tolerance_of
+from coplan.apply.predict import baseline_plan, make_context, predict, refuse, run_cluster
+from coplan.apply.train import MODES, Job, RankResult, run_rank, step_time, tolerance_of
 from coplan.errors import CoplanError
 from coplan.hardware.cluster import ClusterSpec
 from coplan.models.spec import ModelSpec
-from coplan.plan.types import Plan
+from coplan.plan.types import Plan, PlanError
 
 
 class RunError(CoplanError):
@@ -35,6 +35,7 @@ class RunRequest:
     device: str = "cpu"
     threads: int = 0
     seed: int = 0
+    mode: str = "plan"  # or a baseline: "compile" (torch.compile defaults), "eager" (``Job.mode``)
 
 
 def run_plan(req: RunRequest) -> dict[str, Any]:
@@ -43,7 +44,15 @@ def run_plan(req: RunRequest) -> dict[str, Any]:
     cluster = run_cluster(req.cluster, req.nproc, req.device)
     ctx = make_context(req.spec, cluster, req.global_batch, req.seq)
     notes = refuse(req.plan, ctx, req.nproc)
-    pred = predict(req.plan, ctx)
+    if req.mode not in MODES:
+        raise PlanError("mode", f"must be one of {', '.join(MODES)}, got {req.mode!r}", "run")
+    ran = baseline_plan(req.plan, ctx, req.mode)
+    if req.mode != "plan":
+        notes.append(
+            f"baseline {req.mode!r}: the plan's layout and batch only; predicted for "
+            f"{ran.fusion.label} kernels, no recomputation, {ran.precision.compute} autocast"
+        )
+    pred = predict(ran, ctx)
     threads = req.threads
     if not threads and req.device == "cpu":
         threads = max(1, (os.cpu_count() or 1) // req.nproc)  # processes share the machine's cores
@@ -56,6 +65,7 @@ def run_plan(req: RunRequest) -> dict[str, Any]:
         device=req.device,
         threads=threads,
         seed=req.seed,
+        mode=req.mode,
     )
     res = execute(job, req.nproc)
     return report(req, cluster, pred.figures(), pred.breakdown_s, res, notes)
@@ -120,6 +130,8 @@ def report(
             "model": req.spec.name,
             "plan": p.fingerprint,
             "device": req.device,
+            "device_name": device_name(req.device),
+            "mode": req.mode,
             "nproc": req.nproc,
             "cluster": cluster.name,
             "global_batch": req.global_batch,
@@ -139,6 +151,17 @@ def report(
             "notes": notes + res.notes,
         },
     }
+
+
+def device_name(device: str) -> str:
+    """The device a run measured on, as its driver names it (reports must name the hardware)."""
+    import platform
+
+    import torch
+
+    if device == "cuda" and torch.cuda.is_available():
+        return torch.cuda.get_device_name()
+    return platform.processor() or platform.machine()
 
 
 def _honoured(res: RankResult, planned: int) -> int:

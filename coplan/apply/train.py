@@ -43,6 +43,8 @@ from coplan.models.spec import ModelSpec
 from coplan.models.transformer import Transformer
 from coplan.plan.types import Plan, PlanError
 
+MODES = ("plan", "compile", "eager")
+
 
 @dataclass(frozen=True, slots=True)
 class Job:
@@ -57,6 +59,11 @@ class Job:
     threads: int = 0  # torch threads per process (0: the machine's cores / processes)
     seed: int = 0
     result: str = ""  # file the main rank writes its ``RankResult`` to (multi-process runs)
+    # "plan": compiled with ``coplan.backend(plan)``; the baselines a plan is compared with keep
+    # the plan's layout and batch but none of its other decisions: "compile" is
+    # ``torch.compile(model)`` with Inductor's defaults, "eager" plain PyTorch, both in fp32 or,
+    # for a 16-bit plan, under ``torch.autocast`` to its compute dtype (what AMP users run)
+    mode: str = "plan"
 
 
 @dataclass
@@ -99,11 +106,31 @@ def build(spec: ModelSpec, seed: int) -> Transformer:
     return Transformer(spec)
 
 
-def reference_grads(model: Transformer, idx: torch.Tensor, tgt: torch.Tensor) -> dict[str, torch.Tensor]:
-    """Gradients of the eager fp32 model on the whole global batch."""
+def reference_grads(
+    model: Transformer,
+    idx: torch.Tensor,
+    tgt: torch.Tensor,
+    device: torch.device | None = None,
+    chunk: int = 0,
+) -> dict[str, torch.Tensor]:
+    """Gradients of the eager fp32 model on the whole global batch, on ``device``, accumulated over
+    chunks of ``chunk`` sequences (the mean of equal-sized chunks' mean losses is the batch's mean
+    loss, so the gradient is the same; chunks keep an fp32 reference inside a GPU whose memory the
+    plan under test fills). The model goes back to the CPU afterwards."""
+    device = device or torch.device("cpu")
+    model.to(device).zero_grad(set_to_none=True)
+    n = idx.shape[0]
+    chunk = max(1, min(chunk or n, n))
+    if n % chunk:
+        chunk = 1
+    for a in range(0, n, chunk):
+        (model(idx[a : a + chunk].to(device), tgt[a : a + chunk].to(device)) * (chunk / n)).backward()
+    out = {n: p.grad.detach().cpu().clone() for n, p in model.named_parameters() if p.grad is not None}
     model.zero_grad(set_to_none=True)
-    model(idx, tgt).backward()
-    return {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
+    model.to("cpu")
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    return out
 
 
 def rel_errors(
@@ -196,7 +223,8 @@ def _run(rank: int, world: int, job: Job) -> RankResult | None:
 
     base = build(spec, job.seed)
     reference = copy.deepcopy(base)  # fp32 eager, unparallelized
-    base = base.to(model_dtype(plan.precision)).to(r.device)
+    # baselines keep fp32 weights and run 16-bit plans under autocast
+    base = base.to(model_dtype(plan.precision) if job.mode == "plan" else torch.float32).to(r.device)
     perms: dict[str, torch.Tensor] = {}
     dev_mesh: Any = mesh(r, par) if world > 1 else None
     if par.tp > 1:
@@ -204,11 +232,26 @@ def _run(rank: int, world: int, job: Job) -> RankResult | None:
     wrapped: torch.nn.Module = base
     if par.dp > 1:
         wrapped = apply_dp(base, dev_mesh["dp"], par, compute_dtype(plan.precision))
-    be = Backend(plan, spec)
+    if job.mode not in MODES:
+        raise CoplanError(f"run mode must be one of {', '.join(MODES)}, got {job.mode!r}")
+    be = Backend(plan, spec) if job.mode == "plan" else None
     # a process that already compiled this model's code (an earlier run) would reuse that graph,
     # which holds the earlier plan's backend: start from an empty cache
     torch._dynamo.reset()
-    compiled = torch.compile(wrapped, backend=be)
+    compiled: Any = wrapped
+    if be is not None:
+        compiled = torch.compile(wrapped, backend=be)
+    elif job.mode == "compile":
+        compiled = torch.compile(wrapped)
+    # autocast offers bf16 and fp16: an fp8 plan's baseline runs bf16, a tf32 one fp32
+    amp_dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp8": torch.bfloat16}.get(
+        plan.precision.compute
+    )
+    amp: Any = (
+        (lambda: torch.autocast(r.device.type, dtype=amp_dtype))
+        if be is None and amp_dtype is not None
+        else nullcontext
+    )
     params = [p for p in base.parameters()]
     opt = torch.optim.AdamW(params, lr=3e-4, betas=(0.9, 0.95), weight_decay=0.1, foreach=False)
     scaler = LossScaler(plan.precision.loss_scaling)
@@ -221,25 +264,27 @@ def _run(rank: int, world: int, job: Job) -> RankResult | None:
         for m in range(n_micro):
             a, b = lo + m * micro, lo + (m + 1) * micro
             x, y = idx[a:b].to(r.device), tgt[a:b].to(r.device)
-            if first and m == 0:
+            if first and m == 0 and be is not None:
                 be.reset_saved()
             last = m == n_micro - 1
             ctx = ddp_sync() if ddp_sync is not None and not last else nullcontext()
             with ctx:
                 if first and m == 0:
-                    with SavedBytes(exclude=(x, y)) as sb:
+                    with SavedBytes(exclude=(x, y)) as sb, amp():
                         loss = compiled(x, y)
-                    saved.update(be.last_saved)
-                    saved["compiled_activation"] = saved.pop("activation")
-                    saved["activation"] = sb.activation_bytes(be.other_storages)
+                    if be is not None:
+                        saved.update(be.last_saved)
+                        saved["compiled_activation"] = saved.pop("activation")
+                    saved["activation"] = sb.activation_bytes(be.other_storages if be is not None else set())
                 else:
-                    loss = compiled(x, y)
+                    with amp():
+                        loss = compiled(x, y)
                 scaler.scaled(loss / n_micro).backward()
             total += float(loss.detach()) / n_micro
         ok = scaler.unscale(params)
         err = math.nan
         if first:
-            ref = reference_grads(reference, data[0][0], data[0][1])
+            ref = reference_grads(reference, data[0][0], data[0][1], r.device, micro)
             err_name = rel_errors(base, ref, perms)
             err = err_name[0]
             worst.append(err_name[1])
@@ -283,10 +328,10 @@ def _run(rank: int, world: int, job: Job) -> RankResult | None:
         )
     if scaler.skipped:
         notes.append(f"loss scaling skipped {scaler.skipped} step(s) with non-finite gradients")
-    fusion = be.report.fusion
+    fusion = be.report.fusion if be is not None else []
     if rank != 0:
         return None
-    cuts = be.report.cuts
+    cuts = be.report.cuts if be is not None else []
     return RankResult(
         loss=losses,
         step_times_s=times,
@@ -300,9 +345,9 @@ def _run(rank: int, world: int, job: Job) -> RankResult | None:
         peak_bytes=figures[1],
         max_rel_err=figures[2],
         worst_param=worst[0] if worst else "",
-        regions=be.report.regions,
+        regions=be.report.regions if be is not None else 0,
         recomputed=sorted({n for c in cuts for n in c.recomputed}),
-        missing=list(be.report.missing),
+        missing=list(be.report.missing) if be is not None else [],
         fusion=fusion,
         skipped_steps=scaler.skipped,
         notes=notes,

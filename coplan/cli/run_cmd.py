@@ -81,6 +81,14 @@ def run(
     threads: Annotated[
         int, typer.Option("--threads", help="Torch threads per process [default: cores / processes].")
     ] = 0,
+    mode: Annotated[
+        str,
+        typer.Option(
+            "--mode",
+            help="plan (apply it), or a baseline with the plan's layout and batch: compile "
+            "(torch.compile defaults) or eager; 16-bit plans' baselines run under autocast.",
+        ),
+    ] = "plan",
     record: Annotated[
         Path | None,
         typer.Option("--record", help="Append this run to a JSONL file for coplan calibrate --runs."),
@@ -111,6 +119,7 @@ def run(
         cluster=_cluster(cluster, p, dev),
         device=dev,
         threads=threads,
+        mode=mode,
     )
     out = run_plan(req)
     if record is not None:
