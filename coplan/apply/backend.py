@@ -78,10 +78,11 @@ class Backend:
             isinstance(x, torch.Tensor) and x.is_floating_point() and not _is_param(x) for x in example_inputs
         ]
         first_cut = len(self.partitioner.cuts)
+        seq: dict[int, int] = {}  # autograd seq_nr -> IR forward op, from this region's forward
 
         def fw_compiler(fw: fx.GraphModule, inputs: Sequence[Any]) -> Callable[..., Any]:
             cut = self.partitioner.cuts[first_cut] if len(self.partitioner.cuts) > first_cut else None
-            run = self._compile(fw, inputs, "forward")
+            run = self._compile(fw, inputs, "forward", seq)
             if cut is None:
                 return run
             self.report.cuts.append(cut)
@@ -95,7 +96,7 @@ class Backend:
             return forward
 
         def bw_compiler(bw: fx.GraphModule, inputs: Sequence[Any]) -> Callable[..., Any]:
-            return self._compile(bw, inputs, "backward")
+            return self._compile(bw, inputs, "backward", seq)
 
         compiled = aot_autograd(
             fw_compiler=fw_compiler,
@@ -105,10 +106,12 @@ class Backend:
         )
         return compiled(gm, example_inputs)
 
-    def _compile(self, gm: fx.GraphModule, inputs: Sequence[Any], phase: str) -> Callable[..., Any]:
+    def _compile(
+        self, gm: fx.GraphModule, inputs: Sequence[Any], phase: str, seq: dict[int, int]
+    ) -> Callable[..., Any]:
         from coplan.apply.fusion import compile_graph
 
-        run, info = compile_graph(gm, inputs, self.plan, self.ir, phase)
+        run, info = compile_graph(gm, inputs, self.plan, self.ir, phase, seq)
         if info is not None:
             self.report.fusion.append(info)
         return run

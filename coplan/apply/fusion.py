@@ -1,40 +1,288 @@
 """Compiling the partitioned graphs: eager kernels, or Inductor constrained to the plan's groups.
 
-A plan without fusion groups is eager execution (one kernel per op, what ``fusion="none"`` prices):
-the FX graph runs op by op. A plan with groups is compiled by Inductor, whose scheduler is asked,
-for every pair of nodes it considers fusing, whether the plan allows it
-(``torch._inductor.choices.InductorChoices.can_fuse``): two nodes may fuse only when every plan op
-they implement lies in one plan group. Afterwards the kernels Inductor emitted are read back
-(which plan ops ended in which kernel) and each planned group is *honoured* when its ops that
-survive lowering share one kernel with nothing from outside the group. Ops a plan fuses but
-Inductor keeps apart (GEMMs are library calls on CPU, views vanish) are reported as not honoured.
+A plan without fusion groups is eager execution (one kernel per op, what an unfused plan prices):
+the FX graph runs op by op. A plan with groups is compiled by Inductor (``compile_fx_inner``, the
+entry Inductor itself uses for each half of a partitioned graph), whose scheduler asks, for every
+pair of nodes it considers fusing, whether the plan allows it
+(``torch._inductor.choices.InductorChoices.can_fuse``). The rule: two scheduler nodes may fuse only
+when every plan op they implement lies in one plan group (an op in no group stays alone); a node
+that implements no plan op (a view, a cast, the index arithmetic of a loss) is free to fuse with
+anything, because the IR gives it no kernel of its own.
+
+Which plan op an FX node implements: forward nodes are matched to the IR's forward ops as the
+partitioner matches them (module path, op family, order: ``names``); backward nodes carry the
+autograd sequence number of the forward op they differentiate (``meta["seq_nr"]``), which leads to
+that op's backward ops in the IR, narrowed by the aten op's family (``gelu_backward`` is the IR's
+``gelu_bwd``; an ``mm`` is one of the linear's two gradient GEMMs).
+
+After fusion the final kernels are read back (Inductor's ``_post_fusion_custom_pass``), and a
+planned group is *honoured* when the ops of it that this graph implements share one kernel with no
+plan op from outside the group. A group fusing a GEMM with pointwise work is honoured only where
+Inductor generates the GEMM itself; as a library call (the default) it is reported not honoured.
+The optimizer is not compiled: its groups are honoured when the runner uses the fused AdamW kernel
+(``fused_optimizer``). Inductor's FX-graph cache is off while compiling so that every graph is
+scheduled under its plan's rule (a cached kernel could come from another plan's compilation).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
+from contextlib import nullcontext
 from typing import Any
 
+import torch
 from torch import fx
 
-from coplan.ir.types import Graph
+from coplan.apply.names import ATEN_ANCHORS, _forward_ops, _match, block_prefix, relative_to_block
+from coplan.ir.types import Graph, Op, Phase
 from coplan.plan.types import Plan
+
+aten = torch.ops.aten
+
+#: IR backward op target -> the aten ops (packets) of the backward graph that compute it
+_BWD_FAMILIES: dict[str, tuple[object, ...]] = {
+    "linear_bwd_input": (aten.mm, aten.bmm),
+    "linear_bwd_weight": (aten.mm, aten.bmm, aten.sum),
+    "gelu_bwd": (aten.gelu_backward,),
+    "silu_bwd": (aten.silu_backward,),
+    "norm_bwd": (aten.native_layer_norm_backward, aten._fused_rms_norm_backward),
+    "attention_bwd": (
+        aten._scaled_dot_product_flash_attention_for_cpu_backward,
+        aten._scaled_dot_product_flash_attention_backward,
+        aten._scaled_dot_product_efficient_attention_backward,
+        aten._scaled_dot_product_cudnn_attention_backward,
+    ),
+    "embedding_bwd": (aten.embedding_dense_backward,),
+    "log_softmax_bwd": (aten._log_softmax_backward_data,),
+    "nll_loss_bwd": (aten.nll_loss_backward,),
+    "add": (aten.add,),
+}
+
+META = "coplan_ops"  # key in node.meta["custom"]: the plan ops (names) an FX node implements
+
+
+def _mark(node: fx.Node, names: frozenset[str]) -> None:
+    # kept in meta["custom"], which FX copies onto the nodes a decomposition makes of this one
+    node.meta["custom"] = {**(node.meta.get("custom") or {}), META: sorted(names)}
+
+
+def _marks(node: Any) -> frozenset[str]:
+    custom = getattr(node, "meta", {}).get("custom") or {}
+    return frozenset(custom.get(META, ()))
+
+
+def _packet(target: object) -> object:
+    return getattr(target, "overloadpacket", target)
+
+
+def label_forward(gm: fx.GraphModule, ir: Graph) -> dict[int, int]:
+    """Mark every forward anchor node with its IR op; returns {autograd seq_nr: IR op id} for the
+    backward graph of the same region."""
+    ops = _forward_ops(ir)
+    nodes = list(gm.graph.nodes)
+    anchors = _match(ops, nodes, ATEN_ANCHORS, lambda n: n.target)
+    if not anchors:  # a region traced from a block's own forward (FSDP2): names relative to it
+        anchors = _match(relative_to_block(ops, block_prefix(ir)), nodes, ATEN_ANCHORS, lambda n: n.target)
+    seq: dict[int, int] = {}
+    for op_id, node in anchors.items():
+        _mark(node, frozenset({ir.ops[op_id].name}))
+        nr = node.meta.get("seq_nr")
+        if isinstance(nr, int):
+            seq[nr] = op_id
+    return seq
+
+
+def label_backward(gm: fx.GraphModule, ir: Graph, seq: dict[int, int]) -> None:
+    """Mark backward nodes with the IR backward ops they compute (see the module docstring)."""
+    bwd: dict[int, list[Op]] = {}
+    for op in ir.ops:
+        if op.phase is Phase.BACKWARD and op.forward_op is not None:
+            bwd.setdefault(op.forward_op, []).append(op)
+    for node in gm.graph.nodes:
+        if node.op != "call_function" or node.meta.get("partitioner_tag") != "is_backward":
+            continue
+        fwd = seq.get(node.meta.get("seq_nr", -1))
+        if fwd is None:
+            continue
+        pkt = _packet(node.target)
+        names = frozenset(op.name for op in bwd.get(fwd, ()) if pkt in _BWD_FAMILIES.get(op.target, ()))
+        if names:
+            _mark(node, names)
+
+
+def expand_groups(plan: Plan, ir: Graph) -> list[tuple[str, ...]]:
+    """The plan's groups for every block: a group names ops of its template's reference block and
+    applies at the same positions of every block of that template (blocks with the same op
+    sequence, as ``plan.context.BlockIndex`` expands them for pricing); groups outside blocks are
+    themselves. One entry per fused kernel the plan asks for in a step."""
+    blocks: dict[int, list[Op]] = {}
+    for op in ir.ops:
+        if op.block is not None:
+            blocks.setdefault(op.block, []).append(op)
+    where = {op.name: (b, i) for b, ops in blocks.items() for i, op in enumerate(ops)}
+    sig = {b: tuple(op.target for op in ops) for b, ops in blocks.items()}
+    out: list[tuple[str, ...]] = []
+    for g in plan.fusion.groups:
+        refs = {where[n][0] if n in where else None for n in g}
+        if refs == {None} or len(refs) > 1:
+            out.append(tuple(g))
+            continue
+        ref = next(iter(refs))
+        assert ref is not None
+        pos = [where[n][1] for n in g]
+        out.extend(tuple(ops[i].name for i in pos) for b, ops in sorted(blocks.items()) if sig[b] == sig[ref])
+    return out
+
+
+def _group_of(groups: Sequence[tuple[str, ...]]) -> dict[str, int]:
+    return {name: i for i, g in enumerate(groups) for name in g}
+
+
+def _ops_of(snode: Any) -> frozenset[str]:
+    """Plan ops implemented by an Inductor scheduler node (fused or not), from its IR nodes' FX
+    origins."""
+    out: set[str] = set()
+    for n in snode.get_nodes():
+        buf = getattr(n, "node", None)
+        for origin in getattr(buf, "origins", ()) or ():
+            out |= _marks(origin)
+    return frozenset(out)
+
+
+def allowed(ops: Iterable[str], group_of: dict[str, int]) -> bool:
+    """True when ``ops`` may share a kernel: all in one plan group (an op in none stays alone)."""
+    keys = {group_of.get(o, o) for o in ops}
+    return len(keys) <= 1
+
+
+def honoured(kernels: Sequence[frozenset[str]], groups: Sequence[tuple[str, ...]]) -> dict[str, Any]:
+    """Which of the (expanded) planned groups the final kernels of one graph honour, by index
+    (groups with no op in this graph are in neither list)."""
+    group_of = _group_of(groups)
+    ok: list[int] = []
+    bad: list[int] = []
+    for i, g in enumerate(groups):
+        here = {o for k in kernels for o in k} & set(g)
+        if not here:
+            continue
+        good = any(here <= k and all(group_of.get(o) == i for o in k) for k in kernels)
+        (ok if good else bad).append(i)
+    return {"honoured": ok, "not_honoured": bad}
 
 
 def compile_graph(
-    gm: fx.GraphModule, inputs: Sequence[Any], plan: Plan, ir: Graph, phase: str
+    gm: fx.GraphModule, inputs: Sequence[Any], plan: Plan, ir: Graph, phase: str, seq: dict[int, int]
 ) -> tuple[Callable[..., Any], dict[str, Any] | None]:
-    """(boxed callable, fusion record or None) for one half of a partitioned region."""
+    """(boxed callable, fusion record or None) for one half of a partitioned region. ``seq`` is
+    shared by the two halves of a region: the forward fills it, the backward reads it."""
     from functorch.compile import make_boxed_func
 
     if not plan.fusion.groups:
         return make_boxed_func(gm), None
-    # Inductor-constrained compilation is not wired yet: run the graph eagerly and say so
+    if phase == "forward":
+        seq.update(label_forward(gm, ir))
+    else:
+        label_backward(gm, ir, seq)
+    return _inductor(gm, inputs, expand_groups(plan, ir), phase)
+
+
+class _PlanChoices:
+    """Inductor's default heuristics, with the plan's rule in front of every fusion."""
+
+    def __init__(self, base: Any, group_of: dict[str, int]) -> None:
+        self._base = base
+        self._group_of = group_of
+        self.vetoed = 0
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._base, name)
+
+    def can_fuse(self, scheduler: Any, node1: Any, node2: Any, shared_data_score: int) -> bool:
+        if not allowed(_ops_of(node1) | _ops_of(node2), self._group_of):
+            self.vetoed += 1
+            return False
+        return bool(self._base.can_fuse(scheduler, node1, node2, shared_data_score))
+
+
+def _inductor(
+    gm: fx.GraphModule, inputs: Sequence[Any], groups: list[tuple[str, ...]], phase: str
+) -> tuple[Callable[..., Any], dict[str, Any]]:
+    from torch._inductor import config
+    from torch._inductor.choices import InductorChoices
+    from torch._inductor.compile_fx import compile_fx_inner
+    from torch._inductor.virtualized import V
+
+    choices = _PlanChoices(InductorChoices(), _group_of(groups))
+    kernels: list[frozenset[str]] = []
+
+    def read_back(nodes: list[Any]) -> list[Any]:
+        kernels.extend(_ops_of(n) for n in nodes)
+        return nodes
+
+    patch = config.patch(
+        {"fx_graph_cache": False, "fx_graph_remote_cache": False, "_post_fusion_custom_pass": read_back}
+    )
+    gm = _decompose(gm, inputs)
+    with patch, V.set_choices_handler(choices):
+        compiled = compile_fx_inner(gm, list(inputs), is_backward=phase == "backward")
+    found = honoured([k for k in kernels if k], groups)
     info = {
         "phase": phase,
-        "groups_planned": len(plan.fusion.groups),
-        "groups_honoured": 0,
-        "not_honoured": [list(g) for g in plan.fusion.groups],
-        "reason": "compiled without Inductor: every op runs as its own kernel",
+        "groups_planned": len(groups),
+        "groups_honoured": len(found["honoured"]),
+        "honoured": found["honoured"],
+        "not_honoured": found["not_honoured"],
+        "kernels": sum(1 for k in kernels if k),
+        "vetoed": choices.vetoed,
     }
-    return make_boxed_func(gm), info
+
+    def run(args: list[Any]) -> Any:
+        return compiled(args)
+
+    run._boxed_call = True  # type: ignore[attr-defined]
+    return run, info
+
+
+def _decompose(gm: fx.GraphModule, inputs: Sequence[Any]) -> fx.GraphModule:
+    """``gm`` retraced through Inductor's decomposition table (Inductor lowers decomposed graphs;
+    the partitioner had to see the undecomposed ops to find the plan's tensors). Every new node
+    keeps the marks of the node it came from."""
+    from torch._guards import detect_fake_mode
+    from torch._inductor.decomposition import select_decomp_table
+    from torch.fx import traceback as fx_traceback
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    fake = detect_fake_mode(list(inputs))
+
+    def run(*args: Any) -> Any:
+        return fx.Interpreter(gm).run(*args)
+
+    with fx_traceback.preserve_node_meta(), fake if fake is not None else nullcontext():
+        return make_fx(run, decomposition_table=select_decomp_table())(*inputs)
+
+
+def optimizer_record(plan: Plan, ir: Graph, fused: bool) -> dict[str, Any] | None:
+    """The fusion record of the optimizer step (not compiled: its groups are honoured when the
+    fused AdamW kernel runs the whole update), or None when the plan fuses no optimizer ops."""
+    opt = {op.name for op in ir.ops if op.phase is Phase.OPTIMIZER}
+    groups = expand_groups(plan, ir)
+    mine = [i for i, g in enumerate(groups) if set(g) & opt]
+    if not mine:
+        return None
+    return {
+        "phase": "optimizer",
+        "groups_planned": len(groups),
+        "groups_honoured": len(mine) if fused else 0,
+        "honoured": mine if fused else [],
+        "not_honoured": [] if fused else mine,
+    }
+
+
+def honoured_total(records: Sequence[dict[str, Any]]) -> tuple[int, int]:
+    """(groups planned, groups honoured) over a run's records: a group is honoured when some
+    compiled graph honoured it and none split it."""
+    if not records:
+        return 0, 0
+    good = {i for r in records for i in r.get("honoured", ())}
+    bad = {i for r in records for i in r.get("not_honoured", ())}
+    return int(records[0]["groups_planned"]), len(good - bad)

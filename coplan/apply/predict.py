@@ -161,5 +161,5 @@ def megatron_recompute(ctx: PlanContext, mode: str) -> frozenset[str]:
     if mode == "full":
         return frozenset(n for n in names if not n.endswith("mlp_residual"))
     if mode == "selective":
-        return frozenset(n for n in names if n.endswith(("attn.out", "attn.lse")))
+        return frozenset(n for n in names if n.endswith((".attn.out", ".attn.lse")))
     return frozenset()

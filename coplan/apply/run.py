@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from coplan.apply.dist import from_torchrun, launch
+from coplan.apply.fusion import honoured_total
 from coplan.apply.predict import baseline_plan, make_context, predict, refuse, run_cluster
 from coplan.apply.train import MODES, Job, RankResult, run_rank, step_time, tolerance_of
 from coplan.errors import CoplanError
@@ -113,8 +114,8 @@ def report(
 ) -> dict[str, Any]:
     tol = tolerance_of(req.plan)
     err = res.max_rel_err
-    planned = len(req.plan.fusion.groups)
-    honoured = _honoured(res, planned)
+    # groups of every block (the plan names the reference block's): one per fused kernel asked for
+    planned, honoured = honoured_total(res.fusion)
     p = req.plan
     return {
         "measured": {
@@ -162,11 +163,3 @@ def device_name(device: str) -> str:
     if device == "cuda" and torch.cuda.is_available():
         return torch.cuda.get_device_name()
     return platform.processor() or platform.machine()
-
-
-def _honoured(res: RankResult, planned: int) -> int:
-    """Planned groups every compiled graph honoured (the least over forward/backward records)."""
-    if not planned:
-        return 0
-    counts = [int(f.get("groups_honoured", 0)) for f in res.fusion if f.get("phase") == "forward"]
-    return min(counts) if counts else 0

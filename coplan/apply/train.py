@@ -36,6 +36,7 @@ import torch
 
 from coplan.apply.backend import Backend
 from coplan.apply.dist import Rank, apply_dp, apply_tp, full_grad, init, mesh
+from coplan.apply.fusion import optimizer_record
 from coplan.apply.measure import LiveBytes, SavedBytes, state_tensors, storages
 from coplan.apply.precision import LossScaler, compute_dtype, model_dtype, tolerance
 from coplan.errors import CoplanError
@@ -253,7 +254,12 @@ def _run(rank: int, world: int, job: Job) -> RankResult | None:
         else nullcontext
     )
     params = [p for p in base.parameters()]
-    opt = torch.optim.AdamW(params, lr=3e-4, betas=(0.9, 0.95), weight_decay=0.1, foreach=False)
+    # a plan fusing optimizer ops gets the fused AdamW kernel (one launch updates every tensor);
+    # otherwise one kernel per op, as an unfused plan prices it
+    fused_opt = be is not None and optimizer_record(plan, be.ir, True) is not None
+    opt = torch.optim.AdamW(
+        params, lr=3e-4, betas=(0.9, 0.95), weight_decay=0.1, foreach=False, fused=fused_opt or None
+    )
     scaler = LossScaler(plan.precision.loss_scaling)
     ddp_sync = getattr(wrapped, "no_sync", None)
 
@@ -284,7 +290,9 @@ def _run(rank: int, world: int, job: Job) -> RankResult | None:
         ok = scaler.unscale(params)
         err = math.nan
         if first:
-            ref = reference_grads(reference, data[0][0], data[0][1], r.device, micro)
+            # chunks of at most 8 sequences keep the fp32 reference within a GPU the plan fills
+            chunk = micro if r.device.type == "cpu" else min(micro, 8)
+            ref = reference_grads(reference, data[0][0], data[0][1], r.device, chunk)
             err_name = rel_errors(base, ref, perms)
             err = err_name[0]
             worst.append(err_name[1])
@@ -328,7 +336,10 @@ def _run(rank: int, world: int, job: Job) -> RankResult | None:
         )
     if scaler.skipped:
         notes.append(f"loss scaling skipped {scaler.skipped} step(s) with non-finite gradients")
-    fusion = be.report.fusion if be is not None else []
+    fusion = list(be.report.fusion) if be is not None else []
+    opt_record = optimizer_record(plan, be.ir, fused_opt) if be is not None else None
+    if opt_record is not None:
+        fusion.append(opt_record)
     if rank != 0:
         return None
     cuts = be.report.cuts if be is not None else []

@@ -132,8 +132,25 @@ class _Bar:
             self.progress.stop()
 
 
-def run_all(ctx: PlanContext, names: list[str], order: list[str] | None) -> dict[str, StrategyResult]:
+def _dtypes(dtypes: str | None) -> tuple[str, ...] | None:
+    if dtypes is None:
+        return None
+    from coplan.plan.types import COMPUTE_DTYPES
+
+    got = tuple(d.strip() for d in dtypes.split(",") if d.strip())
+    bad = [d for d in got if d not in COMPUTE_DTYPES]
+    if bad or not got:
+        raise SpecError(
+            "--dtypes", None, f"must be a comma-separated list of {', '.join(COMPUTE_DTYPES)}, got {dtypes!r}"
+        )
+    return got
+
+
+def run_all(
+    ctx: PlanContext, names: list[str], order: list[str] | None, dtypes: tuple[str, ...] | None = None
+) -> dict[str, StrategyResult]:
     from coplan.search import STRATEGIES, Options, run_strategy
+    from coplan.search.space import SearchSpace
 
     unknown = [n for n in names if n not in STRATEGIES]
     if unknown:
@@ -146,6 +163,8 @@ def run_all(ctx: PlanContext, names: list[str], order: list[str] | None) -> dict
         # joint is warm-started from whatever else was asked for, so it runs last
         for name in sorted(names, key=lambda n: n == "joint"):
             opts = Options(progress=bar)
+            if dtypes is not None:
+                opts.space = SearchSpace(dtypes=dtypes)
             if order:
                 opts.order = order
             if name == "joint":
@@ -214,6 +233,14 @@ def plan(
     ] = "joint",
     order: OrderOpt = None,
     tolerance: ToleranceOpt = 0.0,
+    dtypes: Annotated[
+        str | None,
+        typer.Option(
+            "--dtypes",
+            help="Compute dtypes the search may use, comma-separated (e.g. bf16,fp32) "
+            "[default: every dtype the devices run natively].",
+        ),
+    ] = None,
     out: Annotated[Path | None, typer.Option("--out", "-o", help="Write the plan as JSON here.")] = None,
     json: JsonOpt = False,
 ) -> None:
@@ -224,7 +251,7 @@ def plan(
     names = [strategy]
     if strategy == "joint":
         names = ["sequential", "hierarchical", "joint"]  # warm starts for joint
-    results = run_all(ctx, names, _order(order))
+    results = run_all(ctx, names, _order(order), _dtypes(dtypes))
     r = results[strategy]
     if out is not None:
         out.write_text(r.plan.to_json() + "\n", encoding="utf-8")

@@ -1,0 +1,180 @@
+"""GPT-2 124M trained on one GPU under coplan's plans and the baselines they are compared with.
+
+    # here (planning needs OR-Tools): write the plans the GPU runs apply
+    python benchmarks/bench_gpu.py plans
+    # on the GPU machine: run them (JSON per part to --out)
+    python benchmarks/bench_gpu.py apply --out DIR      # joint plan vs torch.compile and eager
+    python benchmarks/bench_gpu.py corners --out DIR    # fusion x remat: 2 x 4 corners
+    # here: the markdown tables of the README from the JSON the GPU runs wrote
+    python benchmarks/bench_gpu.py table DIR
+
+``apply`` (issue 5): at a memory-tight global batch (``BATCH`` sequences of ``SEQ`` tokens, where
+the planner must split the batch into microbatches to fit 75 GiB), the joint plan (bf16: the
+runner emulates fp8, so fp8 plans would not be faster on real hardware; ``--dtypes bf16``) against
+``torch.compile`` with Inductor's defaults and eager PyTorch, both under bf16 autocast with the
+plan's microbatching. Measured: tokens/s, peak memory, saved activations; the gradient check
+against eager fp32; predicted next to measured.
+
+``corners`` (issue 6, measured mode): GPT-2 124M at ``CORNER_BATCH`` sequences under compiled
+(greedy fusion through Inductor, constrained to the plan's groups) or eager kernels x
+recomputation none, full, selective and planned (the planner's recompute set for those kernels
+under a budget of 75% of the unrecomputed plan's peak: ``search.joint.optimise_remat``), all bf16,
+one microbatch, measured against predicted.
+
+Each run is ``coplan run``'s path (``coplan.apply.run.run_plan``) with ``--steps STEPS``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+HERE = Path(__file__).parent
+PLANS = HERE / "data" / "gpu"
+MODEL, CLUSTER = "gpt2-124m", "dgx-h100"
+BATCH, SEQ, STEPS = 128, 1024, 6
+CORNER_BATCH = 16
+RECOMPUTE = ("none", "full", "selective", "planned")
+
+
+def _ctx(batch: int, device: str = "cuda") -> Any:
+    from coplan.apply.predict import make_context, run_cluster
+    from coplan.hardware import load_cluster
+    from coplan.models.spec import load_model_spec
+
+    return make_context(load_model_spec(MODEL), run_cluster(load_cluster(CLUSTER), 1, device), batch, SEQ)
+
+
+def write_plans() -> None:
+    """The plans the GPU runs apply, planned here (OR-Tools is not on the GPU machine)."""
+    from coplan.apply.predict import megatron_recompute, plan_for
+    from coplan.plan.types import RematPlan
+    from coplan.search import Options, run_strategy
+    from coplan.search.joint import optimise_remat
+    from coplan.search.space import SearchSpace, fusion_option
+
+    PLANS.mkdir(parents=True, exist_ok=True)
+    ctx = _ctx(BATCH)
+    joint = run_strategy("joint", ctx, Options(space=SearchSpace(dtypes=("bf16",)))).plan
+    (PLANS / "joint.json").write_text(joint.to_json() + "\n")
+    ctx = _ctx(CORNER_BATCH)
+    base = plan_for(ctx, compute="bf16", microbatch=CORNER_BATCH)
+    budget = 0.75 * ctx.price(base).memory.peak_bytes
+    for fusion in ("eager", "greedy"):
+        fused = base.with_(fusion=fusion_option(ctx, fusion))
+        for mode in RECOMPUTE:
+            if mode == "planned":  # the planner's recompute set for these kernels and batch
+                ctx.budget_bytes = budget
+                plan = optimise_remat(fused, ctx)
+                ctx.budget_bytes = None
+            else:
+                plan = fused.with_(remat=RematPlan(recompute=megatron_recompute(ctx, mode)))
+            (PLANS / f"corner_{fusion}_{mode}.json").write_text(plan.to_json() + "\n")
+    print(f"plans -> {PLANS}")
+
+
+def _run(plan_file: Path, batch: int, mode: str = "plan") -> dict[str, Any]:
+    from coplan.apply.run import RunRequest, run_plan
+    from coplan.hardware import load_cluster
+    from coplan.models.spec import load_model_spec
+    from coplan.plan.types import Plan
+
+    plan = Plan.load(str(plan_file))
+    req = RunRequest(
+        plan=plan,
+        spec=load_model_spec(MODEL),
+        steps=STEPS,
+        nproc=1,
+        global_batch=batch,
+        seq=SEQ,
+        cluster=load_cluster(CLUSTER),
+        device="cuda",
+        mode=mode,
+    )
+    t0 = time.perf_counter()
+    try:
+        out = run_plan(req)
+    except Exception as e:  # an out-of-memory baseline is a result, not a crash of the benchmark
+        import torch
+
+        torch.cuda.empty_cache()
+        return {"plan": plan_file.name, "mode": mode, "error": f"{type(e).__name__}: {str(e)[:300]}"}
+    out["wall_s"] = time.perf_counter() - t0
+    out["plan"] = plan_file.name
+    out["tokens_per_s"] = batch * SEQ / out["measured"]["step_time_s"]
+    out["predicted_tokens_per_s"] = batch * SEQ / out["predicted"]["step_time_s"]
+    print(
+        f"{plan_file.name} {mode}: {out['measured']['step_time_s'] * 1e3:.1f} ms "
+        f"(pred {out['predicted']['step_time_s'] * 1e3:.1f}), {out['tokens_per_s']:,.0f} tok/s, "
+        f"peak {out['measured']['peak_bytes'] / 2**30:.1f} GiB, grad {out['grad_check']}, "
+        f"fusion {out['fusion']}, {out['wall_s']:.0f} s",
+        flush=True,
+    )
+    return out
+
+
+def run_part(part: str, out_dir: Path) -> None:
+    out_dir.mkdir(parents=True, exist_ok=True)
+    rows = []
+    if part == "apply":
+        for mode in ("plan", "compile", "eager"):
+            rows.append(_run(PLANS / "joint.json", BATCH, mode))
+            (out_dir / "gpu_apply.json").write_text(json.dumps(rows, indent=1, default=str))
+    elif part == "corners":
+        for fusion in ("greedy", "eager"):
+            for rec in RECOMPUTE:
+                rows.append(_run(PLANS / f"corner_{fusion}_{rec}.json", CORNER_BATCH))
+                (out_dir / "gpu_corners.json").write_text(json.dumps(rows, indent=1, default=str))
+
+
+def table(src: Path) -> None:
+    for name in ("gpu_apply.json", "gpu_corners.json"):
+        f = src / name
+        if not f.exists():
+            continue
+        rows = json.loads(f.read_text())
+        print(f"\n{name}\n")
+        print(
+            "| run | kernels | recompute | step ms meas | step ms pred | tokens/s | peak GiB meas "
+            "| peak GiB pred | saved GiB meas | saved GiB pred | grad err (tol) | groups honoured |"
+        )
+        print("|---|---|---|---:|---:|---:|---:|---:|---:|---:|---|---|")
+        for r in rows:
+            if "error" in r:
+                print(f"| {r['plan']} {r['mode']} | failed: {r['error'][:80]} |")
+                continue
+            m, p, g, run = r["measured"], r["predicted"], r["grad_check"], r["run"]
+            label = run["mode"] if run["mode"] != "plan" else r["plan"].removesuffix(".json")
+            print(
+                f"| {label} | {run['predicted_breakdown_s'] and run.get('mode')} | {len(run['recomputed'])} "
+                f"| {m['step_time_s'] * 1e3:.1f} | {p['step_time_s'] * 1e3:.1f} | {r['tokens_per_s']:,.0f} "
+                f"| {m['peak_bytes'] / 2**30:.2f} | {p['peak_bytes'] / 2**30:.2f} "
+                f"| {m['saved_activation_bytes'] / 2**30:.2f} | {p['saved_activation_bytes'] / 2**30:.2f} "
+                f"| {g['max_rel_err']:.1e} ({g['tolerance']:.0e}) | {r['fusion']['groups_honoured']}"
+                f"/{r['fusion']['groups_planned']} |"
+            )
+        if rows and "run" in rows[0]:
+            print(f"\ndevice: {rows[0]['run'].get('device_name')}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("part", choices=("plans", "apply", "corners", "table"))
+    ap.add_argument("src", nargs="?", default=".")
+    ap.add_argument("--out", default=".")
+    args = ap.parse_args(argv)
+    if args.part == "plans":
+        write_plans()
+    elif args.part == "table":
+        table(Path(args.src))
+    else:
+        run_part(args.part, Path(args.out))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
