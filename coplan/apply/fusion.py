@@ -58,6 +58,7 @@ _BWD_FAMILIES: dict[str, tuple[object, ...]] = {
     "add": (aten.add,),
 }
 
+_GEMMS = frozenset({"linear", "linear_bwd_input", "linear_bwd_weight"})
 META = "coplan_ops"  # key in node.meta["custom"]: the plan ops (names) an FX node implements
 
 
@@ -183,7 +184,12 @@ def compile_graph(
         seq.update(label_forward(gm, ir))
     else:
         label_backward(gm, ir, seq)
-    return _inductor(gm, inputs, expand_groups(plan, ir), phase)
+    groups = expand_groups(plan, ir)
+    by_name = {op.name: op for op in ir.ops}
+    gemm_epilogues = any(
+        by_name[n].target in _GEMMS for g in groups for n in g if n in by_name and len(g) > 1
+    )
+    return _inductor(gm, inputs, groups, phase, gemm_epilogues)
 
 
 class _PlanChoices:
@@ -205,7 +211,11 @@ class _PlanChoices:
 
 
 def _inductor(
-    gm: fx.GraphModule, inputs: Sequence[Any], groups: list[tuple[str, ...]], phase: str
+    gm: fx.GraphModule,
+    inputs: Sequence[Any],
+    groups: list[tuple[str, ...]],
+    phase: str,
+    gemm_epilogues: bool = False,
 ) -> tuple[Callable[..., Any], dict[str, Any]]:
     from torch._inductor import config
     from torch._inductor.choices import InductorChoices
@@ -219,9 +229,16 @@ def _inductor(
         kernels.extend(_ops_of(n) for n in nodes)
         return nodes
 
-    patch = config.patch(
-        {"fx_graph_cache": False, "fx_graph_remote_cache": False, "_post_fusion_custom_pass": read_back}
-    )
+    settings: dict[str, Any] = {
+        "fx_graph_cache": False,
+        "fx_graph_remote_cache": False,
+        "_post_fusion_custom_pass": read_back,
+    }
+    if gemm_epilogues and any(isinstance(x, torch.Tensor) and x.is_cuda for x in inputs):
+        # a plan fusing pointwise work into GEMMs needs GEMMs Inductor generates itself (Triton
+        # templates, autotuned against the library call): a cuBLAS call takes no epilogue
+        settings |= {"max_autotune_gemm": True, "max_autotune_gemm_backends": "TRITON,ATEN"}
+    patch = config.patch(settings)
     gm = _decompose(gm, inputs)
     with patch, V.set_choices_handler(choices):
         compiled = compile_fx_inner(gm, list(inputs), is_backward=phase == "backward")
