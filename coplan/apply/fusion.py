@@ -237,7 +237,13 @@ def _inductor(
     if gemm_epilogues and any(isinstance(x, torch.Tensor) and x.is_cuda for x in inputs):
         # a plan fusing pointwise work into GEMMs needs GEMMs Inductor generates itself (Triton
         # templates, autotuned against the library call): a cuBLAS call takes no epilogue
-        settings |= {"max_autotune_gemm": True, "max_autotune_gemm_backends": "TRITON,ATEN"}
+        # (autotuned in a subprocess: a template that faults on one shape must not take down the
+        # training process's CUDA context, which a fault in-process does)
+        settings |= {
+            "max_autotune_gemm": True,
+            "max_autotune_gemm_backends": "TRITON,ATEN",
+            "autotune_in_subproc": True,
+        }
     patch = config.patch(settings)
     gm = _decompose(gm, inputs)
     with patch, V.set_choices_handler(choices):
