@@ -122,18 +122,19 @@ def _run(plan_file: Path, batch: int, mode: str = "plan") -> dict[str, Any]:
     return out
 
 
-def run_part(part: str, out_dir: Path) -> None:
+APPLY_CASES = (("joint", "plan"), ("joint_greedy", "plan"), ("joint", "compile"), ("joint", "eager"))
+
+
+def run_part(part: str, out_dir: Path, case: int | None = None) -> None:
     out_dir.mkdir(parents=True, exist_ok=True)
     rows = []
     if part == "apply":
-        for plan, mode in (
-            ("joint", "plan"),
-            ("joint_greedy", "plan"),
-            ("joint", "compile"),
-            ("joint", "eager"),
-        ):
+        for i, (plan, mode) in enumerate(APPLY_CASES):
+            if case is not None and i != case:
+                continue
             rows.append(_run(PLANS / f"{plan}.json", BATCH, mode))
-            (out_dir / "gpu_apply.json").write_text(json.dumps(rows, indent=1, default=str))
+            name = "gpu_apply.json" if case is None else f"gpu_apply_{i}.json"
+            (out_dir / name).write_text(json.dumps(rows, indent=1, default=str))
     elif part == "corners":
         for fusion in ("greedy", "eager"):
             for rec in RECOMPUTE:
@@ -142,11 +143,11 @@ def run_part(part: str, out_dir: Path) -> None:
 
 
 def table(src: Path) -> None:
-    for name in ("gpu_apply.json", "gpu_corners.json"):
-        f = src / name
-        if not f.exists():
+    for name in ("gpu_apply", "gpu_corners"):
+        files = sorted(src.glob(f"{name}*.json"))
+        if not files:
             continue
-        rows = json.loads(f.read_text())
+        rows = [r for f in files for r in json.loads(f.read_text())]
         print(f"\n{name}\n")
         print(
             "| run | kernels | recompute | step ms meas | step ms pred | tokens/s | peak GiB meas "
@@ -176,13 +177,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("part", choices=("plans", "apply", "corners", "table"))
     ap.add_argument("src", nargs="?", default=".")
     ap.add_argument("--out", default=".")
+    ap.add_argument("--case", type=int, default=None, help="apply: run only this case (a process each)")
     args = ap.parse_args(argv)
     if args.part == "plans":
         write_plans()
     elif args.part == "table":
         table(Path(args.src))
     else:
-        run_part(args.part, Path(args.out))
+        run_part(args.part, Path(args.out), args.case)
     return 0
 
 
