@@ -110,6 +110,7 @@ def _run(plan_file: Path, batch: int, mode: str = "plan") -> dict[str, Any]:
         return {"plan": plan_file.name, "mode": mode, "error": f"{type(e).__name__}: {str(e)[:300]}"}
     out["wall_s"] = time.perf_counter() - t0
     out["plan"] = plan_file.name
+    out["kernels"] = plan.fusion.label if mode == "plan" else {"compile": "Inductor defaults"}.get(mode, mode)
     out["tokens_per_s"] = batch * SEQ / out["measured"]["step_time_s"]
     out["predicted_tokens_per_s"] = batch * SEQ / out["predicted"]["step_time_s"]
     print(
@@ -160,8 +161,9 @@ def table(src: Path) -> None:
                 continue
             m, p, g, run = r["measured"], r["predicted"], r["grad_check"], r["run"]
             label = run["mode"] if run["mode"] != "plan" else r["plan"].removesuffix(".json")
+            r.setdefault("kernels", "")
             print(
-                f"| {label} | {run['predicted_breakdown_s'] and run.get('mode')} | {len(run['recomputed'])} "
+                f"| {label} | {r.get('kernels', '')} | {len(run['recomputed'])} "
                 f"| {m['step_time_s'] * 1e3:.1f} | {p['step_time_s'] * 1e3:.1f} | {r['tokens_per_s']:,.0f} "
                 f"| {m['peak_bytes'] / 2**30:.2f} | {p['peak_bytes'] / 2**30:.2f} "
                 f"| {m['saved_activation_bytes'] / 2**30:.2f} | {p['saved_activation_bytes'] / 2**30:.2f} "
