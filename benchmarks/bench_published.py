@@ -2,9 +2,11 @@
 
     python benchmarks/bench_published.py [--runs benchmarks/data/published_runs.json] [--json OUT]
 
-Each run in the data file names its model, cluster preset, parallel layout (with ``stage_layers``
-where the source's recipe splits layers unevenly), batch, recompute, precision and attention
-kernel, and the step time its source measured. The same device presets price every run (one
+Each run in the data file names its model (with its dropout probabilities), cluster preset,
+parallel layout (with ``stage_layers`` where the source's recipe splits layers unevenly), batch,
+recompute, precision, attention kernel, the stack's loss kernels (``loss_fusion``), pipeline-send
+and gradient-reduction settings (``overlap.p2p``, ``grad_reduce_fp32``), and the step time its
+source measured. The same device presets price every run (one
 profile per device, nothing fitted per run). Prints a table and the mean and worst absolute error;
 ``--json`` writes the rows.
 """
@@ -44,6 +46,10 @@ def run_one(run: dict) -> dict:
         overlap_grad_reduce=run.get("overlap", {}).get("grad_reduce", True),
         overlap_param_gather=run.get("overlap", {}).get("param_gather", False),
         tp_comm_overlap=run.get("overlap", {}).get("tp_comm", False),
+        # Megatron's cross-entropy kernels as the run's recipe selects them (coplan/cost/loss.py)
+        loss_fusion=run.get("loss_fusion", "none"),
+        overlap_p2p=run.get("overlap", {}).get("p2p", True),
+        grad_reduce_fp32=run.get("grad_reduce_fp32", True),
         # an uneven pipeline layout, in virtual-stage order, where the source's recipe gives one
         stage_layers=tuple(run["stage_layers"]) if run.get("stage_layers") else None,
     )

@@ -242,6 +242,30 @@ class _Model:
         )
         return y
 
+    def dropout(self, x: int, p: float, module: str, block: int | None, label: str) -> int:
+        """Dropout as PyTorch's ``native_dropout`` runs it: the kept values scaled by 1/(1-p) and a
+        one-byte boolean mask, which backward reads (``native_dropout_backward``: grad * mask *
+        scale). Megatron-LM fuses it with the bias and the residual add (bias-dropout-add), which
+        the cost model's fusion groups reproduce; Korthikanti et al. 2022 (arXiv 2205.05198, Sec. 4)
+        count the mask as one byte per element of the activation memory."""
+        shape = self.g.tensors[x].shape
+        y, _mask = self.g.op(
+            "dropout",
+            OpKind.ELEMENTWISE,
+            Phase.FORWARD,
+            [x],
+            [(f"{module}.{label}", shape, self.dt), (f"{module}.{label}_mask", shape, "bool")],
+            module,
+            block,
+            # a counter-based random number (Philox), a compare and a scale per element
+            vector_per_elem=4,
+            args=f"p={p!r}",
+        )
+        self.tape.append(
+            ("pointwise", _Fwd(len(self.g.ops) - 1, [_mask]), {"module": module, "block": block})
+        )
+        return y
+
     def attention(self, x: int, i: int) -> int:
         s, b, t = self.s, self.b, self.t
         h, kvh, hd = s.n_heads, s.kv_heads, s.head_dim
@@ -271,20 +295,29 @@ class _Model:
                 ("rope", _Fwd(len(self.g.ops) - 1, [cos, sin]), {"module": f"{mod}.rotary", "block": i})
             )
         fl = sdpa_flop_count(q_shape, k_shape, k_shape)
-        out, lse = self.g.op(
+        outs = [(f"{mod}.out", q_shape, self.dt), (f"{mod}.lse", (b, h, t), F32)]
+        p = s.attention_dropout
+        if p:
+            # dropout on the attention probabilities inside the fused kernel: the forward keeps the
+            # random generator's (seed, offset), from which backward regenerates the mask, as
+            # PyTorch's _scaled_dot_product_flash_attention returns philox_seed and philox_offset
+            outs.append((f"{mod}.rng_state", (2,), I64))
+        res = self.g.op(
             "attention",
             OpKind.ATTENTION,
             Phase.FORWARD,
             list(dict.fromkeys([q, k, v])),
-            [(f"{mod}.out", q_shape, self.dt), (f"{mod}.lse", (b, h, t), F32)],
+            outs,
             mod,
             i,
             flops=fl,
+            args=f"dropout_p={p!r}" if p else "",
         )
+        out = res[0]
         self.tape.append(
             (
                 "attention",
-                _Fwd(len(self.g.ops) - 1, list(dict.fromkeys([q, k, v, out, lse]))),
+                _Fwd(len(self.g.ops) - 1, list(dict.fromkeys([q, k, v, *res]))),
                 {"module": mod, "block": i, "q": q_shape, "k": k_shape},
             )
         )
@@ -389,14 +422,22 @@ class _Model:
             (pos,) = g.op("arange", OpKind.CREATION, Phase.FORWARD, [], [("arange", (t,), I64)], "", None)
             pe = self._embedding(pos, wpe, "wpe", (t, s.d_model), saved=[pos])
             x = self.pointwise("add", [x, pe], shape, "", None, [])
+        pd = s.hidden_dropout
+        if pd:
+            # Megatron's embedding applies the hidden dropout to the summed embeddings
+            x = self.dropout(x, pd, "", None, "embedding_dropout")
         for i in range(s.n_layers):
             a = self.attention(self.norm(x, f"h.{i}.ln_1", i), i)
+            if pd:  # on the block's replicated residual path (after the row-parallel reduction)
+                a = self.dropout(a, pd, f"h.{i}", i, "attn_dropout")
             x = self.pointwise("add", [x, a], shape, f"h.{i}", i, [], label="attn_residual")
             m = (
                 self.moe(self.norm(x, f"h.{i}.ln_2", i), i)
                 if s.is_moe
                 else self.mlp(self.norm(x, f"h.{i}.ln_2", i), i)
             )
+            if pd:
+                m = self.dropout(m, pd, f"h.{i}", i, "mlp_dropout")
             x = self.pointwise("add", [x, m], shape, f"h.{i}", i, [], label="mlp_residual")
         x = self.norm(x, "ln_f", None)
         head_w = wte if s.tied_embeddings else None

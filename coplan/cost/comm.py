@@ -8,7 +8,12 @@ consecutive, with one ring per NIC (channel) so that each of the ``r`` local mem
 buffer out of each member, all-gather and reduce-scatter ``(n-1)/n``); the NVLink hops and the NIC
 hops are stages of the same pipelined ring, so they run concurrently and the slower level sets the
 time (nccl-tests' multi-node bus bandwidth is the NICs' rate, not a harmonic mix of NVLink and
-NIC rates). Latency terms follow a tree (``log2 n`` hops), which NCCL picks for small messages.
+NIC rates). All-reduce latency follows a tree (``log2 n`` hops), which NCCL picks for small
+messages; all-gather and reduce-scatter have only the ring algorithm in NCCL, whose ``n - 1``
+steps each pay a hop latency, the ``nodes - 1`` node-crossing steps the network's (NCCL
+src/enqueue.cc: AllGather/ReduceScatter use ``ncclPatternRing``, ``nstepsPerLoop = nRanks - 1``;
+src/graph/tuning.cc prices ring latency as ``(nsteps - nInterSteps) * intraLat + nInterSteps *
+interLat`` with ``nInterSteps = nNodes - 1`` for these two collectives).
 """
 
 from __future__ import annotations
@@ -43,9 +48,24 @@ class Group:
             local, nodes = size, 1
         return cls(size, local, nodes, first.intra_node, inter, efficiency)
 
-    def _phase(self, bytes_: float, factor: float) -> float:
-        """Time for a ring-style collective moving ``factor * (n-1)/n`` of ``bytes_`` per link."""
+    def _ring_latency(self) -> float:
+        """Latency of one ring pass (all-gather, reduce-scatter): ``n - 1`` steps, of which
+        ``nodes - 1`` cross the network."""
+        inter = self.inter.latency_s if self.inter is not None and self.nodes > 1 else 0.0
+        cross = self.nodes - 1 if inter else 0
+        return (self.size - 1 - cross) * self.intra.latency_s + cross * inter
+
+    def _tree_latency(self) -> float:
+        """Latency of one tree pass: ``log2`` hops inside the node and between nodes."""
         t = 0.0
+        if self.local > 1:
+            t += math.ceil(math.log2(self.local)) * self.intra.latency_s
+        if self.nodes > 1 and self.inter is not None:
+            t += math.ceil(math.log2(self.nodes)) * self.inter.latency_s
+        return t
+
+    def _bandwidth_time(self, bytes_: float, factor: float) -> float:
+        """Seconds of moving ``factor * (n-1)/n`` of ``bytes_`` out of each member, no latency."""
         e = self.efficiency
         if self.local > 1 and self.nodes > 1 and self.inter is not None:
             # one pipelined ring over both levels: of the (n-1)/n of the buffer each member sends,
@@ -55,26 +75,22 @@ class Group:
             intra, inter = self.intra, self.inter
             t_intra = sent * (r - 1) / r / (intra.bandwidth * intra.efficiency * e)
             t_inter = sent / r / (inter.bandwidth * inter.efficiency * e)
-            t = max(t_intra, t_inter)
-            t += factor * math.ceil(math.log2(r)) * intra.latency_s
-            t += factor * math.ceil(math.log2(self.nodes)) * inter.latency_s
-            return t
+            return max(t_intra, t_inter)
+        t = 0.0
         if self.local > 1:
             lvl = self.intra
             t += factor * (self.local - 1) / self.local * bytes_ / (lvl.bandwidth * lvl.efficiency * e)
-            t += factor * math.ceil(math.log2(self.local)) * lvl.latency_s
         if self.nodes > 1 and self.inter is not None:
             lvl = self.inter
-            t += (
-                factor
-                * (self.nodes - 1)
-                / self.nodes
-                * bytes_
-                / self.local
-                / (lvl.bandwidth * lvl.efficiency * e)
-            )
-            t += factor * math.ceil(math.log2(self.nodes)) * lvl.latency_s
+            sent = factor * (self.nodes - 1) / self.nodes * bytes_ / self.local
+            t += sent / (lvl.bandwidth * lvl.efficiency * e)
         return t
+
+    def _phase(self, bytes_: float, factor: float, ring: bool = False) -> float:
+        """Time for a ring-style collective moving ``factor * (n-1)/n`` of ``bytes_`` per link,
+        with a tree's latency per pass (``factor`` passes), or the ring's steps (``ring``)."""
+        latency = self._ring_latency() if ring else factor * self._tree_latency()
+        return self._bandwidth_time(bytes_, factor) + latency
 
     def all_reduce(self, bytes_: float) -> float:
         """All-reduce of a ``bytes_`` buffer held by every member."""
@@ -82,11 +98,11 @@ class Group:
 
     def all_gather(self, bytes_: float) -> float:
         """All-gather producing a ``bytes_`` buffer on every member (each contributes 1/n)."""
-        return 0.0 if self.size <= 1 else self._phase(bytes_, 1.0)
+        return 0.0 if self.size <= 1 else self._phase(bytes_, 1.0, ring=True)
 
     def reduce_scatter(self, bytes_: float) -> float:
         """Reduce-scatter of a ``bytes_`` buffer (each member keeps a reduced 1/n)."""
-        return 0.0 if self.size <= 1 else self._phase(bytes_, 1.0)
+        return 0.0 if self.size <= 1 else self._phase(bytes_, 1.0, ring=True)
 
 
 def p2p_time(cluster: ClusterSpec, bytes_: float, cross_node: bool, efficiency: float) -> float:

@@ -19,6 +19,9 @@ DTYPES: tuple[str, ...] = ("fp32", "tf32", "bf16", "fp16", "fp8")
 #: Dtypes a single op may be given (``TrainingConfig.op_dtypes``).
 OP_DTYPES: tuple[str, ...] = ("fp32", "bf16", "fp16", "fp8")
 FUSION_MODES: tuple[str, ...] = ("megatron", "none")
+#: Megatron's cross-entropy kernels (``--cross-entropy-loss-fusion``, ``--cross-entropy-fusion-impl``):
+#: unfused (the default), jit-fused ("native"), Transformer Engine's ("te"); see ``cost/loss.py``.
+LOSS_FUSIONS: tuple[str, ...] = ("none", "native", "te")
 
 
 class ConfigError(SpecError):
@@ -49,12 +52,22 @@ class TrainingConfig:
         overlap_param_gather: ZeRO's parameter all-gather after the optimizer overlaps the next
             step's forward (Megatron ``--overlap-param-gather``).
         tp_comm_overlap: tensor-parallel collectives overlap GEMMs (Transformer Engine userbuffers).
+        overlap_p2p: under the interleaved schedule, pipeline sends and receives overlap the next
+            chunk's compute (Megatron-Core's ``--overlap-p2p-communication``, on by default); off,
+            each exchange blocks (2021 Megatron-LM's batched isend/irecv followed by
+            ``torch.cuda.synchronize()``, megatron/p2p_communication.py at 6985e58938).
+        grad_reduce_fp32: mixed-precision gradients are accumulated and reduced in fp32 (Megatron
+            forces it for bf16: arguments.py ``accumulate_allreduce_grads_in_fp32``); off, in the
+            16-bit training dtype (2021 Megatron-LM's fp16 default, Megatron-Bridge's
+            ``grad_reduce_in_fp32 = False``): half the gradient memory and reduction traffic.
         stage_layers: layers held by each pipeline stage (default: an even split).
         recompute_per_stage: one recompute mode or set per pipeline stage, overriding ``recompute``
             (the first stage holds the most in-flight microbatches and may recompute more).
         recompute_fused: names of pointwise forward ops of block 0 that a recompute set re-runs
             inside the backward kernel reading their output (Inductor's partitioner does this):
             their arithmetic is paid, but no launch, no memory traffic and no stored copy.
+        loss_fusion: which of Megatron's cross-entropy kernels the loss runs as under
+            ``fusion="megatron"`` (``LOSS_FUSIONS``; other fusion plans price the IR's loss ops).
         op_dtypes: (op id, dtype) overrides of the precision each op runs in; a backward op
             follows its forward op. ``"fp32"`` stores the op's outputs in fp32 (autocast's fp32
             list), ``"bf16"``/``"fp16"`` runs it in 16 bits, ``"fp8"`` (GEMMs) quantises its
@@ -80,10 +93,13 @@ class TrainingConfig:
     overlap_grad_reduce: bool = True
     overlap_param_gather: bool = False
     tp_comm_overlap: bool = False
+    overlap_p2p: bool = True
+    grad_reduce_fp32: bool = True
     stage_layers: tuple[int, ...] | None = None
     recompute_per_stage: tuple[str | frozenset[str], ...] | None = None
     recompute_fused: frozenset[str] = frozenset()
     op_dtypes: tuple[tuple[int, str], ...] = ()
+    loss_fusion: str = "none"
 
     def __post_init__(self) -> None:
         for name in ("tp", "pp", "dp", "vpp", "microbatch", "global_batch"):
@@ -121,6 +137,10 @@ class TrainingConfig:
                 )
         else:
             object.__setattr__(self, "fusion", tuple(tuple(int(i) for i in g) for g in self.fusion))
+        if self.loss_fusion not in LOSS_FUSIONS:
+            raise ConfigError(
+                "loss_fusion", f"must be one of {', '.join(LOSS_FUSIONS)}, got {self.loss_fusion!r}"
+            )
         if self.vpp > 1 and self.pp == 1:
             raise ConfigError("vpp", "interleaved stages need pipeline parallelism (pp > 1)")
         if self.sequence_parallel and self.tp == 1:
@@ -188,6 +208,8 @@ class TrainingConfig:
             "overlap_grad_reduce": self.overlap_grad_reduce,
             "overlap_param_gather": self.overlap_param_gather,
             "tp_comm_overlap": self.tp_comm_overlap,
+            "overlap_p2p": self.overlap_p2p,
+            "grad_reduce_fp32": self.grad_reduce_fp32,
             "stage_layers": list(self.stage_layers) if self.stage_layers else None,
             "recompute_per_stage": (
                 None
@@ -196,6 +218,7 @@ class TrainingConfig:
             ),
             "recompute_fused": sorted(self.recompute_fused),
             "op_dtypes": [list(x) for x in self.op_dtypes],
+            "loss_fusion": self.loss_fusion,
         }
 
 

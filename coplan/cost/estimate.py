@@ -29,7 +29,8 @@ from coplan.cost.comm import Group, p2p_time
 from coplan.cost.config import TrainingConfig
 from coplan.cost.fusion import readers
 from coplan.cost.kernels import Rates, Scale, kernel_time, launches, vector_compute
-from coplan.cost.parts import ACT, NV, REPL, TP, GraphProfile, Kernel, Part, Vec, vadd, vdot
+from coplan.cost.parts import ACT, FIX, NV, REPL, TP, GraphProfile, Kernel, Part, Vec, vadd, vdot
+from coplan.cost.zero import zero3_exposed, zero3_transient
 from coplan.hardware.cluster import ClusterSpec
 from coplan.hardware.device import DeviceSpec
 from coplan.ir.types import Phase
@@ -258,18 +259,25 @@ def estimate(profile: GraphProfile, cluster: ClusterSpec, config: TrainingConfig
             mode = rec if is_block else "none"
             if is_block:
                 recompute += n * pc.recompute(part, mode)
+                if isinstance(mode, frozenset) and mode and _drops_output(profile, part, mode):
+                    # every block's input is gone: block k of a chunk re-runs the k - 1 before it
+                    # first (the chunk's input is kept by the schedule), (n/v - 1)/2 on average
+                    recompute += n * max(0.0, n / v - 1) / 2 * pc.forward
                 tp_comm += n * pc.tp_comm(part, mode)
                 sv = _saved(profile, part, mode)
+                if config.dtype == "fp8" and mode in ("none", "selective"):
+                    sv = vadd(sv, part.fp8_saved)  # GEMM inputs kept in fp8 (``fp8.py``)
                 saved = vadd(saved, tuple(x * n for x in sv))
                 if not config.flash_attention and mode not in ("full", "selective"):
                     # unfused attention keeps the softmax probabilities (batch x heads x s x s)
                     # instead of the fused kernel's output and logsumexp (full and selective
-                    # recompute keep neither)
-                    probs = part.scores * n
-                    saved = tuple(
-                        saved[i] - n * part.flash_saved[i] + (probs if i == ACT * 2 + TP else 0.0)
-                        for i in range(NV)
-                    )  # type: ignore[assignment]
+                    # recompute keep neither); with dropout on them also the dropped copy (AV's
+                    # input) and the one-byte mask: Korthikanti et al. 2022 (arXiv 2205.05198,
+                    # Sec. 4.1) count 2 + 2 + 1 = 5 bytes per score element in 16 bits
+                    probs = (part.scores + part.scores_dropout) * n
+                    masks = part.scores_dropout * n
+                    add = {ACT * 2 + TP: probs, FIX * 2 + TP: masks}
+                    saved = tuple(saved[i] - n * part.flash_saved[i] + add.get(i, 0.0) for i in range(NV))  # type: ignore[assignment]
                 tr = pc.transient(part)
                 if mode == "full":
                     tr += vdot(part.saved["none"], weights)  # the block's recomputed activations
@@ -280,7 +288,7 @@ def estimate(profile: GraphProfile, cluster: ClusterSpec, config: TrainingConfig
                 transient = max(transient, tr)
             else:
                 tp_comm += n * pc.tp_comm(part, "none")
-                saved_head = vadd(saved_head, part.saved["none"])
+                saved_head = vadd(saved_head, pc.saved)
                 transient = max(transient, pc.transient(part))
         # pipeline sends: the block output, forward and backward, once per chunk boundary
         pp_comm = 0.0
@@ -290,24 +298,34 @@ def estimate(profile: GraphProfile, cluster: ClusterSpec, config: TrainingConfig
             )
             sends = (0 if s == p - 1 and v == 1 else 1) + (0 if s == 0 and v == 1 else 1)
             one = p2p_time(cluster, boundary, pp_cross, net)
-            if v > 1:
+            if t > 1 and not config.sequence_parallel:
+                # each tensor-parallel rank sends 1/t of the (replicated) activation over its own
+                # link and the receiving ranks all-gather it over NVLink: Narayanan et al. 2021
+                # (arXiv 2104.04473) Sec. 4.1, megatron/p2p_communication.py's scatter-gather
+                one += tp_group.all_gather(boundary * t)
+            if v > 1 and config.overlap_p2p:
                 # the interleaved schedule overlaps sends with the next chunk's compute (Megatron-Core
                 # overlaps p2p communication whenever vpp > 1): only what compute cannot cover shows
                 chunk = (fwd + bwd) / v
                 pp_comm = v * sends * max(one - chunk / 2, cluster_latency(cluster, pp_cross))
             else:
-                pp_comm = sends * one
+                # 1F1B's sends, and interleaved ones without overlap, block the stage
+                pp_comm = v * sends * one
         # ZeRO-3: gather parameters for forward and backward, reduce-scatter gradients, each
         # microbatch; prefetching hides what compute can cover
         p_local = params[REPL] + params[TP] / t
         zero_comm = 0.0
         param_bytes = float(ab)  # parameters travel in the kernels' precision
-        grad_bytes = float(f32)  # gradients are reduced in fp32 under mixed precision
+        # gradients are reduced in fp32 under mixed precision, or in 16 bits where the stack does
+        grad_bytes = float(f32 if config.grad_reduce_fp32 else ab)
         if config.zero == 3 and d > 1:
-            mb_comm = 2 * dp_group.all_gather(p_local * param_bytes) + dp_group.reduce_scatter(
-                p_local * grad_bytes
+            # per-unit gathers and reduce-scatters, prefetched behind compute (``zero.py``); the
+            # units are the stage's layers (the embedding and head ride with the first and last)
+            units = max(1, per_stage_layers[s])
+            zero_comm = zero3_exposed(
+                dp_group, p_local, units, param_bytes, grad_bytes, fwd + bwd + recompute
             )
-            zero_comm = max(0.0, mb_comm - (fwd + bwd + recompute))
+            transient += zero3_transient(p_local, units, param_bytes, grad_bytes)
         # data-parallel gradient reduction, once per step
         dp_comm = param_gather = 0.0
         if d > 1 and config.zero < 3:
@@ -323,7 +341,20 @@ def estimate(profile: GraphProfile, cluster: ClusterSpec, config: TrainingConfig
         in_flight = _in_flight(s, p, v, m)
         # ``saved`` covers all v chunks of the stage; with v > 1 in-flight counts chunk-microbatches
         act_stored = vdot(saved, weights) * in_flight / v
-        act_stored += vdot(saved_head, weights) * min(in_flight, m)
+        # the embedding lives in chunk 0 of stage 0, the head in the last chunk of the last stage:
+        # each holds only the microbatches of its own chunk in flight
+        head_chunk = 0 if s == 0 else v - 1
+        act_stored += vdot(saved_head, weights) * _chunk_in_flight(s, p, v, m, head_chunk)
+        if rec == "full" and mine:
+            # Megatron's full recompute keeps each layer's input and, outside the checkpoints,
+            # the final norm's input. The blocks count their inputs, so the embedding output
+            # (block 0's input, also saved by the embedding side) is counted once, and the last
+            # block's output (read by the final norm) is added on the last stage
+            inp = vdot(mine[0].saved["full"], weights)
+            if s == 0:
+                act_stored -= inp * _chunk_in_flight(s, p, v, m, 0)
+            if s == p - 1:
+                act_stored += inp * _chunk_in_flight(s, p, v, m, v - 1)
         static = _static(p_local, config, d)
         capacity = float(min(dev.memory_bytes for dev in _devices_of_stage(cluster, config, s)))
         mem = MemoryEstimate(
@@ -438,17 +469,23 @@ class _PartCost:
 
 
 class _Priced:
-    __slots__ = ("backward", "cost", "forward", "fwd_times", "kernels", "optimizer")
+    __slots__ = ("backward", "cost", "forward", "fwd_kernels", "fwd_times", "kernels", "optimizer", "saved")
 
     def __init__(self, cost: _PartCost, part: Part) -> None:
         s = cost.s
         self.cost = cost
-        self.fwd_times = [cost.time(k) for k in part.forward]
+        fwd, bwd = part.forward, part.backward
+        self.saved: Vec = part.saved["none"]
+        for name, f, b, delta in part.loss_variants:
+            if name == cost.c.loss_fusion:  # Megatron's own loss kernels (``loss.py``)
+                fwd, bwd, self.saved = f, b, vadd(self.saved, delta)
+        self.fwd_kernels = fwd
+        self.fwd_times = [cost.time(k) for k in fwd]
         self.forward = sum(self.fwd_times)
-        self.backward = sum(cost.time(k) for k in part.backward)
+        self.backward = sum(cost.time(k) for k in bwd)
         # optimizer kernels: everything scales with the local (TP-sharded) parameters
         self.optimizer = sum(cost.time(k) for k in part.optimizer)
-        self.kernels = sum(launches(k, s) for k in (*part.forward, *part.backward, *part.optimizer))
+        self.kernels = sum(launches(k, s) for k in (*fwd, *bwd, *part.optimizer))
 
     def recompute(self, part: Part, mode: str | frozenset[str]) -> float:
         if mode == "none":
@@ -456,13 +493,13 @@ class _Priced:
         if mode == "full":
             return self.forward
         if mode == "selective":
-            return sum(t for k, t in zip(part.forward, self.fwd_times, strict=True) if k.attn_core)
+            return sum(t for k, t in zip(self.fwd_kernels, self.fwd_times, strict=True) if k.attn_core)
         assert isinstance(mode, frozenset)
         prof = self.cost.profile
         ops, _ = _recompute_closure(prof, part, mode)
         fused = _fused_ids(prof, part, self.cost.c.recompute_fused) & ops
         total = 0.0
-        for k, t in zip(part.forward, self.fwd_times, strict=True):
+        for k, t in zip(self.fwd_kernels, self.fwd_times, strict=True):
             rerun = ops.intersection(k.ops)
             if not rerun:
                 continue
@@ -503,7 +540,7 @@ class _Priced:
                 bwd += g.all_reduce(n * ab)
         total = fwd + bwd + (fwd if mode == "full" else 0.0)
         if c.tp_comm_overlap:
-            gemm = sum(t for k, t in zip(part.forward, self.fwd_times, strict=True) if k.kind == "matmul")
+            gemm = sum(t for k, t in zip(self.fwd_kernels, self.fwd_times, strict=True) if k.kind == "matmul")
             total = max(0.0, total - 2 * gemm)
         return total
 
@@ -517,6 +554,16 @@ def _saved(profile: GraphProfile, part: Part, mode: str | frozenset[str]) -> Vec
         return part.saved[mode]
     _, dropped = _recompute_closure(profile, part, mode)
     return tuple(a - b for a, b in zip(part.saved["none"], dropped, strict=True))  # type: ignore[return-value]
+
+
+def _drops_output(profile: GraphProfile, part: Part, names: frozenset[str]) -> bool:
+    key = ("drops_output", names)
+    got = part.cache.get(key)
+    if got is None:
+        from coplan.cost.remat import drops_output
+
+        got = part.cache[key] = drops_output(profile.graph, part, names)
+    return bool(got)
 
 
 def _fused_ids(profile: GraphProfile, part: Part, names: frozenset[str]) -> frozenset[int]:
@@ -621,6 +668,26 @@ def _in_flight(stage: int, p: int, v: int, m: int) -> float:
     return float(min(warmup + 1, m * v))
 
 
+def _chunk_in_flight(stage: int, p: int, v: int, m: int, chunk: int) -> float:
+    """Microbatches of model chunk ``chunk`` whose activations stage ``stage`` holds at its peak.
+
+    Megatron's interleaved schedule runs the warm-up forwards (``_in_flight``) in groups of ``p``
+    microbatches per chunk, chunk after chunk (megatron/core/pipeline_parallel/schedules.py,
+    ``get_model_chunk_id``), so the peak holds ``min(p, left)`` microbatches of each group of
+    that chunk. On the last stage the last chunk runs one forward then its backward (its warm-up
+    covers the other chunks only): one microbatch, which is where the loss's logits live."""
+    if v == 1:
+        return float(min(p - stage, m))
+    n = int(_in_flight(stage, p, v, m))
+    held = 0
+    g = 0
+    while g * p < n:
+        if g % v == chunk:
+            held += min(p, n - g * p)
+        g += 1
+    return float(min(held, m))
+
+
 def _static(p_local: float, config: TrainingConfig, d: int) -> tuple[float, float, float]:
     """Parameters, gradients and optimizer state on one GPU. Megatron mixed precision: 16-bit
     weights, fp32 main gradients, fp32 master weights and Adam moments (2 + 4 + 12 bytes); fp32:
@@ -628,7 +695,7 @@ def _static(p_local: float, config: TrainingConfig, d: int) -> tuple[float, floa
     master = config.mixed and config.master_weights
     wide = 4 if (master or not config.mixed) else config.act_bytes
     w = p_local * config.act_bytes
-    g = p_local * wide
+    g = p_local * (wide if config.grad_reduce_fp32 or not config.mixed else config.act_bytes)
     o = p_local * (12 if master else 2 * wide)
     if config.zero >= 1:
         o /= d

@@ -53,10 +53,13 @@ def default_groups(graph: Graph, mode: str) -> tuple[tuple[int, ...], ...]:
             prod = ops[src]
             if prod.kind not in _CHAINABLE or prod.phase is not op.phase or prod.block != op.block:
                 continue
-            # the producer's outputs may only be read inside the chain (through views), else the
-            # intermediate must be materialised anyway and fusing saves nothing
-            read_by = {c for t in prod.outputs for c in readers(graph, t)}
-            if read_by <= {op.id}:
+            # the outputs this op reads may only be read inside the chain (through views), else the
+            # intermediate must be materialised anyway and fusing saves nothing; the producer's other
+            # outputs (a dropout mask kept for backward) are written by the fused kernel either way,
+            # as Megatron's fused bias-dropout-add writes its mask
+            read = [t for t in prod.outputs if op.id in readers(graph, t)]
+            read_by = {c for t in read for c in readers(graph, t)}
+            if read and read_by <= {op.id}:
                 parent[find(op.id)] = find(prod.id)
     groups: dict[int, list[int]] = {}
     for op in ops:

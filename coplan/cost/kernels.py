@@ -121,13 +121,25 @@ def kernel_time(k: Kernel, r: Rates, s: Scale) -> float:
     return _RULES[k.kind](k, r, s)
 
 
+#: Slowdown of a fused (flash) attention kernel that applies dropout to its probabilities: it
+#: generates the mask in registers (Philox) in forward and regenerates it in backward, on the
+#: CUDA cores next to the tensor-core work. Measured fwd + bwd at p = 0.1: +3% for cuDNN's fused
+#: attention on H200 (NVIDIA/TransformerEngine issue #3312, sbhd layout: 0.594 -> 0.614 ms), +5%
+#: for FlashAttention-2 on GB200 (TransformerEngine PR #3313: 0.695 -> 0.728 ms), +11-17% for
+#: PyTorch's FlashAttention-2 kernels on one H100 (benchmarks/data/h100_microbench.json, causal,
+#: head dim 128, seq 4096). Transformer Engine, which the Megatron-Core runs use, picks cuDNN's
+#: kernel on Hopper; 5% stands for that class of kernel.
+FLASH_DROPOUT_COST = 0.05
+
+
 def launches(k: Kernel, s: Scale) -> int:
     """Kernels launched for ``k``: none for views, three forward / five backward for attention
-    without a fused kernel (two batched GEMMs and a softmax; their gradients)."""
+    without a fused kernel (two batched GEMMs and a softmax; their gradients), one more each way
+    with dropout on the probabilities (the dropout kernel and its gradient)."""
     if k.kind == "free":
         return 0
     if k.kind == "attention" and not s.flash:
-        return 3 if k.phase.value == "forward" else 5
+        return (3 if k.phase.value == "forward" else 5) + (1 if k.dropout else 0)
     return 1
 
 
@@ -193,11 +205,24 @@ def _attention(k: Kernel, r: Rates, s: Scale) -> float:
         shape = shape_factor((sq, sk), r.half_dim) * shape_factor((d,), r.attn_head_half)
         rate = r.attn_bwd_flops if k.phase.value == "backward" and r.attn_bwd_flops else r.attn_flops
         compute = 0.5 * k.mm_flops / div / (rate * shape)
+        if k.dropout:
+            compute *= 1.0 + FLASH_DROPOUT_COST
         return max(compute, memory) + first_touch(k, r, s) + r.launch_s
-    # unfused: two batched GEMMs at matmul efficiency, and the score matrix through memory
-    # (forward: written by QK^T, read and written by softmax, read by AV = 4 passes;
-    # backward: dP written, P and dP read, dS written, dS read by two GEMMs = 6 passes)
+    # unfused (Megatron-LM's baddbmm, fused scale-mask-softmax, dropout, bmm): two batched GEMMs at
+    # matmul efficiency, and the score matrix through memory. Forward: S written by QK^T, read and
+    # P written by softmax, P read by AV = 4 passes. Backward: dP written and P read by AV's two
+    # gradient GEMMs, P and dP read and dS written by the softmax gradient, dS read by QK^T's two
+    # gradient GEMMs = 7 passes. Dropout on P (torch.nn.Dropout after the softmax, 2021-2022
+    # Megatron-LM and NeMo) adds a pass each way (P read and P_d written forward, dP_d read and dP
+    # written backward: +2 passes) and a one-byte mask written forward and read backward. Checked
+    # on one H100 (benchmarks/data/h100_microbench.json, "unfused_attention"): this sum of derated
+    # GEMM time and score traffic is within ~10% of the measured fp16 kernels (a per-GEMM roofline
+    # max() is 30-40% too fast: small-K batched GEMMs run below both roofs), and dropout measured
+    # +3.3 ms forward / +2.5 ms backward against the +2.8 / +2.8 ms priced here (b16 a24 s2048).
     compute = k.mm_flops / div / (r.mm_flops * shape_factor((sq, sk, d), r.half_dim))
-    passes = 4 if k.phase.value == "forward" else 6
-    scores = bh * sq * sk / s.tp * s.act_bytes * passes / r.bandwidth
+    passes = 4 if k.phase.value == "forward" else 7
+    per_elem = s.act_bytes * passes
+    if k.dropout:
+        per_elem += 2 * s.act_bytes + 1
+    scores = bh * sq * sk / s.tp * per_elem / r.bandwidth
     return compute + max(0.0, memory) + scores + launches(k, s) * r.launch_s

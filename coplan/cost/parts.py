@@ -57,6 +57,7 @@ class Kernel:
     vec_split: tuple[float, ...] = ()
     fresh: tuple[Vec, ...] = ()
     dtype: str = ""  # the precision it runs in when overridden ("": the training dtype)
+    dropout: float = 0.0  # attention kernels: dropout probability on the attention probabilities
 
 
 @dataclass(frozen=True, slots=True)
@@ -75,10 +76,15 @@ class Part:
     tp_entries: tuple[float, ...] = ()  # elements of tensors entering a sharded region (forward)
     boundary: float = 0.0  # elements of the activation passed to the next pipeline stage
     scores: float = 0.0  # batch * heads * q * k elements of non-flash attention scores
+    scores_dropout: float = 0.0  # of those, the elements of attention with dropout on the probabilities
     flash_saved: Vec = ZERO  # kept only for the fused attention's backward (its output, logsumexp)
+    fp8_saved: Vec = ZERO  # change of the saved vector when the block's GEMMs run in fp8 (``fp8.py``)
     model_flops: float = 0.0  # matrix FLOPs of forward + backward (what MFU counts)
     op_ids: tuple[int, ...] = ()
     saved_items: tuple[tuple[int, str, Vec], ...] = ()  # (tensor id, name, vector) kept with no recompute
+    # the head under Megatron's loss kernels (``loss.py``): (loss fusion, forward kernels, backward
+    # kernels, change of the saved vector), replacing ``forward``/``backward`` when priced
+    loss_variants: tuple[tuple[str, tuple[Kernel, ...], tuple[Kernel, ...], Vec], ...] = ()
     cache: dict[object, object] = field(default_factory=dict, compare=False, repr=False)
 
 

@@ -19,7 +19,9 @@ from __future__ import annotations
 import re
 from collections.abc import Iterable, Sequence
 
+from coplan.cost.fp8 import fp8_saved_delta
 from coplan.cost.fusion import default_groups, readers, source_op
+from coplan.cost.loss import LOSS_FUSIONS, loss_ops, megatron_loss
 from coplan.cost.parts import (
     ACT,
     F32,
@@ -36,6 +38,7 @@ from coplan.cost.parts import (
     vadd,
 )
 from coplan.hardware.device import VECTOR_FAMILIES
+from coplan.ir.oprules import attention_dropout
 from coplan.ir.types import Graph, Op, OpKind, Phase, Tensor, TensorRole
 
 #: Submodules of a block whose ops Megatron-style tensor parallelism shards.
@@ -73,6 +76,9 @@ def profile_graph(
         for i in g:
             group_of[i] = tuple(g)
     ctx = _Ctx(graph, precision if precision and precision[1] else None, group_of)
+    # Megatron's own loss kernels replace the IR's where the stack is Megatron's and no per-op
+    # precision override changes the loss path
+    ctx.megatron_loss = fusion == "megatron" and not (precision and precision[1])
     by_block: dict[int | None, list[Op]] = {}
     for op in graph.ops:
         by_block.setdefault(op.block, []).append(op)
@@ -152,6 +158,7 @@ class _Ctx:
             ):
                 self._f32_ops.add(op.id)  # Megatron computes the vocab-parallel loss on fp32 logits
         self.group_of = group_of or {}
+        self.megatron_loss = False
         self._dtype: dict[int, str] = {}  # op id -> overridden dtype (backward ops follow forward)
         self._act = "fp32"
         self._casts: dict[tuple[int, str], tuple[int, bool]] = {}  # (tensor, dtype) -> (consumer, fused)
@@ -396,6 +403,7 @@ class _Ctx:
             {Phase.FORWARD: fwd, Phase.BACKWARD: bwd, Phase.OPTIMIZER: opt}[k.phase].append(k)
         for k in self.cast_kernels(ops):
             (fwd if k.phase is Phase.FORWARD else bwd).append(k)
+        variants = self.loss_variants(ops, fwd, bwd) if self.megatron_loss and not blocks else ()
         params = [0.0, 0.0]
         seen: set[int] = set()
         for op in ops:
@@ -409,11 +417,13 @@ class _Ctx:
         saved_none = self.saved_vec(ops, ids, mode="none")
         exits, entries = self.tp_boundaries(ops, ids)
         boundary = self.boundary(ops, ids)
-        scores = 0.0
+        scores = scores_dropout = 0.0
         for op in ops:
             if op.kind is OpKind.ATTENTION and op.phase is Phase.FORWARD:
                 bh, sq, sk, _ = self.attn_geometry(op)
                 scores += float(bh * sq * sk)
+                if attention_dropout(op):
+                    scores_dropout += float(bh * sq * sk)
         return Part(
             name=name,
             blocks=blocks,
@@ -431,11 +441,30 @@ class _Ctx:
             tp_entries=entries,
             boundary=boundary,
             scores=scores,
+            scores_dropout=scores_dropout,
             model_flops=float(sum(op.flops for op in ops if op.phase is not Phase.OPTIMIZER)),
             op_ids=tuple(op.id for op in ops),
-            saved_items=self.saved_items(ops),
+            saved_items=(items := self.saved_items(ops)),
+            fp8_saved=fp8_saved_delta(self.g, items) if blocks else ZERO,
             flash_saved=self.flash_saved(ops),
+            loss_variants=variants,
         )
+
+    def loss_variants(
+        self, ops: Sequence[Op], fwd: Sequence[Kernel], bwd: Sequence[Kernel]
+    ) -> tuple[tuple[str, tuple[Kernel, ...], tuple[Kernel, ...], Vec], ...]:
+        """The part's kernels with its loss run as each of Megatron's cross-entropy kernels."""
+        mine = loss_ops(self.g, ops, self._f32_ops)
+        if not mine:
+            return ()
+        keep_f = tuple(k for k in fwd if not mine.intersection(k.ops))
+        keep_b = tuple(k for k in bwd if not mine.intersection(k.ops))
+        loss = [op for op in ops if op.id in mine]
+        out = []
+        for impl in LOSS_FUSIONS:
+            lf, lb, saved = megatron_loss(self.g, loss, impl)
+            out.append((impl, keep_f + tuple(lf), tuple(lb) + keep_b, saved))
+        return tuple(out)
 
     def flash_saved(self, ops: Sequence[Op]) -> Vec:
         """Storages a fused attention kernel keeps for its own backward only; an unfused attention
@@ -519,9 +548,11 @@ class _Ctx:
         # one launched kernel: a library attention or GEMM (with any fused epilogue), or generated
         # vector code; only the anchor's geometry differs between them
         attn, dims, sdim = (0, 0, 0, 0), (0, 0, 0), -1
+        drop = 0.0
         if at is not None:
             fwd_op = g.ops[at.forward_op] if at.phase is Phase.BACKWARD and at.forward_op is not None else at
             kind, attn, core = "attention", self.attn_geometry(fwd_op), True
+            drop = attention_dropout(fwd_op)
         elif mm is not None:
             kind, core = "matmul", False
             dims, sdim = self.mm_dims(mm, shard)
@@ -543,6 +574,7 @@ class _Ctx:
             vec_split=split,
             fresh=tuple(fresh),
             dtype=dtype,
+            dropout=drop,
         )
 
     def _scalar_only(self, ops: Sequence[Op]) -> bool:

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from coplan.cost.config import ConfigError
 from coplan.cost.parts import Part, Vec
-from coplan.ir.types import Graph, TensorRole
+from coplan.ir.types import Graph, Phase, TensorRole
 
 
 def recompute_closure(graph: Graph, part: Part, names: frozenset[str]) -> tuple[frozenset[int], Vec]:
@@ -50,3 +50,21 @@ def recompute_closure(graph: Graph, part: Part, names: frozenset[str]) -> tuple[
         for i, x in enumerate(by_name[graph.tensors[tid].name][1]):
             vec[i] += x
     return frozenset(rerun), tuple(vec)  # type: ignore[return-value]
+
+
+def drops_output(graph: Graph, part: Part, names: frozenset[str]) -> bool:
+    """Whether the set ``names`` drops a tensor that a forward op outside the block reads: the
+    block's output, which is the next block's input (or the final norm's). The template applies to
+    every block, so every block then loses its input, and re-running a block first needs all the
+    blocks before it in its pipeline chunk (whose input the schedule keeps) re-run."""
+    ids = set(part.op_ids)
+    by_name = {name: tid for tid, name, _ in part.saved_items}
+    for n in names:
+        tid = by_name.get(n)
+        if tid is None:
+            continue
+        for c in graph.tensors[tid].consumers:
+            op = graph.ops[c]
+            if c not in ids and op.phase is Phase.FORWARD:
+                return True
+    return False

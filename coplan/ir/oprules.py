@@ -15,7 +15,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from coplan.ir.types import OpKind
+from coplan.ir.types import Op, OpKind
 
 # (shape, dtype_bytes) of each tensor argument; storage bytes of the base for views.
 TensorInfo = tuple[tuple[int, ...], int]
@@ -262,3 +262,27 @@ register(
     flops_per_element=2,
 )
 register("fused_adam", "_fused_adam", "_fused_adamw", kind=OpKind.OPTIMIZER, flops_per_element=12)
+# Dropout: a counter-based random number (Philox), a compare and a scale per element forward; the
+# mask (one byte per element, ``bool``) times the scale backward.
+register("native_dropout", kind=OpKind.ELEMENTWISE, flops_per_element=4)
+register("native_dropout_backward", kind=OpKind.ELEMENTWISE, flops_per_element=2)
+
+
+#: Attention ops whose fourth positional argument is ``dropout_p`` (PyTorch's flash SDPA schema).
+_DROPOUT_P_ARG3 = ("_scaled_dot_product_flash_attention", "_flash_attention_forward")
+
+
+def attention_dropout(op: Op) -> float:
+    """The dropout probability a forward attention op applies to its probabilities: the synthetic
+    builder's ``dropout_p=`` argument, or the positional ``dropout_p`` of a captured flash SDPA."""
+    positional, _, keywords = op.args.partition(";")
+    for part in (*positional.split(","), *keywords.split(",")):
+        if part.startswith("dropout_p="):
+            return float(part.split("=", 1)[1])
+    pos = positional.split(",")
+    if len(pos) > 3 and any(name in op.target for name in _DROPOUT_P_ARG3):
+        try:
+            return float(pos[3])
+        except ValueError:
+            return 0.0
+    return 0.0

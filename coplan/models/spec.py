@@ -41,6 +41,12 @@ class ModelSpec:
     capacity_factor: float = 1.0  # experts process ceil(tokens * top_k / n_experts * factor) tokens
     norm_eps: float = 1e-5
     rope_theta: float = 10000.0
+    # Dropout probabilities as Megatron-LM names them (--hidden-dropout, --attention-dropout; both
+    # default to 0.1 there, 0.0 in Llama-style recipes): ``hidden_dropout`` drops the attention and
+    # MLP outputs before each residual add (Megatron's fused bias-dropout-add), ``attention_dropout``
+    # the attention probabilities. 0.0 builds no dropout ops, so the graph is the same as without.
+    hidden_dropout: float = 0.0
+    attention_dropout: float = 0.0
 
     def __post_init__(self) -> None:
         src = f"model '{self.name}'"
@@ -68,6 +74,10 @@ class ModelSpec:
             raise SpecError(
                 src, "top_k", f"must be between 1 and n_experts={self.n_experts}, got {self.top_k!r}"
             )
+        for f in ("hidden_dropout", "attention_dropout"):
+            p = getattr(self, f)
+            if isinstance(p, bool) or not isinstance(p, int | float) or not 0.0 <= p < 1.0:
+                raise SpecError(src, f, f"must be a probability in [0, 1), got {p!r}")
         if self.capacity_factor <= 0:
             raise SpecError(src, "capacity_factor", f"must be positive, got {self.capacity_factor!r}")
         if self.position == "rope" and self.head_dim % 2:

@@ -29,7 +29,7 @@ def _one_layer_activations(config: TrainingConfig, spec: ModelSpec = GPT) -> flo
     ("tp", "sp", "recompute", "closed_form"),
     [
         # Korthikanti et al. 2022 (arXiv 2205.05198), Sec. 4, per layer in 16-bit bytes, without
-        # the dropout terms (coplan's GPT has no dropout): attention 10sbh + 2as^2b (softmax output),
+        # the dropout terms (GPT has no dropout): attention 10sbh + 2as^2b (softmax output),
         # MLP 18sbh, norms 4sbh -> 32sbh + 2as^2b.
         (1, False, "none", lambda s, b, h, a, t: s * b * h * 32 + 2 * a * s * s * b),
         # tensor parallel: norm inputs, QKV and fc1 inputs stay replicated (8sbh), the rest /t
@@ -292,9 +292,11 @@ def test_multi_node_ring_runs_both_levels_concurrently() -> None:
     assert nic is not None
     sent = 15 / 16 * nbytes
     expected = sent / 4 / (nic.bandwidth * nic.efficiency)  # the NICs are the slower level here
-    lat = math.ceil(math.log2(4)) * (cluster.groups[0].intra_node.latency_s + nic.latency_s)
-    assert g.reduce_scatter(nbytes) == pytest.approx(expected + lat)
-    assert g.all_reduce(nbytes) == pytest.approx(2 * (expected + lat))
+    tree = math.ceil(math.log2(4)) * (cluster.groups[0].intra_node.latency_s + nic.latency_s)
+    # NCCL's reduce-scatter is a ring: 15 steps, 3 of them across nodes; all-reduce may be a tree
+    ring = 12 * cluster.groups[0].intra_node.latency_s + 3 * nic.latency_s
+    assert g.reduce_scatter(nbytes) == pytest.approx(expected + ring)
+    assert g.all_reduce(nbytes) == pytest.approx(2 * (expected + tree))
 
 
 def test_fp8_sequence_parallel_gathers_one_byte_elements() -> None:
@@ -431,3 +433,199 @@ def test_gemm_dims_of_the_attention_output_projection_gradient():
             break
     else:
         raise AssertionError("no input-gradient GEMM of the attention output projection")
+
+
+# --- dropout, Megatron's loss kernels, stack flags (issue 3) ----------------------------------------
+
+GPT_DROP = ModelSpec(**{**GPT.to_dict(), "hidden_dropout": 0.1, "attention_dropout": 0.1})
+
+
+def test_activation_memory_with_dropout_matches_korthikanti():
+    # Korthikanti et al. 2022, Sec. 4.1, with dropout: 34sbh + 5as^2b per layer (the two hidden
+    # dropout masks, one byte per element; softmax output, dropout mask and dropped probabilities)
+    b, s, h, a = 2, 1024, GPT.d_model, GPT.n_heads
+    config = TrainingConfig(microbatch=b, global_batch=b, seq=s, dtype="bf16", flash_attention=False)
+    got = _one_layer_activations(config, GPT_DROP)
+    assert got == pytest.approx(34 * s * b * h + 5 * a * s * s * b, rel=0.01)
+    # flash attention keeps (seed, offset), not the mask
+    flash = _one_layer_activations(config.with_(flash_attention=True), GPT_DROP)
+    plain = _one_layer_activations(config.with_(flash_attention=True))
+    assert flash - plain == pytest.approx(2 * s * b * h, abs=64)
+
+
+def test_dropout_costs_time_and_zero_dropout_changes_nothing():
+    config = TrainingConfig(microbatch=2, global_batch=2, seq=1024)
+    base, drop = _est(config), _est(config, GPT_DROP)
+    zero = _est(config, ModelSpec(**{**GPT.to_dict(), "hidden_dropout": 0.0}))
+    assert zero.step_time_s == base.step_time_s
+    assert drop.step_time_s > base.step_time_s
+    unfused = config.with_(flash_attention=False)
+    assert _est(unfused, GPT_DROP).step_time_s - _est(unfused).step_time_s > (
+        drop.step_time_s - base.step_time_s
+    )
+
+
+def test_flash_attention_dropout_slowdown():
+    from coplan.cost.kernels import FLASH_DROPOUT_COST, Rates, Scale, kernel_time
+    from coplan.cost.parts import Kernel
+    from coplan.hardware import get_device
+    from coplan.ir.types import Phase
+
+    rates = Rates.of(get_device("h100-sxm"), "bf16")
+    scale = Scale(1, False, _SCALE_BYTES, 2, True)
+    flops = 4.0 * 32 * 4096 * 4096 * 128
+    k = Kernel(Phase.FORWARD, "attention", 1, flops, 0.0, (0.0,) * 6, attn=(32, 4096, 4096, 128))
+    kd = Kernel(
+        Phase.FORWARD, "attention", 1, flops, 0.0, (0.0,) * 6, attn=(32, 4096, 4096, 128), dropout=0.1
+    )
+    t, td = (kernel_time(x, rates, scale) - rates.launch_s for x in (k, kd))
+    assert td == pytest.approx(t * (1 + FLASH_DROPOUT_COST))
+
+
+def test_megatron_fusion_writes_the_dropout_mask_from_the_bias_dropout_add_kernel():
+    prof = CostModel(spec=GPT_DROP).profile(2, 256)
+    g = prof.graph
+    fused = [k for k in prof.templates[0].forward if {g.ops[i].target for i in k.ops} == {"dropout", "add"}]
+    assert len(fused) == 2  # after attention and after the MLP
+    t = 2 * 256 * GPT.d_model
+    # reads the projection output and the residual, writes the sum and the one-byte mask
+    # (the projection output is in the tensor-parallel slot, the residual stream replicated)
+    assert fused[0].bytes[0] + fused[0].bytes[1] == pytest.approx(3 * t)
+    assert fused[0].bytes[4] == pytest.approx(t)
+
+
+def _head_bytes(impl: str, spec: ModelSpec) -> tuple[float, float]:
+    from coplan.cost.kernels import Scale
+    from coplan.cost.parts import vdot
+
+    prof = CostModel(spec=spec).profile(1, 256)
+    w = Scale(1, False, (2.0, 2.0, 4.0, 4.0, 1.0, 1.0), 2, True).weights
+    for name, f, b, _ in prof.post.loss_variants:
+        if name == impl:
+            return tuple(sum(vdot(k.bytes, w) for k in ks if k.kind == "vector") for ks in (f, b))  # type: ignore[return-value]
+    raise AssertionError(impl)
+
+
+def test_megatron_vocab_parallel_cross_entropy_passes():
+    spec = ModelSpec(name="v", n_layers=1, d_model=256, n_heads=4, vocab_size=32768, seq_len=256)
+    logits = 256 * 32768
+    fwd, bwd = _head_bytes("none", spec)
+    # float() 2 + 4, max 4, sub 8, exp 8, sum 4, div 8 = 38; mul 8 and the cast back 6 = 14 per logit
+    assert fwd / logits == pytest.approx(38, rel=0.02)  # (the final norm's traffic is ~1/V of it)
+    assert bwd / logits == pytest.approx(14, rel=0.02)
+    te_fwd, te_bwd = _head_bytes("te", spec)
+    assert te_fwd / logits == pytest.approx(6, rel=0.02) and te_bwd / logits == pytest.approx(4, rel=0.02)
+    cluster = load_cluster("h100-sxm")
+    config = TrainingConfig(microbatch=1, global_batch=1, seq=256)
+    times = [
+        CostModel(spec=spec).estimate(cluster, config.with_(loss_fusion=f)).step_time_s
+        for f in ("none", "native", "te")
+    ]
+    assert times[0] > times[1] > times[2]
+    with pytest.raises(ConfigError, match="loss_fusion"):
+        TrainingConfig(loss_fusion="liger")
+
+
+def test_blocking_pipeline_sends_and_16_bit_gradients():
+    config = TrainingConfig(pp=2, vpp=2, dp=4, microbatch=1, global_batch=32, seq=512, zero=1)
+    overlapped, blocking = _est(config), _est(config.with_(overlap_p2p=False))
+    assert blocking.breakdown_s["pp_comm"] > overlapped.breakdown_s["pp_comm"]
+    half = _est(config.with_(grad_reduce_fp32=False))
+    assert half.memory.grads_bytes == pytest.approx(overlapped.memory.grads_bytes / 2)
+
+
+def test_interleaved_last_stage_holds_one_microbatch_of_logits():
+    from coplan.cost.estimate import _chunk_in_flight, _in_flight
+
+    # the last stage's last chunk runs one forward then its backward
+    assert _chunk_in_flight(3, 4, 10, 32, 9) == 1
+    # stage 0 holds chunk 0 of the first p microbatches and of p - 1 more
+    assert _chunk_in_flight(0, 4, 10, 32, 0) == 7 and _in_flight(0, 4, 10, 32) == 43
+    assert _chunk_in_flight(1, 4, 1, 32, 0) == _in_flight(1, 4, 1, 32) == 3
+
+
+# --- recompute accounting (known bugs) -------------------------------------------------------------
+
+
+def test_recomputing_a_block_output_prices_the_chain_back():
+    cm = CostModel(spec=GPT)
+    config = TrainingConfig(microbatch=2, global_batch=2, seq=512)
+    part = cm.profile(2, 512).templates[0]
+    names = frozenset(n for _, n, _ in part.saved_items)
+    keep_out = names - {n for n in names if n.endswith("mlp_residual")}
+    full, all_of, megatron = (_est(config.with_(recompute=r)) for r in ("full", names, keep_out))
+    # Megatron's full recompute is the set keeping the block output: same memory, same re-run
+    assert megatron.memory.activations_bytes == full.memory.activations_bytes
+    # dropping the output too frees it, but every block must first re-run the blocks before it
+    assert all_of.memory.activations_bytes < full.memory.activations_bytes
+    fwd = full.stages[0].forward_s
+    assert all_of.breakdown_s["recompute"] > full.breakdown_s["recompute"] + fwd / 2
+
+
+def test_full_recompute_keeps_each_layer_input_and_the_final_norm_input():
+    b, s, h = 2, 512, GPT.d_model
+    cluster = load_cluster("h100-sxm", 2)
+    none = TrainingConfig(microbatch=b, global_batch=2 * b, seq=s, pp=2)
+    full = none.with_(recompute="full")
+    est = CostModel(spec=GPT).estimate(cluster, full)
+    ref = CostModel(spec=GPT).estimate(cluster, none)
+    layer_in = 2 * s * b * h
+    # stage 0 (2 microbatches in flight): its 2 layer inputs, the first being the embedding output,
+    # which the embedding side keeps anyway (counted once); the rest of the embedding side as is
+    embedding = ref.stages[0].memory.activations_bytes - 2 * _blocks_none(ref)
+    assert est.stages[0].memory.activations_bytes == pytest.approx(
+        2 * 2 * layer_in + embedding - 2 * layer_in
+    )
+    # last stage (one microbatch): its 2 layer inputs and the final norm's input, and the head
+    head = ref.stages[1].memory.activations_bytes - _blocks_none(ref)
+    assert est.stages[1].memory.activations_bytes == pytest.approx(3 * layer_in + head)
+
+
+def _blocks_none(est) -> float:
+    """Activation bytes two blocks keep for one microbatch without recompute (bf16 weights)."""
+    from coplan.cost.parts import vdot
+
+    part = CostModel(spec=GPT).profile(est.config.microbatch, est.config.seq).templates[0]
+    return 2 * vdot(part.saved["none"], (2.0, 2.0, 4.0, 4.0, 1.0, 1.0))
+
+
+def test_cpu_cluster_sizes_to_two_processes():
+    cluster = load_cluster("cpu", 2)
+    est = CostModel(spec=PRESETS["gpt-tiny"]).estimate(
+        cluster, TrainingConfig(dp=2, microbatch=2, global_batch=8, seq=64)
+    )
+    assert est.gpus == 2 and est.breakdown_s["dp_comm"] >= 0
+
+
+# --- ZeRO-3 -----------------------------------------------------------------------------------------
+
+
+def test_zero3_pays_per_layer_latency_and_holds_gathered_layers():
+    from coplan.cost.comm import Group
+    from coplan.cost.zero import zero3_exposed, zero3_transient
+
+    cluster = load_cluster("dgx-h100", 1024)
+    g = Group.of(cluster, 1024, 1, 1.0)
+    p = 8e9
+    one = zero3_exposed(g, p, 1, 2, 2, 0.0)
+    many = zero3_exposed(g, p, 80, 2, 2, 0.0)
+    # the same bytes in 80 collectives each way pay 79 more ring latencies (1023 steps each)
+    ring = 896 * cluster.groups[0].intra_node.latency_s + 127 * cluster.inter_node.latency_s  # type: ignore[union-attr]
+    assert many - one == pytest.approx(3 * 79 * ring, rel=1e-6)
+    # compute hides all but the first gather and the last reduce-scatter
+    hidden = zero3_exposed(g, p, 80, 2, 2, 1e3)
+    assert hidden == pytest.approx(g.all_gather(p / 80 * 2) + g.reduce_scatter(p / 80 * 2))
+    assert zero3_transient(p, 80, 2, 4) == pytest.approx(p / 80 * 8)
+    config = TrainingConfig(dp=8, microbatch=1, global_batch=8, seq=256)
+    z1, z3 = _est(config.with_(zero=1)), _est(config.with_(zero=3))
+    assert z3.memory.transient_bytes > z1.memory.transient_bytes
+
+
+def test_fp8_keeps_gemm_inputs_in_one_byte():
+    # Transformer Engine keeps the fp8 copy of a GEMM's input: the norm outputs and the GeLU
+    # output (4h) drop to one byte per element, the attention output gains a one-byte copy
+    b, s, h = 2, 1024, GPT.d_model
+    config = TrainingConfig(microbatch=b, global_batch=b, seq=s, dtype="bf16")
+    bf16 = _one_layer_activations(config)
+    fp8 = _one_layer_activations(config.with_(dtype="fp8"))
+    assert bf16 - fp8 == pytest.approx((1 + 1 + 4 - 1) * s * b * h)

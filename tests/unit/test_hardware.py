@@ -81,7 +81,7 @@ def test_cluster_preset_is_valid(name: str) -> None:
     cluster = load_cluster(name)
     assert cluster.name == name and cluster.source
     assert cluster.num_devices >= 1
-    assert (cluster.inter_node is None) == (name == "cpu")
+    assert cluster.inter_node is not None  # every preset can be sized past one node
     for group in cluster.groups:
         assert group.device == device_presets()[group.device.name]
         assert group.intra_node.scope == "node"
@@ -127,7 +127,7 @@ def test_dtype_spellings() -> None:
 
 def test_cpu_preset_is_one_device_cluster() -> None:
     cpu = load_cluster("cpu")
-    assert cpu.num_devices == 1 and cpu.num_nodes == 1 and cpu.inter_node is None
+    assert cpu.num_devices == 1 and cpu.num_nodes == 1
     assert cpu.device == get_device("cpu")
     assert cpu.groups[0].intra_node.name == "loopback"
 
@@ -158,8 +158,15 @@ def test_resized_rejects_bad_counts(gpus: int) -> None:
 
 
 def test_resized_needs_inter_node_link() -> None:
+    one = ClusterSpec.single_node(get_device("h100-sxm"))
     with pytest.raises(SpecError, match="no inter-node"):
-        load_cluster("cpu", gpus=2)
+        one.resized(2)
+
+
+def test_cpu_preset_sizes_to_host_processes() -> None:
+    two = load_cluster("cpu", gpus=2)
+    assert two.num_devices == 2 and two.inter_node is not None
+    assert two.inter_node.name == "loopback"
 
 
 def test_heterogeneous_cluster() -> None:

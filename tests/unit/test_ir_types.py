@@ -335,3 +335,66 @@ def test_graph_views() -> None:
     blocked = replace(g, ops=tuple(replace(op, block=op.id % 2) for op in g.ops))
     assert blocked.blocks == (0, 1)
     assert [op.id for op in blocked.block_ops(1)] == [1, 3]
+
+
+# --- dropout in the synthetic IR (issue 3) ---------------------------------------------------------
+
+
+def _gpt(**kw: Any) -> Any:
+    from coplan.models.spec import ModelSpec
+
+    return ModelSpec(name="d", n_layers=2, d_model=64, n_heads=4, vocab_size=128, seq_len=32, **kw)
+
+
+def test_zero_dropout_builds_the_same_graph() -> None:
+    from coplan.capture.synthetic import build_graph
+    from coplan.ir.fingerprint import fingerprint
+
+    plain = build_graph(_gpt(), 2, 32)
+    zero = build_graph(_gpt(hidden_dropout=0.0, attention_dropout=0.0), 2, 32)
+    assert fingerprint(plain) == fingerprint(zero)
+    assert not any(op.target.startswith("dropout") for op in plain.ops)
+
+
+def test_dropout_keeps_one_byte_masks_and_the_attention_rng_state() -> None:
+    from coplan.capture.synthetic import build_graph
+
+    b, s, d, layers = 2, 32, 64, 2
+    plain = build_graph(_gpt(), b, s)
+    drop = build_graph(_gpt(hidden_dropout=0.1, attention_dropout=0.1), b, s)
+    assert check(drop) == []
+    # dropout adds no matrix FLOPs and no parameters
+    assert drop.flops == plain.flops and drop.param_count == plain.param_count
+    masks = [t for t in drop.tensors if t.dtype == "bool"]
+    assert len(masks) == 1 + 2 * layers  # embedding, and after attention and MLP in each block
+    assert all(t.saved_for_backward and t.nbytes == b * s * d for t in masks)
+    rng = [t for t in drop.tensors if t.name.endswith("rng_state")]
+    assert len(rng) == layers and all(t.saved_for_backward and t.nbytes == 16 for t in rng)
+    # saved bytes: the masks and the rng states; the dropped values replace the pre-dropout ones
+    assert drop.activation_bytes - plain.activation_bytes == (1 + 2 * layers) * b * s * d + 16 * layers
+    assert {op.args for op in drop.ops if op.target == "dropout"} == {"p=0.1"}
+    bwd = [op for op in drop.ops if op.target == "dropout_bwd"]
+    assert len(bwd) == 1 + 2 * layers and all(op.forward_op is not None for op in bwd)
+
+
+def test_attention_dropout_probability_is_read_from_synthetic_and_captured_args() -> None:
+    from coplan.capture.synthetic import build_graph
+    from coplan.ir.oprules import attention_dropout
+
+    g = build_graph(_gpt(attention_dropout=0.25), 1, 32)
+    attn = next(op for op in g.ops if op.kind is OpKind.ATTENTION and op.phase is Phase.FORWARD)
+    assert attention_dropout(attn) == 0.25
+    captured = replace(
+        attn, target="aten._scaled_dot_product_flash_attention.default", args="%,%,%,0.1,True;"
+    )
+    assert attention_dropout(captured) == 0.1
+    assert attention_dropout(replace(attn, args="")) == 0.0
+
+
+def test_spec_rejects_dropout_outside_zero_one() -> None:
+    from coplan.errors import SpecError
+
+    with pytest.raises(SpecError, match="hidden_dropout"):
+        _gpt(hidden_dropout=1.0)
+    with pytest.raises(SpecError, match="attention_dropout"):
+        _gpt(attention_dropout=-0.1)

@@ -1,0 +1,51 @@
+"""ZeRO-3 / FSDP parameter sharding: the per-layer collectives of one microbatch and their memory.
+
+ZeRO-3 (DeepSpeed stage 3, PyTorch FSDP with ``reshard_after_forward``, Megatron-FSDP) shards the
+parameters over the data-parallel ranks and rebuilds each layer's (each FSDP unit's) weights just
+before use: one all-gather per unit in forward, another in backward (the gathered copy is freed
+after forward), and one reduce-scatter of the unit's gradients after its backward, every
+microbatch (Rajbhandari et al. 2020, arXiv 1910.02054, Sec. 5.3: 3x the data-parallel volume of
+plain data parallelism; Zhao et al. 2023, arXiv 2304.11277, Sec. 3.3-3.4: per-unit all-gather and
+reduce-scatter, prefetching the next unit's all-gather while the current unit computes).
+
+So, per microbatch:
+
+- the collectives are issued per unit, each paying its own latency (NCCL's all-gather and
+  reduce-scatter are rings: ``n - 1`` latency steps, ``comm.Group``), which a whole-model
+  estimate of one collective misses at large data-parallel degree;
+- prefetching overlaps unit ``i + 1``'s all-gather with unit ``i``'s compute, and the
+  reduce-scatter of unit ``i`` with the backward of unit ``i - 1``; what compute cannot cover shows,
+  and the first unit's all-gather (nothing to hide behind at the start of forward) and the last
+  unit's reduce-scatter (after the last backward) always show;
+- memory holds, beyond the 1/d shards, the gathered weights of the unit in use and of the one
+  prefetched, and one unit's unsharded gradients before their reduce-scatter (FSDP's default
+  ``limit_all_gathers`` keeps at most two units gathered, Zhao et al. Sec. 3.4).
+"""
+
+from __future__ import annotations
+
+from coplan.cost.comm import Group
+
+
+def zero3_exposed(
+    group: Group, p_local: float, units: int, param_bytes: float, grad_bytes: float, compute: float
+) -> float:
+    """Seconds of ZeRO-3 communication one microbatch cannot hide behind ``compute`` seconds of
+    its own forward and backward, for ``p_local`` parameters (this GPU's tensor-parallel share,
+    before the data-parallel sharding) split evenly into ``units`` units."""
+    if group.size <= 1 or p_local <= 0:
+        return 0.0
+    units = max(1, units)
+    per_unit = p_local / units
+    gather = group.all_gather(per_unit * param_bytes)
+    scatter = group.reduce_scatter(per_unit * grad_bytes)
+    total = units * (2 * gather + scatter)
+    edges = gather + scatter  # the first unit's gather and the last unit's reduce-scatter
+    return edges + max(0.0, total - edges - compute)
+
+
+def zero3_transient(p_local: float, units: int, param_bytes: float, grad_bytes: float) -> float:
+    """Bytes ZeRO-3 holds beyond the shards: two gathered units and one unit of unsharded
+    gradients."""
+    per_unit = p_local / max(1, units)
+    return per_unit * (2 * param_bytes + grad_bytes)
