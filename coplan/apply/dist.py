@@ -7,7 +7,7 @@ then ``torch.compile`` with the plan's backend (``coplan.apply.train``). The dev
 
 Processes are started by ``launch`` (``torch.multiprocessing`` with the spawn method, gloo on CPU
 and NCCL on CUDA), or by ``torchrun``, whose environment (``RANK``, ``WORLD_SIZE``, ...) is used
-as it is. Pipeline parallelism is not applied yet: a plan with ``pp > 1`` is refused.
+as it is. Pipeline parallelism (``pp > 1``, alone) is ``coplan.apply.pipeline``.
 """
 
 from __future__ import annotations
@@ -49,8 +49,8 @@ class Rank:
 
 def supported(p: ParallelPlan) -> str | None:
     """Why this runner cannot apply layout ``p`` (None when it can)."""
-    if p.pp > 1:
-        return f"pipeline parallelism (pp={p.pp}) is not applied by coplan run yet"
+    if p.pp > 1 and (p.tp > 1 or p.dp > 1):
+        return f"pipeline parallelism with tp={p.tp}, dp={p.dp} is not applied by coplan run yet (pp alone)"
     if p.vpp > 1:
         return f"interleaved pipeline stages (vpp={p.vpp}) are not applied by coplan run yet"
     if p.sequence_parallel:
@@ -116,10 +116,57 @@ def _local_attention(self: Attention, x: torch.Tensor) -> torch.Tensor:
     return self.c_proj(y)
 
 
+def _vocab_parallel_forward(self: Transformer, idx: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """``Transformer.forward`` with this rank's vocabulary shard of the LM head and the loss
+    computed vocabulary-parallel (``coplan.apply.vocab``); it mirrors ``Transformer.forward`` line
+    for line up to the loss (a change there must be made here too: the TP gradient check fails)."""
+    from torch.utils.checkpoint import checkpoint
+
+    from coplan.apply.vocab import vocab_cross_entropy
+
+    _, t = idx.shape
+    x = self.wte(idx)
+    if self.wpe is not None:
+        x = x + self.wpe(torch.arange(t, device=idx.device))
+    full = self.recompute == "full" and torch.is_grad_enabled()
+    for block in self.h:
+        x = checkpoint(block, x, use_reentrant=False) if full else block(x)
+    logits = self.lm_head(self.ln_f(x))  # (batch, seq, vocab / tp): this rank's columns
+    start, group = self._vocab_shard  # type: ignore[misc]
+    return vocab_cross_entropy(logits, targets, start, group)
+
+
+def apply_vocab_parallel(model: Transformer, tp_mesh: Any, tp: int) -> None:
+    """Shard the word embedding and the LM head along the vocabulary (Megatron's
+    ``VocabParallelEmbedding`` and column-parallel output layer: one weight, tied or not, split by
+    rows) and compute the loss on the sharded logits."""
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    vocab = model.spec.vocab_size
+    if vocab % tp:
+        raise LayoutError(f"tp={tp} does not divide the vocabulary of {vocab}")
+    tied = model.lm_head.weight is model.wte.weight
+    parallelize_module(
+        model,
+        tp_mesh,
+        {
+            "wte": RowwiseParallel(input_layouts=Replicate(), output_layouts=Replicate()),
+            "lm_head": ColwiseParallel(input_layouts=Replicate(), output_layouts=Shard(-1)),
+        },
+    )
+    if tied:  # both are Shard(0) of the same (vocab, d) weight: keep one parameter
+        model.lm_head.weight = model.wte.weight
+    rank = tp_mesh.get_local_rank()
+    model._vocab_shard = (rank * (vocab // tp), tp_mesh.get_group().group_name)  # type: ignore[assignment]
+    model.forward = types.MethodType(_vocab_parallel_forward, model)  # type: ignore[method-assign]
+
+
 def apply_tp(model: Transformer, tp_mesh: Any, tp: int) -> dict[str, torch.Tensor]:
     """Megatron layout: QKV and MLP-in column-parallel, attention and MLP-out projections
-    row-parallel; norms, embeddings and the LM head replicated. Returns the row permutation of
-    each permuted parameter (to compare its gradient with an unpermuted reference)."""
+    row-parallel, norms replicated, the word embedding, LM head and loss vocabulary-parallel
+    (``apply_vocab_parallel``). Returns the row permutation of each permuted parameter (to compare
+    its gradient with an unpermuted reference)."""
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
     spec = model.spec
@@ -151,6 +198,7 @@ def apply_tp(model: Transformer, tp_mesh: Any, tp: int) -> dict[str, torch.Tenso
         if getattr(block.mlp, "swiglu", False):
             layout["mlp.c_gate"] = ColwiseParallel()
         parallelize_module(block, tp_mesh, layout)
+    apply_vocab_parallel(model, tp_mesh, tp)
     return perms
 
 

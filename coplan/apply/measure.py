@@ -23,7 +23,14 @@ class LiveBytes(TorchDispatchMode):
     without caching holds, which is what the cost model's peak is (no fragmentation, no cache).
     It sits below autograd and compilation, so it neither changes nor recompiles the step
     (``torch.distributed._tools.mem_tracker`` installs module hooks, which make Dynamo recompile).
+    It says it ignores compile internals (``ignore_compile_internals``): Dynamo refuses to run
+    compiled code under any other dispatch mode and marks the frame to be skipped from then on,
+    so the step under the tracker, and every step after it, would run eagerly, without the plan.
     """
+
+    @classmethod
+    def ignore_compile_internals(cls) -> bool:
+        return True
 
     def __init__(self, base: int = 0, exclude: Iterable[int] = ()) -> None:
         super().__init__()
@@ -96,8 +103,9 @@ class SavedBytes:
     compiled regions alike (a compiled forward's saved values pass through the same hooks).
 
     Parameters (leaves that require grad, as autograd sees them: FSDP2's unsharded parameters
-    too) and the storages in ``exclude`` (the batch) are left out; ``activation_bytes(other)``
-    also leaves out storages a compiled region reported as parameter copies or inputs.
+    too), views of them (``weight.t()``) and the storages in ``exclude`` (the batch) are left
+    out; ``activation_bytes(other)`` also leaves out storages a compiled region reported as
+    parameter copies or inputs.
     """
 
     def __init__(self, exclude: Iterable[torch.Tensor] = ()) -> None:
@@ -106,7 +114,10 @@ class SavedBytes:
         self._hooks: Any = None
 
     def _pack(self, t: torch.Tensor) -> torch.Tensor:
-        if t.device.type == "meta" or (t.is_leaf and t.requires_grad):
+        # a parameter, or a view of one: an eager ``linear`` saves ``weight.t()`` (FSDP2's root,
+        # which runs eagerly, would otherwise count its all-gathered LM head as an activation)
+        base = t._base if t._base is not None else t
+        if t.device.type == "meta" or (base.is_leaf and base.requires_grad):
             return t
         local: Callable[[], torch.Tensor] | None = getattr(t, "to_local", None)
         st = (local() if local is not None else t).untyped_storage()
@@ -127,6 +138,99 @@ class SavedBytes:
     def activation_bytes(self, other: Iterable[int] = ()) -> int:
         drop = set(other)
         return sum(b for p, b in self.seen.items() if p not in drop)
+
+
+class _Held:
+    """What autograd keeps for one saved tensor while ``SavedPeak`` is active: the tensor, and a
+    lifetime (autograd drops it when the graph that saved it is freed, after its backward)."""
+
+    __slots__ = ("__weakref__", "t")
+
+    def __init__(self, t: torch.Tensor) -> None:
+        self.t = t
+
+
+def _unpack_held(x: Any) -> Any:
+    return x.t if isinstance(x, _Held) else x
+
+
+class SavedPeak(SavedBytes):
+    """Activation bytes kept for backward *at once* while active, at their peak: a storage counts
+    from the first time autograd saves it until the last graph holding it is freed (after its
+    backward), whether or not the storage itself lives on; ``hold`` adds storages kept outside
+    autograd until they are freed (a pipeline stage's output, which the stage keeps until the
+    gradient for it arrives). A pipeline schedule's peak is then its in-flight microbatches'
+    activations. Parameters are told apart by storage (``exclude``), not as leaves: a stage's
+    received input is a leaf that requires grad, and an activation. ``peak_bytes(other)`` replays
+    the events without the storages in ``other`` (parameter copies a compiled region reported)."""
+
+    def __init__(self, exclude: Iterable[torch.Tensor] = ()) -> None:
+        super().__init__(exclude)
+        self.events: list[tuple[int, int]] = []  # (storage pointer, +bytes when kept / -bytes when let go)
+        self._holders: dict[int, int] = {}  # storage pointer -> saves (or holds) not yet released
+        self._refs: list[Any] = []
+
+    def _storage(self, t: torch.Tensor) -> tuple[int, int, Any] | None:
+        if t.device.type == "meta":
+            return None
+        local: Callable[[], torch.Tensor] | None = getattr(t, "to_local", None)
+        st = (local() if local is not None else t).untyped_storage()
+        ptr = st.data_ptr()
+        if ptr in self._skip or ptr == 0:
+            return None
+        return ptr, st.nbytes(), st
+
+    def _keep(self, ptr: int, size: int) -> None:
+        n = self._holders.get(ptr, 0)
+        self._holders[ptr] = n + 1
+        if n == 0:
+            self.seen[ptr] = size
+            self.events.append((ptr, size))
+
+    def _release(self, ptr: int, size: int) -> None:
+        n = self._holders.get(ptr, 0) - 1
+        if n > 0:
+            self._holders[ptr] = n
+            return
+        self._holders.pop(ptr, None)
+        self.events.append((ptr, -size))
+
+    def _pack(self, t: torch.Tensor) -> Any:
+        got = self._storage(t)
+        if got is None:
+            return t
+        ptr, size, _ = got
+        self._keep(ptr, size)
+        held = _Held(t)
+        self._refs.append(weakref.ref(held, self._releaser(ptr, size)))
+        return held
+
+    def _releaser(self, ptr: int, size: int) -> Callable[[object], None]:
+        return lambda _: self._release(ptr, size)
+
+    def hold(self, out: Any) -> Any:
+        for t in tree_leaves(out):
+            got = self._storage(t) if isinstance(t, torch.Tensor) else None
+            if got is not None:
+                ptr, size, st = got
+                self._keep(ptr, size)
+                self._refs.append(weakref.ref(st, self._releaser(ptr, size)))
+        return out
+
+    def __enter__(self) -> SavedPeak:
+        pack = torch.compiler.disable(self._pack)
+        self._hooks = torch.autograd.graph.saved_tensors_hooks(pack, torch.compiler.disable(_unpack_held))
+        self._hooks.__enter__()
+        return self
+
+    def peak_bytes(self, other: Iterable[int] = ()) -> int:
+        drop = set(other)
+        live = peak = 0
+        for ptr, delta in self.events:
+            if ptr not in drop:
+                live += delta
+                peak = max(peak, live)
+        return peak
 
 
 def eager_saved_bytes(fn: Callable[[], Any], exclude: Iterable[torch.Tensor]) -> int:

@@ -24,6 +24,7 @@ import torch
 import torch.nn.functional as F
 from torch import fx
 
+from coplan.apply.vocab import LOG_SOFTMAX_OPS, NLL_OPS
 from coplan.errors import CoplanError
 from coplan.ir.types import Graph, Op, Phase, TensorRole
 
@@ -61,8 +62,9 @@ ATEN_ANCHORS: dict[str, frozenset[object]] = {
     "add": _overloads(aten.add),
     "embedding": _overloads(aten.embedding),
     "arange": _overloads(aten.arange),
-    "log_softmax": _overloads(aten._log_softmax),
-    "nll_loss": _overloads(aten.nll_loss_forward),
+    # tensor parallelism computes the loss vocabulary-parallel (``coplan.apply.vocab``)
+    "log_softmax": _overloads(aten._log_softmax) | LOG_SOFTMAX_OPS,
+    "nll_loss": _overloads(aten.nll_loss_forward) | NLL_OPS,
 }
 
 #: IR op target -> the torch-level callables of Dynamo's graph (``call_function`` targets or
@@ -77,8 +79,8 @@ TORCH_CALLS: dict[str, frozenset[object]] = {
     "mul": frozenset({operator.mul, torch.mul, "mul"}),
     "add": frozenset({operator.add, torch.add, "add"}),
     "embedding": frozenset({F.embedding, torch.embedding}),
-    "log_softmax": frozenset({F.cross_entropy, F.log_softmax}),
-    "nll_loss": frozenset({F.cross_entropy, F.nll_loss}),
+    "log_softmax": frozenset({F.cross_entropy, F.log_softmax}) | LOG_SOFTMAX_OPS,
+    "nll_loss": frozenset({F.cross_entropy, F.nll_loss}) | NLL_OPS,
 }
 
 _PREFIX = re.compile(r"^L\['self'\]\.?|^L__self__\.?")
@@ -201,7 +203,8 @@ def map_saved(graph: Graph, joint: fx.GraphModule, names: Iterable[str]) -> Name
     ops = _forward_ops(graph)
     nodes = [n for n in joint.graph.nodes if _is_forward(n)]
     anchors = _match(ops, nodes, ATEN_ANCHORS, lambda n: n.target)
-    if not anchors:
+    relative = not anchors
+    if relative:
         anchors = _match(relative_to_block(ops, block_prefix(graph)), nodes, ATEN_ANCHORS, lambda n: n.target)
     found: dict[str, fx.Node] = {}
     for op in ops:
@@ -213,8 +216,12 @@ def map_saved(graph: Graph, joint: fx.GraphModule, names: Iterable[str]) -> Name
             name = graph.tensors[tid].name
             if name in wanted and i < len(outs):
                 found[name] = outs[i]
-    missing = tuple(sorted(wanted - set(found)))
-    return NameMap(found, missing)
+    missing = wanted - set(found)
+    if relative and found:
+        # one block's region stands for every block of its template: their names are not missing
+        in_blocks = {graph.tensors[t].name for op in ops if op.block is not None for t in op.outputs}
+        missing -= in_blocks
+    return NameMap(found, tuple(sorted(missing)))
 
 
 def _torch_key(node: fx.Node) -> object:

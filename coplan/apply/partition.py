@@ -84,7 +84,8 @@ class Partitioner:
         saved += primals
         saved += [n for n in forward if n in derived and _is_tensor(n)]
         saved += [n for n in forward if n.meta.get("recompute") == P.CheckpointPolicy.MUST_SAVE]
-        syms = [n for n in forward if P.is_sym_node(n)]
+        # symbolic sizes (dynamic shapes): the inputs' and those computed from them
+        syms = [n for n in (*primals, *forward) if P.is_sym_node(n)]
         saved = list(dict.fromkeys(n for n in saved if not P.is_sym_node(n)))
 
         node_info = P.classify_nodes(

@@ -7,8 +7,12 @@ Semantics (what the cost model prices, ``coplan.cost.profile``):
   16-bit copy (one cast per parameter per step; autograd casts its gradient back to fp32); without
   master weights the model itself is stored in the compute dtype (``model_dtype``). ``tf32`` stores
   fp32 and allows tf32 matmuls (``matmul_precision``); on a CPU that is plain fp32.
-- Non-matmul ops read and write the compute dtype; PyTorch's 16-bit norm and softmax kernels
-  accumulate in fp32 internally, as the cost model assumes.
+- Non-matmul ops read and write the compute dtype and accumulate in fp32 internally, as the cost
+  model assumes. PyTorch's CPU ``layer_norm`` does not for its weight and bias gradients (they
+  are summed over every token in 16 bits): the pass calls ``layer_norm`` instead, which takes those
+  two sums in fp32 from the same saved tensors.
+- ``fp8``: GEMMs of the blocks quantize their operands (as an ``fp8`` override, below), the LM
+  head and every other op run in bf16 (``fp8_gemms``).
 - The loss path on the vocabulary (``cross_entropy`` = the IR's ``log_softmax`` + ``nll_loss``)
   runs on fp32 logits unless the plan lowers those ops explicitly.
 - ``ops`` overrides: ``fp32`` casts an op's floating inputs to fp32 and its output back to the
@@ -23,6 +27,7 @@ The pass is numerics-changing and kept apart from the partitioner (numerics-pres
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -30,7 +35,8 @@ import torch
 from torch import fx
 
 from coplan.apply.names import map_ops
-from coplan.ir.types import Graph
+from coplan.apply.vocab import LOG_SOFTMAX_OPS, NLL_OPS
+from coplan.ir.types import Graph, OpKind, Phase
 from coplan.plan.types import PrecisionPlan
 
 DTYPES: dict[str, torch.dtype] = {
@@ -40,16 +46,58 @@ DTYPES: dict[str, torch.dtype] = {
     "fp16": torch.float16,
     "fp8": torch.bfloat16,  # fp8 plans keep bf16 activations; GEMM operands are quantized
 }
+#: Dynamo-graph calls whose floating inputs are the logits the loss reads (cast to fp32), and the
+#: loss ops whose outputs stay as they are (no cast back to the compute dtype)
+LOSS_INPUTS = frozenset({torch.nn.functional.cross_entropy}) | LOG_SOFTMAX_OPS
+LOSS_OPS = LOSS_INPUTS | NLL_OPS
 FP8 = torch.float8_e4m3fn
 FP8_MAX = 448.0  # largest finite float8_e4m3fn
 
-#: Relative gradient error accepted against the fp32 eager reference, per compute dtype (max over
-#: parameters of ||g - g_ref|| / ||g_ref||). fp32: the same arithmetic in another order (fused
-#: recompute, graph execution) differs by a few ulps accumulated over a step, ~1e-6; 1e-4 leaves
-#: room for reductions of 10^5 terms. bf16 keeps 8 significant bits (rounding 2^-9 = 0.2% per op);
-#: a gradient passes ~10 roundings per layer, which compound like a random walk to a few percent:
-#: 5e-2. fp16 keeps 11 bits (2^-12 per op): 1e-2. fp8 e4m3 keeps 4 bits (3% per quantization): 0.15.
-TOLERANCE: dict[str, float] = {"fp32": 1e-4, "tf32": 1e-2, "bf16": 5e-2, "fp16": 1e-2, "fp8": 0.15}
+#: Unit roundoff u (half an ulp at 1: 2^-p for p significant bits) of each dtype's rounding.
+UNIT_ROUNDOFF: dict[str, float] = {
+    "fp32": 2.0**-24,
+    "tf32": 2.0**-11,  # matmul operands only (fp32 storage)
+    "bf16": 2.0**-8,
+    "fp16": 2.0**-11,
+    "fp8": 2.0**-4,  # float8_e4m3fn: GEMM operands only (activations stay bf16)
+}
+#: 16-bit roundings on the path of one parameter's gradient, per block and once more outside the
+#: blocks (embedding, final norm, LM head, loss): every stored forward output it reads and every
+#: backward output it passes through (a GPT block has ~8 of the first and ~12 of the second)
+ROUNDINGS_16 = 20
+#: fp8 roundings on that path per block: the quantized input its weight gradient reads and the
+#: quantized weight its input gradient passes (gradients flow through the quantization unrounded)
+ROUNDINGS_8 = 2
+#: fp32's floor: the same fp32 arithmetic in another order (fused recompute, microbatches and ranks
+#: splitting a sum, thread counts) moves a sum of N terms by ~u sqrt(N); measured ~6e-7 on a step,
+#: 1e-4 leaves room for reductions of 10^5 terms and still catches a wrong term, which is O(1)
+FP32_FLOOR = 1e-4
+
+
+def tolerance(precision: PrecisionPlan, layers: int) -> float:
+    """Relative gradient error accepted against the fp32 eager reference (the largest over
+    parameters of ``||g - g_ref|| / ||g_ref||``) for a model of ``layers`` blocks.
+
+    Each rounding of a value to a dtype of unit roundoff ``u`` changes it by a relative error
+    uniform in ``[-u, u]`` (standard deviation ``u / sqrt(3)``); the ``n`` roundings on a
+    gradient's path (``ROUNDINGS_16``, ``ROUNDINGS_8`` per block, plus one block's worth outside
+    them) are independent and add like a random walk, so the tolerance is three standard
+    deviations, ``3 sqrt(sum n_d u_d^2 / 3)``, over the plan's loosest 16-bit dtype and fp8 when
+    it quantizes GEMMs; sums accumulate in fp32 (norms included: ``layer_norm``) and add fp32
+    errors only. For 2 blocks that is 13.4 u: bf16 5.2e-2, fp16 6.5e-3, fp8 0.27 (with its bf16
+    activations). Measured on a 2-block GPT (128 wide, 1024 tokens, against fp64): bf16 6.5e-3,
+    fp16 8.2e-4, fp8 2.9e-2, each 11-13% of its tolerance, and growing by a third from 1 to 8
+    blocks (bf16 5.9e-3 -> 8.5e-3) where the tolerance doubles: the bound is loose by a stable
+    factor across dtypes, tight enough to catch a kernel that sums in 16 bits (CPU bf16
+    ``layer_norm`` parameter gradients: 0.15, 38 u).
+    """
+    used = {precision.compute, *(d for _, d in precision.ops)}
+    wide = {"bf16" if d == "fp8" else d for d in used}  # fp8 plans keep 16-bit activations
+    stages = layers + 1
+    var = ROUNDINGS_16 * stages * max(UNIT_ROUNDOFF[d] for d in wide) ** 2 / 3
+    if "fp8" in used:
+        var += ROUNDINGS_8 * stages * UNIT_ROUNDOFF["fp8"] ** 2 / 3
+    return max(FP32_FLOOR, 3 * math.sqrt(var))
 
 
 def compute_dtype(precision: PrecisionPlan) -> torch.dtype:
@@ -59,12 +107,6 @@ def compute_dtype(precision: PrecisionPlan) -> torch.dtype:
 def model_dtype(precision: PrecisionPlan) -> torch.dtype:
     """The dtype parameters are stored in: fp32 with master weights, else the compute dtype."""
     return torch.float32 if precision.master_weights else compute_dtype(precision)
-
-
-def tolerance(precision: PrecisionPlan) -> float:
-    """The gradient tolerance of the plan: its loosest dtype (an fp8 GEMM loosens a bf16 plan)."""
-    used = {precision.compute, *(d for _, d in precision.ops)}
-    return max(TOLERANCE[d] for d in used)
 
 
 def fp8_quantize(x: torch.Tensor) -> torch.Tensor:
@@ -84,6 +126,7 @@ class CastReport:
     loss_casts: int = 0
     overridden: list[str] = field(default_factory=list)
     not_found: list[str] = field(default_factory=list)
+    norms: int = 0  # layer norms whose parameter gradients are summed in fp32 (``layer_norm``)
 
 
 def _insert_after(graph: fx.Graph, node: fx.Node, fn: object, *args: object) -> fx.Node:
@@ -115,16 +158,16 @@ def apply_precision(
                     cast = g.call_function(_cast, (node, compute))
                 node.replace_all_uses_with(cast, delete_user_cb=lambda u, c=cast: u is not c)
                 report.param_casts += 1
-    overrides = dict(precision.ops)
+    overrides = {**fp8_gemms(precision, ir), **dict(precision.ops)}
     by_name = map_ops(ir, gm, overrides) if ir is not None and overrides else {}
-    report.not_found = sorted(n for n in overrides if n not in by_name)
+    report.not_found = sorted(n for n, _ in precision.ops if n not in by_name)
     lowered_loss = any(
         by_name.get(n) is not None and d != "fp32" and ir is not None and _is_loss(ir, n)
         for n, d in overrides.items()
     )
     if compute != torch.float32 and not lowered_loss:
         for node in list(g.nodes):
-            if node.op == "call_function" and node.target is torch.nn.functional.cross_entropy:
+            if node.op == "call_function" and node.target in LOSS_INPUTS:
                 _cast_args(g, node, torch.float32)
                 report.loss_casts += 1
     done: set[fx.Node] = set()
@@ -137,13 +180,96 @@ def apply_precision(
             _cast_args(g, node, None, fn=fp8_quantize)
         else:
             _cast_args(g, node, DTYPES[dtype])
-            if node.target is not torch.nn.functional.cross_entropy:
+            if node.target not in LOSS_OPS:  # the loss is a scalar, read in whatever dtype
                 back = _insert_after(g, node, _cast, compute)
                 node.replace_all_uses_with(back, delete_user_cb=lambda u, b=back: u is not b)  # type: ignore[misc]
         report.overridden.append(name)
+    if compute != torch.float32:
+        for node in g.nodes:
+            if node.op == "call_function" and node.target in (
+                torch.nn.functional.layer_norm,
+                torch.layer_norm,
+            ):
+                node.target = layer_norm
+                report.norms += 1
     g.lint()
     gm.recompile()
     return report
+
+
+class _LayerNormWideGrads(torch.autograd.Function):
+    """``layer_norm`` in a 16-bit dtype whose weight and bias gradients are summed in fp32.
+
+    The forward and the input gradient are PyTorch's own kernels (``native_layer_norm`` and its
+    backward: the same saved tensors, 16-bit input and fp32 mean and rstd). The CPU kernel also
+    sums ``dgamma = sum(dy * xhat)`` and ``dbeta = sum(dy)`` over every token, but in the input's
+    dtype: over 1024 tokens of a bf16 step that costs 2e-2 to 4e-2 of relative error (6 u,
+    growing with the tokens per thread), 40x what autocast's fp32 norm shows. The cost model
+    prices a 16-bit norm that accumulates in fp32, as the CUDA kernel does; here the two sums are
+    taken in fp32 from the saved tensors.
+    """
+
+    @staticmethod
+    def forward(
+        ctx: Any,
+        x: torch.Tensor,
+        shape: list[int],
+        w: torch.Tensor | None,
+        b: torch.Tensor | None,
+        eps: float,
+    ) -> torch.Tensor:
+        out, mean, rstd = torch.ops.aten.native_layer_norm(x, shape, w, b, eps)
+        ctx.save_for_backward(x, w, mean, rstd)
+        ctx.shape, ctx.has_bias, ctx.bias_dtype = shape, b is not None, b.dtype if b is not None else None
+        return out
+
+    @staticmethod
+    def backward(ctx: Any, dy: torch.Tensor) -> tuple[Any, ...]:
+        x, w, mean, rstd = ctx.saved_tensors
+        need_x, _, need_w, need_b, _ = ctx.needs_input_grad
+        dx = torch.ops.aten.native_layer_norm_backward(
+            dy, x, ctx.shape, mean, rstd, w, None, [need_x, False, False]
+        )[0]
+        lead = tuple(range(x.dim() - len(ctx.shape)))
+        wide = dy.float()
+        dw = db = None
+        if w is not None and need_w:
+            dw = (wide * ((x.float() - mean) * rstd)).sum(lead).to(w.dtype)
+        if ctx.has_bias and need_b:
+            db = wide.sum(lead).to(ctx.bias_dtype)
+        return dx, None, dw, db, None
+
+
+def layer_norm(
+    x: torch.Tensor,
+    normalized_shape: Any,
+    weight: torch.Tensor | None = None,
+    bias: torch.Tensor | None = None,
+    eps: float = 1e-5,
+) -> torch.Tensor:
+    """``F.layer_norm``, with fp32 sums for the parameter gradients of a 16-bit norm on a CPU
+    (``_LayerNormWideGrads``); what the precision pass calls instead of ``F.layer_norm``."""
+    shape = [normalized_shape] if isinstance(normalized_shape, int) else list(normalized_shape)
+    wanted = any(p is not None and p.requires_grad for p in (weight, bias))
+    if x.dtype in (torch.bfloat16, torch.float16) and x.device.type == "cpu" and wanted:
+        out: torch.Tensor = _LayerNormWideGrads.apply(x, shape, weight, bias, eps)
+        return out
+    return torch.nn.functional.layer_norm(x, shape, weight, bias, eps)
+
+
+def fp8_gemms(precision: PrecisionPlan, ir: Graph | None) -> dict[str, str]:
+    """An fp8 plan's GEMMs: every linear layer inside the blocks (the cost model prices them in
+    fp8 and the LM head in bf16, Transformer Engine's default recipe)."""
+    if precision.compute != "fp8" or ir is None:
+        return {}
+    return {
+        op.name: "fp8"
+        for op in ir.ops
+        if op.phase is Phase.FORWARD
+        and op.block is not None
+        and op.kind is OpKind.MATMUL
+        and op.target == "linear"
+    }
 
 
 def _is_loss(ir: Graph, op_name: str) -> bool:

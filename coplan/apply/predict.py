@@ -106,7 +106,9 @@ def predict(plan: Plan, ctx: PlanContext) -> Prediction:
         raise PlanError(None, f"cannot be priced: {e}", "plan") from None
     return Prediction(
         step_time_s=est.step_time_s,
-        saved_activation_bytes=est.memory.activations_bytes,
+        # the most loaded rank's, as measured (a pipeline's stages differ; est.memory is the stage
+        # with the highest peak, which need not hold the most activations)
+        saved_activation_bytes=max(st.memory.activations_bytes for st in est.stages),
         peak_bytes=est.memory.peak_bytes,
         breakdown_s=dict(est.breakdown_s),
     )
@@ -120,16 +122,18 @@ def plan_for(
     tp: int = 1,
     zero: int = 0,
     microbatch: int | None = None,
+    pp: int = 1,
 ) -> Plan:
     """A hand-made plan for ``ctx`` (tests, benchmarks): eager kernels, the given recompute set,
-    precision and layout over all of ``ctx``'s devices (data parallel over what tensor
-    parallelism leaves)."""
+    precision and layout over all of ``ctx``'s devices (data parallel over what tensor and
+    pipeline parallelism leave)."""
     from coplan.plan.types import ParallelPlan, PrecisionPlan, RematPlan
 
-    dp = ctx.gpus // tp
-    mb = microbatch or max(1, ctx.global_batch // dp)
+    dp = ctx.gpus // (tp * pp)
+    # a pipeline needs microbatches to overlap: as many as stages by default
+    mb = microbatch or max(1, ctx.global_batch // (dp * pp))
     return ctx.default_plan().with_(
-        parallel=ParallelPlan(tp=tp, dp=dp, zero=zero, microbatch=mb),
+        parallel=ParallelPlan(tp=tp, pp=pp, dp=dp, zero=zero, microbatch=mb),
         remat=RematPlan(recompute=recompute),
         precision=PrecisionPlan(compute=compute, loss_scaling=compute == "fp16"),
     )

@@ -112,7 +112,7 @@ def report(
     res: RankResult,
     notes: list[str],
 ) -> dict[str, Any]:
-    tol = tolerance_of(req.plan)
+    tol = tolerance_of(req.plan, req.spec.n_layers)
     err = res.max_rel_err
     # groups of every block (the plan names the reference block's): one per fused kernel asked for
     planned, honoured = honoured_total(res.fusion)

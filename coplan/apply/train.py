@@ -208,6 +208,10 @@ def run_rank(rank: int, world: int, job: Job) -> RankResult | None:
 def _run(rank: int, world: int, job: Job) -> RankResult | None:
     plan = Plan.from_dict(job.plan)
     par = plan.parallel
+    if par.pp > 1:
+        from coplan.apply.pipeline import run_pipeline
+
+        return run_pipeline(rank, world, job)
     if job.threads:
         torch.set_num_threads(job.threads)
     r: Rank = init(rank, world, job.device, par)
@@ -374,5 +378,5 @@ def step_time(res: RankResult) -> float:
     return statistics.median(res.step_times_s[i] for i in res.timed_steps)
 
 
-def tolerance_of(plan: Plan) -> float:
-    return tolerance(plan.precision)
+def tolerance_of(plan: Plan, layers: int) -> float:
+    return tolerance(plan.precision, layers)

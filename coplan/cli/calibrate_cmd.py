@@ -5,7 +5,7 @@ from __future__ import annotations
 import sys
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING, Annotated
+from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 from rich import box
@@ -13,6 +13,7 @@ from rich.console import Console
 from rich.table import Table
 
 from coplan.cli.common import human_bytes, positive, print_json, stdout
+from coplan.errors import SpecError
 
 if TYPE_CHECKING:
     from rich.progress import Progress, TaskID
@@ -24,10 +25,33 @@ PROGRESS_AFTER_S = 1.0
 
 
 def calibrate(
-    device: Annotated[str, typer.Option("--device", "-d", help="What to measure: cpu or cuda.")] = "cpu",
+    device: Annotated[
+        str | None, typer.Option("--device", "-d", help="What to measure: cpu or cuda [default: cpu].")
+    ] = None,
     out: Annotated[
         Path | None,
-        typer.Option("--out", "-o", help="Profile to write [default: ./coplan-profile-<device>.json]."),
+        typer.Option(
+            "--out",
+            "-o",
+            help="Profile to write [default: ./coplan-profile-<device>.json, with --runs "
+            "./coplan-profile-<device>-runs.json].",
+        ),
+    ] = None,
+    runs: Annotated[
+        Path | None,
+        typer.Option(
+            "--runs",
+            help="Fit the profile to training runs recorded by coplan run --record (JSONL) instead "
+            "of running microbenchmarks.",
+        ),
+    ] = None,
+    cluster: Annotated[
+        str | None,
+        typer.Option(
+            "--cluster",
+            "-c",
+            help="With --runs: the profile to start from [default: the one the runs were priced with].",
+        ),
     ] = None,
     procs: Annotated[
         int | None,
@@ -48,6 +72,12 @@ def calibrate(
     from coplan.hardware.calibrate import calibrate as run
     from coplan.hardware.calibrate import write_profile
 
+    if runs is not None:
+        from_runs(runs, cluster, device, out, json)
+        return
+    if cluster is not None:
+        raise SpecError("--cluster", None, "only applies with --runs (microbenchmarks measure this machine)")
+    device = device or "cpu"
     positive("--procs", procs, optional=True)
     path = out if out is not None else Path(f"coplan-profile-{device}.json")
     with _LazyProgress() as bar:
@@ -153,3 +183,99 @@ def render(cal: Calibration, console: Console) -> None:
     console.print("  fit residuals (rms): " + ", ".join(f"{k} {v:.0%}" for k, v in cal.residuals.items()))
     for note in cal.notes:
         console.print(f"  note: {note}")
+
+
+# --- from recorded runs -----------------------------------------------------------------------------
+
+
+def from_runs(path: Path, cluster: str | None, device: str | None, out: Path | None, json: bool) -> None:
+    """``coplan calibrate --runs``: fit the device's GEMM and vector rates and its per-kernel cost
+    to recorded step times, report the error before and after (in-sample and held out), write."""
+    from coplan.hardware import load_cluster
+    from coplan.hardware.calibrate.runs import (
+        RunsError,
+        base_cluster,
+        fit_runs,
+        fitted_profile,
+        read_runs,
+        write_cluster,
+    )
+
+    records, notes = read_runs(path)
+    recorded = {r.device for r in records}
+    if device is not None and recorded != {device}:
+        raise RunsError(f"--device {device}: the runs in {path} were on {', '.join(sorted(recorded))}")
+    base = base_cluster(records, load_cluster(cluster) if cluster is not None else None, path)
+    fit = fit_runs(records, base)
+    s = fit.scales
+    source = (
+        f"fitted by `coplan calibrate --runs {path}` to {len(records)} run(s) on "
+        f"{records[0].device_name}: gemm rate x{s.gemm:.3g}, vector rate x{s.vector:.3g}, "
+        f"kernel launch x{s.launch:.3g}; step-time rms error {fit.rms_before:.1%} -> {fit.rms_after:.1%}"
+        + (
+            f" (leave-one-out {fit.loo_before:.1%} -> {fit.loo_after:.1%})"
+            if fit.loo_after == fit.loo_after
+            else ""
+        )
+    )
+    profile = fitted_profile(base, fit, source)
+    target = out if out is not None else Path(f"coplan-profile-{records[0].device}-runs.json")
+    written = write_cluster(profile, target)
+    dev = profile.groups[0].device
+    rows: list[dict[str, Any]] = [
+        {
+            "run": r.label,
+            "measured_s": m,
+            "before_s": b,
+            "after_s": a,
+            **({"held_out_s": fit.loo_after_s[i]} if fit.loo_after_s else {}),
+        }
+        for i, (r, m, b, a) in enumerate(zip(records, fit.measured_s, fit.before_s, fit.after_s, strict=True))
+    ]
+    summary = {
+        "runs": len(records),
+        "device": records[0].device_name,
+        "start": base.name,
+        "scales": s.to_dict(),
+        "kernel_launch_s": dev.kernel_launch_s,
+        "error": {
+            "in_sample": {"before": fit.rms_before, "after": fit.rms_after},
+            "held_out": {"before": _num(fit.loo_before), "after": _num(fit.loo_after)},
+        },
+        "notes": notes,
+        "out": str(written),
+    }
+    if json:
+        print_json({**summary, "per_run": rows})
+        return
+    console = stdout()
+    table = Table(
+        title=f"{len(records)} recorded runs on {records[0].device_name}: measured vs {base.name}",
+        title_justify="left",
+        box=box.SIMPLE_HEAD,
+        show_edge=False,
+        pad_edge=False,
+    )
+    for col in ("run", "measured", "before", "after", "held out"):
+        table.add_column(col, justify="left" if col == "run" else "right", no_wrap=col != "run")
+    for row in rows:
+        m = row["measured_s"]
+        cells = [f"{_seconds(row[k])} ({row[k] / m - 1:+.0%})" for k in ("before_s", "after_s")]
+        held = row.get("held_out_s")
+        cells.append(f"{_seconds(held)} ({held / m - 1:+.0%})" if held is not None else "-")
+        table.add_row(row["run"], _seconds(m), *cells)
+    console.print(table)
+    console.print(
+        f"\nfitted: gemm rate x{s.gemm:.3g}, vector rate x{s.vector:.3g}, kernel launch x{s.launch:.3g} "
+        f"({dev.kernel_launch_s * 1e6:.2f} µs)"
+    )
+    console.print(f"step-time rms error: {fit.rms_before:.1%} -> {fit.rms_after:.1%} on the runs fitted")
+    if fit.loo_after == fit.loo_after:
+        console.print(f"held out (leave-one-out): {fit.loo_before:.1%} -> {fit.loo_after:.1%}")
+    for note in notes:
+        console.print(f"[dim]{note}[/dim]", soft_wrap=True)
+    console.print(f"\nwrote {written} (use it as --cluster {written})")
+
+
+def _num(x: float) -> float | None:
+    return x if x == x else None

@@ -141,6 +141,10 @@ def append_record(path: Path, req: Any, out: dict[str, Any]) -> None:
         "seq": req.seq,
         **{k: out[k] for k in ("measured", "predicted", "grad_check")},
         "cluster": out["run"]["cluster"],
+        # what coplan calibrate --runs prices the run again with
+        "mode": req.mode,
+        "device_name": out["run"].get("device_name", req.device),
+        "cluster_spec": req.cluster.to_dict(),
     }
     with path.open("a", encoding="utf-8") as fh:
         fh.write(jsonlib.dumps(_jsonable(line)) + "\n")

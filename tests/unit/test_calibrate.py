@@ -365,3 +365,132 @@ def test_transformer_recompute_modes_keep_gradients_and_drop_saved_activations()
     assert saved["full"] < saved["selective"] < saved["none"]
     with pytest.raises(ValueError, match="recompute"):
         model.recompute = "some"
+
+
+# --- from recorded training runs (coplan calibrate --runs) -------------------------------------------
+
+RUNS_TRUTH = {"gemm": 0.4, "vector": 0.6, "launch": 2.5}
+
+
+def _record_runs(path: Path, truth: dict[str, float] | None = None, noise: float = 0.02) -> list[float]:
+    """Runs of gpt-tiny under several plans and batches, written as ``coplan run --record`` writes
+    them, whose "measured" step times are the cost model's on a machine ``truth`` times the cpu
+    preset's rates (and ``noise`` of log-normal jitter). Returns the measured times."""
+    import random
+    from types import SimpleNamespace
+
+    from coplan.apply.predict import make_context, megatron_recompute, plan_for, run_cluster
+    from coplan.cli.run_cmd import append_record
+    from coplan.hardware.calibrate.runs import Scales, scaled_cluster
+    from coplan.models.spec import PRESETS
+    from coplan.plan.types import RematPlan
+
+    spec = PRESETS["gpt-tiny"]
+    base = load_cluster("cpu")
+    machine = scaled_cluster(base, Scales(**(truth or RUNS_TRUTH)))
+    rng = random.Random(0)
+    times = []
+    for nproc, batch, seq, compute, rec in (
+        (1, 1, 16, "fp32", "none"),
+        (1, 2, 32, "bf16", "full"),
+        (1, 8, 64, "fp32", "selective"),
+        (1, 16, 64, "bf16", "none"),
+        (1, 32, 64, "fp32", "full"),
+        (2, 4, 32, "fp32", "none"),
+        (2, 16, 64, "bf16", "none"),
+    ):
+        ctx = make_context(spec, run_cluster(base, nproc, "cpu"), batch, seq)
+        plan = plan_for(ctx, compute=compute).with_(remat=RematPlan(recompute=megatron_recompute(ctx, rec)))
+        true = make_context(spec, run_cluster(machine, nproc, "cpu"), batch, seq).price(plan).step_time_s
+        times.append(true * math.exp(rng.gauss(0.0, noise)))
+        req = SimpleNamespace(
+            spec=spec,
+            plan=plan,
+            nproc=nproc,
+            device="cpu",
+            global_batch=batch,
+            seq=seq,
+            mode="plan",
+            cluster=base,
+        )
+        out = {
+            "measured": {"step_time_s": times[-1], "saved_activation_bytes": 1, "peak_bytes": 1.0},
+            "predicted": {"step_time_s": ctx.price(plan).step_time_s},
+            "grad_check": {"max_rel_err": 0.0, "tolerance": 1e-4, "ok": True},
+            "run": {"cluster": ctx.cluster.name, "device_name": "test-cpu"},
+        }
+        append_record(path, req, out)
+    return times
+
+
+def test_runs_fit_recovers_the_machine_and_improves_held_out_runs(tmp_path: Path) -> None:
+    from coplan.hardware.calibrate.runs import base_cluster, fit_runs, read_runs
+
+    path = tmp_path / "runs.jsonl"
+    measured = _record_runs(path, noise=0.0)
+    records, notes = read_runs(path)
+    assert not notes and [r.step_time_s for r in records] == pytest.approx(measured)
+    fit = fit_runs(records, base_cluster(records, None, path))
+    # exact timings: the three factors come back (the prior moves them by less than 1%)
+    assert fit.scales.to_dict() == pytest.approx(RUNS_TRUTH, rel=0.02)
+    assert fit.rms_before > 0.5 and fit.rms_after < 0.01
+    # each run predicted from the factors fitted to the other six
+    assert fit.loo_after < 0.01 and fit.loo_before > 0.5
+    assert len(fit.loo_after_s) == len(records)
+
+
+def test_calibrate_runs_writes_a_profile_that_prices_the_runs(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    from coplan.apply.predict import make_context, run_cluster
+
+    path, out = tmp_path / "runs.jsonl", tmp_path / "fitted.json"
+    _record_runs(path)
+    code, stdout, err = _run(capsys, "calibrate", "--runs", str(path), "--out", str(out), "--json")
+    assert code == 0, err
+    data = json.loads(stdout)
+    assert data["runs"] == 7 and data["out"] == str(out) and data["device"] == "test-cpu"
+    # 2% timing noise: held-out runs predicted within a few percent, from 100% off before
+    assert data["error"]["held_out"]["after"] < 0.05 < 0.5 < data["error"]["held_out"]["before"]
+    fitted = load_cluster(str(out))  # what --cluster accepts
+    assert "runs fit" in fitted.groups[0].device.source
+    from coplan.hardware.calibrate.runs import read_runs
+
+    for rec, row in zip(read_runs(path)[0], data["per_run"], strict=True):
+        ctx = make_context(rec.spec, run_cluster(fitted, rec.nproc, "cpu"), rec.global_batch, rec.seq)
+        assert ctx.price(rec.plan).step_time_s == pytest.approx(row["after_s"], rel=1e-9)
+    code, stdout, _ = _run(capsys, "calibrate", "--runs", str(path), "--out", str(out))
+    assert code == 0 and "held out (leave-one-out)" in stdout and f"wrote {out}" in stdout
+
+
+def test_calibrate_runs_bad_input_is_a_one_line_error(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    missing = tmp_path / "nope.jsonl"
+    code, _, err = _run(capsys, "calibrate", "--runs", str(missing))
+    _one_line_error(code, err, f"--runs {missing}: no such file")
+    good = tmp_path / "good.jsonl"
+    _record_runs(good)
+    lines = good.read_text().splitlines()
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text(lines[0] + "\n" + lines[1][:40] + "\n")
+    code, _, err = _run(capsys, "calibrate", "--runs", str(bad))
+    _one_line_error(code, err, f"{bad}:2: not JSON")
+    row = json.loads(lines[0])
+    del row["plan"]
+    bad.write_text(json.dumps(row) + "\n")
+    code, _, err = _run(capsys, "calibrate", "--runs", str(bad))
+    _one_line_error(code, err, f"{bad}:1: missing 'plan'")
+    row = json.loads(lines[0])
+    row["measured"]["step_time_s"] = -1
+    bad.write_text(json.dumps(row) + "\n")
+    code, _, err = _run(capsys, "calibrate", "--runs", str(bad))
+    _one_line_error(code, err, f"{bad}:1: 'measured.step_time_s' must be a positive number")
+    rows = [json.loads(x) for x in lines]
+    for r in rows:
+        del r["cluster_spec"]
+    bad.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    code, _, err = _run(capsys, "calibrate", "--runs", str(bad))
+    _one_line_error(code, err, "--cluster")
+    code, _, err = _run(capsys, "calibrate", "--cluster", "cpu")
+    _one_line_error(code, err, "only applies with --runs")
