@@ -184,13 +184,18 @@ def per_stage_remat(plan: Plan, ctx: PlanContext) -> Plan:
 
 @strategy("joint")
 def joint(ctx: PlanContext, opts: Options) -> tuple[Plan, list[PassRecord], list[str]]:
-    base = ctx.default_plan()
+    base = opts.base if opts.base is not None else ctx.default_plan()
+    fixed = opts.space.fixed
     combos = opts.space.plans(ctx, base)
-    best, explored = bound_search(
-        ctx, combos, lambda p: optimise_remat(p, ctx), "joint", opts.progress, opts.warm
-    )
+    # a fixed recompute set is already applied by the space: each combination is complete, and
+    # its price is exact (so the bound search stays exact)
+    solve = (lambda p: p) if "remat" in fixed else (lambda p: optimise_remat(p, ctx))
+    best, explored = bound_search(ctx, combos, solve, "joint", opts.progress, opts.warm)
     if best is not None and opts.space.stages:
-        best = per_stage_remat(rebalance_stages(best, ctx), ctx)
+        if "parallel" not in fixed:  # the layer split is a parallel decision
+            best = rebalance_stages(best, ctx)
+        if "remat" not in fixed:
+            best = per_stage_remat(best, ctx)
     if best is None:
         # no layout of the space is possible for this job (nor a warm start): report the default
         # plan, which run_strategy prices, so the job's error (ConfigError) is what the user sees,

@@ -4,18 +4,21 @@ the same choices."""
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from coplan.passes.fusion import _as_plan, greedy_groups, megatron_fusion, scope_ops
 from coplan.passes.parallel import candidates
 from coplan.passes.precision import PRECISION_VARIANTS, precision_variant
+from coplan.passes.remat import with_remat
 from coplan.plan.checker import SENSITIVE_16BIT_ERROR
 from coplan.plan.context import PlanContext
-from coplan.plan.types import FusionPlan, ParallelPlan, Plan, PrecisionPlan
+from coplan.plan.types import FusionPlan, ParallelPlan, Plan, PrecisionPlan, RematPlan
 
 Progress = Callable[[str, int, int], None]
 
 FUSION_OPTIONS: tuple[str, ...] = ("eager", "greedy", "epilogue", "megatron")
+#: the four decision spaces, named as the passes are
+DECISIONS: tuple[str, ...] = ("fusion", "remat", "parallel", "precision")
 
 
 @dataclass(frozen=True, slots=True)
@@ -26,13 +29,21 @@ class SearchSpace:
     templates and cuBLASLt epilogues allow; ``megatron``: Megatron-LM's fused kernels);
     ``precision``: variants of per-op dtypes (``passes.precision.PRECISION_VARIANTS``); ``stages``:
     whether joint may split layers unevenly and recompute per stage (exhaustive cannot enumerate
-    those, so the oracle tests turn it off)."""
+    those, so the oracle tests turn it off); ``fixed``: decisions not searched at all but kept as
+    the base plan has them (``Options.base``), so a search can optimise one or two spaces with the
+    others held (the coupling study, ``coplan.experiments``)."""
 
     dtypes: tuple[str, ...] | None = None
     fusion: tuple[str, ...] = ("greedy", "epilogue")
     zero: tuple[int, ...] = (0, 1, 2, 3)
     precision: tuple[str, ...] = PRECISION_VARIANTS
     stages: bool = True  # refine pipeline stages: uneven layer split, per-stage recompute sets
+    fixed: frozenset[str] = frozenset()  # of DECISIONS: kept from the base plan, not searched
+
+    def __post_init__(self) -> None:
+        unknown = sorted(set(self.fixed) - set(DECISIONS))
+        if unknown:
+            raise ValueError(f"unknown decision {unknown[0]!r}; decisions: {', '.join(DECISIONS)}")
 
     def precisions(self, ctx: PlanContext) -> list[PrecisionPlan]:
         """Every compute dtype of the space under every precision variant that applies (the
@@ -60,14 +71,34 @@ class SearchSpace:
         return candidates(ctx, zero=self.zero)
 
     def plans(self, ctx: PlanContext, base: Plan) -> list[Plan]:
-        """``base`` under every layout x compute precision x fusion option of the space."""
-        precisions, fusions = self.precisions(ctx), self.fusions(ctx)
-        return [
-            base.with_(parallel=par, precision=prec, fusion=fus)
-            for par in self.parallel(ctx)
+        """``base`` under every layout x compute precision x fusion option of the space (a fixed
+        decision: ``base``'s own). Nothing is recomputed unless remat is fixed, in which case
+        ``base``'s recompute sets are kept and the fusion plan's recomputation inside backward
+        kernels is derived for them (as ``with_remat`` does), so each plan is priced as it runs."""
+        fixed = self.fixed
+        precisions = [base.precision] if "precision" in fixed else self.precisions(ctx)
+        fusions = (
+            [replace(base.fusion, recompute_in_backward=frozenset())]
+            if "fusion" in fixed
+            else self.fusions(ctx)
+        )
+        layouts = [base.parallel] if "parallel" in fixed else list(self.parallel(ctx))
+        start = base.with_(remat=RematPlan())
+        out = [
+            start.with_(parallel=par, precision=prec, fusion=fus)
+            for par in layouts
             for prec in precisions
             for fus in fusions
         ]
+        if "remat" in fixed:
+            out = [keep_remat(p, base.remat, ctx) for p in out]
+        return out
+
+
+def keep_remat(plan: Plan, remat: RematPlan, ctx: PlanContext) -> Plan:
+    """``plan`` recomputing ``remat`` (shared or per-stage sets) under ``plan``'s fusion."""
+    p = with_remat(plan, remat.all_names, ctx)
+    return p.with_(remat=remat) if remat.per_stage is not None else p
 
 
 def fusion_option(ctx: PlanContext, name: str) -> FusionPlan:

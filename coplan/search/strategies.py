@@ -52,6 +52,7 @@ class Options:
     space: SearchSpace = field(default_factory=SearchSpace)
     progress: Progress | None = None
     warm: list[Plan] = field(default_factory=list)  # plans found by other strategies (joint)
+    base: Plan | None = None  # decisions in ``space.fixed`` come from here (None: the default plan)
     max_evaluations: int = 400_000
 
 
@@ -171,8 +172,12 @@ def exhaustive(ctx: PlanContext, opts: Options) -> tuple[Plan, list[PassRecord],
     from coplan.passes.remat import saved_names, with_remat
 
     names = saved_names(ctx)
-    subsets = [frozenset(c) for r in range(len(names) + 1) for c in itertools.combinations(names, r)]
-    base = ctx.default_plan()
+    subsets: list[frozenset[str] | None] = [
+        frozenset(c) for r in range(len(names) + 1) for c in itertools.combinations(names, r)
+    ]
+    if "remat" in opts.space.fixed:
+        subsets = [None]  # the base plan's recompute set, already applied by ``space.plans``
+    base = opts.base if opts.base is not None else ctx.default_plan()
     combos = opts.space.plans(ctx, base)
     total = len(combos) * len(subsets)
     if total > opts.max_evaluations:
@@ -186,7 +191,7 @@ def exhaustive(ctx: PlanContext, opts: Options) -> tuple[Plan, list[PassRecord],
         if opts.progress:
             opts.progress("exhaustive", i, len(combos))
         for s in subsets:
-            p = with_remat(p0, s, ctx)
+            p = p0 if s is None else with_remat(p0, s, ctx)
             k = score(p, ctx)
             if k < best_key:
                 best, best_key = p, k
