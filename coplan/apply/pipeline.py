@@ -130,7 +130,6 @@ def run_pipeline(rank: int, world: int, job: Any) -> Any:
 
     from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
 
-    from coplan.apply.backend import Backend
     from coplan.apply.dist import init
     from coplan.apply.measure import SavedPeak
     from coplan.apply.precision import compute_dtype, model_dtype
@@ -140,6 +139,7 @@ def run_pipeline(rank: int, world: int, job: Any) -> Any:
         _all_mean,
         batches,
         build,
+        compile_for,
         peak_tracker,
         reference_grads,
         sync,
@@ -163,13 +163,7 @@ def run_pipeline(rank: int, world: int, job: Any) -> Any:
     reference = copy.deepcopy(whole)
     stage_mod = build_stage(whole, par, rank).to(model_dtype(plan.precision)).to(r.device)
     tied = tied_copy(stage_mod)
-    be = Backend(plan, spec) if job.mode == "plan" else None
-    torch._dynamo.reset()
-    compiled: Any = stage_mod
-    if be is not None:
-        compiled = torch.compile(stage_mod, backend=be)
-    elif job.mode == "compile":
-        compiled = torch.compile(stage_mod)
+    compiled, be = compile_for(stage_mod, plan, spec, job.mode)
     act = compute_dtype(plan.precision) if job.mode == "plan" else torch.float32
     first, last = rank == 0, rank == par.pp - 1
     d, v = spec.d_model, spec.vocab_size

@@ -14,7 +14,7 @@ from coplan.apply.dist import from_torchrun, launch
 from coplan.apply.fusion import honoured_total
 from coplan.apply.predict import baseline_plan, make_context, predict, refuse, run_cluster
 from coplan.apply.train import MODES, Job, RankResult, run_rank, step_time, tolerance_of
-from coplan.errors import CoplanError
+from coplan.errors import CoplanError, SpecError
 from coplan.hardware.cluster import ClusterSpec
 from coplan.models.spec import ModelSpec
 from coplan.plan.types import Plan, PlanError
@@ -152,6 +152,22 @@ def report(
             "notes": notes + res.notes,
         },
     }
+
+
+DEVICES = ("auto", "cpu", "cuda")
+
+
+def resolve_device(device: str) -> str:
+    """``auto`` -> cuda when a CUDA device is visible, else cpu; cuda without one is an error."""
+    import torch
+
+    if device not in DEVICES:
+        raise SpecError("--device", None, f"must be one of {', '.join(DEVICES)}, got {device!r}")
+    if device == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    if device == "cuda" and not torch.cuda.is_available():
+        raise SpecError("--device", None, "cuda was asked for, but no CUDA device is visible")
+    return device
 
 
 def device_name(device: str) -> str:

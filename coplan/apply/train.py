@@ -237,17 +237,7 @@ def _run(rank: int, world: int, job: Job) -> RankResult | None:
     wrapped: torch.nn.Module = base
     if par.dp > 1:
         wrapped = apply_dp(base, dev_mesh["dp"], par, compute_dtype(plan.precision))
-    if job.mode not in MODES:
-        raise CoplanError(f"run mode must be one of {', '.join(MODES)}, got {job.mode!r}")
-    be = Backend(plan, spec) if job.mode == "plan" else None
-    # a process that already compiled this model's code (an earlier run) would reuse that graph,
-    # which holds the earlier plan's backend: start from an empty cache
-    torch._dynamo.reset()
-    compiled: Any = wrapped
-    if be is not None:
-        compiled = torch.compile(wrapped, backend=be)
-    elif job.mode == "compile":
-        compiled = torch.compile(wrapped)
+    compiled, be = compile_for(wrapped, plan, spec, job.mode)
     # autocast offers bf16 and fp16: an fp8 plan's baseline runs bf16, a tf32 one fp32
     amp_dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp8": torch.bfloat16}.get(
         plan.precision.compute
@@ -367,6 +357,24 @@ def _run(rank: int, world: int, job: Job) -> RankResult | None:
         skipped_steps=scaler.skipped,
         notes=notes,
     )
+
+
+def compile_for(
+    module: torch.nn.Module, plan: Plan, spec: ModelSpec, mode: str
+) -> tuple[Any, Backend | None]:
+    """(``module`` as ``mode`` runs it, the plan's backend or None): compiled with
+    ``coplan.backend(plan)``, with Inductor's defaults (``compile``), or as it is (``eager``)."""
+    if mode not in MODES:
+        raise CoplanError(f"run mode must be one of {', '.join(MODES)}, got {mode!r}")
+    be = Backend(plan, spec) if mode == "plan" else None
+    # a process that already compiled this model's code (an earlier run) would reuse that graph,
+    # which holds the earlier plan's backend: start from an empty cache
+    torch._dynamo.reset()
+    if be is not None:
+        return torch.compile(module, backend=be), be
+    if mode == "compile":
+        return torch.compile(module), None
+    return module, None
 
 
 def sync(device: torch.device) -> None:

@@ -27,8 +27,6 @@ if TYPE_CHECKING:
     from coplan.hardware.cluster import ClusterSpec
     from coplan.plan.types import Plan
 
-DEVICES = ("auto", "cpu", "cuda")
-
 
 def _cluster(name: str | None, plan: Plan, device: str) -> ClusterSpec:
     from coplan.hardware import load_cluster
@@ -43,18 +41,6 @@ def _cluster(name: str | None, plan: Plan, device: str) -> ClusterSpec:
         raise SpecError(
             "--cluster", None, f"the plan's cluster {plan.cluster!r} is not a preset or file: name one"
         ) from None
-
-
-def _device(device: str) -> str:
-    import torch
-
-    if device not in DEVICES:
-        raise SpecError("--device", None, f"must be one of {', '.join(DEVICES)}, got {device!r}")
-    if device == "auto":
-        return "cuda" if torch.cuda.is_available() else "cpu"
-    if device == "cuda" and not torch.cuda.is_available():
-        raise SpecError("--device", None, "cuda was asked for, but no CUDA device is visible")
-    return device
 
 
 def run(
@@ -96,7 +82,7 @@ def run(
     json: JsonOpt = False,
 ) -> None:
     """Train a few steps under a plan; report measured against predicted."""
-    from coplan.apply.run import RunRequest, run_plan
+    from coplan.apply.run import RunRequest, resolve_device, run_plan
     from coplan.models.spec import load_model_spec
     from coplan.plan.types import Plan
 
@@ -106,7 +92,7 @@ def run(
     positive("--seq", seq, optional=True)
     if threads < 0:
         raise SpecError("--threads", None, f"must be >= 0, got {threads}")
-    dev = _device(device)
+    dev = resolve_device(device)
     spec = load_model_spec(model)
     p = Plan.load(str(plan))
     req = RunRequest(

@@ -67,7 +67,6 @@ if TYPE_CHECKING:
 
 FUSIONS: tuple[str, ...] = ("eager", "compiled")
 REMATS: tuple[str, ...] = ("none", "full", "selective", "planned")
-DEVICES: tuple[str, ...] = ("auto", "cpu", "cuda")
 #: the CPU profile ``coplan calibrate`` wrote for this repository's benchmarks (used when present)
 CPU_PROFILE = Path("benchmarks/results/cpu_profile.json")
 #: device name fragments (as CUDA reports them) -> the device preset that prices them
@@ -102,19 +101,6 @@ class MeasureConfig:
     repeats: int = 3
 
 
-def resolve_device(device: str) -> str:
-    """``auto`` -> cuda when a CUDA device is visible, else cpu; cuda without one is an error."""
-    import torch
-
-    if device not in DEVICES:
-        raise SpecError("--device", None, f"must be one of {', '.join(DEVICES)}, got {device!r}")
-    if device == "auto":
-        return "cuda" if torch.cuda.is_available() else "cpu"
-    if device == "cuda" and not torch.cuda.is_available():
-        raise SpecError("--device", None, "cuda was asked for, but no CUDA device is visible")
-    return device
-
-
 def default_cluster(device: str) -> str:
     """What prices the runs unless ``--profile`` says: the calibrated CPU profile when present
     (else the ``cpu`` preset), or the preset of the visible GPU."""
@@ -141,6 +127,7 @@ def configure(
 ) -> MeasureConfig:
     """The measured study's configuration from CLI-style options (defaults per device: the small
     GPT at batch 8 x 128 on a CPU, GPT-2 124M at batch 8 x 1024 on a GPU)."""
+    from coplan.apply.run import resolve_device
     from coplan.hardware import load_cluster
     from coplan.models.spec import load_model_spec
 

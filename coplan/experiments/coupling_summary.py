@@ -14,7 +14,6 @@ feasibility-coupled.
 from __future__ import annotations
 
 import itertools
-import math
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -128,31 +127,13 @@ def all4_summary(results: Sequence[ScenarioResult]) -> dict[str, Any]:
 
 
 def spearman(xs: Sequence[float], ys: Sequence[float]) -> float | None:
-    """Spearman's rank correlation with average ranks for ties (None: undefined, e.g. a constant)."""
+    """Spearman's rank correlation (``apply.measure.spearman``), None where it is undefined: fewer
+    than three points, or a constant side."""
+    from coplan.apply.measure import spearman as rank_correlation  # imports torch: only when asked
 
-    def ranks(v: Sequence[float]) -> list[float]:
-        order = sorted(range(len(v)), key=lambda i: v[i])
-        r = [0.0] * len(v)
-        i = 0
-        while i < len(order):
-            j = i
-            while j + 1 < len(order) and v[order[j + 1]] == v[order[i]]:
-                j += 1
-            for k in range(i, j + 1):
-                r[order[k]] = (i + j) / 2
-            i = j + 1
-        return r
-
-    if len(xs) < 3:
+    if len(xs) < 3 or len(set(xs)) < 2 or len(set(ys)) < 2:
         return None
-    rx, ry = ranks(xs), ranks(ys)
-    mx, my = sum(rx) / len(rx), sum(ry) / len(ry)
-    sxy = sum((a - mx) * (b - my) for a, b in zip(rx, ry, strict=True))
-    sxx = sum((a - mx) ** 2 for a in rx)
-    syy = sum((b - my) ** 2 for b in ry)
-    if sxx == 0 or syy == 0:
-        return None
-    return sxy / math.sqrt(sxx * syy)
+    return rank_correlation(xs, ys)
 
 
 def _direction(means: Sequence[float]) -> str:
