@@ -12,8 +12,11 @@ FSDP2 (ZeRO-1), tensor parallelism and a two-stage pipeline (1F1B). Each run rep
 and predicted step time, saved activation bytes and peak memory, and the gradient check against
 eager fp32. The summary is the
 largest saved-bytes error (target 5%) and Spearman's rank correlation of predicted against
-measured step times (target 0.8). The cost model prices with the calibrated CPU profile
-(``benchmarks/results/cpu_profile.json`` unless ``--profile``).
+measured step times (target 0.8). The cost model prices with a CPU profile calibrated at the
+start of the run with two processes (``coplan calibrate --device cpu --procs 2``, written to
+``benchmarks/results/cpu_profile_2p.json``): the machine's speed drifts by tens of percent over a
+day, and the two-process runs need the measured gloo link (latency ~1 ms per collective), which a
+one-process profile does not have. ``--profile PATH`` prices with a given profile instead.
 
 Every run is also recorded as ``coplan run --record`` records it (``results/apply_runs.jsonl``),
 and the runs calibrate the profile (``coplan calibrate --runs``: GEMM and vector rates and the
@@ -180,9 +183,19 @@ def calibration(runs: Path, profile: str) -> dict[str, Any]:
     return out
 
 
+def calibrate_now(path: Path) -> Path:
+    """Calibrate this CPU with two processes (microbenchmarks and gloo collectives) into ``path``."""
+    from coplan.hardware.calibrate import calibrate, write_profile
+
+    t0 = time.perf_counter()
+    out = write_profile(calibrate("cpu", procs=2), path)
+    print(f"calibrated {out} in {time.perf_counter() - t0:.0f} s", file=sys.stderr)
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--profile", default=str(RESULTS / "cpu_profile.json"))
+    ap.add_argument("--profile", default=None, help="a profile to price with (default: calibrate now)")
     ap.add_argument("--steps", type=int, default=8)
     ap.add_argument("--quick", action="store_true", help=f"{len(QUICK)} cases")
     ap.add_argument("--out", default=str(RESULTS / "apply.json"))
@@ -194,6 +207,8 @@ def main(argv: list[str] | None = None) -> int:
         help=f"only the calibration sweep: {len(SWEEP)} one-process runs (results/apply_sweep.json)",
     )
     args = ap.parse_args(argv)
+    if args.profile is None:
+        args.profile = str(calibrate_now(RESULTS / "cpu_profile_2p.json"))
     if args.calibrate_only:
         calibration(Path(args.calibrate_only), args.profile)
         return 0

@@ -46,7 +46,9 @@ def _ctx(batch: int, device: str = "cuda") -> Any:
     from coplan.hardware import load_cluster
     from coplan.models.spec import load_model_spec
 
-    return make_context(load_model_spec(MODEL), run_cluster(load_cluster(CLUSTER), 1, device), batch, SEQ)
+    return make_context(
+        load_model_spec(MODEL), run_cluster(load_cluster(CLUSTER), 1, device), batch, SEQ, device
+    )
 
 
 def write_plans() -> None:

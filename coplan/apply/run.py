@@ -43,7 +43,7 @@ def run_plan(req: RunRequest) -> dict[str, Any]:
     """Validate ``req.plan`` for this run (``PlanError`` when it was made for another model, world
     size, batch or sequence), price it, train, and return the report."""
     cluster = run_cluster(req.cluster, req.nproc, req.device)
-    ctx = make_context(req.spec, cluster, req.global_batch, req.seq)
+    ctx = make_context(req.spec, cluster, req.global_batch, req.seq, req.device)
     notes = refuse(req.plan, ctx, req.nproc)
     if req.mode not in MODES:
         raise PlanError("mode", f"must be one of {', '.join(MODES)}, got {req.mode!r}", "run")

@@ -68,6 +68,16 @@ class TrainingConfig:
             their arithmetic is paid, but no launch, no memory traffic and no stored copy.
         loss_fusion: which of Megatron's cross-entropy kernels the loss runs as under
             ``fusion="megatron"`` (``LOSS_FUSIONS``; other fusion plans price the IR's loss ops).
+        pipeline_keeps_outputs: a pipeline stage keeps the output it sent for its backward
+            (torch.distributed.pipelining, which backpropagates through it) instead of freeing it
+            after the send (Megatron-LM's ``deallocate_pipeline_outputs``).
+        fsdp_units: ZeRO 1 and 2 run as FSDP does (PyTorch FSDP2 without resharding after
+            forward): each layer (unit) all-gathers its parameters in forward and reduce-scatters
+            its gradients after its backward, every microbatch, instead of Megatron's distributed
+            optimizer (one bucketed reduce-scatter per step, one all-gather after the update).
+        overlap_zero: ZeRO-3 / FSDP unit collectives are prefetched behind compute (GPUs: NCCL on
+            its own stream); off where communication and compute share the same cores (gloo on
+            a CPU), so every collective shows.
         op_dtypes: (op id, dtype) overrides of the precision each op runs in; a backward op
             follows its forward op. ``"fp32"`` stores the op's outputs in fp32 (autocast's fp32
             list), ``"bf16"``/``"fp16"`` runs it in 16 bits, ``"fp8"`` (GEMMs) quantises its
@@ -100,6 +110,9 @@ class TrainingConfig:
     recompute_fused: frozenset[str] = frozenset()
     op_dtypes: tuple[tuple[int, str], ...] = ()
     loss_fusion: str = "none"
+    pipeline_keeps_outputs: bool = False
+    fsdp_units: bool = False
+    overlap_zero: bool = True
 
     def __post_init__(self) -> None:
         for name in ("tp", "pp", "dp", "vpp", "microbatch", "global_batch"):
@@ -263,3 +276,20 @@ def check_against(
             f"interleaved pipelining needs microbatches ({config.num_microbatches}) "
             f"divisible by pp ({config.pp})",
         )
+
+
+@dataclass(frozen=True, slots=True)
+class Stack:
+    """How the training stack that runs a plan behaves, where stacks differ and the plan does not
+    say (the ``TrainingConfig`` fields of the same names). The default is Megatron-LM's, which
+    the published runs use; ``coplan run`` prices its own (``Stack.runner``)."""
+
+    pipeline_keeps_outputs: bool = False
+    fsdp_units: bool = False
+    overlap: bool = True
+
+    @classmethod
+    def runner(cls, device: str) -> Stack:
+        """coplan's runner: torch.distributed.pipelining keeps stage outputs, ZeRO >= 1 runs as
+        FSDP2 per block; on a CPU, gloo's collectives run on the cores that compute, unhidden."""
+        return cls(pipeline_keeps_outputs=True, fsdp_units=True, overlap=device != "cpu")

@@ -318,17 +318,19 @@ def estimate(profile: GraphProfile, cluster: ClusterSpec, config: TrainingConfig
         param_bytes = float(ab)  # parameters travel in the kernels' precision
         # gradients are reduced in fp32 under mixed precision, or in 16 bits where the stack does
         grad_bytes = float(f32 if config.grad_reduce_fp32 else ab)
-        if config.zero == 3 and d > 1:
+        per_unit = config.zero == 3 or (config.fsdp_units and config.zero >= 1)
+        if per_unit and d > 1:
             # per-unit gathers and reduce-scatters, prefetched behind compute (``zero.py``); the
-            # units are the stage's layers (the embedding and head ride with the first and last)
+            # units are the stage's layers (the embedding and head ride with the first and last).
+            # Only ZeRO-3 gathers again for backward (FSDP2 keeps the unit gathered otherwise)
             units = max(1, per_stage_layers[s])
-            zero_comm = zero3_exposed(
-                dp_group, p_local, units, param_bytes, grad_bytes, fwd + bwd + recompute
-            )
+            hide = fwd + bwd + recompute if config.overlap_zero else 0.0
+            gathers = 2 if config.zero == 3 else 1
+            zero_comm = zero3_exposed(dp_group, p_local, units, param_bytes, grad_bytes, hide, gathers)
             transient += zero3_transient(p_local, units, param_bytes, grad_bytes)
         # data-parallel gradient reduction, once per step
         dp_comm = param_gather = 0.0
-        if d > 1 and config.zero < 3:
+        if d > 1 and not per_unit:
             g_bytes = p_local * grad_bytes
             red = dp_group.all_reduce(g_bytes) if config.zero == 0 else dp_group.reduce_scatter(g_bytes)
             dp_comm = max(0.0, red - (bwd + recompute)) if config.overlap_grad_reduce else red
@@ -355,6 +357,8 @@ def estimate(profile: GraphProfile, cluster: ClusterSpec, config: TrainingConfig
                 act_stored -= inp * _chunk_in_flight(s, p, v, m, 0)
             if s == p - 1:
                 act_stored += inp * _chunk_in_flight(s, p, v, m, v - 1)
+        if p > 1:
+            act_stored += _boundary_held(profile, mine, rec, config, s, p, v, m, ab, t)
         static = _static(p_local, config, d)
         capacity = float(min(dev.memory_bytes for dev in _devices_of_stage(cluster, config, s)))
         mem = MemoryEstimate(
@@ -666,6 +670,56 @@ def _in_flight(stage: int, p: int, v: int, m: int) -> float:
         return float(min(p - stage, m))
     warmup = (p - stage - 1) * 2 + (v - 1) * p
     return float(min(warmup + 1, m * v))
+
+
+def _boundary_held(
+    profile: GraphProfile,
+    mine: list[Part],
+    rec: str | frozenset[str],
+    config: TrainingConfig,
+    s: int,
+    p: int,
+    v: int,
+    m: int,
+    ab: int,
+    t: int,
+) -> float:
+    """Bytes of pipeline boundary activations stage ``s`` holds beyond what its parts count.
+
+    The parts count a saved tensor on the stage that produces it, so a chunk's output (the next
+    block's input, saved by that block's first norm) is charged to the sending chunk and the
+    received input to nobody. What the stages really hold: the receiving chunk keeps its input
+    for its backward, once per microbatch in flight, on every chunk but the model's first (whose
+    input, the embedding output, its own side counts); the sending chunk drops its output after
+    the send where the stack frees it (Megatron-LM's ``deallocate_pipeline_outputs``,
+    megatron/core/pipeline_parallel/schedules.py ``deallocate_output_tensor``), and keeps it where
+    the stack holds it for the backward it runs through autograd (torch.distributed.pipelining,
+    ``config.pipeline_keeps_outputs``). Under full recomputation the blocks count their inputs
+    (received inputs included) and not their outputs. A remat set that drops the block output
+    leaves the chunk's input held by the schedule, uncounted by the parts."""
+    elems = max((tp_.boundary for tp_ in profile.templates), default=0.0)
+    if elems <= 0 or not mine:
+        return 0.0
+    one = elems * ab / (t if config.sequence_parallel and t > 1 else 1)
+    if rec == "full":
+        counts_in, counts_out = True, False
+    elif isinstance(rec, frozenset) and rec and _drops_output(profile, mine[-1], rec):
+        counts_in = counts_out = False
+    else:
+        counts_in, counts_out = False, True
+    held = 0.0
+    for c in range(v):
+        n = _chunk_in_flight(s, p, v, m, c)
+        receives = not (s == 0 and c == 0)
+        sends = not (s == p - 1 and c == v - 1)
+        if receives and not counts_in:
+            held += n * one
+        if sends:
+            if counts_out and not config.pipeline_keeps_outputs:
+                held -= n * one
+            elif not counts_out and config.pipeline_keeps_outputs:
+                held += n * one
+    return held
 
 
 def _chunk_in_flight(stage: int, p: int, v: int, m: int, chunk: int) -> float:

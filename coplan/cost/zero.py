@@ -28,18 +28,25 @@ from coplan.cost.comm import Group
 
 
 def zero3_exposed(
-    group: Group, p_local: float, units: int, param_bytes: float, grad_bytes: float, compute: float
+    group: Group,
+    p_local: float,
+    units: int,
+    param_bytes: float,
+    grad_bytes: float,
+    compute: float,
+    gathers: int = 2,
 ) -> float:
     """Seconds of ZeRO-3 communication one microbatch cannot hide behind ``compute`` seconds of
     its own forward and backward, for ``p_local`` parameters (this GPU's tensor-parallel share,
-    before the data-parallel sharding) split evenly into ``units`` units."""
+    before the data-parallel sharding) split evenly into ``units`` units. ``gathers`` all-gathers
+    per unit: 2 for ZeRO-3 (forward and backward), 1 for FSDP without resharding after forward."""
     if group.size <= 1 or p_local <= 0:
         return 0.0
     units = max(1, units)
     per_unit = p_local / units
     gather = group.all_gather(per_unit * param_bytes)
     scatter = group.reduce_scatter(per_unit * grad_bytes)
-    total = units * (2 * gather + scatter)
+    total = units * (gathers * gather + scatter)
     edges = gather + scatter  # the first unit's gather and the last unit's reduce-scatter
     return edges + max(0.0, total - edges - compute)
 

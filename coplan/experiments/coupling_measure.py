@@ -325,7 +325,7 @@ def run_measured(
     from coplan.apply.run import RunRequest, run_plan
 
     t0 = time.perf_counter()
-    ctx = make_context(cfg.spec, run_cluster(cfg.cluster, 1, cfg.device), cfg.batch, cfg.seq)
+    ctx = make_context(cfg.spec, run_cluster(cfg.cluster, 1, cfg.device), cfg.batch, cfg.seq, cfg.device)
     corners, budget = corner_plans(cfg, ctx)
     reports: list[dict[str, Any]] = [{} for _ in corners]
     times: list[list[float]] = [[] for _ in corners]

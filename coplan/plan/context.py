@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from functools import cached_property
 
 from coplan.cost import ConfigError, CostModel, Estimate, TrainingConfig
+from coplan.cost.config import Stack
 from coplan.cost.parts import GraphProfile
 from coplan.hardware.cluster import ClusterSpec
 from coplan.ir.fingerprint import fingerprint as graph_fingerprint
@@ -112,6 +113,7 @@ class PlanContext:
     seq: int
     budget_bytes: float | None = None
     numerics: Numerics = field(default_factory=Numerics)
+    stack: Stack = field(default_factory=Stack)
     _priced: dict[object, Estimate] = field(default_factory=dict, repr=False)
     _configs: dict[object, TrainingConfig] = field(default_factory=dict, repr=False)
     _expanded: dict[FusionPlan, tuple[tuple[int, ...], ...]] = field(default_factory=dict, repr=False)
@@ -252,8 +254,11 @@ class PlanContext:
             flash_attention=plan.flash_attention,
             fusion=fusion,
             master_weights=plan.precision.master_weights,
-            overlap_grad_reduce=True,
-            overlap_param_gather=p.zero >= 1,
+            overlap_grad_reduce=self.stack.overlap,
+            overlap_param_gather=p.zero >= 1 and self.stack.overlap,
+            overlap_zero=self.stack.overlap,
+            pipeline_keeps_outputs=self.stack.pipeline_keeps_outputs,
+            fsdp_units=self.stack.fsdp_units,
             stage_layers=p.stage_layers,
         )
         self._configs[key] = config

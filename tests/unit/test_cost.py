@@ -571,14 +571,40 @@ def test_full_recompute_keeps_each_layer_input_and_the_final_norm_input():
     ref = CostModel(spec=GPT).estimate(cluster, none)
     layer_in = 2 * s * b * h
     # stage 0 (2 microbatches in flight): its 2 layer inputs, the first being the embedding output,
-    # which the embedding side keeps anyway (counted once); the rest of the embedding side as is
-    embedding = ref.stages[0].memory.activations_bytes - 2 * _blocks_none(ref)
+    # which the embedding side keeps anyway (counted once); the rest of the embedding side as is.
+    # Without recompute stage 0 keeps its blocks' saved tensors less the output it sent (freed)
+    embedding = ref.stages[0].memory.activations_bytes - 2 * _blocks_none(ref) + 2 * layer_in
     assert est.stages[0].memory.activations_bytes == pytest.approx(
         2 * 2 * layer_in + embedding - 2 * layer_in
     )
-    # last stage (one microbatch): its 2 layer inputs and the final norm's input, and the head
-    head = ref.stages[1].memory.activations_bytes - _blocks_none(ref)
+    # last stage (one microbatch): its 2 layer inputs and the final norm's input, and the head;
+    # without recompute it keeps its blocks' saved tensors and the input it received
+    head = ref.stages[1].memory.activations_bytes - _blocks_none(ref) - layer_in
     assert est.stages[1].memory.activations_bytes == pytest.approx(3 * layer_in + head)
+
+
+@pytest.mark.parametrize("recompute", ["none", "full"])
+def test_pipeline_stages_hold_received_inputs_and_free_or_keep_sent_outputs(recompute):
+    b, s, h = 2, 512, GPT.d_model
+    cluster = load_cluster("h100-sxm", 2)
+    megatron = TrainingConfig(microbatch=b, global_batch=4 * b, seq=s, pp=2, recompute=recompute)
+    torch_pp = megatron.with_(pipeline_keeps_outputs=True)
+    a, k = (CostModel(spec=GPT).estimate(cluster, c) for c in (megatron, torch_pp))
+    boundary = 2 * s * b * h  # one (mb, seq, d) bf16 activation
+    # the receiving stage holds its input either way; only the sender's choice differs: stage 0
+    # (2 microbatches in flight) keeps 2 sent outputs more when the stack backpropagates through them
+    assert k.stages[1].memory.activations_bytes == pytest.approx(a.stages[1].memory.activations_bytes)
+    assert k.stages[0].memory.activations_bytes - a.stages[0].memory.activations_bytes == pytest.approx(
+        2 * boundary
+    )
+    # under Megatron the boundary is held once, by the receiver: the two stages' activations, each
+    # at one microbatch in flight, add up to the unpipelined model's
+    one = TrainingConfig(microbatch=b, global_batch=4 * b, seq=s, recompute=recompute)
+    whole = CostModel(spec=GPT).estimate(load_cluster("h100-sxm", 1), one)
+    per_mb0 = a.stages[0].memory.activations_bytes / 2
+    assert per_mb0 + a.stages[1].memory.activations_bytes == pytest.approx(
+        whole.memory.activations_bytes, rel=1e-9
+    )
 
 
 def _blocks_none(est) -> float:

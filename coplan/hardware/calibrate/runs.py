@@ -276,7 +276,7 @@ def prepare(records: Sequence[RunRecord], cluster: ClusterSpec) -> list[_Priced]
     out = []
     models: dict[Any, Any] = {}
     for r in records:
-        ctx = make_context(r.spec, run_cluster(cluster, r.nproc, r.device), r.global_batch, r.seq)
+        ctx = make_context(r.spec, run_cluster(cluster, r.nproc, r.device), r.global_batch, r.seq, r.device)
         ctx.model = models.setdefault(r.spec, ctx.model)  # one cost model (and its graphs) per model
         try:
             plan = baseline_plan(r.plan, ctx, r.mode) if r.mode != "plan" else r.plan
