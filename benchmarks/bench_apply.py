@@ -176,7 +176,8 @@ def calibration(runs: Path, profile: str) -> dict[str, Any]:
     e, r = out["rms_error"], out["spearman"]
     print(
         f"\ncalibrated on {len(records)} runs (gemm x{fit.scales.gemm:.3g}, vector x{fit.scales.vector:.3g}, "
-        f"launch x{fit.scales.launch:.3g}): step-time rms error {e['before']:.1%} -> {e['after']:.1%} "
+        f"launch x{fit.scales.launch:.3g}, link x{fit.scales.link:.3g}): "
+        f"step-time rms error {e['before']:.1%} -> {e['after']:.1%} "
         f"in sample, {e['held_out']:.1%} held out; Spearman {r['before']:.3f} -> {r['after']:.3f}, "
         f"held out {r['held_out'] if r['held_out'] is None else round(r['held_out'], 3)}"
     )

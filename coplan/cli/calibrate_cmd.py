@@ -211,7 +211,8 @@ def from_runs(path: Path, cluster: str | None, device: str | None, out: Path | N
     source = (
         f"fitted by `coplan calibrate --runs {path}` to {len(records)} run(s) on "
         f"{records[0].device_name}: gemm rate x{s.gemm:.3g}, vector rate x{s.vector:.3g}, "
-        f"kernel launch x{s.launch:.3g}; step-time rms error {fit.rms_before:.1%} -> {fit.rms_after:.1%}"
+        f"kernel launch x{s.launch:.3g}, link time x{s.link:.3g}; "
+        f"step-time rms error {fit.rms_before:.1%} -> {fit.rms_after:.1%}"
         + (
             f" (leave-one-out {fit.loo_before:.1%} -> {fit.loo_after:.1%})"
             if fit.loo_after == fit.loo_after
@@ -267,7 +268,7 @@ def from_runs(path: Path, cluster: str | None, device: str | None, out: Path | N
     console.print(table)
     console.print(
         f"\nfitted: gemm rate x{s.gemm:.3g}, vector rate x{s.vector:.3g}, kernel launch x{s.launch:.3g} "
-        f"({dev.kernel_launch_s * 1e6:.2f} µs)"
+        f"({dev.kernel_launch_s * 1e6:.2f} µs), link time x{s.link:.3g}"
     )
     console.print(f"step-time rms error: {fit.rms_before:.1%} -> {fit.rms_after:.1%} on the runs fitted")
     if fit.loo_after == fit.loo_after:

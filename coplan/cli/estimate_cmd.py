@@ -35,6 +35,12 @@ class Fusion(enum.StrEnum):
     none = "none"
 
 
+class LossFusion(enum.StrEnum):  # coplan.cost.config.LOSS_FUSIONS
+    none = "none"
+    native = "native"
+    te = "te"
+
+
 def estimate(
     model: Annotated[
         str, typer.Option("--model", "-m", help="Model preset name or a spec JSON file.")
@@ -86,6 +92,46 @@ def estimate(
             help="Overlap DP gradient reduction with backward.",
         ),
     ] = True,
+    overlap_param_gather: Annotated[
+        bool,
+        typer.Option(
+            "--overlap-param-gather/--no-overlap-param-gather",
+            help="ZeRO 1/2: overlap the parameter all-gather with the next step's forward.",
+        ),
+    ] = False,
+    tp_comm_overlap: Annotated[
+        bool,
+        typer.Option(
+            "--tp-comm-overlap/--no-tp-comm-overlap",
+            help="Overlap tensor-parallel collectives with the GEMMs (Transformer Engine userbuffers).",
+        ),
+    ] = False,
+    overlap_p2p: Annotated[
+        bool,
+        typer.Option(
+            "--overlap-p2p/--no-overlap-p2p",
+            help="Interleaved pipelines: overlap stage sends with the next chunk's compute.",
+        ),
+    ] = True,
+    grad_reduce_fp32: Annotated[
+        bool,
+        typer.Option(
+            "--grad-reduce-fp32/--grad-reduce-16bit",
+            help="Keep and reduce gradients in fp32 (Megatron's default under bf16) or in 16 bits.",
+        ),
+    ] = True,
+    loss_fusion: Annotated[
+        LossFusion,
+        typer.Option("--loss-fusion", help="Megatron's cross-entropy kernels: unfused, native or te."),
+    ] = LossFusion.none,
+    stage_layers: Annotated[
+        str | None,
+        typer.Option(
+            "--stage-layers",
+            help="Layers per pipeline stage (per virtual stage with --vpp), comma-separated, "
+            "e.g. 3,4,4,5 [default: an even split].",
+        ),
+    ] = None,
     json: JsonOpt = False,
 ) -> None:
     """Predict step time, per-GPU memory and MFU of one training configuration."""
@@ -123,6 +169,12 @@ def estimate(
         flash_attention=flash_attention,
         fusion=fusion.value,
         overlap_grad_reduce=overlap_grad_reduce,
+        overlap_param_gather=overlap_param_gather,
+        tp_comm_overlap=tp_comm_overlap,
+        overlap_p2p=overlap_p2p,
+        grad_reduce_fp32=grad_reduce_fp32,
+        loss_fusion=loss_fusion.value,
+        stage_layers=_stage_layers(stage_layers),
     )
     est = CostModel(spec=spec).estimate(hw, config)
     if json:
@@ -132,6 +184,21 @@ def estimate(
         print_json(out)
         return
     render(est, f"{spec.name} on {hw.summary()}")
+
+
+def _stage_layers(text: str | None) -> tuple[int, ...] | None:
+    """``--stage-layers 3,4,4,5`` as a tuple (the cost model checks it against the layout)."""
+    from coplan.cost import ConfigError
+
+    if text is None:
+        return None
+    try:
+        layers = tuple(int(x) for x in text.split(","))
+    except ValueError:
+        raise ConfigError(
+            "stage_layers", f"--stage-layers must be comma-separated integers, got {text!r}"
+        ) from None
+    return layers
 
 
 def render(est: Estimate, title: str) -> None:

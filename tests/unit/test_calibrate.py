@@ -369,7 +369,7 @@ def test_transformer_recompute_modes_keep_gradients_and_drop_saved_activations()
 
 # --- from recorded training runs (coplan calibrate --runs) -------------------------------------------
 
-RUNS_TRUTH = {"gemm": 0.4, "vector": 0.6, "launch": 2.5}
+RUNS_TRUTH = {"gemm": 0.4, "vector": 0.6, "launch": 2.5, "link": 1.0}
 
 
 def _record_runs(path: Path, truth: dict[str, float] | None = None, noise: float = 0.02) -> list[float]:
@@ -431,7 +431,8 @@ def test_runs_fit_recovers_the_machine_and_improves_held_out_runs(tmp_path: Path
     records, notes = read_runs(path)
     assert not notes and [r.step_time_s for r in records] == pytest.approx(measured)
     fit = fit_runs(records, base_cluster(records, None, path))
-    # exact timings: the three factors come back (the prior moves them by less than 1%)
+    # exact timings: the factors come back (the prior moves them by less than 1%); the link's too,
+    # which only the two-process runs see
     assert fit.scales.to_dict() == pytest.approx(RUNS_TRUTH, rel=0.02)
     assert fit.rms_before > 0.5 and fit.rms_after < 0.01
     # each run predicted from the factors fitted to the other six

@@ -271,3 +271,29 @@ def test_human_numbers() -> None:
     assert human_bytes(816_926_728) == "816.9 MB"
     assert human_bytes(2.5e9) == "2.5 GB"
     assert one_line("a\n  b\n\nc") == "a b c"
+
+
+def test_estimate_stack_flags_reach_the_cost_model(capsys: pytest.CaptureFixture[str]) -> None:
+    base = ("estimate", "--model", "gpt2-124m", "--cluster", "dgx-h100", "--gpus", "8", "--tp", "2")
+    base += ("--pp", "2", "--microbatch", "2", "--global-batch", "16", "--json")
+
+    def est(*extra: str) -> dict:
+        code, out, err = run(capsys, *base, *extra)
+        assert code == 0, err
+        return json.loads(out)
+
+    ref = est()
+    # 16-bit gradients halve the gradient bytes
+    assert est("--grad-reduce-16bit")["memory"]["grads_bytes"] == pytest.approx(
+        ref["memory"]["grads_bytes"] / 2
+    )
+    # an uneven split moves layers onto one stage: its time and the step's grow
+    assert est("--stage-layers", "4,8")["step_time_s"] > ref["step_time_s"]
+    # blocking sends cost more than overlapped ones with an interleaved schedule
+    inter = ("--vpp", "2")
+    assert est(*inter, "--no-overlap-p2p")["breakdown_s"]["pp_comm"] > est(*inter)["breakdown_s"]["pp_comm"]
+    # a bad split is one line naming the option, exit 2
+    code, _, err = run(capsys, *base, "--stage-layers", "5,x")
+    assert code == 2 and "--stage-layers" in err and len(err.strip().splitlines()) == 1
+    code, _, err = run(capsys, *base, "--stage-layers", "5,6")
+    assert code == 2 and "stage_layers" in err

@@ -190,8 +190,13 @@ def _log_residuals(
     measured = np.log([m.seconds for m in ms])
 
     def res(x: np.ndarray) -> np.ndarray:
-        p = make(x)
-        return np.log([max(predict(m, p), 1e-30) for m in ms]) - measured
+        # a trial step far off (a rate exp(-800) = 0.0) prices as infinitely bad, so the solver
+        # backs off, instead of dividing by zero (noisy timings on a busy machine got it there)
+        try:
+            p = make(x)
+            return np.log([max(predict(m, p), 1e-30) for m in ms]) - measured
+        except (ZeroDivisionError, OverflowError):
+            return np.full(len(ms), 1e6)
 
     return res
 

@@ -9,7 +9,11 @@ each run again under a device changed by three factors, each a rate of the machi
 - ``gemm``: the achievable rate of matrix work (GEMMs and fused attention), every dtype;
 - ``vector``: the achievable rate of everything else (elementwise, reductions, norms, softmax:
   vector FLOP/s and memory bandwidth together, as small kernels are bound by either);
-- ``launch``: the fixed cost of each kernel (``kernel_launch_s``).
+- ``launch``: the fixed cost of each kernel (``kernel_launch_s``);
+- ``link``: the cost of each collective and pipeline send between the processes (the latency and
+  the inverse bandwidth of the node's link together): what a framework adds around the wire on
+  the way (FSDP2's copy-in/copy-out and hooks, DTensor's dispatch, gloo's emulation of
+  reduce-scatter) is paid per collective. Only runs of several processes see it.
 
 and the factors minimise ``sum_i log(predicted_i / measured_i)^2`` (relative errors: a 10 ms step
 weighs as much as a 1 s one) plus a weak prior ``(PRIOR * log factor)^2`` that keeps a factor the
@@ -41,7 +45,7 @@ from coplan.hardware.device import DeviceSpec
 #: of one log step time per run: a factor no run is sensitive to stays put, one the runs
 #: determine moves freely (a factor of 10 costs as much as one run predicted 5% off).
 PRIOR = 0.02
-FACTORS: tuple[str, ...] = ("gemm", "vector", "launch")
+FACTORS: tuple[str, ...] = ("gemm", "vector", "launch", "link")
 #: Efficiency kinds each factor scales (``coplan.hardware.device.EFFICIENCY_KINDS``).
 _KINDS = {
     "gemm": ("matmul", "attention", "attention_backward"),
@@ -56,18 +60,19 @@ class RunsError(CoplanError):
 @dataclass(frozen=True, slots=True)
 class Scales:
     """Factors on the device's rates: ``gemm`` and ``vector`` multiply rates, ``launch`` the
-    per-kernel time."""
+    per-kernel time, ``link`` the time of every transfer over the node's link."""
 
     gemm: float = 1.0
     vector: float = 1.0
     launch: float = 1.0
+    link: float = 1.0
 
     @classmethod
     def of(cls, logs: Sequence[float] | np.ndarray) -> Scales:
         return cls(*(math.exp(float(v)) for v in logs))
 
     def to_dict(self) -> dict[str, float]:
-        return {"gemm": self.gemm, "vector": self.vector, "launch": self.launch}
+        return {"gemm": self.gemm, "vector": self.vector, "launch": self.launch, "link": self.link}
 
 
 @dataclass(frozen=True, slots=True)
@@ -246,7 +251,21 @@ def scaled_device(device: DeviceSpec, s: Scales) -> DeviceSpec:
 
 
 def scaled_cluster(cluster: ClusterSpec, s: Scales, name: str | None = None) -> ClusterSpec:
-    groups = tuple(replace(g, device=scaled_device(g.device, s)) for g in cluster.groups)
+    """``cluster`` with scaled devices and, by ``s.link``, slower (or faster) node links."""
+    groups = tuple(
+        replace(
+            g,
+            device=scaled_device(g.device, s),
+            intra_node=replace(
+                g.intra_node,
+                bandwidth=g.intra_node.bandwidth / s.link,
+                latency_s=g.intra_node.latency_s * s.link,
+            ),
+        )
+        if s.link != 1.0
+        else replace(g, device=scaled_device(g.device, s))
+        for g in cluster.groups
+    )
     return replace(cluster, name=name or cluster.name, groups=groups)
 
 
@@ -317,7 +336,7 @@ def rms_log_error(predicted: Sequence[float], measured: Sequence[float]) -> floa
 
 #: Starting points (log factors): the launch factor and the rates trade off (a step is their
 #: sum), so the fit starts from a few splits and keeps the best.
-STARTS: tuple[tuple[float, ...], ...] = ((0.0, 0.0, 0.0), (0.0, 0.0, 1.0), (-1.0, -1.0, 0.0))
+STARTS: tuple[tuple[float, ...], ...] = ((0.0, 0.0, 0.0, 0.0), (0.0, 0.0, 1.0, 0.0), (-1.0, -1.0, 0.0, 0.0))
 
 
 def _fit(
