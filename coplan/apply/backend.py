@@ -73,9 +73,15 @@ class Backend:
         self.report.regions += 1
         self.report.casts.append(apply_precision(gm, example_inputs, self.plan.precision, self.ir))
         own = [True] * sum(1 for _ in gm.parameters()) + [True] * sum(1 for _ in gm.buffers())
-        self.partitioner.param_flags = own + [_is_param(x) for x in example_inputs]
+        # buffers (RoPE's tables) are model state, as parameters: what is saved of them or computed
+        # from them alone is not an activation (the IR gives them the role BUFFER)
+        state = [
+            _is_param(x) or _is_buffer(p) for x, p in zip(example_inputs, _placeholders(gm), strict=False)
+        ]
+        self.partitioner.param_flags = own + state
         self.partitioner.float_flags = [False] * len(own) + [
-            isinstance(x, torch.Tensor) and x.is_floating_point() and not _is_param(x) for x in example_inputs
+            isinstance(x, torch.Tensor) and x.is_floating_point() and not s
+            for x, s in zip(example_inputs, state, strict=False)
         ]
         first_cut = len(self.partitioner.cuts)
         seq: dict[int, int] = {}  # autograd seq_nr -> IR forward op, from this region's forward
@@ -142,6 +148,19 @@ class Backend:
 
 def _is_param(x: object) -> bool:
     return isinstance(x, torch.nn.Parameter)
+
+
+def _placeholders(gm: fx.GraphModule) -> list[fx.Node]:
+    return [n for n in gm.graph.nodes if n.op == "placeholder"]
+
+
+def _is_buffer(node: fx.Node) -> bool:
+    """Whether Dynamo lifted this graph input from a module's buffers (its source reads
+    ``<module>._buffers[name]``), not a batch tensor or an activation handed in."""
+    source = getattr(node.meta.get("grapharg"), "source", None)
+    name = getattr(source, "name", None)
+    name = name() if callable(name) else name  # a method before torch 2.10, a property after
+    return isinstance(name, str) and "._buffers[" in name
 
 
 def backend(plan: Plan, spec: ModelSpec | None = None) -> Backend:

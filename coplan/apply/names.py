@@ -9,6 +9,13 @@ the model, so names are matched through what both sides agree on: the module pat
 that implement it), the order of such ops inside the module, and for multi-output ops the output
 position (``native_layer_norm`` -> out, mean, rstd as the IR's ``layer_norm``).
 
+Some IR ops are no single call: RoPE is a module of slices, multiplies, a concatenation and an add
+(applied to q and to k), and an RMSNorm that PyTorch decomposes (its CPU kernel is the composite
+``pow, mean, add, rsqrt, mul, mul``) has no anchor in the joint graph. Such an op is the *region* of
+its module's nodes (``COMPOSITES``), and its outputs are the region's exits: the nodes whose values
+are read outside the module, in order (RoPE: the rotated q, then k), plus, for RMSNorm, the
+normalized input and ``rsqrt`` that its backward reads.
+
 Two levels are matched: the *aten* level (AOTAutograd's joint graph, where the partitioner chooses
 what to save) and the *torch* level (Dynamo's graph, where the precision pass inserts casts).
 """
@@ -71,7 +78,7 @@ ATEN_ANCHORS: dict[str, frozenset[object]] = {
 #: ``call_method`` names). The loss is one ``cross_entropy`` call for the IR's two loss ops.
 TORCH_CALLS: dict[str, frozenset[object]] = {
     "layer_norm": frozenset({F.layer_norm, torch.layer_norm}),
-    "rms_norm": frozenset({F.rms_norm}),
+    "rms_norm": frozenset({F.rms_norm, torch.rms_norm}),  # Dynamo records nn.RMSNorm as torch.rms_norm
     "linear": frozenset({F.linear, torch._C._nn.linear, torch.matmul, "matmul"}),
     "attention": frozenset({F.scaled_dot_product_attention}),
     "gelu": frozenset({F.gelu, torch._C._nn.gelu}),
@@ -124,6 +131,82 @@ def _anchor_outputs(node: fx.Node) -> list[fx.Node]:
         if isinstance(idx, int):
             by_index.setdefault(idx, u)
     return [by_index[i] for i in sorted(by_index)]
+
+
+#: key in ``node.meta["custom"]`` marking a cast the precision pass put around an overridden op
+#: (to its dtype and back to the compute dtype): not part of the op, so never one of its outputs
+PLAN_CAST = "coplan_plan_cast"
+
+
+def is_plan_cast(node: fx.Node) -> bool:
+    return bool((node.meta.get("custom") or {}).get(PLAN_CAST))
+
+
+def _region(nodes: Sequence[fx.Node], path: str) -> list[fx.Node]:
+    """The call nodes traced inside module ``path`` (itself, not its submodules), in graph order."""
+    return [
+        n
+        for n in nodes
+        if n.op in ("call_function", "call_method")
+        and _in_module(module_path(n), path)
+        and not is_plan_cast(n)
+    ]
+
+
+def _exits(region: Sequence[fx.Node]) -> list[fx.Node]:
+    """Nodes of ``region`` whose values a forward node outside it reads (the op's outputs)."""
+    inside = set(region)
+    return [n for n in region if any(u not in inside and _is_forward(u) for u in n.users)]
+
+
+def _rope_outputs(region: Sequence[fx.Node], n_out: int) -> list[fx.Node] | None:
+    # rotate-half RoPE applied to q, then to k: each application's result leaves the module
+    exits = _exits(region)
+    return exits if len(exits) == n_out else None
+
+
+def _rms_norm_outputs(region: Sequence[fx.Node], n_out: int) -> list[fx.Node] | None:
+    # PyTorch's composite rms_norm: rstd = rsqrt(mean(x^2) + eps), normed = (x * rstd) in x's
+    # dtype, out = normed * weight; the IR's outputs are (out, normed, rstd)
+    exits = _exits(region)
+    rsqrt = [n for n in region if _packet(n.target) is aten.rsqrt]
+    muls = [n for n in region if _packet(n.target) is aten.mul]
+    if len(exits) != 1 or len(rsqrt) != 1 or not muls or n_out != 3:
+        return None
+    normed = muls[-1].args[0]
+    # the weight may be applied in fp32 to a 16-bit normed (``precision.rms_norm``): the value
+    # kept is the narrow one the upcast reads
+    while isinstance(normed, fx.Node) and _is_upcast(normed):
+        normed = normed.args[0]
+    if not isinstance(normed, fx.Node) or normed not in region:
+        return None
+    return [exits[0], normed, rsqrt[0]]
+
+
+def _is_upcast(node: fx.Node) -> bool:
+    """A conversion to a wider floating dtype (bf16 -> fp32) of one tensor."""
+    if _packet(node.target) not in (aten._to_copy, torch.ops.prims.convert_element_type) or not node.args:
+        return False
+    src = node.args[0]
+    a = src.meta.get("val") if isinstance(src, fx.Node) else None
+    b = node.meta.get("val")
+    if not (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor)):
+        return False
+    return a.is_floating_point() and b.is_floating_point() and b.element_size() > a.element_size()
+
+
+def _packet(target: object) -> object:
+    return getattr(target, "overloadpacket", target)
+
+
+#: IR op target -> how its outputs are found among its module's joint-graph nodes, where no anchor
+#: implements it (``ATEN_ANCHORS`` is tried first: a fused ``_fused_rms_norm`` is an anchor)
+COMPOSITES: dict[str, Callable[[Sequence[fx.Node], int], list[fx.Node] | None]] = {
+    "rope": _rope_outputs,
+    "rms_norm": _rms_norm_outputs,
+}
+#: IR op targets that are a whole module at the torch level too (Dynamo records RoPE call by call)
+TORCH_COMPOSITES = frozenset({"rope"})
 
 
 @dataclass(frozen=True, slots=True)
@@ -192,6 +275,35 @@ def relative_to_block(ops: Sequence[Op], prefix: str) -> list[Op]:
     return out
 
 
+def _composites(
+    ir_ops: Sequence[Op], fx_nodes: Sequence[fx.Node], table: Iterable[str], outputs: bool
+) -> dict[int, list[fx.Node]]:
+    """IR op id -> its module's nodes (``outputs=False``) or its outputs (``outputs=True``, through
+    ``COMPOSITES``), for ops of a target in ``table`` that are their module's only op of that target."""
+    by_key: dict[tuple[str, str], list[Op]] = {}
+    for op in ir_ops:
+        if op.target in table:
+            by_key.setdefault((op.module_path, op.target), []).append(op)
+    out: dict[int, list[fx.Node]] = {}
+    for (path, target), ops in by_key.items():
+        region = _region(fx_nodes, path) if len(ops) == 1 and path else []
+        if not region:
+            continue
+        found = COMPOSITES[target](region, len(ops[0].outputs)) if outputs else region
+        if found:
+            out[ops[0].id] = found
+    return out
+
+
+def _op_outputs(ir_ops: Sequence[Op], fx_nodes: Sequence[fx.Node]) -> dict[int, list[fx.Node]]:
+    """IR op id -> the joint-graph nodes of its outputs, in order: an anchor's, else a composite's."""
+    anchors = _match(ir_ops, fx_nodes, ATEN_ANCHORS, lambda n: n.target)
+    out = {i: _anchor_outputs(n) for i, n in anchors.items()}
+    rest = [op for op in ir_ops if op.id not in anchors]
+    out.update(_composites(rest, fx_nodes, COMPOSITES, outputs=True))
+    return out
+
+
 def map_saved(graph: Graph, joint: fx.GraphModule, names: Iterable[str]) -> NameMap:
     """The joint-graph node of every IR tensor in ``names`` (those found; the rest in ``missing``).
 
@@ -202,16 +314,15 @@ def map_saved(graph: Graph, joint: fx.GraphModule, names: Iterable[str]) -> Name
     wanted = set(names)
     ops = _forward_ops(graph)
     nodes = [n for n in joint.graph.nodes if _is_forward(n)]
-    anchors = _match(ops, nodes, ATEN_ANCHORS, lambda n: n.target)
-    relative = not anchors
+    outputs = _op_outputs(ops, nodes)
+    relative = not outputs
     if relative:
-        anchors = _match(relative_to_block(ops, block_prefix(graph)), nodes, ATEN_ANCHORS, lambda n: n.target)
+        outputs = _op_outputs(relative_to_block(ops, block_prefix(graph)), nodes)
     found: dict[str, fx.Node] = {}
     for op in ops:
-        node = anchors.get(op.id)
-        if node is None:
+        outs = outputs.get(op.id)
+        if outs is None:
             continue
-        outs = _anchor_outputs(node)
         for i, tid in enumerate(op.outputs):
             name = graph.tensors[tid].name
             if name in wanted and i < len(outs):
@@ -228,10 +339,31 @@ def _torch_key(node: fx.Node) -> object:
     return node.target
 
 
-def map_ops(graph: Graph, gm: fx.GraphModule, names: Iterable[str]) -> dict[str, fx.Node]:
-    """Torch-level (Dynamo graph) node of every IR *op* in ``names`` that this graph holds."""
+@dataclass(frozen=True, slots=True)
+class OpNodes:
+    """The Dynamo-graph nodes of one IR op: one call (``nodes == exits``), or the calls of its
+    module for a composite (``TORCH_COMPOSITES``), whose ``exits`` are the values it outputs."""
+
+    nodes: tuple[fx.Node, ...]
+    exits: tuple[fx.Node, ...]
+
+    @property
+    def entries(self) -> list[tuple[fx.Node, int]]:
+        """(node, argument position) of every positional argument read from outside the op."""
+        inside = set(self.nodes)
+        return [
+            (n, i)
+            for n in self.nodes
+            for i, a in enumerate(n.args)
+            if isinstance(a, fx.Node) and a not in inside
+        ]
+
+
+def map_ops(graph: Graph, gm: fx.GraphModule, names: Iterable[str]) -> dict[str, OpNodes]:
+    """Torch-level (Dynamo graph) nodes of every IR *op* in ``names`` that this graph holds."""
     wanted = set(names)
-    ops = [op for op in _forward_ops(graph) if op.target in TORCH_CALLS]
+    fwd = _forward_ops(graph)
+    ops = [op for op in fwd if op.target in TORCH_CALLS]
     # the IR's two loss ops are one cross_entropy call: pair each with the same node
     loss_ops = [op for op in ops if op.target in ("log_softmax", "nll_loss")]
     rest = [op for op in ops if op not in loss_ops]
@@ -240,7 +372,13 @@ def map_ops(graph: Graph, gm: fx.GraphModule, names: Iterable[str]) -> dict[str,
         found.update(
             _match([op for op in loss_ops if op.target == target], gm.graph.nodes, TORCH_CALLS, _torch_key)
         )
-    return {graph.ops[i].name: n for i, n in found.items() if graph.ops[i].name in wanted}
+    out = {graph.ops[i].name: OpNodes((n,), (n,)) for i, n in found.items()}
+    regions = _composites(fwd, list(gm.graph.nodes), TORCH_COMPOSITES, outputs=False)
+    for i, region in regions.items():
+        exits = _exits(region)
+        if len(exits) == len(graph.ops[i].outputs):
+            out[graph.ops[i].name] = OpNodes(tuple(region), tuple(exits))
+    return {name: v for name, v in out.items() if name in wanted}
 
 
 def saved_tensor_names(graph: Graph) -> list[str]:

@@ -11,6 +11,10 @@ Semantics (what the cost model prices, ``coplan.cost.profile``):
   model assumes. PyTorch's CPU ``layer_norm`` does not for its weight and bias gradients (they
   are summed over every token in 16 bits): the pass calls ``layer_norm`` instead, which takes those
   two sums in fp32 from the same saved tensors.
+- RMSNorm in 16 bits is ``rms_norm``: statistics in fp32, the normalized input kept in the compute
+  dtype as the IR prices it (PyTorch's composite keeps it in fp32). Buffers stay fp32 (RoPE's cos
+  and sin tables, F32 in the IR); an op reading one writes the compute dtype (``buffer_readers``),
+  so RoPE's q and k reach attention in the dtype of v.
 - ``fp8``: GEMMs of the blocks quantize their operands (as an ``fp8`` override, below), the LM
   head and every other op run in bf16 (``fp8_gemms``).
 - The loss path on the vocabulary (``cross_entropy`` = the IR's ``log_softmax`` + ``nll_loss``)
@@ -34,9 +38,9 @@ from typing import Any
 import torch
 from torch import fx
 
-from coplan.apply.names import map_ops
+from coplan.apply.names import PLAN_CAST, OpNodes, map_ops
 from coplan.apply.vocab import LOG_SOFTMAX_OPS, NLL_OPS
-from coplan.ir.types import Graph, OpKind, Phase
+from coplan.ir.types import Graph, OpKind, Phase, TensorRole
 from coplan.plan.types import PrecisionPlan
 
 DTYPES: dict[str, torch.dtype] = {
@@ -126,7 +130,8 @@ class CastReport:
     loss_casts: int = 0
     overridden: list[str] = field(default_factory=list)
     not_found: list[str] = field(default_factory=list)
-    norms: int = 0  # layer norms whose parameter gradients are summed in fp32 (``layer_norm``)
+    norms: int = 0  # norms replaced by ``layer_norm`` / ``rms_norm`` (fp32 sums, IR dtypes)
+    table_casts: int = 0  # outputs of ops reading fp32 buffers cast to the compute dtype
 
 
 def _insert_after(graph: fx.Graph, node: fx.Node, fn: object, *args: object) -> fx.Node:
@@ -159,7 +164,8 @@ def apply_precision(
                 node.replace_all_uses_with(cast, delete_user_cb=lambda u, c=cast: u is not c)
                 report.param_casts += 1
     overrides = {**fp8_gemms(precision, ir), **dict(precision.ops)}
-    by_name = map_ops(ir, gm, overrides) if ir is not None and overrides else {}
+    tables = buffer_readers(ir) if ir is not None and compute != torch.float32 else set()
+    by_name = map_ops(ir, gm, {*overrides, *tables}) if ir is not None and (overrides or tables) else {}
     report.not_found = sorted(n for n, _ in precision.ops if n not in by_name)
     lowered_loss = any(
         by_name.get(n) is not None and d != "fp32" and ir is not None and _is_loss(ir, n)
@@ -170,20 +176,27 @@ def apply_precision(
             if node.op == "call_function" and node.target in LOSS_INPUTS:
                 _cast_args(g, node, torch.float32)
                 report.loss_casts += 1
-    done: set[fx.Node] = set()
+    done: set[OpNodes] = set()
     for name, dtype in sorted(overrides.items()):
-        node = by_name.get(name)
-        if node is None or node in done:
+        op = by_name.get(name)
+        if op is None or op in done:
             continue
-        done.add(node)
+        done.add(op)
         if dtype == "fp8":
-            _cast_args(g, node, None, fn=fp8_quantize)
+            _cast_entries(g, op, None, fn=fp8_quantize)
         else:
-            _cast_args(g, node, DTYPES[dtype])
-            if node.target not in LOSS_OPS:  # the loss is a scalar, read in whatever dtype
-                back = _insert_after(g, node, _cast, compute)
-                node.replace_all_uses_with(back, delete_user_cb=lambda u, b=back: u is not b)  # type: ignore[misc]
+            _cast_entries(g, op, DTYPES[dtype], mark=True)
+            # the loss is a scalar, read in whatever dtype
+            if not any(n.target in LOSS_OPS for n in op.exits):
+                _cast_exits(g, op, compute, mark=True)
         report.overridden.append(name)
+    for name in sorted(tables):
+        op = by_name.get(name)
+        if op is not None and op not in done:
+            # it reads fp32 tables (RoPE's cos and sin): PyTorch promotes its result to fp32, the
+            # plan has it write the compute dtype (what the next op reads and the IR stores)
+            _cast_exits(g, op, compute)
+            report.table_casts += len(op.exits)
     if compute != torch.float32:
         for node in g.nodes:
             if node.op == "call_function" and node.target in (
@@ -191,6 +204,9 @@ def apply_precision(
                 torch.layer_norm,
             ):
                 node.target = layer_norm
+                report.norms += 1
+            elif node.op == "call_function" and node.target in (torch.nn.functional.rms_norm, torch.rms_norm):
+                node.target = rms_norm
                 report.norms += 1
     g.lint()
     gm.recompile()
@@ -257,6 +273,30 @@ def layer_norm(
     return torch.nn.functional.layer_norm(x, shape, weight, bias, eps)
 
 
+def rms_norm(
+    x: torch.Tensor,
+    normalized_shape: Any,
+    weight: torch.Tensor | None = None,
+    eps: float | None = None,
+) -> torch.Tensor:
+    """``F.rms_norm`` as the IR prices it in 16 bits (``coplan.capture.synthetic``): ``rstd`` and
+    ``x * rstd`` computed in fp32, the normalized input stored in ``x``'s dtype (what the weight
+    gradient reads: 2 bytes an element, as priced), the weight applied in fp32 and the output
+    rounded once. PyTorch's composite keeps ``x * rstd`` in fp32 for the weight gradient, twice
+    the bytes the plan has; the forward values are the same up to that one rounding."""
+    if x.dtype not in (torch.bfloat16, torch.float16):
+        return torch.nn.functional.rms_norm(x, normalized_shape, weight, eps)
+    shape = [normalized_shape] if isinstance(normalized_shape, int) else list(normalized_shape)
+    dims = tuple(range(-len(shape), 0))
+    wide = x.float()
+    eps_ = torch.finfo(x.dtype).eps if eps is None else eps  # F.rms_norm's default
+    rstd = torch.rsqrt(wide.pow(2).mean(dims, keepdim=True) + eps_)
+    normed = (wide * rstd).to(x.dtype)
+    if weight is None:
+        return normed
+    return (normed.float() * weight.float()).to(x.dtype)
+
+
 def fp8_gemms(precision: PrecisionPlan, ir: Graph | None) -> dict[str, str]:
     """An fp8 plan's GEMMs: every linear layer inside the blocks (the cost model prices them in
     fp8 and the LM head in bf16, Transformer Engine's default recipe)."""
@@ -278,19 +318,58 @@ def _is_loss(ir: Graph, op_name: str) -> bool:
 
 def _cast_args(g: fx.Graph, node: fx.Node, dtype: torch.dtype | None, fn: object = None) -> None:
     """Cast (or pass through ``fn``) every tensor argument of ``node`` (positional, non-integer)."""
-    new_args: list[Any] = []
-    for a in node.args:
-        if isinstance(a, fx.Node) and _is_float(a):
-            with g.inserting_before(node):
-                c = g.call_function(fn, (a,)) if fn is not None else g.call_function(_cast, (a, dtype))  # type: ignore[arg-type]
-            c.meta = {k: v for k, v in node.meta.items() if k in ("nn_module_stack", "stack_trace")}
-            new_args.append(c)
-        else:
-            new_args.append(a)
-    node.args = tuple(new_args)
+    _cast_entries(g, OpNodes((node,), (node,)), dtype, fn)
+
+
+def _cast_entries(
+    g: fx.Graph, op: OpNodes, dtype: torch.dtype | None, fn: object = None, mark: bool = False
+) -> None:
+    """Cast (or pass through ``fn``) every floating tensor ``op`` reads from outside itself;
+    ``mark``: the casts are the plan's override, not part of the op (``names.PLAN_CAST``)."""
+    for node, i in op.entries:
+        a = node.args[i]
+        if not (isinstance(a, fx.Node) and _is_float(a)):
+            continue
+        with g.inserting_before(node):
+            c = g.call_function(fn, (a,)) if fn is not None else g.call_function(_cast, (a, dtype))  # type: ignore[arg-type]
+        c.meta = {k: v for k, v in node.meta.items() if k in ("nn_module_stack", "stack_trace")}
+        if mark:
+            _mark_cast(c)
+        node.args = (*node.args[:i], c, *node.args[i + 1 :])
+
+
+def _cast_exits(g: fx.Graph, op: OpNodes, dtype: torch.dtype, mark: bool = False) -> None:
+    """Cast every output of ``op`` to ``dtype`` for its readers outside the op (``mark``: as for
+    ``_cast_entries``; unmarked, the cast is the op writing that dtype)."""
+    inside = set(op.nodes)
+    for node in op.exits:
+        back = _insert_after(g, node, _cast, dtype)
+        if mark:
+            _mark_cast(back)
+        node.replace_all_uses_with(back, delete_user_cb=lambda u, b=back: u is not b and u not in inside)  # type: ignore[misc]
+
+
+def _mark_cast(node: fx.Node) -> None:
+    # meta["custom"] is copied onto the aten nodes AOTAutograd traces from this one
+    node.meta["custom"] = {**(node.meta.get("custom") or {}), PLAN_CAST: True}
+
+
+def buffer_readers(ir: Graph) -> set[str]:
+    """Forward ops that read a floating buffer (RoPE's fp32 cos and sin tables)."""
+    return {
+        op.name
+        for op in ir.ops
+        if op.phase is Phase.FORWARD
+        and any(
+            ir.tensors[t].role is TensorRole.BUFFER and ir.tensors[t].dtype == "float32" for t in op.inputs
+        )
+    }
 
 
 def _is_float(node: fx.Node) -> bool:
+    if node.op == "call_function" and node.target is _cast and isinstance(node.args[0], fx.Node):
+        # a cast this pass inserted (a parameter's 16-bit copy) has no traced value of its own
+        return _is_float(node.args[0])
     val = node.meta.get("example_value", node.meta.get("val"))
     return isinstance(val, torch.Tensor) and val.is_floating_point()
 
