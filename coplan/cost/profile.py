@@ -79,6 +79,7 @@ def profile_graph(
     # Megatron's own loss kernels replace the IR's where the stack is Megatron's and no per-op
     # precision override changes the loss path
     ctx.megatron_loss = fusion == "megatron" and not (precision and precision[1])
+    ctx.fused_backward = fusion == "megatron"
     by_block: dict[int | None, list[Op]] = {}
     for op in graph.ops:
         by_block.setdefault(op.block, []).append(op)
@@ -159,6 +160,8 @@ class _Ctx:
                 self._f32_ops.add(op.id)  # Megatron computes the vocab-parallel loss on fp32 logits
         self.group_of = group_of or {}
         self.megatron_loss = False
+        # Megatron's fused kernels recompute their intermediates in backward (``_fused_recomputed``)
+        self.fused_backward = False
         self._dtype: dict[int, str] = {}  # op id -> overridden dtype (backward ops follow forward)
         self._act = "fp32"
         self._casts: dict[tuple[int, str], tuple[int, bool]] = {}  # (tensor, dtype) -> (consumer, fused)
@@ -624,6 +627,33 @@ class _Ctx:
 
     # --- memory --------------------------------------------------------------------------------
 
+    def _fused_recomputed(self, t: Tensor) -> bool:
+        """Whether a fused kernel of Megatron's stack recomputes ``t`` in its backward instead of
+        storing it: the normalized input of a norm that no forward op reads (Transformer Engine's
+        RMSNorm backward rebuilds ``x * rstd`` from ``x`` and ``rstd``; PyTorch's composite keeps
+        it), and an intermediate of a pointwise chain (read in forward only by the chain's next
+        pointwise op) whose producer's inputs are all kept (Megatron's ``bias_swiglu`` keeps its
+        input and recomputes SiLU in backward; the chain's output, which a GEMM reads, stays)."""
+        g = self.g
+        if t.producer is None:
+            return False
+        prod = g.ops[t.producer]
+        if prod.kind is OpKind.NORM:
+            x = g.tensors[prod.inputs[0]] if prod.inputs else None
+            same = x is not None and tuple(t.shape) == tuple(x.shape) and t.id != prod.outputs[0]
+            return same and not any(g.ops[c].phase is Phase.FORWARD for c in readers(g, t.id))
+        if prod.kind is not OpKind.ELEMENTWISE:
+            return False
+        # read in forward only by the next pointwise op of the chain (which one fused kernel runs)
+        fwd = [g.ops[c] for c in readers(g, t.id) if g.ops[c].phase is Phase.FORWARD]
+        if not fwd or any(op.kind is not OpKind.ELEMENTWISE or op.block != prod.block for op in fwd):
+            return False
+        for tid in prod.inputs:
+            src = g.tensors[g.tensors[tid].storage_id]
+            if src.role is TensorRole.ACTIVATION and not g.tensors[tid].saved_for_backward:
+                return False
+        return True
+
     def saved_vec(self, ops: Sequence[Op], ids: set[int], *, mode: str) -> Vec:
         """Activation storages of this part kept for backward under a recompute mode."""
         g = self.g
@@ -651,6 +681,8 @@ class _Ctx:
                     if base.role is not TensorRole.ACTIVATION or base.producer not in ids:
                         continue
                     if mode == "selective" and self._is_core_output(base, ids):
+                        continue
+                    if self.fused_backward and self._fused_recomputed(base):
                         continue
                     keep[base.id] = base
         total: Vec = ZERO

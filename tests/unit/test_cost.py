@@ -655,3 +655,22 @@ def test_fp8_keeps_gemm_inputs_in_one_byte():
     bf16 = _one_layer_activations(config)
     fp8 = _one_layer_activations(config.with_(dtype="fp8"))
     assert bf16 - fp8 == pytest.approx((1 + 1 + 4 - 1) * s * b * h)
+
+
+def test_megatron_fused_kernels_recompute_norm_and_swiglu_intermediates():
+    # Transformer Engine's RMSNorm backward rebuilds x * rstd from x and rstd, and Megatron's fused
+    # SwiGLU keeps its input and recomputes SiLU: under the Megatron stack neither is stored, while
+    # eager kernels (PyTorch's composites) keep both. GPT's LayerNorm and GeLU keep the same set.
+    b, s = 2, 64
+    llama = CostModel(spec=PRESETS["llama-tiny"])
+    spec = PRESETS["llama-tiny"]
+    megatron = llama.profile(b, s, "megatron").templates[0].saved["none"]
+    eager = llama.profile(b, s, "none").templates[0].saved["none"]
+    # elements per block: two norms' normalized inputs (b x s x d) and SiLU's output (b x s x ffn)
+    dropped = 2 * b * s * spec.d_model + b * s * spec.ffn
+    assert sum(eager) - sum(megatron) == dropped
+    gpt = CostModel(spec=GPT)
+    assert (
+        gpt.profile(b, s, "megatron").templates[0].saved["none"]
+        == gpt.profile(b, s, "none").templates[0].saved["none"]
+    )
