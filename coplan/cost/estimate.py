@@ -30,6 +30,7 @@ from coplan.cost.config import TrainingConfig
 from coplan.cost.fusion import readers
 from coplan.cost.kernels import Rates, Scale, kernel_time, launches, vector_compute
 from coplan.cost.parts import ACT, FIX, NV, REPL, TP, GraphProfile, Kernel, Part, Vec, vadd, vdot
+from coplan.cost.stages import boundary_held, chunk_in_flight, drops_output, in_flight, static_bytes
 from coplan.cost.zero import zero3_exposed, zero3_transient
 from coplan.hardware.cluster import ClusterSpec
 from coplan.hardware.device import DeviceSpec
@@ -259,7 +260,7 @@ def estimate(profile: GraphProfile, cluster: ClusterSpec, config: TrainingConfig
             mode = rec if is_block else "none"
             if is_block:
                 recompute += n * pc.recompute(part, mode)
-                if isinstance(mode, frozenset) and mode and _drops_output(profile, part, mode):
+                if isinstance(mode, frozenset) and mode and drops_output(profile, part, mode):
                     # every block's input is gone: block k of a chunk re-runs the k - 1 before it
                     # first (the chunk's input is kept by the schedule), (n/v - 1)/2 on average
                     recompute += n * max(0.0, n / v - 1) / 2 * pc.forward
@@ -340,13 +341,13 @@ def estimate(profile: GraphProfile, cluster: ClusterSpec, config: TrainingConfig
         opt_div = d if config.zero >= 1 else 1
         opt /= opt_div
         # memory
-        in_flight = _in_flight(s, p, v, m)
+        held = in_flight(s, p, v, m)
         # ``saved`` covers all v chunks of the stage; with v > 1 in-flight counts chunk-microbatches
-        act_stored = vdot(saved, weights) * in_flight / v
+        act_stored = vdot(saved, weights) * held / v
         # the embedding lives in chunk 0 of stage 0, the head in the last chunk of the last stage:
         # each holds only the microbatches of its own chunk in flight
         head_chunk = 0 if s == 0 else v - 1
-        act_stored += vdot(saved_head, weights) * _chunk_in_flight(s, p, v, m, head_chunk)
+        act_stored += vdot(saved_head, weights) * chunk_in_flight(s, p, v, m, head_chunk)
         if rec == "full" and mine:
             # Megatron's full recompute keeps each layer's input and, outside the checkpoints,
             # the final norm's input. The blocks count their inputs, so the embedding output
@@ -354,12 +355,12 @@ def estimate(profile: GraphProfile, cluster: ClusterSpec, config: TrainingConfig
             # block's output (read by the final norm) is added on the last stage
             inp = vdot(mine[0].saved["full"], weights)
             if s == 0:
-                act_stored -= inp * _chunk_in_flight(s, p, v, m, 0)
+                act_stored -= inp * chunk_in_flight(s, p, v, m, 0)
             if s == p - 1:
-                act_stored += inp * _chunk_in_flight(s, p, v, m, v - 1)
+                act_stored += inp * chunk_in_flight(s, p, v, m, v - 1)
         if p > 1:
-            act_stored += _boundary_held(profile, mine, rec, config, s, p, v, m, ab, t)
-        static = _static(p_local, config, d)
+            act_stored += boundary_held(profile, mine, rec, config, s, p, v, m, ab, t)
+        static = static_bytes(p_local, config, d)
         capacity = float(min(dev.memory_bytes for dev in _devices_of_stage(cluster, config, s)))
         mem = MemoryEstimate(
             params_bytes=static[0],
@@ -387,7 +388,7 @@ def estimate(profile: GraphProfile, cluster: ClusterSpec, config: TrainingConfig
                 dp_comm_s=dp_comm,
                 param_gather_s=param_gather,
                 optimizer_s=opt,
-                in_flight=in_flight,
+                in_flight=held,
                 kernels=kern,
                 memory=mem,
             )
@@ -560,16 +561,6 @@ def _saved(profile: GraphProfile, part: Part, mode: str | frozenset[str]) -> Vec
     return tuple(a - b for a, b in zip(part.saved["none"], dropped, strict=True))  # type: ignore[return-value]
 
 
-def _drops_output(profile: GraphProfile, part: Part, names: frozenset[str]) -> bool:
-    key = ("drops_output", names)
-    got = part.cache.get(key)
-    if got is None:
-        from coplan.cost.remat import drops_output
-
-        got = part.cache[key] = drops_output(profile.graph, part, names)
-    return bool(got)
-
-
 def _fused_ids(profile: GraphProfile, part: Part, names: frozenset[str]) -> frozenset[int]:
     """Op ids of ``part``'s reference block named in ``names`` (ops recomputed in backward kernels)."""
     if not names:
@@ -661,103 +652,6 @@ def _count(parts: Sequence[Part]) -> list[tuple[Part, float]]:
         entry = counts.setdefault(id(part), [part, 0.0])
         entry[1] += 1.0
     return [(e[0], e[1]) for e in counts.values()]
-
-
-def _in_flight(stage: int, p: int, v: int, m: int) -> float:
-    """Microbatches (v == 1) or chunk-microbatches (v > 1) whose activations stage ``stage`` holds
-    at its peak under 1F1B / Megatron's interleaved schedule."""
-    if v == 1:
-        return float(min(p - stage, m))
-    warmup = (p - stage - 1) * 2 + (v - 1) * p
-    return float(min(warmup + 1, m * v))
-
-
-def _boundary_held(
-    profile: GraphProfile,
-    mine: list[Part],
-    rec: str | frozenset[str],
-    config: TrainingConfig,
-    s: int,
-    p: int,
-    v: int,
-    m: int,
-    ab: int,
-    t: int,
-) -> float:
-    """Bytes of pipeline boundary activations stage ``s`` holds beyond what its parts count.
-
-    The parts count a saved tensor on the stage that produces it, so a chunk's output (the next
-    block's input, saved by that block's first norm) is charged to the sending chunk and the
-    received input to nobody. What the stages really hold: the receiving chunk keeps its input
-    for its backward, once per microbatch in flight, on every chunk but the model's first (whose
-    input, the embedding output, its own side counts); the sending chunk drops its output after
-    the send where the stack frees it (Megatron-LM's ``deallocate_pipeline_outputs``,
-    megatron/core/pipeline_parallel/schedules.py ``deallocate_output_tensor``), and keeps it where
-    the stack holds it for the backward it runs through autograd (torch.distributed.pipelining,
-    ``config.pipeline_keeps_outputs``). Under full recomputation the blocks count their inputs
-    (received inputs included) and not their outputs. A remat set that drops the block output
-    leaves the chunk's input held by the schedule, uncounted by the parts."""
-    elems = max((tp_.boundary for tp_ in profile.templates), default=0.0)
-    if elems <= 0 or not mine:
-        return 0.0
-    one = elems * ab / (t if config.sequence_parallel and t > 1 else 1)
-    if rec == "full":
-        counts_in, counts_out = True, False
-    elif isinstance(rec, frozenset) and rec and _drops_output(profile, mine[-1], rec):
-        counts_in = counts_out = False
-    else:
-        counts_in, counts_out = False, True
-    held = 0.0
-    for c in range(v):
-        n = _chunk_in_flight(s, p, v, m, c)
-        receives = not (s == 0 and c == 0)
-        sends = not (s == p - 1 and c == v - 1)
-        if receives and not counts_in:
-            held += n * one
-        if sends:
-            if counts_out and not config.pipeline_keeps_outputs:
-                held -= n * one
-            elif not counts_out and config.pipeline_keeps_outputs:
-                held += n * one
-    return held
-
-
-def _chunk_in_flight(stage: int, p: int, v: int, m: int, chunk: int) -> float:
-    """Microbatches of model chunk ``chunk`` whose activations stage ``stage`` holds at its peak.
-
-    Megatron's interleaved schedule runs the warm-up forwards (``_in_flight``) in groups of ``p``
-    microbatches per chunk, chunk after chunk (megatron/core/pipeline_parallel/schedules.py,
-    ``get_model_chunk_id``), so the peak holds ``min(p, left)`` microbatches of each group of
-    that chunk. On the last stage the last chunk runs one forward then its backward (its warm-up
-    covers the other chunks only): one microbatch, which is where the loss's logits live."""
-    if v == 1:
-        return float(min(p - stage, m))
-    n = int(_in_flight(stage, p, v, m))
-    held = 0
-    g = 0
-    while g * p < n:
-        if g % v == chunk:
-            held += min(p, n - g * p)
-        g += 1
-    return float(min(held, m))
-
-
-def _static(p_local: float, config: TrainingConfig, d: int) -> tuple[float, float, float]:
-    """Parameters, gradients and optimizer state on one GPU. Megatron mixed precision: 16-bit
-    weights, fp32 main gradients, fp32 master weights and Adam moments (2 + 4 + 12 bytes); fp32:
-    4 + 4 + 8; pure 16-bit without master weights: 2 + 2 + 4. ZeRO shards them."""
-    master = config.mixed and config.master_weights
-    wide = 4 if (master or not config.mixed) else config.act_bytes
-    w = p_local * config.act_bytes
-    g = p_local * (wide if config.grad_reduce_fp32 or not config.mixed else config.act_bytes)
-    o = p_local * (12 if master else 2 * wide)
-    if config.zero >= 1:
-        o /= d
-    if config.zero >= 2:
-        g /= d
-    if config.zero >= 3:
-        w /= d
-    return w, g, o
 
 
 def _rank_devices(cluster: ClusterSpec) -> list[DeviceSpec]:

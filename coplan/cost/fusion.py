@@ -7,7 +7,7 @@ searches this space; the cost model needs a default that matches what production
 
 from __future__ import annotations
 
-from coplan.ir.types import Graph, OpKind, Phase
+from coplan.ir.types import Graph, OpKind, Phase, Tensor, TensorRole
 
 #: Elementwise work a Megatron-style stack fuses into chains (bias-GeLU, bias-dropout-add, SwiGLU,
 #: rotary, grad accumulation adds).
@@ -93,3 +93,30 @@ def readers(graph: Graph, tid: int) -> set[int]:
             else:
                 out.add(c)
     return out
+
+
+def fused_recomputed(g: Graph, t: Tensor) -> bool:
+    """Whether a fused kernel of Megatron's stack recomputes ``t`` in its backward instead of
+    storing it: the normalized input of a norm that no forward op reads (Transformer Engine's
+    RMSNorm backward rebuilds ``x * rstd`` from ``x`` and ``rstd``; PyTorch's composite keeps
+    it), and an intermediate of a pointwise chain (read in forward only by the chain's next
+    pointwise op) whose producer's inputs are all kept (Megatron's ``bias_swiglu`` keeps its
+    input and recomputes SiLU in backward; the chain's output, which a GEMM reads, stays)."""
+    if t.producer is None:
+        return False
+    prod = g.ops[t.producer]
+    if prod.kind is OpKind.NORM:
+        x = g.tensors[prod.inputs[0]] if prod.inputs else None
+        same = x is not None and tuple(t.shape) == tuple(x.shape) and t.id != prod.outputs[0]
+        return same and not any(g.ops[c].phase is Phase.FORWARD for c in readers(g, t.id))
+    if prod.kind is not OpKind.ELEMENTWISE:
+        return False
+    # read in forward only by the next pointwise op of the chain (which one fused kernel runs)
+    fwd = [g.ops[c] for c in readers(g, t.id) if g.ops[c].phase is Phase.FORWARD]
+    if not fwd or any(op.kind is not OpKind.ELEMENTWISE or op.block != prod.block for op in fwd):
+        return False
+    for tid in prod.inputs:
+        src = g.tensors[g.tensors[tid].storage_id]
+        if src.role is TensorRole.ACTIVATION and not g.tensors[tid].saved_for_backward:
+            return False
+    return True

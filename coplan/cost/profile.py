@@ -20,7 +20,7 @@ import re
 from collections.abc import Iterable, Sequence
 
 from coplan.cost.fp8 import fp8_saved_delta
-from coplan.cost.fusion import default_groups, readers, source_op
+from coplan.cost.fusion import default_groups, fused_recomputed, readers, source_op
 from coplan.cost.loss import LOSS_FUSIONS, loss_ops, megatron_loss
 from coplan.cost.parts import (
     ACT,
@@ -627,33 +627,6 @@ class _Ctx:
 
     # --- memory --------------------------------------------------------------------------------
 
-    def _fused_recomputed(self, t: Tensor) -> bool:
-        """Whether a fused kernel of Megatron's stack recomputes ``t`` in its backward instead of
-        storing it: the normalized input of a norm that no forward op reads (Transformer Engine's
-        RMSNorm backward rebuilds ``x * rstd`` from ``x`` and ``rstd``; PyTorch's composite keeps
-        it), and an intermediate of a pointwise chain (read in forward only by the chain's next
-        pointwise op) whose producer's inputs are all kept (Megatron's ``bias_swiglu`` keeps its
-        input and recomputes SiLU in backward; the chain's output, which a GEMM reads, stays)."""
-        g = self.g
-        if t.producer is None:
-            return False
-        prod = g.ops[t.producer]
-        if prod.kind is OpKind.NORM:
-            x = g.tensors[prod.inputs[0]] if prod.inputs else None
-            same = x is not None and tuple(t.shape) == tuple(x.shape) and t.id != prod.outputs[0]
-            return same and not any(g.ops[c].phase is Phase.FORWARD for c in readers(g, t.id))
-        if prod.kind is not OpKind.ELEMENTWISE:
-            return False
-        # read in forward only by the next pointwise op of the chain (which one fused kernel runs)
-        fwd = [g.ops[c] for c in readers(g, t.id) if g.ops[c].phase is Phase.FORWARD]
-        if not fwd or any(op.kind is not OpKind.ELEMENTWISE or op.block != prod.block for op in fwd):
-            return False
-        for tid in prod.inputs:
-            src = g.tensors[g.tensors[tid].storage_id]
-            if src.role is TensorRole.ACTIVATION and not g.tensors[tid].saved_for_backward:
-                return False
-        return True
-
     def saved_vec(self, ops: Sequence[Op], ids: set[int], *, mode: str) -> Vec:
         """Activation storages of this part kept for backward under a recompute mode."""
         g = self.g
@@ -682,7 +655,7 @@ class _Ctx:
                         continue
                     if mode == "selective" and self._is_core_output(base, ids):
                         continue
-                    if self.fused_backward and self._fused_recomputed(base):
+                    if self.fused_backward and fused_recomputed(g, base):
                         continue
                     keep[base.id] = base
         total: Vec = ZERO

@@ -535,7 +535,8 @@ def test_blocking_pipeline_sends_and_16_bit_gradients():
 
 
 def test_interleaved_last_stage_holds_one_microbatch_of_logits():
-    from coplan.cost.estimate import _chunk_in_flight, _in_flight
+    from coplan.cost.stages import chunk_in_flight as _chunk_in_flight
+    from coplan.cost.stages import in_flight as _in_flight
 
     # the last stage's last chunk runs one forward then its backward
     assert _chunk_in_flight(3, 4, 10, 32, 9) == 1

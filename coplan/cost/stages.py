@@ -1,0 +1,115 @@
+"""What a pipeline stage holds: microbatches in flight under 1F1B and Megatron's interleaved
+schedule, the boundary activations between stages, and the static memory (weights, gradients,
+optimizer state) of one GPU. Pure functions of the configuration, used by ``estimate``."""
+
+from __future__ import annotations
+
+from coplan.cost.config import TrainingConfig
+from coplan.cost.parts import GraphProfile, Part
+
+
+def drops_output(profile: GraphProfile, part: Part, names: frozenset[str]) -> bool:
+    key = ("drops_output", names)
+    got = part.cache.get(key)
+    if got is None:
+        from coplan.cost.remat import drops_output as rule
+
+        got = part.cache[key] = rule(profile.graph, part, names)
+    return bool(got)
+
+
+def in_flight(stage: int, p: int, v: int, m: int) -> float:
+    """Microbatches (v == 1) or chunk-microbatches (v > 1) whose activations stage ``stage`` holds
+    at its peak under 1F1B / Megatron's interleaved schedule."""
+    if v == 1:
+        return float(min(p - stage, m))
+    warmup = (p - stage - 1) * 2 + (v - 1) * p
+    return float(min(warmup + 1, m * v))
+
+
+def boundary_held(
+    profile: GraphProfile,
+    mine: list[Part],
+    rec: str | frozenset[str],
+    config: TrainingConfig,
+    s: int,
+    p: int,
+    v: int,
+    m: int,
+    ab: int,
+    t: int,
+) -> float:
+    """Bytes of pipeline boundary activations stage ``s`` holds beyond what its parts count.
+
+    The parts count a saved tensor on the stage that produces it, so a chunk's output (the next
+    block's input, saved by that block's first norm) is charged to the sending chunk and the
+    received input to nobody. What the stages really hold: the receiving chunk keeps its input
+    for its backward, once per microbatch in flight, on every chunk but the model's first (whose
+    input, the embedding output, its own side counts); the sending chunk drops its output after
+    the send where the stack frees it (Megatron-LM's ``deallocate_pipeline_outputs``,
+    megatron/core/pipeline_parallel/schedules.py ``deallocate_output_tensor``), and keeps it where
+    the stack holds it for the backward it runs through autograd (torch.distributed.pipelining,
+    ``config.pipeline_keeps_outputs``). Under full recomputation the blocks count their inputs
+    (received inputs included) and not their outputs. A remat set that drops the block output
+    leaves the chunk's input held by the schedule, uncounted by the parts."""
+    elems = max((tp_.boundary for tp_ in profile.templates), default=0.0)
+    if elems <= 0 or not mine:
+        return 0.0
+    one = elems * ab / (t if config.sequence_parallel and t > 1 else 1)
+    if rec == "full":
+        counts_in, counts_out = True, False
+    elif isinstance(rec, frozenset) and rec and drops_output(profile, mine[-1], rec):
+        counts_in = counts_out = False
+    else:
+        counts_in, counts_out = False, True
+    held = 0.0
+    for c in range(v):
+        n = chunk_in_flight(s, p, v, m, c)
+        receives = not (s == 0 and c == 0)
+        sends = not (s == p - 1 and c == v - 1)
+        if receives and not counts_in:
+            held += n * one
+        if sends:
+            if counts_out and not config.pipeline_keeps_outputs:
+                held -= n * one
+            elif not counts_out and config.pipeline_keeps_outputs:
+                held += n * one
+    return held
+
+
+def chunk_in_flight(stage: int, p: int, v: int, m: int, chunk: int) -> float:
+    """Microbatches of model chunk ``chunk`` whose activations stage ``stage`` holds at its peak.
+
+    Megatron's interleaved schedule runs the warm-up forwards (``in_flight``) in groups of ``p``
+    microbatches per chunk, chunk after chunk (megatron/core/pipeline_parallel/schedules.py,
+    ``get_model_chunk_id``), so the peak holds ``min(p, left)`` microbatches of each group of
+    that chunk. On the last stage the last chunk runs one forward then its backward (its warm-up
+    covers the other chunks only): one microbatch, which is where the loss's logits live."""
+    if v == 1:
+        return float(min(p - stage, m))
+    n = int(in_flight(stage, p, v, m))
+    held = 0
+    g = 0
+    while g * p < n:
+        if g % v == chunk:
+            held += min(p, n - g * p)
+        g += 1
+    return float(min(held, m))
+
+
+def static_bytes(p_local: float, config: TrainingConfig, d: int) -> tuple[float, float, float]:
+    """Parameters, gradients and optimizer state on one GPU. Megatron mixed precision: 16-bit
+    weights, fp32 main gradients, fp32 master weights and Adam moments (2 + 4 + 12 bytes); fp32:
+    4 + 4 + 8; pure 16-bit without master weights: 2 + 2 + 4. ZeRO shards them."""
+    master = config.mixed and config.master_weights
+    wide = 4 if (master or not config.mixed) else config.act_bytes
+    w = p_local * config.act_bytes
+    g = p_local * (wide if config.grad_reduce_fp32 or not config.mixed else config.act_bytes)
+    o = p_local * (12 if master else 2 * wide)
+    if config.zero >= 1:
+        o /= d
+    if config.zero >= 2:
+        g /= d
+    if config.zero >= 3:
+        w /= d
+    return w, g, o
