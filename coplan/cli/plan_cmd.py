@@ -228,7 +228,7 @@ def plan(
     strategy: Annotated[
         str,
         typer.Option(
-            "--strategy", "-s", help="sequential, sequential-best, iterated, hierarchical, joint, exhaustive."
+            "--strategy", help="sequential, sequential-best, iterated, hierarchical, joint, exhaustive."
         ),
     ] = "joint",
     order: OrderOpt = None,

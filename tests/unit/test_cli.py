@@ -297,3 +297,11 @@ def test_estimate_stack_flags_reach_the_cost_model(capsys: pytest.CaptureFixture
     assert code == 2 and "--stage-layers" in err and len(err.strip().splitlines()) == 1
     code, _, err = run(capsys, *base, "--stage-layers", "5,6")
     assert code == 2 and "stage_layers" in err
+
+
+def test_plan_short_s_is_the_sequence_length_as_on_every_command(capsys: pytest.CaptureFixture[str]) -> None:
+    # `-s` once belonged to both --seq and --strategy on `coplan plan`, and --strategy won
+    args = ("plan", "--model", "gpt-tiny", "--cluster", "cpu", "--gpus", "1", "--global-batch", "4")
+    code, out, err = run(capsys, *args, "-s", "32", "--json")
+    assert code == 0, err
+    assert json.loads(out)["plan"]["seq"] == 32
