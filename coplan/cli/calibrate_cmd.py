@@ -26,14 +26,14 @@ PROGRESS_AFTER_S = 1.0
 
 def calibrate(
     device: Annotated[
-        str | None, typer.Option("--device", "-d", help="What to measure: cpu or cuda [default: cpu].")
+        str | None, typer.Option("--device", "-d", help="What to measure: cpu or cuda \\[default: cpu].")
     ] = None,
     out: Annotated[
         Path | None,
         typer.Option(
             "--out",
             "-o",
-            help="Profile to write [default: ./coplan-profile-<device>.json, with --runs "
+            help="Profile to write \\[default: ./coplan-profile-<device>.json, with --runs "
             "./coplan-profile-<device>-runs.json].",
         ),
     ] = None,
@@ -50,7 +50,7 @@ def calibrate(
         typer.Option(
             "--cluster",
             "-c",
-            help="With --runs: the profile to start from [default: the one the runs were priced with].",
+            help="With --runs: the profile to start from \\[default: the one the runs were priced with].",
         ),
     ] = None,
     procs: Annotated[
@@ -58,7 +58,8 @@ def calibrate(
         typer.Option(
             "--procs",
             "-n",
-            help="Processes for the collective benchmarks (1: none) [default: 2 on cpu, every GPU on cuda].",
+            help="Processes for the collective benchmarks (1: none) "
+            "\\[default: 2 on cpu, every GPU on cuda].",
         ),
     ] = None,
     quick: Annotated[

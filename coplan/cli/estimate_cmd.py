@@ -52,18 +52,18 @@ def estimate(
         ),
     ] = "dgx-h100",
     gpus: Annotated[
-        int | None, typer.Option("--gpus", "-g", help="Devices to use [default: the cluster's].")
+        int | None, typer.Option("--gpus", "-g", help="Devices to use \\[default: the cluster's].")
     ] = None,
     tp: Annotated[int, typer.Option("--tp", help="Tensor-parallel degree.")] = 1,
     pp: Annotated[int, typer.Option("--pp", help="Pipeline-parallel degree.")] = 1,
     dp: Annotated[
-        int | None, typer.Option("--dp", help="Data-parallel degree [default: N / (tp x pp)].")
+        int | None, typer.Option("--dp", help="Data-parallel degree \\[default: N / (tp x pp)].")
     ] = None,
     vpp: Annotated[int, typer.Option("--vpp", help="Model chunks per pipeline rank (interleaved 1F1B).")] = 1,
     microbatch: Annotated[int, typer.Option("--microbatch", "-b", help="Sequences per microbatch.")] = 1,
     global_batch: Annotated[
         int | None,
-        typer.Option("--global-batch", help="Sequences per optimizer step [default: microbatch x dp]."),
+        typer.Option("--global-batch", help="Sequences per optimizer step \\[default: microbatch x dp]."),
     ] = None,
     seq: SeqOpt = None,
     recompute: Annotated[
@@ -129,7 +129,7 @@ def estimate(
         typer.Option(
             "--stage-layers",
             help="Layers per pipeline stage (per virtual stage with --vpp), comma-separated, "
-            "e.g. 3,4,4,5 [default: an even split].",
+            "e.g. 3,4,4,5 \\[default: an even split].",
         ),
     ] = None,
     json: JsonOpt = False,

@@ -33,7 +33,7 @@ ModelOpt = Annotated[
 ]
 BatchOpt = Annotated[int, typer.Option("--batch", "-b", help="Microbatch size (sequences per step).")]
 SeqOpt = Annotated[
-    int | None, typer.Option("--seq", "-s", help="Sequence length [default: the model's seq_len].")
+    int | None, typer.Option("--seq", "-s", help="Sequence length \\[default: the model's seq_len].")
 ]
 JsonOpt = Annotated[bool, typer.Option("--json", help="Print one JSON object instead of tables.")]
 

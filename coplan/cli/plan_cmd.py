@@ -39,13 +39,13 @@ ClusterOpt = Annotated[
 GpusOpt = Annotated[int, typer.Option("--gpus", "-g", help="Number of devices to plan for.")]
 BatchOpt = Annotated[
     int | None,
-    typer.Option("--global-batch", help=f"Sequences per optimizer step [default: {DEFAULT_GLOBAL_BATCH}]."),
+    typer.Option("--global-batch", help=f"Sequences per optimizer step \\[default: {DEFAULT_GLOBAL_BATCH}]."),
 ]
 BudgetOpt = Annotated[
     float | None,
     typer.Option(
         "--memory-budget-gb",
-        help="Memory per GPU the plan may use, GiB [default: capacity x 0.95 - 1 GiB reserve].",
+        help="Memory per GPU the plan may use, GiB \\[default: capacity x 0.95 - 1 GiB reserve].",
     ),
 ]
 OrderOpt = Annotated[
@@ -238,7 +238,7 @@ def plan(
         typer.Option(
             "--dtypes",
             help="Compute dtypes the search may use, comma-separated (e.g. bf16,fp32) "
-            "[default: every dtype the devices run natively].",
+            "\\[default: every dtype the devices run natively].",
         ),
     ] = None,
     out: Annotated[Path | None, typer.Option("--out", "-o", help="Write the plan as JSON here.")] = None,

@@ -50,10 +50,10 @@ def run(
     nproc: Annotated[int, typer.Option("--nproc", help="Processes (devices) to train on.")] = 1,
     batch: Annotated[
         int | None,
-        typer.Option("--batch", "-b", help="Global batch, sequences per step [default: the plan's]."),
+        typer.Option("--batch", "-b", help="Global batch, sequences per step \\[default: the plan's]."),
     ] = None,
     seq: Annotated[
-        int | None, typer.Option("--seq", "-s", help="Sequence length [default: the plan's].")
+        int | None, typer.Option("--seq", "-s", help="Sequence length \\[default: the plan's].")
     ] = None,
     device: Annotated[
         str, typer.Option("--device", help="auto, cpu or cuda (NCCL between processes).")
@@ -61,11 +61,11 @@ def run(
     cluster: Annotated[
         str | None,
         typer.Option(
-            "--cluster", "-c", help="Hardware the prediction prices [default: the plan's, else cpu]."
+            "--cluster", "-c", help="Hardware the prediction prices \\[default: the plan's, else cpu]."
         ),
     ] = None,
     threads: Annotated[
-        int, typer.Option("--threads", help="Torch threads per process [default: cores / processes].")
+        int, typer.Option("--threads", help="Torch threads per process \\[default: cores / processes].")
     ] = 0,
     mode: Annotated[
         str,

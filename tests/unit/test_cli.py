@@ -305,3 +305,10 @@ def test_plan_short_s_is_the_sequence_length_as_on_every_command(capsys: pytest.
     code, out, err = run(capsys, *args, "-s", "32", "--json")
     assert code == 0, err
     assert json.loads(out)["plan"]["seq"] == 32
+
+
+def test_help_keeps_computed_defaults_in_brackets(capsys: pytest.CaptureFixture[str]) -> None:
+    # Rich markup took "[default: ...]" for a style tag and dropped it from every help text
+    code, out, _ = run(capsys, "estimate", "--help")
+    flat = " ".join(out.replace("│", " ").split())
+    assert code == 0 and "[default: the cluster's]" in flat
