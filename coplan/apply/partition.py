@@ -27,7 +27,7 @@ import torch
 from torch import fx
 from torch._functorch import partitioners as P
 
-from coplan.apply.names import map_saved, per_block, saved_tensor_names
+from coplan.apply.names import is_plan_cast, map_saved, per_block, saved_tensor_names
 from coplan.ir.types import Graph
 
 #: kinds of saved values: activations are what the plan decides (and what is measured against the
@@ -70,7 +70,6 @@ class Partitioner:
         drop = per_block(self.graph, self.recompute)
         nm = map_saved(self.graph, joint, ir_saved)
         keep = [n for n in ir_saved if n in nm.nodes and n not in drop]
-        ir_of = {nm.nodes[n].name: n for n in keep}
 
         P.force_save_effectful_ops(joint)
         P.force_save_bw_mutation_src(joint)
@@ -79,8 +78,11 @@ class Partitioner:
         floats = {p for p, flag in zip(primals, self.float_flags, strict=False) if flag}
         forward = _forward_nodes(joint)
         derived = _param_derived(forward, params)
+        fwd_set = set(forward)
+        copies = {n: kept_copies(nm.nodes[n], fwd_set) for n in keep}
+        ir_of = {c.name: n for n in keep for c in copies[n]}
 
-        saved: list[fx.Node] = [nm.nodes[n] for n in keep]
+        saved: list[fx.Node] = [c for n in keep for c in copies[n]]
         saved += primals
         saved += [n for n in forward if n in derived and _is_tensor(n)]
         saved += [n for n in forward if n.meta.get("recompute") == P.CheckpointPolicy.MUST_SAVE]
@@ -153,6 +155,52 @@ def _forward_nodes(joint: fx.GraphModule) -> list[fx.Node]:
         and n.meta.get("partitioner_tag") != "is_backward"
         and not P._has_tag_is_backward(n)
     ]
+
+
+def kept_copies(node: fx.Node, forward: set[fx.Node]) -> list[fx.Node]:
+    """What keeping the IR tensor computed by ``node`` stores: ``node`` itself, or the narrower
+    copy the precision pass cast it to, when backward reads only that copy.
+
+    An fp32-overridden norm's output is cast back to the compute dtype for the next GEMM
+    (``precision._cast_exits``), and the GEMM's weight gradient reads that 16-bit copy; nothing
+    in backward reads the fp32 output (the norm's backward reads its input, mean and rstd). Keeping
+    the fp32 output would store twice the bytes and re-cast it in backward; the cost model, like
+    eager autocast's ``linear``, keeps the 16-bit copy (``cost.profile._Ctx.saved_copy``). A
+    widening cast (the bf16 residual read by the fp32 norm) is the other way round: the narrow
+    original is kept and backward re-casts it exactly, as the cost model prices the residual at
+    its producer's width.
+    """
+    casts = [
+        u
+        for u in node.users
+        if u in forward and is_plan_cast(u) and _narrows(node, u) and _read_later(u, forward)
+    ]
+    if not casts or _read_later(node, forward):
+        return [node, *casts]
+    return casts
+
+
+def _read_later(node: fx.Node, forward: set[fx.Node]) -> bool:
+    """Whether a backward node reads ``node``, directly or through forward views of it."""
+    for u in node.users:
+        if u.op != "call_function":
+            continue
+        if u not in forward:
+            return True
+        if isinstance(u.target, torch._ops.OpOverload) and u.target.is_view and _read_later(u, forward):
+            return True
+    return False
+
+
+def _narrows(src: fx.Node, cast: fx.Node) -> bool:
+    a, b = src.meta.get("val"), cast.meta.get("val")
+    return (
+        isinstance(a, torch.Tensor)
+        and isinstance(b, torch.Tensor)
+        and a.is_floating_point()
+        and b.is_floating_point()
+        and b.element_size() < a.element_size()
+    )
 
 
 def _param_derived(forward: Sequence[fx.Node], params: set[fx.Node]) -> set[fx.Node]:

@@ -24,7 +24,10 @@ Semantics (what the cost model prices, ``coplan.cost.profile``):
   GEMM quantizes both operands to ``float8_e4m3fn`` with a per-tensor scale ``amax / 448`` and
   dequantizes them for the matmul (emulation: where the hardware has no fp8 units the rounding is
   what fp8 hardware would see, the arithmetic is not faster). Gradients pass straight through the
-  quantization (the scale is treated as a constant), as fp8 training recipes do.
+  quantization (the scale is treated as a constant), as fp8 training recipes do. A plan names the
+  ops of a reference block; the override applies to that op in every block (``every_block``).
+  Which copy of an overridden op's output backward keeps is the partitioner's decision
+  (``partition.kept_copies``: the 16-bit copy the next GEMM reads, not the fp32 output).
 
 The pass is numerics-changing and kept apart from the partitioner (numerics-preserving).
 """
@@ -40,7 +43,7 @@ from torch import fx
 
 from coplan.apply.names import PLAN_CAST, OpNodes, map_ops
 from coplan.apply.vocab import LOG_SOFTMAX_OPS, NLL_OPS
-from coplan.ir.types import Graph, OpKind, Phase, TensorRole
+from coplan.ir.types import Graph, Op, OpKind, Phase, TensorRole
 from coplan.plan.types import PrecisionPlan
 
 DTYPES: dict[str, torch.dtype] = {
@@ -163,7 +166,7 @@ def apply_precision(
                     cast = g.call_function(_cast, (node, compute))
                 node.replace_all_uses_with(cast, delete_user_cb=lambda u, c=cast: u is not c)
                 report.param_casts += 1
-    overrides = {**fp8_gemms(precision, ir), **dict(precision.ops)}
+    overrides = {**fp8_gemms(precision, ir), **every_block(ir, dict(precision.ops))}
     tables = buffer_readers(ir) if ir is not None and compute != torch.float32 else set()
     by_name = map_ops(ir, gm, {*overrides, *tables}) if ir is not None and (overrides or tables) else {}
     report.not_found = sorted(n for n, _ in precision.ops if n not in by_name)
@@ -310,6 +313,31 @@ def fp8_gemms(precision: PrecisionPlan, ir: Graph | None) -> dict[str, str]:
         and op.kind is OpKind.MATMUL
         and op.target == "linear"
     }
+
+
+def every_block(ir: Graph | None, ops: dict[str, str]) -> dict[str, str]:
+    """Per-op dtypes of a plan, which names the ops of a reference block (``PlanContext``'s
+    convention, as for remat sets), given to the same op of every block of its structure: the
+    cost model prices an override for all blocks (``PlanContext.expand_dtypes``), so the runner
+    must apply it to all of them, not to block 0 alone. Names outside blocks, and any named
+    explicitly, keep their own dtype."""
+    if ir is None or not ops:
+        return ops
+    by_block: dict[int, list[Op]] = {}
+    for op in ir.ops:
+        if op.phase is Phase.FORWARD and op.block is not None:
+            by_block.setdefault(op.block, []).append(op)
+    where = {op.name: (b, i) for b, block in by_block.items() for i, op in enumerate(block)}
+    shape = {b: tuple(op.target for op in block) for b, block in by_block.items()}
+    out: dict[str, str] = {}
+    for name, dtype in ops.items():
+        if name not in where:
+            continue
+        ref, i = where[name]
+        for b, block in by_block.items():
+            if shape[b] == shape[ref]:
+                out.setdefault(block[i].name, dtype)
+    return {**out, **ops}
 
 
 def _is_loss(ir: Graph, op_name: str) -> bool:
