@@ -10,10 +10,16 @@ that implements no plan op (a view, a cast, the index arithmetic of a loss) is f
 anything, because the IR gives it no kernel of its own.
 
 Which plan op an FX node implements: forward nodes are matched to the IR's forward ops as the
-partitioner matches them (module path, op family, order: ``names``); backward nodes carry the
-autograd sequence number of the forward op they differentiate (``meta["seq_nr"]``), which leads to
-that op's backward ops in the IR, narrowed by the aten op's family (``gelu_backward`` is the IR's
-``gelu_bwd``; an ``mm`` is one of the linear's two gradient GEMMs).
+partitioner matches them (module path, op family, order: ``names``): an anchor node, or for a
+module-level op with no anchor (RoPE, a decomposed RMSNorm: ``names.COMPOSITES``) every node of its
+module. Backward nodes carry the autograd sequence number of the forward node they differentiate
+(``meta["seq_nr"]``), which leads to that op's backward ops in the IR: an anchor's narrowed by the
+aten op's family (``gelu_backward`` is the IR's ``gelu_bwd``; an ``mm`` is one of the linear's two
+gradient GEMMs), a module-level op's taking every node of its nodes' backward. Gradient
+accumulation (an ``add`` of two gradients of one tensor) carries no usable sequence number (the
+engine records it under the loss's); it is read from what it sums: gradients of one op are that
+op's own (RoPE's two uses of its input), gradients from different ops are the IR's backward ``add``
+of the op they lead to.
 
 After fusion the final kernels are read back (Inductor's ``_post_fusion_custom_pass``), and a
 planned group is *honoured* when the ops of it that this graph implements share one kernel with no
@@ -28,12 +34,21 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Sequence
 from contextlib import nullcontext
+from operator import getitem
 from typing import Any
 
 import torch
 from torch import fx
 
-from coplan.apply.names import ATEN_ANCHORS, _forward_ops, _match, block_prefix, relative_to_block
+from coplan.apply.names import (
+    ATEN_ANCHORS,
+    COMPOSITES,
+    _composites,
+    _forward_ops,
+    _match,
+    block_prefix,
+    relative_to_block,
+)
 from coplan.ir.types import Graph, Op, Phase
 from coplan.plan.types import Plan
 
@@ -45,6 +60,7 @@ _BWD_FAMILIES: dict[str, tuple[object, ...]] = {
     "linear_bwd_weight": (aten.mm, aten.bmm, aten.sum),
     "gelu_bwd": (aten.gelu_backward,),
     "silu_bwd": (aten.silu_backward,),
+    "mul_bwd": (aten.mul,),
     "norm_bwd": (aten.native_layer_norm_backward, aten._fused_rms_norm_backward),
     "attention_bwd": (
         aten._scaled_dot_product_flash_attention_for_cpu_backward,
@@ -62,6 +78,10 @@ _GEMMS = frozenset({"linear", "linear_bwd_input", "linear_bwd_weight"})
 META = "coplan_ops"  # key in node.meta["custom"]: the plan ops (names) an FX node implements
 
 
+def _is_forward(node: fx.Node) -> bool:
+    return node.meta.get("partitioner_tag") != "is_backward"
+
+
 def _mark(node: fx.Node, names: frozenset[str]) -> None:
     # kept in meta["custom"], which FX copies onto the nodes a decomposition makes of this one
     node.meta["custom"] = {**(node.meta.get("custom") or {}), META: sorted(names)}
@@ -76,21 +96,85 @@ def _packet(target: object) -> object:
     return getattr(target, "overloadpacket", target)
 
 
+def _op_nodes(ops: Sequence[Op], nodes: Sequence[fx.Node]) -> dict[int, tuple[list[fx.Node], bool]]:
+    """IR op id -> (the nodes that implement it, whether it is module-level): an anchor, else
+    (RoPE, a decomposed RMSNorm) every call node of its module."""
+    anchors = _match(ops, nodes, ATEN_ANCHORS, lambda n: n.target)
+    out: dict[int, tuple[list[fx.Node], bool]] = {i: ([n], False) for i, n in anchors.items()}
+    rest = [op for op in ops if op.id not in anchors]
+    for i, region in _composites(rest, nodes, COMPOSITES, outputs=False).items():
+        out[i] = ([n for n in region if n.op == "call_function"], True)
+    return out
+
+
 def label_forward(gm: fx.GraphModule, ir: Graph) -> dict[int, int]:
-    """Mark every forward anchor node with its IR op; returns {autograd seq_nr: IR op id} for the
-    backward graph of the same region."""
+    """Mark every forward node that implements an IR op (an anchor, or every node of a
+    module-level op); returns {autograd seq_nr: IR op id} for the backward graph of the same region.
+
+    A sequence number is handed to an op only when it names that op's nodes alone: RoPE's slices
+    share theirs with the attention's transpose before them, whose gradient is not RoPE's; an op
+    without backward ops (``arange``) gives way to one with them (the embedding sharing its number).
+    """
     ops = _forward_ops(ir)
     nodes = list(gm.graph.nodes)
-    anchors = _match(ops, nodes, ATEN_ANCHORS, lambda n: n.target)
-    if not anchors:  # a region traced from a block's own forward (FSDP2): names relative to it
-        anchors = _match(relative_to_block(ops, block_prefix(ir)), nodes, ATEN_ANCHORS, lambda n: n.target)
-    seq: dict[int, int] = {}
-    for op_id, node in anchors.items():
-        _mark(node, frozenset({ir.ops[op_id].name}))
-        nr = node.meta.get("seq_nr")
-        if isinstance(nr, int):
-            seq[nr] = op_id
-    return seq
+    found = _op_nodes(ops, nodes)
+    if not found:  # a region traced from a block's own forward (FSDP2): names relative to it
+        found = _op_nodes(relative_to_block(ops, block_prefix(ir)), nodes)
+    has_bwd = {op.forward_op for op in ir.ops if op.phase is Phase.BACKWARD}
+    where: dict[fx.Node, int] = {}
+    for op_id, (op_nodes, _) in found.items():
+        _mark_all(op_nodes, frozenset({ir.ops[op_id].name}))
+        where.update((n, op_id) for n in op_nodes)
+    others: set[int] = set()  # numbers of call nodes that implement no op
+    for n in nodes:
+        nr = n.meta.get("seq_nr")
+        if isinstance(nr, int) and n.op == "call_function" and n not in where and n.target is not getitem:
+            others.add(nr)
+    claims: dict[int, set[int]] = {}
+    for op_id, (op_nodes, composite) in found.items():
+        for n in op_nodes:
+            nr = n.meta.get("seq_nr")
+            if isinstance(nr, int) and op_id in has_bwd and not (composite and nr in others):
+                claims.setdefault(nr, set()).add(op_id)
+    return {nr: next(iter(ids)) for nr, ids in claims.items() if len(ids) == 1}
+
+
+def _mark_all(nodes: Iterable[fx.Node], names: frozenset[str]) -> None:
+    for n in nodes:
+        _mark(n, names)
+
+
+#: ops that move or retype a value without computing one: a gradient is traced back through them
+_PASS_THROUGH = frozenset(
+    {
+        aten.view,
+        aten._unsafe_view,
+        aten.reshape,
+        aten.t,
+        aten.transpose,
+        aten.permute,
+        aten.expand,
+        aten.squeeze,
+        aten.unsqueeze,
+        aten.slice,
+        aten.clone,
+        aten.alias,
+        aten.detach,
+        aten._to_copy,
+        torch.ops.prims.convert_element_type,
+        getitem,
+    }
+)
+
+
+def _source_marks(node: Any, depth: int = 8) -> frozenset[str]:
+    """The plan ops of the node that computed ``node``'s value (through views and casts)."""
+    while isinstance(node, fx.Node) and depth > 0:
+        marks = _marks(node)
+        if marks or _packet(node.target) not in _PASS_THROUGH or not node.args:
+            return marks
+        node, depth = node.args[0], depth - 1
+    return frozenset()
 
 
 def label_backward(gm: fx.GraphModule, ir: Graph, seq: dict[int, int]) -> None:
@@ -99,16 +183,55 @@ def label_backward(gm: fx.GraphModule, ir: Graph, seq: dict[int, int]) -> None:
     for op in ir.ops:
         if op.phase is Phase.BACKWARD and op.forward_op is not None:
             bwd.setdefault(op.forward_op, []).append(op)
-    for node in gm.graph.nodes:
-        if node.op != "call_function" or node.meta.get("partitioner_tag") != "is_backward":
-            continue
+    # a forward op with several sequence numbers was module-level: all its backward is its own
+    numbers: dict[int, int] = {}
+    for op_id in seq.values():
+        numbers[op_id] = numbers.get(op_id, 0) + 1
+    nodes = [n for n in gm.graph.nodes if n.op == "call_function" and not _is_forward(n)]
+    for node in nodes:
         fwd = seq.get(node.meta.get("seq_nr", -1))
         if fwd is None:
             continue
-        pkt = _packet(node.target)
-        names = frozenset(op.name for op in bwd.get(fwd, ()) if pkt in _BWD_FAMILIES.get(op.target, ()))
+        own = [op for op in bwd.get(fwd, ()) if op.target != "add"]
+        if numbers[fwd] > 1:
+            names = frozenset(op.name for op in own)
+        else:
+            pkt = _packet(node.target)
+            names = frozenset(op.name for op in bwd.get(fwd, ()) if pkt in _BWD_FAMILIES.get(op.target, ()))
         if names:
             _mark(node, names)
+    _label_accumulation(nodes, ir, bwd)
+
+
+def _label_accumulation(nodes: Sequence[fx.Node], ir: Graph, bwd: dict[int, list[Op]]) -> None:
+    """Mark the unmarked gradient sums (``aten.add`` of two gradients, or ``aten.cat`` of the
+    pieces of one, a split's backward) by what they combine: gradients of one op only are that
+    op's (its input read twice inside it); gradients of several are the IR's backward ``add`` of
+    one of those ops, when exactly one of them has such an op still unclaimed (LLaMA's fused QKV
+    output: q and k reach it through RoPE, v from attention, and the IR sums them after RoPE). The
+    sums are visited in graph order, so a sum inside an op is marked before the sums that read it."""
+    by_name = {op.name: op for op in ir.ops}
+    adds = {fwd: [op for op in ops if op.target == "add"] for fwd, ops in bwd.items()}
+    claimed: set[str] = {m for n in nodes for m in _marks(n)}
+    for node in nodes:
+        if _packet(node.target) not in (aten.add, aten.cat) or _marks(node):
+            continue
+        args = node.args[0] if _packet(node.target) is aten.cat else node.args
+        sources = (
+            [_source_marks(a) for a in args if isinstance(a, fx.Node)] if isinstance(args, Sequence) else []
+        )
+        # a gradient already summed by an IR add is no evidence of which op this sum belongs to
+        evidence = [frozenset(m for m in src if by_name[m].target != "add") for src in sources]
+        fwds = {by_name[m].forward_op for e in evidence for m in e}
+        if not fwds or None in fwds:
+            continue
+        if len(fwds) == 1 and len(evidence) >= 2 and all(evidence):
+            _mark(node, frozenset().union(*evidence))  # inside one op's backward
+            continue
+        cands = [op.name for f in fwds if f is not None for op in adds.get(f, ()) if op.name not in claimed]
+        if len(cands) == 1:
+            _mark(node, frozenset(cands))
+            claimed.add(cands[0])
 
 
 def expand_groups(plan: Plan, ir: Graph) -> list[tuple[str, ...]]:
