@@ -15,7 +15,9 @@ module-level op with no anchor (RoPE, a decomposed RMSNorm: ``names.COMPOSITES``
 module. Backward nodes carry the autograd sequence number of the forward node they differentiate
 (``meta["seq_nr"]``), which leads to that op's backward ops in the IR: an anchor's narrowed by the
 aten op's family (``gelu_backward`` is the IR's ``gelu_bwd``; an ``mm`` is one of the linear's two
-gradient GEMMs), a module-level op's taking every node of its nodes' backward. Gradient
+gradient GEMMs, told apart by the axis along which it contracts the output gradient: its features
+for the input gradient, its tokens for the weight gradient; ``_gemm_gradient``), a module-level
+op's taking every node of its nodes' backward. Gradient
 accumulation (an ``add`` of two gradients of one tensor) carries no usable sequence number (the
 engine records it under the loss's); it is read from what it sums: gradients of one op are that
 op's own (RoPE's two uses of its input), gradients from different ops are the IR's backward ``add``
@@ -188,6 +190,7 @@ def label_backward(gm: fx.GraphModule, ir: Graph, seq: dict[int, int]) -> None:
     for op_id in seq.values():
         numbers[op_id] = numbers.get(op_id, 0) + 1
     nodes = [n for n in gm.graph.nodes if n.op == "call_function" and not _is_forward(n)]
+    tangent = _from_tangents(gm)
     for node in nodes:
         fwd = seq.get(node.meta.get("seq_nr", -1))
         if fwd is None:
@@ -197,10 +200,146 @@ def label_backward(gm: fx.GraphModule, ir: Graph, seq: dict[int, int]) -> None:
             names = frozenset(op.name for op in own)
         else:
             pkt = _packet(node.target)
-            names = frozenset(op.name for op in bwd.get(fwd, ()) if pkt in _BWD_FAMILIES.get(op.target, ()))
+            ops = [op for op in bwd.get(fwd, ()) if pkt in _BWD_FAMILIES.get(op.target, ())]
+            if pkt in _MATMULS and len(ops) > 1:
+                ops = _gemm_gradient(node, ops, ir, tangent) or ops
+            names = frozenset(op.name for op in ops)
         if names:
             _mark(node, names)
     _label_accumulation(nodes, ir, bwd)
+
+
+_MATMULS = frozenset({aten.mm, aten.addmm, aten.bmm})
+_INPUT, _WEIGHT = "_bwd_input", "_bwd_weight"  # suffixes of the IR's two gradient GEMMs of a matmul
+
+
+def _from_tangents(gm: fx.GraphModule) -> set[fx.Node]:
+    """The nodes of a backward graph whose value depends on an incoming gradient (AOTAutograd's
+    ``tangents_*`` inputs): a gradient GEMM reads exactly one such operand, the output gradient;
+    the other is a forward value (the weight, or the saved or recomputed input)."""
+    out: set[fx.Node] = set()
+    for n in gm.graph.nodes:
+        seed = n.op == "placeholder" and n.name.startswith("tangents")
+        if seed or any(a in out for a in n.all_input_nodes):
+            out.add(n)
+    return out
+
+
+def _shape(node: Any) -> tuple[int, ...] | None:
+    val = getattr(node, "meta", {}).get("val")
+    shape = getattr(val, "shape", None)
+    try:
+        return None if shape is None else tuple(int(d) for d in shape)
+    except (TypeError, ValueError):  # symbolic sizes
+        return None
+
+
+def _feature_axis(node: fx.Node, depth: int = 16) -> int | None:
+    """Which axis of ``node`` holds the last axis (the features) of the value it views: traced
+    back through views, casts and transposes to the node that computed it; None when a view
+    reshapes that axis or the chain cannot be followed."""
+    chain: list[fx.Node] = []
+    src: Any = node
+    while (
+        isinstance(src, fx.Node)
+        and src.op == "call_function"
+        and src.target is not getitem
+        and _packet(src.target) in _PASS_THROUGH
+        and src.args
+        and len(chain) < depth
+    ):
+        chain.append(src)
+        src = src.args[0]
+    shape = _shape(src)
+    if not shape:
+        return None
+    axis = len(shape) - 1
+    for n in reversed(chain):
+        new, pkt = _shape(n), _packet(n.target)
+        if new is None:
+            return None
+        if pkt in (aten.t, aten.transpose, aten.permute):
+            perm = _permutation(n, len(shape))
+            if perm is None:
+                return None
+            axis = perm.index(axis)
+        elif new != shape:  # a view or expand: the features stay last only while their size does
+            if axis != len(shape) - 1 or not new or new[-1] != shape[-1]:
+                return None
+            axis = len(new) - 1
+        shape = new
+    return axis
+
+
+def _permutation(node: fx.Node, ndim: int) -> list[int] | None:
+    """The axes of a ``t``, ``transpose`` or ``permute`` node's input, in its output's order."""
+    pkt = _packet(node.target)
+    if pkt is aten.permute:
+        dims = node.args[1] if len(node.args) > 1 else None
+        if not isinstance(dims, (list, tuple)):
+            return None
+        ints = [d for d in dims if isinstance(d, int)]
+        return [d % ndim for d in ints] if len(ints) == len(dims) == ndim else None
+    if ndim < 2:
+        return list(range(ndim))  # t of a vector
+    pair = (0, 1) if pkt is aten.t else node.args[1:3]
+    if len(pair) != 2 or not all(isinstance(d, int) for d in pair):
+        return None
+    d0, d1 = (int(d) % ndim for d in pair if isinstance(d, int))
+    perm = list(range(ndim))
+    perm[d0], perm[d1] = d1, d0
+    return perm
+
+
+def _gemm_gradient(node: fx.Node, ops: Sequence[Op], ir: Graph, tangent: set[fx.Node]) -> list[Op] | None:
+    """Which of a matmul's two gradient GEMMs (the IR's ``*_bwd_input``, ``*_bwd_weight``) the
+    backward matmul ``node`` computes, or None when that cannot be told.
+
+    For ``y = x @ w.T`` with output gradient ``gy`` (tokens x out): the input gradient ``gy @ w``
+    contracts ``gy`` over its features, the weight gradient ``gy.T @ x`` over its tokens. So the
+    operand that carries ``gy`` (the one that depends on the tangents) decides, by whether its
+    contracted axis is ``gy``'s feature axis, whatever the shapes (square weights, tokens equal
+    to a width). Where that operand cannot be followed, the output's shape decides when only
+    one of the two fits it: the weight's shape (or its transpose), or the input's (its last axis
+    the weight's input width); where the two tests disagree, nothing is decided."""
+    inputs = [op for op in ops if op.target.endswith(_INPUT)]
+    weights = [op for op in ops if op.target.endswith(_WEIGHT)]
+    if len(inputs) != 1 or len(weights) != 1:
+        return None
+    a, b = node.args[-2:]
+    role: str | None = None
+    if isinstance(a, fx.Node) and isinstance(b, fx.Node) and (a in tangent) != (b in tangent):
+        grad = a if a in tangent else b
+        axis, shape = _feature_axis(grad), _shape(grad)
+        if axis is not None and shape is not None and len(shape) >= 2:
+            contracted = len(shape) - 1 if grad is a else len(shape) - 2
+            other = len(shape) - 2 if grad is a else len(shape) - 1
+            role = _INPUT if axis == contracted else _WEIGHT if axis == other else None
+    left = _shape(a)
+    by_shape = _role_by_shape(
+        _shape(node), left[-1] if left else None, ir.tensors[weights[0].outputs[0]].shape
+    )
+    if role is None:
+        role = by_shape
+    elif by_shape is not None and by_shape != role:
+        return None  # the operands and the shape disagree: something unforeseen, keep both
+    if role is None:
+        return None
+    return inputs if role == _INPUT else weights
+
+
+def _role_by_shape(out: tuple[int, ...] | None, inner: int | None, weight: tuple[int, ...]) -> str | None:
+    """``_INPUT`` or ``_WEIGHT`` when only one of them fits a gradient GEMM's output shape and
+    contracted size ``inner``: the input gradient (tokens x in) contracts the weight's output
+    width, the weight gradient is shaped like the weight (or its transpose)."""
+    if not out or len(out) < 2 or len(weight) < 2 or inner is None:
+        return None
+    n_out, n_in = weight[-2:]
+    fits_weight = out[-2:] in ((n_out, n_in), (n_in, n_out))
+    fits_input = out[-1] == n_in and inner == n_out
+    if fits_weight == fits_input:
+        return None
+    return _WEIGHT if fits_weight else _INPUT
 
 
 def _label_accumulation(nodes: Sequence[fx.Node], ir: Graph, bwd: dict[int, list[Op]]) -> None:
