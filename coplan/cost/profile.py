@@ -213,6 +213,12 @@ class _Ctx:
             return F32
         if t.producer is not None and t.producer in self._f32_ops:
             return F32
+        if t.producer is not None:
+            prod = self.g.ops[t.producer]
+            # a fused attention kernel's logsumexp is fp32 whatever the training dtype (the flash
+            # kernels of PyTorch, FlashAttention and cuDNN all write it in fp32)
+            if prod.kind is OpKind.ATTENTION and len(prod.outputs) > 1 and t.id == prod.outputs[1]:
+                return F32
         return ACT
 
     def vec(self, t: Tensor) -> Vec:

@@ -675,3 +675,13 @@ def test_megatron_fused_kernels_recompute_norm_and_swiglu_intermediates():
         gpt.profile(b, s, "megatron").templates[0].saved["none"]
         == gpt.profile(b, s, "none").templates[0].saved["none"]
     )
+
+
+def test_attention_logsumexp_is_kept_in_fp32_under_16_bit_training():
+    # flash kernels write their logsumexp in fp32 whatever the training dtype: in a block's saved
+    # vector (activation-width, fp32, byte entries; replicated and tensor-parallel each) it is the
+    # only fp32-class tensor, and it is sharded with the heads
+    b, s = 2, 512
+    part = CostModel(spec=GPT).profile(b, s).templates[0]
+    act_r, act_t, f32_r, f32_t, _, _ = part.saved["none"]
+    assert (f32_r, f32_t) == (0.0, float(b * GPT.n_heads * s))
