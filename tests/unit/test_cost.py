@@ -683,5 +683,5 @@ def test_attention_logsumexp_is_kept_in_fp32_under_16_bit_training():
     # only fp32-class tensor, and it is sharded with the heads
     b, s = 2, 512
     part = CostModel(spec=GPT).profile(b, s).templates[0]
-    act_r, act_t, f32_r, f32_t, _, _ = part.saved["none"]
+    _, _, f32_r, f32_t, _, _ = part.saved["none"]
     assert (f32_r, f32_t) == (0.0, float(b * GPT.n_heads * s))
