@@ -265,6 +265,11 @@ def _entry(rank: int, fn: Callable[..., object], nproc: int, args: tuple[Any, ..
     os.environ["LOCAL_RANK"] = str(rank)
     try:
         fn(rank, nproc, *args)
+        if torch.distributed.is_initialized():
+            # every rank done before any tears down: a rank destroying its group while another
+            # still has gloo work in flight intermittently aborted a worker ("terminate called
+            # without an active exception") in the two-process tests
+            torch.distributed.barrier()
     finally:
         if torch.distributed.is_initialized():
             torch.distributed.destroy_process_group()
