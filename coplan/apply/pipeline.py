@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import math
 import time
-from contextlib import nullcontext
 from typing import Any
 
 import torch
@@ -137,6 +136,7 @@ def run_pipeline(rank: int, world: int, job: Any) -> Any:
         RankResult,
         _all_max,
         _all_mean,
+        autocast_for,
         batches,
         build,
         compile_for,
@@ -184,14 +184,7 @@ def run_pipeline(rank: int, world: int, job: Any) -> Any:
     opt = torch.optim.AdamW(params, lr=3e-4, betas=(0.9, 0.95), weight_decay=0.1, foreach=False)
     # every rank creates every group (a collective call), the two ends use it
     embedding_group = torch.distributed.new_group([0, par.pp - 1]) if stage_mod.tied else None
-    amp_dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp8": torch.bfloat16}.get(
-        plan.precision.compute
-    )
-    amp: Any = (
-        (lambda: torch.autocast(r.device.type, dtype=amp_dtype))
-        if be is None and amp_dtype is not None
-        else nullcontext
-    )
+    amp = autocast_for(plan, r.device, be)
 
     def step(i: int) -> float:
         idx, tgt = data[i]

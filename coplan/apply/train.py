@@ -26,7 +26,7 @@ import json
 import math
 import statistics
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -238,15 +238,7 @@ def _run(rank: int, world: int, job: Job) -> RankResult | None:
     if par.dp > 1:
         wrapped = apply_dp(base, dev_mesh["dp"], par, compute_dtype(plan.precision))
     compiled, be = compile_for(wrapped, plan, spec, job.mode)
-    # autocast offers bf16 and fp16: an fp8 plan's baseline runs bf16, a tf32 one fp32
-    amp_dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp8": torch.bfloat16}.get(
-        plan.precision.compute
-    )
-    amp: Any = (
-        (lambda: torch.autocast(r.device.type, dtype=amp_dtype))
-        if be is None and amp_dtype is not None
-        else nullcontext
-    )
+    amp = autocast_for(plan, r.device, be)
     params = [p for p in base.parameters()]
     # a plan fusing optimizer ops gets the fused AdamW kernel (one launch updates every tensor);
     # otherwise one kernel per op, as an unfused plan prices it
@@ -375,6 +367,16 @@ def compile_for(
     if mode == "compile":
         return torch.compile(module), None
     return module, None
+
+
+def autocast_for(plan: Plan, device: torch.device, be: object | None) -> Callable[[], Any]:
+    """The context a baseline step runs in (``be is None``: not compiled by coplan's backend):
+    autocast to the plan's 16-bit dtype (autocast offers bf16 and fp16: an fp8 plan's baseline
+    runs bf16, a tf32 one fp32); coplan's backend casts by itself, so its steps get none."""
+    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp8": torch.bfloat16}.get(plan.precision.compute)
+    if be is not None or dtype is None:
+        return nullcontext
+    return lambda: torch.autocast(device.type, dtype=dtype)
 
 
 def sync(device: torch.device) -> None:
