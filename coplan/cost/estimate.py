@@ -211,6 +211,8 @@ def estimate(profile: GraphProfile, cluster: ClusterSpec, config: TrainingConfig
     tp_group = Group.of(cluster, t, 1, net)
     dp_group = Group.of(cluster, d, t, net)
     pp_cross = t * d >= per_node and cluster.num_nodes > 1
+    # the activation a pipeline stage sends on, per microbatch (elements, before any sharding)
+    boundary_elems = max((tp_.boundary for tp_ in profile.templates), default=0.0)
     stages = []
     launch_total = 0.0
     kernels_total = 0
@@ -294,9 +296,7 @@ def estimate(profile: GraphProfile, cluster: ClusterSpec, config: TrainingConfig
         # pipeline sends: the block output, forward and backward, once per chunk boundary
         pp_comm = 0.0
         if p > 1:
-            boundary = (
-                max((tp_.boundary for tp_ in profile.templates), default=0.0) * ab / (t if t > 1 else 1)
-            )
+            boundary = boundary_elems * ab / (t if t > 1 else 1)
             sends = (0 if s == p - 1 and v == 1 else 1) + (0 if s == 0 and v == 1 else 1)
             one = p2p_time(cluster, boundary, pp_cross, net)
             if t > 1 and not config.sequence_parallel:
@@ -359,7 +359,7 @@ def estimate(profile: GraphProfile, cluster: ClusterSpec, config: TrainingConfig
             if s == p - 1:
                 act_stored += inp * chunk_in_flight(s, p, v, m, v - 1)
         if p > 1:
-            act_stored += boundary_held(profile, mine, rec, config, s, p, v, m, ab, t)
+            act_stored += boundary_held(profile, mine, rec, config, s, p, v, m, ab, t, boundary_elems)
         static = static_bytes(p_local, config, d)
         capacity = float(min(dev.memory_bytes for dev in _devices_of_stage(cluster, config, s)))
         mem = MemoryEstimate(

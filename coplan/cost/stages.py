@@ -38,8 +38,10 @@ def boundary_held(
     m: int,
     ab: int,
     t: int,
+    elems: float,
 ) -> float:
-    """Bytes of pipeline boundary activations stage ``s`` holds beyond what its parts count.
+    """Bytes of pipeline boundary activations stage ``s`` holds beyond what its parts count;
+    ``elems`` is one boundary activation's elements per microbatch (``Part.boundary``).
 
     The parts count a saved tensor on the stage that produces it, so a chunk's output (the next
     block's input, saved by that block's first norm) is charged to the sending chunk and the
@@ -52,7 +54,6 @@ def boundary_held(
     ``config.pipeline_keeps_outputs``). Under full recomputation the blocks count their inputs
     (received inputs included) and not their outputs. A remat set that drops the block output
     leaves the chunk's input held by the schedule, uncounted by the parts."""
-    elems = max((tp_.boundary for tp_ in profile.templates), default=0.0)
     if elems <= 0 or not mine:
         return 0.0
     one = elems * ab / (t if config.sequence_parallel and t > 1 else 1)
