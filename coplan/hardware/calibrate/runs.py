@@ -38,7 +38,7 @@ from typing import Any
 import numpy as np
 
 from coplan.errors import CoplanError
-from coplan.hardware.cluster import ClusterSpec
+from coplan.hardware.cluster import ClusterSpec, InterconnectLevel
 from coplan.hardware.device import DeviceSpec
 
 #: Weight of the prior pulling each log factor to 0 (the profile's own value), against residuals
@@ -252,19 +252,12 @@ def scaled_device(device: DeviceSpec, s: Scales) -> DeviceSpec:
 
 def scaled_cluster(cluster: ClusterSpec, s: Scales, name: str | None = None) -> ClusterSpec:
     """``cluster`` with scaled devices and, by ``s.link``, slower (or faster) node links."""
+
+    def link(lvl: InterconnectLevel) -> InterconnectLevel:
+        return replace(lvl, bandwidth=lvl.bandwidth / s.link, latency_s=lvl.latency_s * s.link)
+
     groups = tuple(
-        replace(
-            g,
-            device=scaled_device(g.device, s),
-            intra_node=replace(
-                g.intra_node,
-                bandwidth=g.intra_node.bandwidth / s.link,
-                latency_s=g.intra_node.latency_s * s.link,
-            ),
-        )
-        if s.link != 1.0
-        else replace(g, device=scaled_device(g.device, s))
-        for g in cluster.groups
+        replace(g, device=scaled_device(g.device, s), intra_node=link(g.intra_node)) for g in cluster.groups
     )
     return replace(cluster, name=name or cluster.name, groups=groups)
 
