@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from apply_steps import compiled_step
 
 import coplan
 from coplan.apply.measure import LiveBytes, SavedBytes, SavedPeak, spearman
@@ -40,25 +41,8 @@ def _plan(ctx, mode: str = "none", compute: str = "fp32"):
 
 
 def _compiled_step(plan):
-    """(saved bytes by the compiled forward, shapes+dtypes autograd saved, grads, backend)."""
-    torch._dynamo.reset()
-    model = build(SPEC, 0)
-    be = coplan.backend(plan, SPEC)
-    compiled = torch.compile(model, backend=be)
-    idx, tgt = batches(SPEC, B, S, 1, 0)[0]
-    be.reset_saved()
-    shapes: list[tuple[tuple[int, ...], torch.dtype]] = []
-
-    def pack(t):
-        if not (t.is_leaf and t.requires_grad):
-            shapes.append((tuple(t.shape), t.dtype))
-        return t
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        loss = compiled(idx, tgt)
-    saved = dict(be.last_saved)
-    loss.backward()
-    return saved, shapes, model, be, (idx, tgt)
+    """(saved bytes by the compiled forward, shapes+dtypes autograd saved, model, backend, batch)."""
+    return compiled_step(SPEC, plan, B, S)
 
 
 @pytest.mark.parametrize("mode", ["none", "full", "selective"])

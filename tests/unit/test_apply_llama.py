@@ -12,6 +12,7 @@ import json
 
 import pytest
 import torch
+from apply_steps import compiled_step
 
 import coplan
 from coplan.apply.precision import UNIT_ROUNDOFF, rms_norm, tolerance
@@ -39,24 +40,8 @@ def _plan(ctx, mode: str, compute: str):
 def _step(plan):
     """(activation bytes the compiled forward saved, (shape, dtype) autograd saved, model, backend,
     batch) of one step under ``plan``."""
-    torch._dynamo.reset()
-    model = build(SPEC, 0)
-    be = coplan.backend(plan, SPEC)
-    compiled = torch.compile(model, backend=be)
-    idx, tgt = batches(SPEC, B, S, 1, 0)[0]
-    be.reset_saved()
-    shapes: list[tuple[tuple[int, ...], torch.dtype]] = []
-
-    def pack(t):
-        if not (t.is_leaf and t.requires_grad):
-            shapes.append((tuple(t.shape), t.dtype))
-        return t
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        loss = compiled(idx, tgt)
-    saved = be.last_saved["activation"]
-    loss.backward()
-    return saved, shapes, model, be, (idx, tgt)
+    saved, *rest = compiled_step(SPEC, plan, B, S)
+    return (saved["activation"], *rest)
 
 
 @pytest.mark.parametrize("compute", ["fp32", "bf16"])
