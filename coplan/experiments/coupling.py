@@ -271,8 +271,37 @@ def ratio(seq: Outcome, joint: Outcome) -> float | None:
     return seq.step_time_s / joint.step_time_s
 
 
+class _Compared:
+    """What a pair's and all four spaces' results share: the interaction of the joint gain with
+    the single-space gains, joint over the best sequential order, and whether only joint fits.
+    Subclasses provide ``joint``, ``sequential`` and ``single_gains``."""
+
+    __slots__ = ()
+    joint: Outcome
+    sequential: Outcome
+
+    def single_gains(self) -> tuple[float | None, ...]:
+        raise NotImplementedError
+
+    @property
+    def interaction(self) -> float | None:
+        return interaction(self.joint.gain, self.single_gains())
+
+    @property
+    def interaction_ratio(self) -> float | None:
+        return interaction_ratio(self.joint.gain, self.single_gains())
+
+    @property
+    def coupling(self) -> float | None:
+        return ratio(self.sequential, self.joint)
+
+    @property
+    def feasibility_coupled(self) -> bool:
+        return self.joint.fits and not self.sequential.fits
+
+
 @dataclass(frozen=True, slots=True)
-class PairResult:
+class PairResult(_Compared):
     a: str
     b: str
     single_a: Outcome
@@ -287,24 +316,11 @@ class PairResult:
         return f"{self.a}+{self.b}"
 
     @property
-    def sequential(self) -> Outcome:
+    def sequential(self) -> Outcome:  # type: ignore[override]
         return _better(self.a_then_b, self.b_then_a)
 
-    @property
-    def interaction(self) -> float | None:
-        return interaction(self.joint.gain, (self.single_a.gain, self.single_b.gain))
-
-    @property
-    def interaction_ratio(self) -> float | None:
-        return interaction_ratio(self.joint.gain, (self.single_a.gain, self.single_b.gain))
-
-    @property
-    def coupling(self) -> float | None:
-        return ratio(self.sequential, self.joint)
-
-    @property
-    def feasibility_coupled(self) -> bool:
-        return self.joint.fits and not self.sequential.fits
+    def single_gains(self) -> tuple[float | None, ...]:
+        return (self.single_a.gain, self.single_b.gain)
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -329,7 +345,7 @@ class PairResult:
 
 
 @dataclass(frozen=True, slots=True)
-class All4Result:
+class All4Result(_Compared):
     singles: tuple[Outcome, ...]  # one per space, in SPACES order
     sequential: Outcome  # the best of the 24 orders
     best_order: tuple[str, ...]
@@ -337,21 +353,8 @@ class All4Result:
     joint: Outcome
     joint_from_warm_start: bool
 
-    @property
-    def interaction(self) -> float | None:
-        return interaction(self.joint.gain, (o.gain for o in self.singles))
-
-    @property
-    def interaction_ratio(self) -> float | None:
-        return interaction_ratio(self.joint.gain, (o.gain for o in self.singles))
-
-    @property
-    def coupling(self) -> float | None:
-        return ratio(self.sequential, self.joint)
-
-    @property
-    def feasibility_coupled(self) -> bool:
-        return self.joint.fits and not self.sequential.fits
+    def single_gains(self) -> tuple[float | None, ...]:
+        return tuple(o.gain for o in self.singles)
 
     def to_dict(self) -> dict[str, Any]:
         return {
