@@ -14,6 +14,8 @@ do not, and price exactly as without them):
   is the head dim: a 32-wide head runs at a fraction of a 128-wide one per FLOP);
   ``attention_backward.<dtype>`` the gradient kernel's, a separate implementation (on a CPU its
   16-bit GEMMs take another, slower path than the forward's);
+- ``attention_tiles`` (a device field, ``coplan.hardware.tiling``): the attention kernel's tiling and
+  a measured cost per tile, for kernels whose small tiles cost more than their FLOPs (a CPU's);
 - ``first_touch``: tensors written to fresh storage at least as large as the last-level cache are
   page-faulted in by the host, at that fraction of the memory bandwidth, on top of the roofline.
 """
@@ -25,6 +27,7 @@ from dataclasses import dataclass
 
 from coplan.cost.parts import TP, Kernel, Vec, vdot
 from coplan.hardware.device import VECTOR_FAMILIES, DeviceSpec
+from coplan.hardware.tiling import AttentionTiling
 
 #: The precision non-matrix work runs in under each training dtype (fp8 training keeps its
 #: activations in 16 bits; tf32 is a matmul mode of fp32 tensors).
@@ -46,6 +49,11 @@ class Rates:
     attn_head_half: float = 0.0  # half-dimension derating the head dim of flash attention (0: none)
     first_touch: float = 0.0  # bytes/s of page-faulting fresh storage in (0: no such tier)
     cache_bytes: float = 0.0  # fresh tensors at least this large pay the first-touch tier
+    # the attention kernel's tiling and seconds per tile (forward, backward) where the device has
+    # one (``coplan.hardware.tiling``): then ``FLOPs / rate + tiles * tile_s``, no shape derating
+    attn_tiling: AttentionTiling | None = None
+    attn_tile_s: float = 0.0
+    attn_bwd_tile_s: float = 0.0
 
     @classmethod
     def of(cls, device: DeviceSpec, dtype: str) -> Rates:
@@ -59,6 +67,7 @@ class Rates:
             device.vector_flops * device.vector_efficiency(f, vec_dtype) for f in VECTOR_FAMILIES
         )
         first = device.efficiency.get("first_touch")
+        tiling = device.attention_tiles
         return cls(
             mm_flops=peak * device.efficiency_of("matmul", mm_dtype),
             attn_flops=device.peak(attn_dtype) * device.efficiency_of("attention", attn_dtype),
@@ -71,6 +80,9 @@ class Rates:
             attn_head_half=device.matmul_half_dim if device.has_efficiency("attention", attn_dtype) else 0.0,
             first_touch=device.memory_bandwidth * first if first else 0.0,
             cache_bytes=float(device.sram_bytes),
+            attn_tiling=tiling,
+            attn_tile_s=tiling.cost("forward", attn_dtype) if tiling else 0.0,
+            attn_bwd_tile_s=tiling.cost("backward", attn_dtype) if tiling else 0.0,
         )
 
 
@@ -201,10 +213,17 @@ def _attention(k: Kernel, r: Rates, s: Scale) -> float:
     div = s.div(k.shard)
     memory = vdot(k.bytes, s.weights) / r.bandwidth
     if s.flash:
-        # a causal flash kernel skips the blocks above the diagonal: half the counted FLOPs
-        shape = shape_factor((sq, sk), r.half_dim) * shape_factor((d,), r.attn_head_half)
-        rate = r.attn_bwd_flops if k.phase.value == "backward" and r.attn_bwd_flops else r.attn_flops
-        compute = 0.5 * k.mm_flops / div / (rate * shape)
+        backward = k.phase.value == "backward"
+        rate = r.attn_bwd_flops if backward and r.attn_bwd_flops else r.attn_flops
+        if r.attn_tiling is not None:
+            # a tiled kernel (a CPU's): its FLOPs at the measured rate plus a fixed cost per tile,
+            # which carries what the shape derating would (small tiles, per-call overhead)
+            tile_s = r.attn_bwd_tile_s if backward else r.attn_tile_s
+            compute = 0.5 * k.mm_flops / div / rate + bh / div * r.attn_tiling.tiles(sq, sk) * tile_s
+        else:
+            # a causal flash kernel skips the blocks above the diagonal: half the counted FLOPs
+            shape = shape_factor((sq, sk), r.half_dim) * shape_factor((d,), r.attn_head_half)
+            compute = 0.5 * k.mm_flops / div / (rate * shape)
         if k.dropout:
             compute *= 1.0 + FLASH_DROPOUT_COST
         return max(compute, memory) + first_touch(k, r, s) + r.launch_s

@@ -16,6 +16,9 @@ from typing import Any, NoReturn
 
 from coplan.errors import SpecError
 
+#: Matrix-unit dtypes a device may list in ``peak_flops``. fp8 covers both e4m3 and e5m2.
+DTYPES: tuple[str, ...] = ("fp32", "tf32", "bf16", "fp16", "fp8")
+
 
 class FieldError(SpecError):
     """A ``SpecError`` that also keeps its unformatted ``reason`` (see module docstring)."""

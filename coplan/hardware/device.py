@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from coplan.hardware._fields import (
+    DTYPES,
     FieldError,
     FrozenMap,
     Reader,
@@ -23,9 +24,7 @@ from coplan.hardware._fields import (
     fail,
     kind,
 )
-
-#: Matrix-unit dtypes a device may list in ``peak_flops``. fp8 covers both e4m3 and e5m2.
-DTYPES: tuple[str, ...] = ("fp32", "tf32", "bf16", "fp16", "fp8")
+from coplan.hardware.tiling import AttentionTiling
 
 #: Kinds of work a device's ``efficiency`` may derate. ``matmul`` may also be given per dtype as
 #: ``matmul.<dtype>`` (e.g. ``matmul.fp32`` on a CPU whose fp32 GEMM reaches a lower fraction of peak
@@ -92,7 +91,7 @@ _REQUIRED = (
     "sram_bytes",
     "kernel_launch_s",
 )
-_OPTIONAL = ("source", "efficiency", "matmul_half_dim")
+_OPTIONAL = ("source", "efficiency", "matmul_half_dim", "attention_tiles")
 
 
 @dataclass(frozen=True, slots=True)
@@ -121,6 +120,9 @@ class DeviceSpec:
             ``efficiency * prod(d / (d + matmul_half_dim))`` of peak, so small or thin matrices
             (tile and wave quantization, fixed per-kernel work) run slower per FLOP than large ones.
             0 means no shape dependence.
+        attention_tiles: how the device's fused attention kernel tiles its work and what a tile
+            costs beyond its FLOPs (``coplan.hardware.tiling``); None (the GPU presets) prices
+            attention by the shape-derated roofline alone.
     """
 
     name: str
@@ -134,6 +136,7 @@ class DeviceSpec:
     source: str = ""
     efficiency: Mapping[str, float] = field(default_factory=FrozenMap)
     matmul_half_dim: float = 0.0
+    attention_tiles: AttentionTiling | None = None
 
     def __post_init__(self) -> None:
         named = isinstance(self.name, str) and bool(self.name.strip())
@@ -151,6 +154,8 @@ class DeviceSpec:
         check_str(src, "source", self.source, allow_empty=True)
         put(self, "efficiency", _efficiency(src, self.efficiency))
         put(self, "matmul_half_dim", check_number(src, "matmul_half_dim", self.matmul_half_dim, strict=False))
+        if self.attention_tiles is not None and not isinstance(self.attention_tiles, AttentionTiling):
+            fail(src, "attention_tiles", f"expected an AttentionTiling, got {kind(self.attention_tiles)}")
 
     # --- queries -------------------------------------------------------------------------------
 
@@ -214,7 +219,7 @@ class DeviceSpec:
 
     def to_dict(self) -> dict[str, Any]:
         """Plain JSON-ready dict; ``DeviceSpec.from_dict(d.to_dict()) == d``."""
-        return {
+        out = {
             "name": self.name,
             "vendor": self.vendor,
             "peak_flops": dict(self.peak_flops),
@@ -227,6 +232,9 @@ class DeviceSpec:
             "efficiency": dict(self.efficiency),
             "matmul_half_dim": self.matmul_half_dim,
         }
+        if self.attention_tiles is not None:
+            out["attention_tiles"] = self.attention_tiles.to_dict()
+        return out
 
     @classmethod
     def from_dict(cls, data: object, source: str = "<dict>", *, path: str = "") -> DeviceSpec:
@@ -240,6 +248,7 @@ class DeviceSpec:
         bandwidth, sram = r.number("memory_bandwidth"), r.integer("sram_bytes")
         launch, text = r.number("kernel_launch_s", strict=False), r.text("source", default="")
         half = r.number("matmul_half_dim", strict=False) if "matmul_half_dim" in r.data else 0.0
+        tiles = AttentionTiling.read(r.sub("attention_tiles")) if "attention_tiles" in r.data else None
         # Readers above already name ``source`` and the full path; only __post_init__ errors need
         # re-anchoring, so nothing else may run inside this block.
         with anchored(source, path):
@@ -255,6 +264,7 @@ class DeviceSpec:
                 source=text,
                 efficiency=efficiency,
                 matmul_half_dim=half,
+                attention_tiles=tiles,
             )
 
 

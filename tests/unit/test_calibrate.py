@@ -13,10 +13,11 @@ import pytest
 import torch
 
 from coplan.cli import main
-from coplan.cost.kernels import Rates
+from coplan.cost.kernels import Rates, Scale, kernel_time
 from coplan.hardware import device_presets, load_cluster
 from coplan.hardware.calibrate import Measurement, Params, calibrate, predict, preset_for_gpu, to_device
 from coplan.hardware.calibrate.fit import (
+    _kernel,
     fit,
     fit_attention,
     fit_first_touch,
@@ -29,6 +30,7 @@ from coplan.hardware.calibrate.fit import (
 )
 from coplan.hardware.calibrate.probes import Plan, transformer_gemms
 from coplan.hardware.device import VECTOR_FAMILIES
+from coplan.hardware.tiling import TORCH_CPU_FLASH
 
 # A machine whose families differ as a CPU's do: a tanh-GELU slower per counted FLOP than a sum, and
 # 16-bit work slower than fp32 where conversions dominate.
@@ -495,3 +497,63 @@ def test_calibrate_runs_bad_input_is_a_one_line_error(
     _one_line_error(code, err, "--cluster")
     code, _, err = _run(capsys, "calibrate", "--cluster", "cpu")
     _one_line_error(code, err, "only applies with --runs")
+
+
+# --- tiled attention (a CPU's flash kernel) ---------------------------------------------------------
+
+
+def test_tiled_attention_fit_recovers_rate_and_tile_cost_exactly() -> None:
+    """With a tiling, the attention fit finds the fraction of peak and the seconds per tile that
+    produced the timings (shapes on both sides of the tiling's 192 and 768 thresholds)."""
+    costs = {"forward.fp32": 4e-6, "backward.fp32": 9e-6, "forward.bf16": 3e-6, "backward.bf16": 6e-5}
+    truth = replace(TRUTH, attn_tiling=TORCH_CPU_FLASH, attn_tile_s=costs)
+    geos = ((8, 64, 32), (16, 128, 32), (16, 256, 64), (8, 512, 64), (4, 1024, 64))
+    ms = []
+    for dtype in ("fp32", "bf16"):
+        for bh, s, d in geos:
+            flops, geo = 4.0 * bh * s * s * d, (bh, s, s, d)
+            ms.append(Measurement("attention", f"a {s}", dtype, 0.0, flops, 0.0, 8.0 * bh * s * d, geo))
+            ms.append(
+                Measurement(
+                    "attention",
+                    f"a {s} bwd",
+                    dtype,
+                    0.0,
+                    2.5 * flops,
+                    0.0,
+                    16.0 * bh * s * d,
+                    geo,
+                    phase="backward",
+                )
+            )
+    ms = _timed(ms, truth)
+    start = replace(truth, attention={"fp32": 0.5, "bf16": 0.5}, attention_backward={}, attn_tile_s={})
+    got = fit_attention(ms, start)
+    for dtype in ("fp32", "bf16"):
+        assert _close(got.attention[dtype], TRUTH.attention[dtype], 1e-5)
+        assert _close(got.attention_backward[dtype], TRUTH.attention_backward[dtype], 1e-5)
+    for key, cost in costs.items():
+        assert _close(got.attn_tile_s[key], cost, 1e-5), key
+    # the roofline fit without the tiling cannot reproduce these timings
+    flat = fit_attention(ms, replace(start, attn_tiling=None))
+    worst = max(abs(predict(m, flat) / m.seconds - 1) for m in ms)
+    assert worst > 0.2
+
+
+def test_tiling_reaches_the_device_written_and_its_rates() -> None:
+    base = device_presets()["cpu"]
+    costs = {"forward.fp32": 4e-6, "backward.bf16": 6e-5}
+    p = replace(TRUTH, peaks={d: base.peak(d) for d in ("fp32", "bf16")}, bandwidth=1.5e10)
+    p = replace(p, attn_tiling=TORCH_CPU_FLASH, attn_tile_s=costs)
+    device, _ = to_device(base, p, ["fp32", "bf16"], "cpu-calibrated", "test")
+    assert device.attention_tiles == TORCH_CPU_FLASH.with_costs(costs)
+    fp32, bf16 = Rates.of(device, "fp32"), Rates.of(device, "bf16")
+    assert (fp32.attn_tile_s, fp32.attn_bwd_tile_s) == (4e-6, 0.0)
+    assert (bf16.attn_tile_s, bf16.attn_bwd_tile_s) == (0.0, 6e-5)
+    assert fp32.attn_tiling is device.attention_tiles
+    # what the fit priced is what the written device prices
+    geo = (16, 128, 128, 32)
+    m = Measurement("attention", "a", "bf16", 1.0, 4.0 * 16 * 128 * 128 * 32, 0.0, 1e5, geo, "backward")
+    flat = Scale(1, False, (1.0,) * 6, 4, True)  # type: ignore[arg-type]
+    assert _close(kernel_time(_kernel(m), bf16, flat), predict(m, p))
+    assert kernel_time(_kernel(m), bf16, flat) > 16 * 4 * 6e-5  # 4 tiles per head at s = 128

@@ -685,3 +685,48 @@ def test_attention_logsumexp_is_kept_in_fp32_under_16_bit_training():
     part = CostModel(spec=GPT).profile(b, s).templates[0]
     _, _, f32_r, f32_t, _, _ = part.saved["none"]
     assert (f32_r, f32_t) == (0.0, float(b * GPT.n_heads * s))
+
+
+@pytest.mark.parametrize(
+    ("q", "kv", "causal", "tiles"),
+    [
+        (64, 64, True, 2),  # two 32-row tiles, each over all 64 keys (one key tile)
+        (128, 128, True, 4),
+        (191, 191, True, 6),  # last 32-row threshold: ceil(191 / 32) query tiles
+        (192, 192, True, 3),  # 64-row tiles from 192
+        (1024, 1024, True, 6),  # 256-row tiles from 768: key tiles 1, 1, 2, 2 (512 keys each)
+        (4096, 4096, False, 128),  # 16 query tiles x 8 key tiles
+        (0, 128, True, 0),
+    ],
+)
+def test_torch_cpu_flash_tile_counts(q: int, kv: int, causal: bool, tiles: int) -> None:
+    from coplan.hardware.tiling import TORCH_CPU_FLASH
+
+    assert TORCH_CPU_FLASH.tiles(q, kv, causal) == tiles
+
+
+def test_a_tiled_attention_kernel_costs_its_flops_plus_its_tiles():
+    """time = causal FLOPs / rate + (batch x heads / tp) x tiles x tile cost + launch, with no shape
+    derating; the tile cost is per phase and dtype."""
+    from dataclasses import replace as _replace
+
+    from coplan.cost.kernels import Rates, Scale, kernel_time
+    from coplan.cost.parts import TP, Kernel
+    from coplan.hardware.tiling import TORCH_CPU_FLASH
+    from coplan.ir.types import Phase
+
+    device, _ = _kernel_rates(**{"attention.bf16": 0.2, "attention_backward.bf16": 0.1})
+    costs = {"forward.bf16": 5e-6, "backward.bf16": 4e-5}
+    device = _replace(device, attention_tiles=TORCH_CPU_FLASH.with_costs(costs), matmul_half_dim=32.0)
+    rates = Rates.of(device, "bf16")
+    peak = device.peak("bf16")
+    for tp in (1, 2):
+        scale = Scale(tp, False, _SCALE_BYTES, 2, True)
+        for phase, eff, cost, mult in ((Phase.FORWARD, 0.2, 5e-6, 1.0), (Phase.BACKWARD, 0.1, 4e-5, 2.5)):
+            flops = mult * 4.0 * 16 * 128 * 128 * 32
+            k = Kernel(phase, "attention", TP, flops, 0.0, (0, 0, 0, 0, 0, 0), attn=(16, 128, 128, 32))
+            want = 0.5 * flops / tp / (peak * eff) + 16 / tp * 4 * cost + rates.launch_s
+            assert kernel_time(k, rates, scale) == pytest.approx(want, rel=1e-12)
+    # an fp32 run has no tile cost given: its FLOPs alone
+    fp32 = Rates.of(device, "fp32")
+    assert fp32.attn_tiling is not None and fp32.attn_tile_s == fp32.attn_bwd_tile_s == 0.0

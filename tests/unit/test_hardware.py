@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -345,3 +346,40 @@ def test_random_device_round_trip(peaks: dict[str, float], memory: int, launch: 
     device = _device(peak_flops=peaks, memory_bytes=memory, kernel_launch_s=launch, efficiency=efficiency)
     again = DeviceSpec.from_dict(json.loads(json.dumps(device.to_dict())))
     assert again == device and hash(again) == hash(device)
+
+
+@pytest.mark.parametrize(
+    ("tiles", "field"),
+    [
+        ({"query_blocks": [[0, 32], [192, 0]], "kv_block": 512}, "attention_tiles.query_blocks[1][1]"),
+        ({"query_blocks": [[16, 32]], "kv_block": 512}, "attention_tiles.query_blocks"),
+        ({"query_blocks": [[0, 32], [0, 64]], "kv_block": 512}, "attention_tiles.query_blocks"),
+        ({"query_blocks": [[0]], "kv_block": 512}, "attention_tiles.query_blocks[0]"),
+        ({"query_blocks": [[0, 32]], "kv_block": 0}, "attention_tiles.kv_block"),
+        (
+            {"query_blocks": [[0, 32]], "kv_block": 8, "tile_s": {"fwd.fp32": 1e-6}},
+            "attention_tiles.tile_s.fwd.fp32",
+        ),
+        (
+            {"query_blocks": [[0, 32]], "kv_block": 8, "tile_s": {"forward.fp32": -1}},
+            "attention_tiles.tile_s.forward.fp32",
+        ),
+        ({"query_blocks": [[0, 32]], "kv_block": 8, "extra": 1}, "attention_tiles.extra"),
+    ],
+)
+def test_attention_tiles_bad_input_names_the_field(tmp_path: Path, tiles: dict[str, Any], field: str) -> None:
+    data = {**device_presets()["cpu"].to_dict(), "attention_tiles": tiles}
+    with pytest.raises(SpecError) as info:
+        DeviceSpec.from_dict(data, "dev.json")
+    assert info.value.field == field
+
+
+def test_attention_tiles_round_trip_and_stay_out_of_the_presets() -> None:
+    from coplan.hardware.tiling import TORCH_CPU_FLASH
+
+    cpu = device_presets()["cpu"]
+    assert all(d.attention_tiles is None for d in device_presets().values())
+    assert "attention_tiles" not in cpu.to_dict()
+    tiled = replace(cpu, attention_tiles=TORCH_CPU_FLASH.with_costs({"backward.bf16": 8e-5}))
+    again = DeviceSpec.from_dict(json.loads(json.dumps(tiled.to_dict())))
+    assert again == tiled and hash(again) == hash(tiled)

@@ -15,7 +15,8 @@ one):
    (the host allocator returns such blocks to the OS, so every step page-faults them in again);
 4. ``efficiency.matmul.<dtype>`` and ``matmul_half_dim`` from GEMMs of several sizes and shapes;
 5. ``efficiency.attention.<dtype>`` and ``efficiency.attention_backward.<dtype>`` from fused
-   attention forward and backward at several sequence lengths and head dimensions;
+   attention forward and backward at several sequence lengths and head dimensions; on a CPU with
+   ``attention_tiles``' cost per tile of PyTorch's tiled flash kernel (``coplan.hardware.tiling``);
 6. with several processes, the intra-node link's latency and bandwidth from all-reduce and
    all-gather at several message sizes.
 
@@ -54,6 +55,7 @@ from coplan.hardware.calibrate.probes import (
 from coplan.hardware.cluster import ClusterSpec, InterconnectLevel, NodeGroup
 from coplan.hardware.device import DeviceSpec
 from coplan.hardware.registry import device_presets
+from coplan.hardware.tiling import TORCH_CPU_FLASH, AttentionTiling
 
 DEVICES: tuple[str, ...] = ("cpu", "cuda")
 #: Links fitted from fewer processes than this are not measured (one process has no peer).
@@ -163,7 +165,7 @@ def _dtypes(dev: str, base: DeviceSpec | None) -> list[str]:
 # --- turning fitted rates into a device and a cluster -----------------------------------------------
 
 
-def _start_params(base: DeviceSpec, dtypes: Sequence[str]) -> Params:
+def _start_params(base: DeviceSpec, dtypes: Sequence[str], tiling: AttentionTiling | None = None) -> Params:
     return Params(
         peaks={d: base.peak(d) for d in dtypes},
         mm_flops={d: base.peak(d) * base.efficiency_of("matmul", d) for d in dtypes},
@@ -175,6 +177,7 @@ def _start_params(base: DeviceSpec, dtypes: Sequence[str]) -> Params:
         link_bandwidth=base.memory_bandwidth,
         link_latency_s=1e-5,
         cache_bytes=float(base.sram_bytes),
+        attn_tiling=tiling,
     )
 
 
@@ -216,6 +219,7 @@ def to_device(
     eff["memory"], bandwidth = fraction("memory bandwidth", p.bandwidth, base.memory_bandwidth)
     if p.first_touch > 0.0:
         eff["first_touch"] = min(1.0, p.first_touch / bandwidth)
+    tiles = p.attn_tiling.with_costs(p.attn_tile_s) if p.attn_tiling is not None else base.attention_tiles
     device = replace(
         base,
         name=name,
@@ -226,6 +230,7 @@ def to_device(
         efficiency=eff,
         matmul_half_dim=round(p.half_dim, 3),
         source=source,
+        attention_tiles=tiles,
     )
     return device, notes
 
@@ -297,7 +302,9 @@ def calibrate(
     if base is None:
         base = _bare_gpu(hardware, ms)
         extra.append(f"no device preset matches {hardware!r}: its peaks are the best rates measured")
-    params = fit(ms, _start_params(base, dtypes))
+    # a CPU runs PyTorch's tiled flash kernel, whose small tiles cost more than their FLOPs
+    tiling = TORCH_CPU_FLASH if device == "cpu" else None
+    params = fit(ms, _start_params(base, dtypes, tiling))
     fitted = tuple(replace(m, fitted=predict(m, params)) for m in ms)
     residuals = rms_residuals(fitted)
     took = time.perf_counter() - started - elsewhere

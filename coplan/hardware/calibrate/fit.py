@@ -18,6 +18,7 @@ import numpy as np
 
 from coplan.hardware.cluster import InterconnectLevel
 from coplan.hardware.device import VECTOR_FAMILIES
+from coplan.hardware.tiling import AttentionTiling
 
 #: What each microbenchmark kind measures, in fit order.
 KINDS: tuple[str, ...] = ("launch", "vector", "first_touch", "matmul", "attention", "collective")
@@ -92,6 +93,10 @@ class Params:
     attention_backward: dict[str, float] = field(default_factory=dict)  # dtype -> ...; else attention
     first_touch: float = 0.0  # bytes/s of page-faulting fresh storage in (0: not measured)
     cache_bytes: float = 0.0  # fresh tensors at least this large pay first_touch
+    # the attention kernel's tiling (``coplan.hardware.tiling``; None: the roofline alone) and the
+    # fitted seconds per tile, "<phase>.<dtype>" -> s
+    attn_tiling: AttentionTiling | None = None
+    attn_tile_s: dict[str, float] = field(default_factory=dict)
 
 
 def predict(m: Measurement, p: Params) -> float:
@@ -121,6 +126,9 @@ def predict(m: Measurement, p: Params) -> float:
         attn_head_half=p.half_dim,
         first_touch=p.first_touch,
         cache_bytes=p.cache_bytes,
+        attn_tiling=p.attn_tiling,
+        attn_tile_s=p.attn_tile_s.get(f"forward.{m.dtype}", 0.0),
+        attn_bwd_tile_s=p.attn_tile_s.get(f"backward.{m.dtype}", 0.0),
     )
     # bytes are already bytes: every slot weighs 1; one device, no tensor parallelism, flash attention
     return kernel_time(_kernel(m), rates, Scale(1, False, (1.0, 1.0, 1.0, 1.0, 1.0, 1.0), 4, True))
@@ -280,10 +288,13 @@ def fit_matmul(ms: Sequence[Measurement], base: Params) -> Params:
 
 def fit_attention(ms: Sequence[Measurement], base: Params) -> Params:
     """Fused attention's fraction of each dtype's matrix peak, forward and backward kernels apart
-    (``efficiency.attention.<dtype>``, ``efficiency.attention_backward.<dtype>``; shape derating over
-    query, key and head dimensions by the matmul half-dimension, fixed). Per dtype: a CPU's flash
-    kernel runs fp32 and bf16 at about the same speed, while their peaks differ 2x; per phase: the
-    gradient kernel is another implementation (on a CPU its bf16 GEMMs take a slower path)."""
+    (``efficiency.attention.<dtype>``, ``efficiency.attention_backward.<dtype>``). Per dtype: a CPU's
+    flash kernel runs fp32 and bf16 at about the same speed, while their peaks differ 2x; per phase:
+    the gradient kernel is another implementation (on a CPU its bf16 GEMMs take a slower path).
+
+    Without a tiling, the shape derating over query, key and head dimensions (by the matmul
+    half-dimension, fixed) carries the shape dependence. With one (``base.attn_tiling``), the
+    fraction and a cost per tile are fitted together: ``FLOPs / rate + tiles * tile_s``."""
     ms = [m for m in ms if m.kind == "attention" and m.used]
     p = base
     for dtype in sorted({m.dtype for m in ms}):
@@ -291,15 +302,34 @@ def fit_attention(ms: Sequence[Measurement], base: Params) -> Params:
             mine = [m for m in ms if m.dtype == dtype and (m.phase == "backward") == backward]
             if not mine:
                 continue
+            key = f"{'backward' if backward else 'forward'}.{dtype}"
+            tiled = p.attn_tiling is not None
 
-            def make(x: np.ndarray, dtype: str = dtype, backward: bool = backward, p: Params = p) -> Params:
+            def make(
+                x: np.ndarray, dtype: str = dtype, backward: bool = backward, p: Params = p, key: str = key
+            ) -> Params:
+                if len(x) > 1:
+                    p = replace(p, attn_tile_s={**p.attn_tile_s, key: math.exp(x[1])})
                 if backward:
                     return replace(p, attention_backward={**p.attention_backward, dtype: math.exp(x[0])})
                 return replace(p, attention={**p.attention, dtype: math.exp(x[0])})
 
-            start = math.log(base.attention.get(dtype, 0.5))
-            p = make(least_squares(_log_residuals(mine, make), [start]))
+            start = [math.log(base.attention.get(dtype, 0.5))]
+            if tiled:
+                start = _tiled_start(mine, p, make)
+            p = make(least_squares(_log_residuals(mine, make), start))
     return p
+
+
+def _tiled_start(ms: Sequence[Measurement], p: Params, make: Callable[[np.ndarray], Params]) -> list[float]:
+    """A starting point for the tiled fit: the time is linear in (1 / rate, tile_s), so a
+    relative linear least squares over the two terms (each measured one at unit value) gives it."""
+    unit_rate = [predict(m, make(np.array([0.0, -80.0]))) for m in ms]  # fraction 1, no tile cost
+    tiles = [predict(m, make(np.array([80.0, 0.0]))) for m in ms]  # 1 s per tile, ~no FLOP time
+    a = np.array([[u / m.seconds, t / m.seconds] for u, t, m in zip(unit_rate, tiles, ms, strict=True)])
+    coef, *_ = np.linalg.lstsq(a, np.ones(len(ms)), rcond=None)
+    inv_fraction, tile_s = (max(float(c), 1e-12) for c in coef)
+    return [math.log(1.0 / inv_fraction), math.log(tile_s)]
 
 
 def fit_link(ms: Sequence[Measurement], base: Params) -> Params:

@@ -148,8 +148,10 @@ class Plan:
         squares = tuple((n * g, n * g, n * g, "nn") for n in (64, 128, 256, 512, 1024))
         mm = squares + transformer_gemms(2048 * g, 256 * g, 4096 * g)
         mm += transformer_gemms(512 * g, 384 * g, 8192 * g, every=False)
-        # sequence lengths 64 to 512 and head dims 32 to 128: a CPU's flash kernel slows with both
+        # sequence lengths 64 to 1024 and head dims 32 to 128: a CPU's flash kernel slows with both,
+        # and its tiles grow from 32 to 64 to 256 query rows at 192 and 768 (``coplan.hardware.tiling``)
         attn = (
+            (1, 4, 1024, 64),
             (2, 4, 64, 32),
             (4, 4, 128, 32),
             (4, 4, 256, 32),
