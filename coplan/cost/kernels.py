@@ -14,6 +14,8 @@ do not, and price exactly as without them):
   is the head dim: a 32-wide head runs at a fraction of a 128-wide one per FLOP);
   ``attention_backward.<dtype>`` the gradient kernel's, a separate implementation (on a CPU its
   16-bit GEMMs take another, slower path than the forward's);
+- ``matmul_call_s`` (a device field): a fixed cost per GEMM call and dtype beyond the launch (a CPU
+  BLAS's operand packing and kernel lookup, which sets the time of small GEMMs);
 - ``attention_tiles`` (a device field, ``coplan.hardware.tiling``): the attention kernel's tiling and
   a measured cost per tile, for kernels whose small tiles cost more than their FLOPs (a CPU's);
 - ``first_touch``: tensors written to fresh storage at least as large as the last-level cache are
@@ -54,6 +56,7 @@ class Rates:
     attn_tiling: AttentionTiling | None = None
     attn_tile_s: float = 0.0
     attn_bwd_tile_s: float = 0.0
+    mm_call_s: float = 0.0  # fixed seconds per GEMM call beyond the launch (a CPU BLAS's; 0 on GPUs)
 
     @classmethod
     def of(cls, device: DeviceSpec, dtype: str) -> Rates:
@@ -83,6 +86,7 @@ class Rates:
             attn_tiling=tiling,
             attn_tile_s=tiling.cost("forward", attn_dtype) if tiling else 0.0,
             attn_bwd_tile_s=tiling.cost("backward", attn_dtype) if tiling else 0.0,
+            mm_call_s=device.matmul_call_s.get(mm_dtype, 0.0),
         )
 
 
@@ -204,7 +208,7 @@ def _matmul(k: Kernel, r: Rates, s: Scale) -> float:
     memory = vdot(k.bytes, s.weights) / r.bandwidth
     # fp8: Transformer Engine fuses the quantisation of activations into the kernel producing them
     # (norm, activation function) and casts weights once per step, so no extra pass is priced here
-    return max(compute, memory) + first_touch(k, r, s) + r.launch_s
+    return max(compute, memory) + first_touch(k, r, s) + r.launch_s + r.mm_call_s
 
 
 @kernel_rule("attention")

@@ -91,7 +91,7 @@ _REQUIRED = (
     "sram_bytes",
     "kernel_launch_s",
 )
-_OPTIONAL = ("source", "efficiency", "matmul_half_dim", "attention_tiles")
+_OPTIONAL = ("source", "efficiency", "matmul_half_dim", "attention_tiles", "matmul_call_s")
 
 
 @dataclass(frozen=True, slots=True)
@@ -123,6 +123,9 @@ class DeviceSpec:
         attention_tiles: how the device's fused attention kernel tiles its work and what a tile
             costs beyond its FLOPs (``coplan.hardware.tiling``); None (the GPU presets) prices
             attention by the shape-derated roofline alone.
+        matmul_call_s: fixed seconds of one GEMM call beyond ``kernel_launch_s``, per dtype: a CPU
+            BLAS packs its operands and looks up a kernel per call (oneDNN's bf16 path costs a few
+            times MKL's fp32 one), which sets the time of small GEMMs; absent: none (the GPUs).
     """
 
     name: str
@@ -137,6 +140,7 @@ class DeviceSpec:
     efficiency: Mapping[str, float] = field(default_factory=FrozenMap)
     matmul_half_dim: float = 0.0
     attention_tiles: AttentionTiling | None = None
+    matmul_call_s: Mapping[str, float] = field(default_factory=FrozenMap)
 
     def __post_init__(self) -> None:
         named = isinstance(self.name, str) and bool(self.name.strip())
@@ -156,6 +160,7 @@ class DeviceSpec:
         put(self, "matmul_half_dim", check_number(src, "matmul_half_dim", self.matmul_half_dim, strict=False))
         if self.attention_tiles is not None and not isinstance(self.attention_tiles, AttentionTiling):
             fail(src, "attention_tiles", f"expected an AttentionTiling, got {kind(self.attention_tiles)}")
+        put(self, "matmul_call_s", _call_costs(src, self.matmul_call_s))
 
     # --- queries -------------------------------------------------------------------------------
 
@@ -234,6 +239,8 @@ class DeviceSpec:
         }
         if self.attention_tiles is not None:
             out["attention_tiles"] = self.attention_tiles.to_dict()
+        if self.matmul_call_s:
+            out["matmul_call_s"] = dict(self.matmul_call_s)
         return out
 
     @classmethod
@@ -249,6 +256,7 @@ class DeviceSpec:
         launch, text = r.number("kernel_launch_s", strict=False), r.text("source", default="")
         half = r.number("matmul_half_dim", strict=False) if "matmul_half_dim" in r.data else 0.0
         tiles = AttentionTiling.read(r.sub("attention_tiles")) if "attention_tiles" in r.data else None
+        calls = r.numbers("matmul_call_s") if "matmul_call_s" in r.data else {}
         # Readers above already name ``source`` and the full path; only __post_init__ errors need
         # re-anchoring, so nothing else may run inside this block.
         with anchored(source, path):
@@ -265,6 +273,7 @@ class DeviceSpec:
                 efficiency=efficiency,
                 matmul_half_dim=half,
                 attention_tiles=tiles,
+                matmul_call_s=calls,
             )
 
 
@@ -282,6 +291,18 @@ def _peaks(src: str, value: object) -> FrozenMap:
     if not peaks:
         fail(src, "peak_flops", "needs at least one dtype with a positive peak")
     return FrozenMap(peaks)
+
+
+def _call_costs(src: str, value: object) -> FrozenMap:
+    if not isinstance(value, Mapping):
+        fail(src, "matmul_call_s", f"expected an object of dtype -> seconds, got {kind(value)}")
+    out: dict[str, float] = {}
+    for dtype, seconds in value.items():
+        where = f"matmul_call_s.{dtype}"
+        if dtype not in DTYPES:
+            fail(src, where, f"unknown dtype; expected one of: {', '.join(DTYPES)}")
+        out[dtype] = check_number(src, where, seconds, strict=False)
+    return FrozenMap(out)
 
 
 def _efficiency(src: str, value: object) -> FrozenMap:

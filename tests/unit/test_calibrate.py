@@ -557,3 +557,34 @@ def test_tiling_reaches_the_device_written_and_its_rates() -> None:
     flat = Scale(1, False, (1.0,) * 6, 4, True)  # type: ignore[arg-type]
     assert _close(kernel_time(_kernel(m), bf16, flat), predict(m, p))
     assert kernel_time(_kernel(m), bf16, flat) > 16 * 4 * 6e-5  # 4 tiles per head at s = 128
+
+
+def test_matmul_fit_with_call_costs_recovers_them_exactly() -> None:
+    """On a CPU the GEMM fit also finds a fixed cost per call and dtype (BLAS packing and kernel
+    lookup), which the shape derating alone cannot stand in for."""
+    calls = {"fp32": 4e-6, "bf16": 1.5e-5}
+    truth = replace(TRUTH, mm_call_s=calls, fit_calls=True)
+    ms = _timed([m for m in _synthetic() if m.kind == "matmul"], truth)
+    start = replace(truth, mm_flops={"fp32": 2e11, "bf16": 4e11}, half_dim=8.0, mm_call_s={})
+    got = fit_matmul(ms, start)
+    assert _close(got.half_dim, TRUTH.half_dim, 1e-5)
+    for dtype in ("fp32", "bf16"):
+        assert _close(got.mm_flops[dtype], TRUTH.mm_flops[dtype], 1e-5)
+        assert _close(got.mm_call_s[dtype], calls[dtype], 1e-4)
+    without = fit_matmul(ms, replace(start, fit_calls=False))
+    assert without.mm_call_s == {}
+    assert max(abs(predict(m, without) / m.seconds - 1) for m in ms) > 0.05
+
+
+def test_call_costs_reach_the_device_and_its_rates() -> None:
+    base = device_presets()["cpu"]
+    p = replace(TRUTH, peaks={d: base.peak(d) for d in ("fp32", "bf16")}, bandwidth=1.5e10)
+    device, _ = to_device(base, replace(p, mm_call_s={"bf16": 1.5e-5}), ["fp32", "bf16"], "c", "test")
+    assert dict(device.matmul_call_s) == {"bf16": 1.5e-5}
+    assert Rates.of(device, "bf16").mm_call_s == 1.5e-5 and Rates.of(device, "fp32").mm_call_s == 0.0
+    m = Measurement("matmul", "mm", "bf16", 1.0, 2.0 * 64**3, 0.0, 3 * 2 * 64 * 64, (64, 64, 64))
+    flat = Scale(1, False, (1.0,) * 6, 4, True)  # type: ignore[arg-type]
+    assert _close(
+        kernel_time(_kernel(m), Rates.of(device, "bf16"), flat),
+        predict(m, replace(p, mm_call_s={"bf16": 1.5e-5})),
+    )

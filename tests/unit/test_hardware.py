@@ -383,3 +383,14 @@ def test_attention_tiles_round_trip_and_stay_out_of_the_presets() -> None:
     tiled = replace(cpu, attention_tiles=TORCH_CPU_FLASH.with_costs({"backward.bf16": 8e-5}))
     again = DeviceSpec.from_dict(json.loads(json.dumps(tiled.to_dict())))
     assert again == tiled and hash(again) == hash(tiled)
+
+
+def test_matmul_call_costs_validate_and_round_trip() -> None:
+    cpu = device_presets()["cpu"]
+    assert "matmul_call_s" not in cpu.to_dict()
+    timed = replace(cpu, matmul_call_s={"bf16": 1.5e-5, "fp32": 4e-6})
+    assert DeviceSpec.from_dict(json.loads(json.dumps(timed.to_dict()))) == timed
+    for bad, field in (({"int8": 1e-6}, "matmul_call_s.int8"), ({"bf16": -1.0}, "matmul_call_s.bf16")):
+        with pytest.raises(SpecError) as info:
+            DeviceSpec.from_dict({**cpu.to_dict(), "matmul_call_s": bad}, "dev.json")
+        assert info.value.field == field

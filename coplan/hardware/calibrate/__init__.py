@@ -13,7 +13,8 @@ one):
    fallback, is the widest dtype's elementwise rate);
 3. on a CPU, ``efficiency.first_touch`` from writing fresh tensors as large as the last-level cache
    (the host allocator returns such blocks to the OS, so every step page-faults them in again);
-4. ``efficiency.matmul.<dtype>`` and ``matmul_half_dim`` from GEMMs of several sizes and shapes;
+4. ``efficiency.matmul.<dtype>`` and ``matmul_half_dim`` from GEMMs of several sizes and shapes,
+   and on a CPU ``matmul_call_s`` (a fixed cost per GEMM call and dtype);
 5. ``efficiency.attention.<dtype>`` and ``efficiency.attention_backward.<dtype>`` from fused
    attention forward and backward at several sequence lengths and head dimensions; on a CPU with
    ``attention_tiles``' cost per tile of PyTorch's tiled flash kernel (``coplan.hardware.tiling``);
@@ -165,7 +166,9 @@ def _dtypes(dev: str, base: DeviceSpec | None) -> list[str]:
 # --- turning fitted rates into a device and a cluster -----------------------------------------------
 
 
-def _start_params(base: DeviceSpec, dtypes: Sequence[str], tiling: AttentionTiling | None = None) -> Params:
+def _start_params(
+    base: DeviceSpec, dtypes: Sequence[str], tiling: AttentionTiling | None = None, fit_calls: bool = False
+) -> Params:
     return Params(
         peaks={d: base.peak(d) for d in dtypes},
         mm_flops={d: base.peak(d) * base.efficiency_of("matmul", d) for d in dtypes},
@@ -178,6 +181,7 @@ def _start_params(base: DeviceSpec, dtypes: Sequence[str], tiling: AttentionTili
         link_latency_s=1e-5,
         cache_bytes=float(base.sram_bytes),
         attn_tiling=tiling,
+        fit_calls=fit_calls,
     )
 
 
@@ -231,6 +235,7 @@ def to_device(
         matmul_half_dim=round(p.half_dim, 3),
         source=source,
         attention_tiles=tiles,
+        matmul_call_s={**base.matmul_call_s, **p.mm_call_s},
     )
     return device, notes
 
@@ -302,9 +307,10 @@ def calibrate(
     if base is None:
         base = _bare_gpu(hardware, ms)
         extra.append(f"no device preset matches {hardware!r}: its peaks are the best rates measured")
-    # a CPU runs PyTorch's tiled flash kernel, whose small tiles cost more than their FLOPs
-    tiling = TORCH_CPU_FLASH if device == "cpu" else None
-    params = fit(ms, _start_params(base, dtypes, tiling))
+    # a CPU runs PyTorch's tiled flash kernel, whose small tiles cost more than their FLOPs, and
+    # BLAS calls whose fixed cost (packing, kernel lookup) sets the time of small GEMMs
+    cpu = device == "cpu"
+    params = fit(ms, _start_params(base, dtypes, TORCH_CPU_FLASH if cpu else None, fit_calls=cpu))
     fitted = tuple(replace(m, fitted=predict(m, params)) for m in ms)
     residuals = rms_residuals(fitted)
     took = time.perf_counter() - started - elsewhere

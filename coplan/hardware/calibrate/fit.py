@@ -97,6 +97,9 @@ class Params:
     # fitted seconds per tile, "<phase>.<dtype>" -> s
     attn_tiling: AttentionTiling | None = None
     attn_tile_s: dict[str, float] = field(default_factory=dict)
+    # fixed seconds per GEMM call beyond the launch, per dtype (fitted where ``fit_calls``: a CPU)
+    mm_call_s: dict[str, float] = field(default_factory=dict)
+    fit_calls: bool = False
 
 
 def predict(m: Measurement, p: Params) -> float:
@@ -129,6 +132,7 @@ def predict(m: Measurement, p: Params) -> float:
         attn_tiling=p.attn_tiling,
         attn_tile_s=p.attn_tile_s.get(f"forward.{m.dtype}", 0.0),
         attn_bwd_tile_s=p.attn_tile_s.get(f"backward.{m.dtype}", 0.0),
+        mm_call_s=p.mm_call_s.get(m.dtype, 0.0),
     )
     # bytes are already bytes: every slot weighs 1; one device, no tensor parallelism, flash attention
     return kernel_time(_kernel(m), rates, Scale(1, False, (1.0, 1.0, 1.0, 1.0, 1.0, 1.0), 4, True))
@@ -271,19 +275,29 @@ def _best(res: Callable[[np.ndarray], np.ndarray], starts: Iterable[Sequence[flo
 
 def fit_matmul(ms: Sequence[Measurement], base: Params) -> Params:
     """Achievable matrix FLOP/s per dtype and the shared shape half-dimension (launch and memory
-    fixed). The half-dimension is started from several values: the fit is not convex in it."""
+    fixed), and with ``base.fit_calls`` a fixed cost per GEMM call per dtype. The half-dimension is
+    started from several values: the fit is not convex in it."""
     ms = [m for m in ms if m.kind == "matmul" and m.used]
     if not ms:
         return base
     dtypes = sorted({m.dtype for m in ms})
+    n = len(dtypes)
 
     def make(x: np.ndarray) -> Params:
-        rates = {**base.mm_flops, **{d: math.exp(v) for d, v in zip(dtypes, x[:-1], strict=True)}}
-        return replace(base, mm_flops=rates, half_dim=math.exp(x[-1]))
+        rates = {**base.mm_flops, **{d: math.exp(v) for d, v in zip(dtypes, x[:n], strict=True)}}
+        p = replace(base, mm_flops=rates, half_dim=math.exp(x[n]))
+        if len(x) > n + 1:
+            calls = {d: math.exp(v) for d, v in zip(dtypes, x[n + 1 :], strict=True)}
+            p = replace(p, mm_call_s={**base.mm_call_s, **calls})
+        return p
 
     res = _log_residuals(ms, make)
     peaks = [math.log(base.mm_flops.get(d) or 1e12) for d in dtypes]
-    return make(_best(res, ([*peaks, math.log(h)] for h in (1.0, 8.0, 64.0, 512.0))))
+    halves = (1.0, 8.0, 64.0, 512.0)
+    if not base.fit_calls:
+        return make(_best(res, ([*peaks, math.log(h)] for h in halves)))
+    calls = (1e-7, 3e-6, 3e-5)
+    return make(_best(res, ([*peaks, math.log(h), *[math.log(c)] * n] for h in halves for c in calls)))
 
 
 def fit_attention(ms: Sequence[Measurement], base: Params) -> Params:
