@@ -14,6 +14,8 @@ do not, and price exactly as without them):
   is the head dim: a 32-wide head runs at a fraction of a 128-wide one per FLOP);
   ``attention_backward.<dtype>`` the gradient kernel's, a separate implementation (on a CPU its
   16-bit GEMMs take another, slower path than the forward's);
+- ``attention_parallel_half`` (a device field): fused attention slows when a GPU holds few query
+  tiles (batch x heads x query length / 128), as measured on an H100;
 - ``matmul_call_s`` (a device field): a fixed cost per GEMM call and dtype beyond the launch (a CPU
   BLAS's operand packing and kernel lookup, which sets the time of small GEMMs);
 - ``attention_tiles`` (a device field, ``coplan.hardware.tiling``): the attention kernel's tiling and
@@ -24,6 +26,7 @@ do not, and price exactly as without them):
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -57,6 +60,9 @@ class Rates:
     attn_tile_s: float = 0.0
     attn_bwd_tile_s: float = 0.0
     mm_call_s: float = 0.0  # fixed seconds per GEMM call beyond the launch (a CPU BLAS's; 0 on GPUs)
+    # query tiles at which fused attention reaches half its full-occupancy rate (0: no derating)
+    attn_par_half: float = 0.0
+    attn_bwd_par_half: float = 0.0
 
     @classmethod
     def of(cls, device: DeviceSpec, dtype: str) -> Rates:
@@ -87,6 +93,8 @@ class Rates:
             attn_tile_s=tiling.cost("forward", attn_dtype) if tiling else 0.0,
             attn_bwd_tile_s=tiling.cost("backward", attn_dtype) if tiling else 0.0,
             mm_call_s=device.matmul_call_s.get(mm_dtype, 0.0),
+            attn_par_half=device.attention_parallel_half.get("forward", 0.0),
+            attn_bwd_par_half=device.attention_parallel_half.get("backward", 0.0),
         )
 
 
@@ -137,6 +145,10 @@ def kernel_time(k: Kernel, r: Rates, s: Scale) -> float:
     return _RULES[k.kind](k, r, s)
 
 
+#: Query rows per thread block of a GPU's fused attention kernel (FlashAttention-2/3, cuDNN on
+#: Hopper with head dim 128), the unit ``attention_parallel_half`` counts.
+ATTN_TILE_ROWS = 128
+
 #: Slowdown of a fused (flash) attention kernel that applies dropout to its probabilities: it
 #: generates the mask in registers (Philox) in forward and regenerates it in backward, on the
 #: CUDA cores next to the tensor-core work. Measured fwd + bwd at p = 0.1: +3% for cuDNN's fused
@@ -159,7 +171,7 @@ def launches(k: Kernel, s: Scale) -> int:
     return 1
 
 
-def shape_factor(dims: tuple[int, ...], half: float) -> float:
+def shape_factor(dims: tuple[float, ...], half: float) -> float:
     if half <= 0:
         return 1.0
     f = 1.0
@@ -227,6 +239,11 @@ def _attention(k: Kernel, r: Rates, s: Scale) -> float:
         else:
             # a causal flash kernel skips the blocks above the diagonal: half the counted FLOPs
             shape = shape_factor((sq, sk), r.half_dim) * shape_factor((d,), r.attn_head_half)
+            half = r.attn_bwd_par_half if backward else r.attn_par_half
+            if half > 0:
+                # one thread block per 128-row query tile of each local (batch, head): few tiles
+                # leave SMs idle in the last, unequal (causal) wave
+                shape *= shape_factor((bh / div * math.ceil(sq / ATTN_TILE_ROWS),), half)
             compute = 0.5 * k.mm_flops / div / (rate * shape)
         if k.dropout:
             compute *= 1.0 + FLASH_DROPOUT_COST

@@ -91,7 +91,14 @@ _REQUIRED = (
     "sram_bytes",
     "kernel_launch_s",
 )
-_OPTIONAL = ("source", "efficiency", "matmul_half_dim", "attention_tiles", "matmul_call_s")
+_OPTIONAL = (
+    "source",
+    "efficiency",
+    "matmul_half_dim",
+    "attention_tiles",
+    "matmul_call_s",
+    "attention_parallel_half",
+)
 
 
 @dataclass(frozen=True, slots=True)
@@ -126,6 +133,11 @@ class DeviceSpec:
         matmul_call_s: fixed seconds of one GEMM call beyond ``kernel_launch_s``, per dtype: a CPU
             BLAS packs its operands and looks up a kernel per call (oneDNN's bf16 path costs a few
             times MKL's fp32 one), which sets the time of small GEMMs; absent: none (the GPUs).
+        attention_parallel_half: how a GPU's fused attention kernel slows when it has little
+            parallel work, by phase (``"forward"``, ``"backward"``): the kernel runs one thread block
+            per 128-row query tile of each (batch, head), and a causal mask makes those tiles unequal,
+            so with few tiles per SM the last wave leaves SMs idle. ``u`` tiles reach
+            ``u / (u + half)`` of the full-occupancy rate. Absent: no such derating.
     """
 
     name: str
@@ -141,6 +153,7 @@ class DeviceSpec:
     matmul_half_dim: float = 0.0
     attention_tiles: AttentionTiling | None = None
     matmul_call_s: Mapping[str, float] = field(default_factory=FrozenMap)
+    attention_parallel_half: Mapping[str, float] = field(default_factory=FrozenMap)
 
     def __post_init__(self) -> None:
         named = isinstance(self.name, str) and bool(self.name.strip())
@@ -161,6 +174,7 @@ class DeviceSpec:
         if self.attention_tiles is not None and not isinstance(self.attention_tiles, AttentionTiling):
             fail(src, "attention_tiles", f"expected an AttentionTiling, got {kind(self.attention_tiles)}")
         put(self, "matmul_call_s", _call_costs(src, self.matmul_call_s))
+        put(self, "attention_parallel_half", _phase_halves(src, self.attention_parallel_half))
 
     # --- queries -------------------------------------------------------------------------------
 
@@ -241,6 +255,8 @@ class DeviceSpec:
             out["attention_tiles"] = self.attention_tiles.to_dict()
         if self.matmul_call_s:
             out["matmul_call_s"] = dict(self.matmul_call_s)
+        if self.attention_parallel_half:
+            out["attention_parallel_half"] = dict(self.attention_parallel_half)
         return out
 
     @classmethod
@@ -257,6 +273,7 @@ class DeviceSpec:
         half = r.number("matmul_half_dim", strict=False) if "matmul_half_dim" in r.data else 0.0
         tiles = AttentionTiling.read(r.sub("attention_tiles")) if "attention_tiles" in r.data else None
         calls = r.numbers("matmul_call_s") if "matmul_call_s" in r.data else {}
+        par = r.numbers("attention_parallel_half") if "attention_parallel_half" in r.data else {}
         # Readers above already name ``source`` and the full path; only __post_init__ errors need
         # re-anchoring, so nothing else may run inside this block.
         with anchored(source, path):
@@ -274,6 +291,7 @@ class DeviceSpec:
                 matmul_half_dim=half,
                 attention_tiles=tiles,
                 matmul_call_s=calls,
+                attention_parallel_half=par,
             )
 
 
@@ -302,6 +320,18 @@ def _call_costs(src: str, value: object) -> FrozenMap:
         if dtype not in DTYPES:
             fail(src, where, f"unknown dtype; expected one of: {', '.join(DTYPES)}")
         out[dtype] = check_number(src, where, seconds, strict=False)
+    return FrozenMap(out)
+
+
+def _phase_halves(src: str, value: object) -> FrozenMap:
+    if not isinstance(value, Mapping):
+        fail(src, "attention_parallel_half", f"expected an object of phase -> tiles, got {kind(value)}")
+    out: dict[str, float] = {}
+    for phase, tiles in value.items():
+        where = f"attention_parallel_half.{phase}"
+        if phase not in ("forward", "backward"):
+            fail(src, where, "unknown phase; expected forward or backward")
+        out[phase] = check_number(src, where, tiles, strict=False)
     return FrozenMap(out)
 
 

@@ -730,3 +730,30 @@ def test_a_tiled_attention_kernel_costs_its_flops_plus_its_tiles():
     # an fp32 run has no tile cost given: its FLOPs alone
     fp32 = Rates.of(device, "fp32")
     assert fp32.attn_tiling is not None and fp32.attn_tile_s == fp32.attn_bwd_tile_s == 0.0
+
+
+def test_fused_attention_slows_with_few_query_tiles_per_gpu():
+    """``attention_parallel_half``: u query tiles (local batch x heads x seq / 128) reach
+    u / (u + half) of the full rate, per phase; tensor parallelism divides the heads, so the same
+    layer at tp 4 runs each GPU's quarter at a lower rate."""
+    from dataclasses import replace as _replace
+
+    from coplan.cost.kernels import Rates, Scale, kernel_time
+    from coplan.cost.parts import TP, Kernel
+    from coplan.hardware import device_presets
+    from coplan.ir.types import Phase
+
+    h100 = device_presets()["h100-sxm"]
+    plain = _replace(h100, attention_parallel_half={})
+    fast, slow = Rates.of(plain, "bf16"), Rates.of(h100, "bf16")
+    halves = {Phase.FORWARD: 424.0, Phase.BACKWARD: 185.0}
+    assert dict(h100.attention_parallel_half) == {"forward": 424.0, "backward": 185.0}
+    for tp in (1, 4):
+        scale = Scale(tp, False, _SCALE_BYTES, 2, True)
+        for phase, half in halves.items():
+            k = Kernel(
+                phase, "attention", TP, 4.0 * 16 * 4096**2 * 128, 0.0, (0,) * 6, attn=(16, 4096, 4096, 128)
+            )
+            tiles = 16 / tp * 4096 / 128
+            want = (kernel_time(k, fast, scale) - fast.launch_s) * (tiles + half) / tiles
+            assert kernel_time(k, slow, scale) - slow.launch_s == pytest.approx(want, rel=1e-12)

@@ -390,7 +390,14 @@ def test_matmul_call_costs_validate_and_round_trip() -> None:
     assert "matmul_call_s" not in cpu.to_dict()
     timed = replace(cpu, matmul_call_s={"bf16": 1.5e-5, "fp32": 4e-6})
     assert DeviceSpec.from_dict(json.loads(json.dumps(timed.to_dict()))) == timed
-    for bad, field in (({"int8": 1e-6}, "matmul_call_s.int8"), ({"bf16": -1.0}, "matmul_call_s.bf16")):
+    for key, bad, field in (
+        ("matmul_call_s", {"int8": 1e-6}, "matmul_call_s.int8"),
+        ("matmul_call_s", {"bf16": -1.0}, "matmul_call_s.bf16"),
+        ("attention_parallel_half", {"fwd": 100}, "attention_parallel_half.fwd"),
+        ("attention_parallel_half", {"forward": "x"}, "attention_parallel_half.forward"),
+    ):
         with pytest.raises(SpecError) as info:
-            DeviceSpec.from_dict({**cpu.to_dict(), "matmul_call_s": bad}, "dev.json")
+            DeviceSpec.from_dict({**cpu.to_dict(), key: bad}, "dev.json")
         assert info.value.field == field
+    h100 = device_presets()["h100-sxm"]
+    assert DeviceSpec.from_dict(json.loads(json.dumps(h100.to_dict()))) == h100
