@@ -24,7 +24,7 @@ from coplan.hardware._fields import (
     fail,
     kind,
 )
-from coplan.hardware.tiling import AttentionTiling
+from coplan.hardware.tiling import PHASES, AttentionTiling
 
 #: Kinds of work a device's ``efficiency`` may derate. ``matmul`` may also be given per dtype as
 #: ``matmul.<dtype>`` (e.g. ``matmul.fp32`` on a CPU whose fp32 GEMM reaches a lower fraction of peak
@@ -173,8 +173,14 @@ class DeviceSpec:
         put(self, "matmul_half_dim", check_number(src, "matmul_half_dim", self.matmul_half_dim, strict=False))
         if self.attention_tiles is not None and not isinstance(self.attention_tiles, AttentionTiling):
             fail(src, "attention_tiles", f"expected an AttentionTiling, got {kind(self.attention_tiles)}")
-        put(self, "matmul_call_s", _call_costs(src, self.matmul_call_s))
-        put(self, "attention_parallel_half", _phase_halves(src, self.attention_parallel_half))
+        put(
+            self, "matmul_call_s", _keyed_numbers(src, "matmul_call_s", self.matmul_call_s, DTYPES, "seconds")
+        )
+        put(
+            self,
+            "attention_parallel_half",
+            _keyed_numbers(src, "attention_parallel_half", self.attention_parallel_half, PHASES, "tiles"),
+        )
 
     # --- queries -------------------------------------------------------------------------------
 
@@ -311,27 +317,16 @@ def _peaks(src: str, value: object) -> FrozenMap:
     return FrozenMap(peaks)
 
 
-def _call_costs(src: str, value: object) -> FrozenMap:
+def _keyed_numbers(src: str, name: str, value: object, keys: tuple[str, ...], unit: str) -> FrozenMap:
+    """A mapping of ``keys`` (any subset) to non-negative numbers, for the optional device fields."""
     if not isinstance(value, Mapping):
-        fail(src, "matmul_call_s", f"expected an object of dtype -> seconds, got {kind(value)}")
+        fail(src, name, f"expected an object of {' | '.join(keys)} -> {unit}, got {kind(value)}")
     out: dict[str, float] = {}
-    for dtype, seconds in value.items():
-        where = f"matmul_call_s.{dtype}"
-        if dtype not in DTYPES:
-            fail(src, where, f"unknown dtype; expected one of: {', '.join(DTYPES)}")
-        out[dtype] = check_number(src, where, seconds, strict=False)
-    return FrozenMap(out)
-
-
-def _phase_halves(src: str, value: object) -> FrozenMap:
-    if not isinstance(value, Mapping):
-        fail(src, "attention_parallel_half", f"expected an object of phase -> tiles, got {kind(value)}")
-    out: dict[str, float] = {}
-    for phase, tiles in value.items():
-        where = f"attention_parallel_half.{phase}"
-        if phase not in ("forward", "backward"):
-            fail(src, where, "unknown phase; expected forward or backward")
-        out[phase] = check_number(src, where, tiles, strict=False)
+    for key, number in value.items():
+        where = f"{name}.{key}"
+        if key not in keys:
+            fail(src, where, f"unknown key; expected one of: {', '.join(keys)}")
+        out[key] = check_number(src, where, number, strict=False)
     return FrozenMap(out)
 
 

@@ -80,6 +80,19 @@ def _timed(ms: list[Measurement], p: Params = TRUTH) -> list[Measurement]:
     return [replace(m, seconds=predict(m, p)) for m in ms]
 
 
+def _attention_probes(dtype: str, geos: tuple[tuple[int, int, int], ...], size: int) -> list[Measurement]:
+    """Causal attention forward and backward measurements (times 0 until ``_timed``) for each
+    (batch x heads, sequence, head dim), ``size`` bytes per element."""
+    ms = []
+    for bh, s, d in geos:
+        flops, geo, nbytes = 4.0 * bh * s * s * d, (bh, s, s, d), 4.0 * bh * s * d * size
+        ms.append(Measurement("attention", f"a {s}", dtype, 0.0, flops, 0.0, nbytes, geo))
+        ms.append(
+            Measurement("attention", f"a {s} bwd", dtype, 0.0, 2.5 * flops, 0.0, 2 * nbytes, geo, "backward")
+        )
+    return ms
+
+
 def _synthetic() -> list[Measurement]:
     ms = [Measurement("launch", "autograd chain (per kernel)", "fp32", 0.0, dims=(8,))]
     for dtype in ("fp32", "bf16"):
@@ -106,25 +119,7 @@ def _synthetic() -> list[Measurement]:
             ms.append(
                 Measurement("matmul", f"mm {m}x{n}x{k}", dtype, 0.0, 2.0 * m * n * k, 0.0, nbytes, (m, n, k))
             )
-        for bh, s, d in ((8, 128, 32), (16, 256, 64), (32, 512, 64)):
-            flops = 4.0 * bh * s * s * d
-            geo = (bh, s, s, d)
-            ms.append(
-                Measurement("attention", f"a {s}", dtype, 0.0, flops, 0.0, 4.0 * bh * s * d * size, geo)
-            )
-            ms.append(
-                Measurement(
-                    "attention",
-                    f"a {s} bwd",
-                    dtype,
-                    0.0,
-                    2.5 * flops,
-                    0.0,
-                    8.0 * bh * s * d * size,
-                    geo,
-                    "backward",
-                )
-            )
+        ms += _attention_probes(dtype, ((8, 128, 32), (16, 256, 64), (32, 512, 64)), size)
     for nbytes in (1 << 10, 1 << 16, 1 << 20, 1 << 24):
         for name in ("all_reduce", "all_gather"):
             ms.append(
@@ -508,25 +503,7 @@ def test_tiled_attention_fit_recovers_rate_and_tile_cost_exactly() -> None:
     costs = {"forward.fp32": 4e-6, "backward.fp32": 9e-6, "forward.bf16": 3e-6, "backward.bf16": 6e-5}
     truth = replace(TRUTH, attn_tiling=TORCH_CPU_FLASH, attn_tile_s=costs)
     geos = ((8, 64, 32), (16, 128, 32), (16, 256, 64), (8, 512, 64), (4, 1024, 64))
-    ms = []
-    for dtype in ("fp32", "bf16"):
-        for bh, s, d in geos:
-            flops, geo = 4.0 * bh * s * s * d, (bh, s, s, d)
-            ms.append(Measurement("attention", f"a {s}", dtype, 0.0, flops, 0.0, 8.0 * bh * s * d, geo))
-            ms.append(
-                Measurement(
-                    "attention",
-                    f"a {s} bwd",
-                    dtype,
-                    0.0,
-                    2.5 * flops,
-                    0.0,
-                    16.0 * bh * s * d,
-                    geo,
-                    phase="backward",
-                )
-            )
-    ms = _timed(ms, truth)
+    ms = _timed([m for dtype in ("fp32", "bf16") for m in _attention_probes(dtype, geos, 2)], truth)
     start = replace(truth, attention={"fp32": 0.5, "bf16": 0.5}, attention_backward={}, attn_tile_s={})
     got = fit_attention(ms, start)
     for dtype in ("fp32", "bf16"):
