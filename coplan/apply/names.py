@@ -65,6 +65,8 @@ ATEN_ANCHORS: dict[str, frozenset[object]] = {
     ),
     "gelu": _overloads(aten.gelu),
     "silu": _overloads(aten.silu),
+    "relu": _overloads(aten.relu),
+    "square": _overloads(aten.pow),  # torch.square decomposes to pow(x, 2)
     "mul": _overloads(aten.mul),
     "add": _overloads(aten.add),
     "embedding": _overloads(aten.embedding),
@@ -83,6 +85,8 @@ TORCH_CALLS: dict[str, frozenset[object]] = {
     "attention": frozenset({F.scaled_dot_product_attention}),
     "gelu": frozenset({F.gelu, torch._C._nn.gelu}),
     "silu": frozenset({F.silu}),
+    "relu": frozenset({F.relu, torch.relu}),
+    "square": frozenset({torch.square, "square"}),
     "mul": frozenset({operator.mul, torch.mul, "mul"}),
     "add": frozenset({operator.add, torch.add, "add"}),
     "embedding": frozenset({F.embedding, torch.embedding}),

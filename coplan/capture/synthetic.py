@@ -333,8 +333,18 @@ class _Model:
             h = self.pointwise("mul", [act, up], shape, mod, i, [act, up])
         else:
             up = self.linear(x, n, s.d_model, s.ffn, f"{mod}.c_fc", i, s.bias)
-            h = self.pointwise("gelu", [up], shape, mod, i, [up], per_elem=8)
+            h = self.ungated(up, shape, mod, i)
         return self.linear(h, n, s.ffn, s.d_model, f"{mod}.c_proj", i, s.bias)
+
+    def ungated(self, x: int, shape: Shape, mod: str, i: int) -> int:
+        """tanh-GELU (backward reads its input), or squared ReLU as PyTorch runs it: ``relu``, whose
+        backward reads its output, then ``square`` (``pow(x, 2)``), whose backward reads that same
+        output, so one tensor of the hidden size is kept either way."""
+        if self.s.activation != "relu2":
+            return self.pointwise("gelu", [x], shape, mod, i, [x], per_elem=8)
+        r = self.pointwise("relu", [x], shape, mod, i, [])
+        self.tape[-1][1].saved.append(r)
+        return self.pointwise("square", [r], shape, mod, i, [r])
 
     def moe(self, x: int, i: int) -> int:
         s, n, mod = self.s, self.n, f"h.{i}.mlp"
@@ -379,7 +389,7 @@ class _Model:
             act = self.pointwise("silu", [gate], (e, c, f), mod, i, [gate], per_elem=8)
             hid = self.pointwise("mul", [act, hid], (e, c, f), mod, i, [act, hid])
         else:
-            hid = self.pointwise("gelu", [hid], (e, c, f), mod, i, [hid], per_elem=8)
+            hid = self.ungated(hid, (e, c, f), mod, i)
         w_proj = self.g.param(f"{mod}.w_proj", (e, f, d))
         ye = self._bmm(hid, w_proj, (e, c, d), mod, i, _mm(e * c, f, d), bias("b_proj", d))
         ye = self.pointwise("mul", [ye, slot_w], (e, c, d), mod, i, [ye, slot_w])

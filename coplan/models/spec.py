@@ -14,7 +14,8 @@ from typing import Any
 
 from coplan.errors import SpecError
 
-ACTIVATIONS = ("gelu", "swiglu")
+#: "relu2" is squared ReLU, relu(x)^2 (Primer; Nemotron-4), on an ungated MLP like "gelu".
+ACTIVATIONS = ("gelu", "swiglu", "relu2")
 NORMS = ("layernorm", "rmsnorm")
 POSITIONS = ("learned", "rope")
 

@@ -84,10 +84,18 @@ class Attention(nn.Module):
         return self.c_proj(y)
 
 
+def ungated(h: torch.Tensor, activation: str) -> torch.Tensor:
+    """The activation of an ungated MLP: tanh-GELU, or squared ReLU (``relu2``)."""
+    if activation == "relu2":
+        return torch.square(F.relu(h))
+    return F.gelu(h, approximate="tanh")
+
+
 class MLP(nn.Module):
     def __init__(self, spec: ModelSpec) -> None:
         super().__init__()
         self.swiglu = spec.activation == "swiglu"
+        self.activation = spec.activation
         self.c_fc = nn.Linear(spec.d_model, spec.ffn, bias=spec.bias)
         if self.swiglu:
             self.c_gate = nn.Linear(spec.d_model, spec.ffn, bias=spec.bias)
@@ -96,7 +104,7 @@ class MLP(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.swiglu:
             return self.c_proj(F.silu(self.c_gate(x)) * self.c_fc(x))
-        return self.c_proj(F.gelu(self.c_fc(x), approximate="tanh"))
+        return self.c_proj(ungated(self.c_fc(x), self.activation))
 
 
 class MoE(nn.Module):
@@ -145,7 +153,7 @@ class MoE(nn.Module):
                 g = g + self.b_gate
             h = F.silu(g) * h
         else:
-            h = F.gelu(h, approximate="tanh")
+            h = ungated(h, self.spec.activation)
         ye = torch.bmm(h, self.w_proj)
         if self.spec.bias:
             ye = ye + self.b_proj

@@ -196,13 +196,16 @@ def test_sequence_longer_than_model_is_refused() -> None:
 
 
 @pytest.mark.parametrize("bias", [True, False])
-@pytest.mark.parametrize("base", ["gpt-tiny", "llama-tiny", "moe-tiny", "gelu-moe"])
+@pytest.mark.parametrize("base", ["gpt-tiny", "llama-tiny", "moe-tiny", "gelu-moe", "relu2", "relu2-moe"])
 def test_synthetic_agrees_with_capture_across_variants(base: str, bias: bool) -> None:
-    """Bias on and off (LayerNorm without bias, expert biases) and a GELU mixture of experts."""
+    """Bias on and off (LayerNorm without bias, expert biases), a GELU mixture of experts, and
+    squared ReLU (Nemotron-4's activation) dense and in experts."""
     from dataclasses import replace
 
-    spec = PRESETS["gpt-tiny"] if base == "gelu-moe" else PRESETS[base]
-    if base == "gelu-moe":
+    spec = PRESETS[base] if base in PRESETS else PRESETS["gpt-tiny"]
+    if base.startswith("relu2"):
+        spec = replace(spec, activation="relu2")
+    if base.endswith("-moe"):
         spec = replace(spec, n_experts=4, top_k=2)
     spec = replace(spec, bias=bias, name=f"{base}-{bias}")
     cap, syn = capture_spec(spec, batch=2, seq=32), build_graph(spec, batch=2, seq=32)
