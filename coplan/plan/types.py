@@ -24,7 +24,7 @@ from __future__ import annotations
 import hashlib
 import json
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field, fields, replace
 from typing import Any
 
 from coplan.cost.config import DTYPES, OP_DTYPES
@@ -300,7 +300,7 @@ class Plan:
                 gpus=data["gpus"],
                 global_batch=data["global_batch"],
                 seq=data["seq"],
-                parallel=ParallelPlan(**{k: v for k, v in par.items()}),
+                parallel=ParallelPlan(**_known("parallel", par, ParallelPlan)),
                 fusion=FusionPlan(
                     groups=tuple(
                         _names("fusion.groups", g) for g in _list("fusion.groups", fus.get("groups", ()))
@@ -330,7 +330,8 @@ class Plan:
         except KeyError as e:
             raise PlanError(str(e.args[0]), "missing", source) from None
         except (TypeError, ValueError) as e:
-            raise PlanError(None, f"malformed plan: {e}", source) from None
+            # an error text may quote an edited value; a one-line error stays one line
+            raise PlanError(None, f"malformed plan: {e}".replace("\n", "\\n"), source) from None
         except PlanError as e:
             raise PlanError(e.field, e.reason, source) from None
         stated = data.get("fingerprint")
@@ -391,3 +392,14 @@ def names(items: Iterable[str]) -> str:
     xs = sorted(items)
     head = ", ".join(xs[:5])
     return head + (f" (+{len(xs) - 5} more)" if len(xs) > 5 else "")
+
+
+def _known(section: str, values: Mapping[str, Any], kind: type) -> dict[str, Any]:
+    """``values`` when every key is a field of the dataclass ``kind``; else the unknown key named."""
+    allowed = {f.name for f in fields(kind)}
+    for key in values:
+        if key not in allowed:
+            raise PlanError(
+                f"{section}.{key!r}", f"unknown field; expected one of: {', '.join(sorted(allowed))}"
+            )
+    return dict(values)

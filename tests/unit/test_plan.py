@@ -13,7 +13,7 @@ import json
 from pathlib import Path
 
 import pytest
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from coplan.cost import CostModel
@@ -266,6 +266,7 @@ FIELDS = [(k,) for k in _D if k != "fingerprint"] + [
 
 @settings(max_examples=300, deadline=None)
 @given(st.sampled_from(FIELDS), JSON)
+@example(where=("parallel",), value={"\n": None})  # an unknown key quoted in the error broke the line
 def test_any_hand_edit_is_a_plan_or_a_plan_error(where, value):
     # a plan file is user input: whatever a field is edited to, loading gives a plan or a one-line
     # PlanError, never another exception
