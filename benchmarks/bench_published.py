@@ -1,6 +1,6 @@
 """Cost model against published, measured step times of large training runs.
 
-    python benchmarks/bench_published.py [--runs benchmarks/data/published_runs.json] [--json OUT]
+    python benchmarks/bench_published.py [--runs RUNS.json] [--json OUT] [--contract]
 
 Each run in the data file names its model (with its dropout probabilities), cluster preset,
 parallel layout (with ``stage_layers`` where the source's recipe splits layers unevenly), batch,
@@ -8,7 +8,10 @@ recompute, precision, attention kernel, the stack's loss kernels (``loss_fusion`
 and gradient-reduction settings (``overlap.p2p``, ``grad_reduce_fp32``), and the step time its
 source measured. The same device presets price every run (one
 profile per device, nothing fitted per run). Prints a table and the mean and worst absolute error;
-``--json`` writes the rows.
+``--json`` writes the rows. ``--contract`` prices each run as `coplan estimate` would from its
+contract flags alone (parallel layout, batch, sequence, recompute, ZeRO, dtype, flash attention;
+the model without dropout; overlaps, loss kernels and gradient precision at the CLI's defaults):
+what a user, or a check, who knows only those gets.
 """
 
 from __future__ import annotations
@@ -20,17 +23,22 @@ import time
 from pathlib import Path
 
 from coplan.cost import CostModel, TrainingConfig
-from coplan.hardware import load_cluster
+from coplan.cost.config import production_overlaps
+from coplan.hardware import ClusterSpec, load_cluster
 from coplan.models.spec import ModelSpec
 
 DATA = Path(__file__).parent / "data" / "published_runs.json"
 
 
-def run_one(run: dict) -> dict:
-    model = {k: v for k, v in run["model"].items() if v is not None}
-    spec = ModelSpec(**model)
-    cluster = load_cluster(run["cluster"], run["gpus"])
-    config = TrainingConfig(
+#: What `coplan estimate`'s contract flags say of a run (``--contract``); everything else is left to
+#: the CLI's defaults: the model spec without dropout, overlaps as ``production_overlaps`` decides.
+CONTRACT_MODEL_FIELDS = ("hidden_dropout", "attention_dropout")
+
+
+def contract_config(run: dict, cluster: ClusterSpec) -> TrainingConfig:
+    """The configuration `coplan estimate` builds from the run's contract flags alone."""
+    auto = production_overlaps(cluster.devices, run["tp"], run["sequence_parallel"], run["zero"])
+    return TrainingConfig(
         tp=run["tp"],
         pp=run["pp"],
         dp=run["gpus"] // (run["tp"] * run["pp"]),
@@ -43,15 +51,42 @@ def run_one(run: dict) -> dict:
         zero=run["zero"],
         dtype=run["dtype"],
         flash_attention=run["flash_attention"],
-        overlap_grad_reduce=run.get("overlap", {}).get("grad_reduce", True),
-        overlap_param_gather=run.get("overlap", {}).get("param_gather", False),
-        tp_comm_overlap=run.get("overlap", {}).get("tp_comm", False),
-        # Megatron's cross-entropy kernels as the run's recipe selects them (coplan/cost/loss.py)
-        loss_fusion=run.get("loss_fusion", "none"),
-        overlap_p2p=run.get("overlap", {}).get("p2p", True),
-        grad_reduce_fp32=run.get("grad_reduce_fp32", True),
-        # an uneven pipeline layout, in virtual-stage order, where the source's recipe gives one
-        stage_layers=tuple(run["stage_layers"]) if run.get("stage_layers") else None,
+        **auto,
+    )
+
+
+def run_one(run: dict, contract: bool = False) -> dict:
+    model = {k: v for k, v in run["model"].items() if v is not None}
+    if contract:
+        model = {k: v for k, v in model.items() if k not in CONTRACT_MODEL_FIELDS}
+    spec = ModelSpec(**model)
+    cluster = load_cluster(run["cluster"], run["gpus"])
+    config = (
+        contract_config(run, cluster)
+        if contract
+        else TrainingConfig(
+            tp=run["tp"],
+            pp=run["pp"],
+            dp=run["gpus"] // (run["tp"] * run["pp"]),
+            vpp=run["vpp"],
+            microbatch=run["microbatch"],
+            global_batch=run["global_batch"],
+            seq=run["seq"],
+            recompute=run["recompute"],
+            sequence_parallel=run["sequence_parallel"],
+            zero=run["zero"],
+            dtype=run["dtype"],
+            flash_attention=run["flash_attention"],
+            overlap_grad_reduce=run.get("overlap", {}).get("grad_reduce", True),
+            overlap_param_gather=run.get("overlap", {}).get("param_gather", False),
+            tp_comm_overlap=run.get("overlap", {}).get("tp_comm", False),
+            # Megatron's cross-entropy kernels as the run's recipe selects them (coplan/cost/loss.py)
+            loss_fusion=run.get("loss_fusion", "none"),
+            overlap_p2p=run.get("overlap", {}).get("p2p", True),
+            grad_reduce_fp32=run.get("grad_reduce_fp32", True),
+            # an uneven pipeline layout, in virtual-stage order, where the source's recipe gives one
+            stage_layers=tuple(run["stage_layers"]) if run.get("stage_layers") else None,
+        )
     )
     start = time.perf_counter()
     est = CostModel(spec=spec).estimate(cluster, config)
@@ -76,9 +111,14 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--runs", type=Path, default=DATA)
     ap.add_argument("--json", type=Path, default=None)
+    ap.add_argument(
+        "--contract",
+        action="store_true",
+        help="price each run from `coplan estimate`'s contract flags alone (CLI defaults for the rest)",
+    )
     args = ap.parse_args()
     runs = json.loads(args.runs.read_text())["runs"]
-    rows = [run_one(r) for r in runs]
+    rows = [run_one(r, args.contract) for r in runs]
     print(f"{'run':36} {'GPUs':>5} {'layout':28} {'measured':>9} {'predicted':>9} {'error':>7} {'MFU':>5}")
     for r in rows:
         print(

@@ -93,19 +93,25 @@ def estimate(
         ),
     ] = True,
     overlap_param_gather: Annotated[
-        bool,
+        bool | None,
         typer.Option(
             "--overlap-param-gather/--no-overlap-param-gather",
-            help="ZeRO 1/2: overlap the parameter all-gather with the next step's forward.",
+            help="ZeRO 1/2: overlap the parameter all-gather with the next step's forward "
+            "\\[default: on with --zero 1 or 2, as Megatron-Core recipes pair it with the distributed "
+            "optimizer].",
+            show_default=False,
         ),
-    ] = False,
+    ] = None,
     tp_comm_overlap: Annotated[
-        bool,
+        bool | None,
         typer.Option(
             "--tp-comm-overlap/--no-tp-comm-overlap",
-            help="Overlap tensor-parallel collectives with the GEMMs (Transformer Engine userbuffers).",
+            help="Overlap tensor-parallel collectives with the GEMMs (Transformer Engine userbuffers) "
+            "\\[default: on with --sequence-parallel and --tp > 1 on Hopper or newer GPUs, as NVIDIA's "
+            "recipes run them; off otherwise].",
+            show_default=False,
         ),
-    ] = False,
+    ] = None,
     overlap_p2p: Annotated[
         bool,
         typer.Option(
@@ -136,6 +142,7 @@ def estimate(
 ) -> None:
     """Predict step time, per-GPU memory and MFU of one training configuration."""
     from coplan.cost import ConfigError, CostModel, TrainingConfig
+    from coplan.cost.config import production_overlaps
     from coplan.hardware import load_cluster
     from coplan.models.spec import load_model_spec
 
@@ -154,6 +161,12 @@ def estimate(
         if n % (tp * pp):
             raise ConfigError("dp", f"tp x pp = {tp} x {pp} = {tp * pp} does not divide the {n} GPUs")
         dp = n // (tp * pp)
+    # what the user left unsaid, a production Megatron-Core stack decides (``production_overlaps``)
+    auto = production_overlaps(hw.devices, tp, sequence_parallel, zero)
+    if tp_comm_overlap is None:
+        tp_comm_overlap = auto["tp_comm_overlap"]
+    if overlap_param_gather is None:
+        overlap_param_gather = auto["overlap_param_gather"]
     config = TrainingConfig(
         tp=tp,
         pp=pp,

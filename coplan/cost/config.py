@@ -8,11 +8,14 @@ rank (interleaved 1F1B when > 1).
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, replace
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from coplan.errors import SpecError
+
+if TYPE_CHECKING:
+    from coplan.hardware.device import DeviceSpec
 
 RECOMPUTE_MODES: tuple[str, ...] = ("none", "selective", "full")
 DTYPES: tuple[str, ...] = ("fp32", "tf32", "bf16", "fp16", "fp8")
@@ -233,6 +236,23 @@ class TrainingConfig:
             "op_dtypes": [list(x) for x in self.op_dtypes],
             "loss_fusion": self.loss_fusion,
         }
+
+
+def production_overlaps(
+    devices: Sequence[DeviceSpec], tp: int, sequence_parallel: bool, zero: int
+) -> dict[str, bool]:
+    """The communication overlaps a production Megatron-Core stack runs with, for a user who names
+    none (``coplan estimate``'s "auto"): Transformer Engine's userbuffers overlap of tensor-parallel
+    collectives with the GEMMs where sequence parallelism shards them (it needs SP) on Hopper or
+    newer GPUs, the generation whose recipes turn it on (NeMo, Megatron-Bridge, Megatron-LM's
+    published H100 runs; the published Ampere runs predate it), and the parameter all-gather
+    overlapped with the forward wherever the distributed optimizer shards (ZeRO 1/2), as those
+    recipes pair them."""
+    hopper = bool(devices) and all(d.supports("fp8") and d.vendor == "nvidia" for d in devices)
+    return {
+        "tp_comm_overlap": sequence_parallel and tp > 1 and hopper,
+        "overlap_param_gather": zero >= 1,
+    }
 
 
 def _recompute_mode(field: str, mode: object) -> str | frozenset[str]:

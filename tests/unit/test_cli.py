@@ -312,3 +312,26 @@ def test_help_keeps_computed_defaults_in_brackets(capsys: pytest.CaptureFixture[
     code, out, _ = run(capsys, "estimate", "--help")
     flat = " ".join(out.replace("│", " ").split())
     assert code == 0 and "[default: the cluster's]" in flat
+
+
+def test_estimate_overlaps_default_to_what_a_production_stack_runs(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """Unsaid, TP comm overlap follows sequence parallelism on Hopper (fp8-capable) GPUs only, and
+    the parameter all-gather overlap follows the distributed optimizer; either flag overrides."""
+
+    def config(cluster: str, *extra: str) -> dict:
+        args = ("estimate", "--model", "gpt2-124m", "--cluster", cluster, "--gpus", "8", "--tp", "2")
+        code, out, err = run(capsys, *args, "--microbatch", "2", "--global-batch", "16", "--json", *extra)
+        assert code == 0, err
+        return json.loads(out)["config"]
+
+    sp = ("--sequence-parallel",)
+    assert config("dgx-h100", *sp)["tp_comm_overlap"] is True
+    assert config("dgx-h100")["tp_comm_overlap"] is False  # TE's overlap needs sequence parallelism
+    assert config("dgx-a100-80gb", *sp)["tp_comm_overlap"] is False
+    assert config("dgx-h100", *sp, "--no-tp-comm-overlap")["tp_comm_overlap"] is False
+    assert config("dgx-a100-80gb", *sp, "--tp-comm-overlap")["tp_comm_overlap"] is True
+    assert config("dgx-h100", "--zero", "1")["overlap_param_gather"] is True
+    assert config("dgx-h100")["overlap_param_gather"] is False
+    assert config("dgx-h100", "--zero", "1", "--no-overlap-param-gather")["overlap_param_gather"] is False
