@@ -565,3 +565,21 @@ def test_call_costs_reach_the_device_and_its_rates() -> None:
         kernel_time(_kernel(m), Rates.of(device, "bf16"), flat),
         predict(m, replace(p, mm_call_s={"bf16": 1.5e-5})),
     )
+
+
+def test_a_gpu_calibration_fits_attention_under_the_presets_occupancy_term() -> None:
+    """The fit prices attention probes with the base device's ``attention_parallel_half``, so the
+    efficiency it writes is the one the device's kernel rule (which applies the term) expects."""
+    from coplan.hardware.calibrate import _start_params
+
+    h100 = device_presets()["h100-sxm"]
+    start = _start_params(h100, ["bf16"])
+    assert start.attn_par_half == (424.0, 185.0)
+    truth = replace(start, attention={"bf16": 0.4}, attention_backward={"bf16": 0.3})
+    ms = _timed(_attention_probes("bf16", ((8, 1024, 128), (32, 2048, 128), (64, 4096, 128)), 2), truth)
+    got = fit_attention(ms, replace(truth, attention={"bf16": 0.7}, attention_backward={}))
+    assert _close(got.attention["bf16"], 0.4, 1e-5) and _close(got.attention_backward["bf16"], 0.3, 1e-5)
+    device, _ = to_device(h100, replace(got, mm_flops={"bf16": 7e14}), ["bf16"], "h100-calibrated", "test")
+    flat = Scale(1, False, (1.0,) * 6, 4, True)  # type: ignore[arg-type]
+    for m in ms:
+        assert _close(kernel_time(_kernel(m), Rates.of(device, "bf16"), flat), predict(m, got))

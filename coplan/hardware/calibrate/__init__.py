@@ -182,6 +182,10 @@ def _start_params(
         cache_bytes=float(base.sram_bytes),
         attn_tiling=tiling,
         fit_calls=fit_calls,
+        attn_par_half=(
+            base.attention_parallel_half.get("forward", 0.0),
+            base.attention_parallel_half.get("backward", 0.0),
+        ),
     )
 
 

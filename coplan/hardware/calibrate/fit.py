@@ -100,6 +100,9 @@ class Params:
     # fixed seconds per GEMM call beyond the launch, per dtype (fitted where ``fit_calls``: a CPU)
     mm_call_s: dict[str, float] = field(default_factory=dict)
     fit_calls: bool = False
+    # the device's attention occupancy derating (forward, backward; not fitted, kept so the fitted
+    # attention efficiency is the one the written device's kernel rule expects)
+    attn_par_half: tuple[float, float] = (0.0, 0.0)
 
 
 def predict(m: Measurement, p: Params) -> float:
@@ -133,6 +136,8 @@ def predict(m: Measurement, p: Params) -> float:
         attn_tile_s=p.attn_tile_s.get(f"forward.{m.dtype}", 0.0),
         attn_bwd_tile_s=p.attn_tile_s.get(f"backward.{m.dtype}", 0.0),
         mm_call_s=p.mm_call_s.get(m.dtype, 0.0),
+        attn_par_half=p.attn_par_half[0],
+        attn_bwd_par_half=p.attn_par_half[1],
     )
     # bytes are already bytes: every slot weighs 1; one device, no tensor parallelism, flash attention
     return kernel_time(_kernel(m), rates, Scale(1, False, (1.0, 1.0, 1.0, 1.0, 1.0, 1.0), 4, True))
