@@ -37,22 +37,44 @@ CONTRACT_MODEL_FIELDS = ("hidden_dropout", "attention_dropout")
 
 def contract_config(run: dict, cluster: ClusterSpec) -> TrainingConfig:
     """The configuration `coplan estimate` builds from the run's contract flags alone."""
-    auto = production_overlaps(cluster.devices, run["tp"], run["sequence_parallel"], run["zero"])
     return TrainingConfig(
-        tp=run["tp"],
-        pp=run["pp"],
-        dp=run["gpus"] // (run["tp"] * run["pp"]),
-        vpp=run["vpp"],
-        microbatch=run["microbatch"],
-        global_batch=run["global_batch"],
-        seq=run["seq"],
-        recompute=run["recompute"],
-        sequence_parallel=run["sequence_parallel"],
-        zero=run["zero"],
-        dtype=run["dtype"],
-        flash_attention=run["flash_attention"],
-        **auto,
+        **_contract_fields(run),
+        **production_overlaps(cluster.devices, run["tp"], run["sequence_parallel"], run["zero"]),
     )
+
+
+def run_config(run: dict) -> TrainingConfig:
+    """The configuration the run's source describes: its contract flags and its stack's settings."""
+    overlap = run.get("overlap", {})
+    return TrainingConfig(
+        **_contract_fields(run),
+        overlap_grad_reduce=overlap.get("grad_reduce", True),
+        overlap_param_gather=overlap.get("param_gather", False),
+        tp_comm_overlap=overlap.get("tp_comm", False),
+        # Megatron's cross-entropy kernels as the run's recipe selects them (coplan/cost/loss.py)
+        loss_fusion=run.get("loss_fusion", "none"),
+        overlap_p2p=overlap.get("p2p", True),
+        grad_reduce_fp32=run.get("grad_reduce_fp32", True),
+        # an uneven pipeline layout, in virtual-stage order, where the source's recipe gives one
+        stage_layers=tuple(run["stage_layers"]) if run.get("stage_layers") else None,
+    )
+
+
+def _contract_fields(run: dict) -> dict:
+    return {
+        "tp": run["tp"],
+        "pp": run["pp"],
+        "dp": run["gpus"] // (run["tp"] * run["pp"]),
+        "vpp": run["vpp"],
+        "microbatch": run["microbatch"],
+        "global_batch": run["global_batch"],
+        "seq": run["seq"],
+        "recompute": run["recompute"],
+        "sequence_parallel": run["sequence_parallel"],
+        "zero": run["zero"],
+        "dtype": run["dtype"],
+        "flash_attention": run["flash_attention"],
+    }
 
 
 def run_one(run: dict, contract: bool = False) -> dict:
@@ -61,33 +83,7 @@ def run_one(run: dict, contract: bool = False) -> dict:
         model = {k: v for k, v in model.items() if k not in CONTRACT_MODEL_FIELDS}
     spec = ModelSpec(**model)
     cluster = load_cluster(run["cluster"], run["gpus"])
-    config = (
-        contract_config(run, cluster)
-        if contract
-        else TrainingConfig(
-            tp=run["tp"],
-            pp=run["pp"],
-            dp=run["gpus"] // (run["tp"] * run["pp"]),
-            vpp=run["vpp"],
-            microbatch=run["microbatch"],
-            global_batch=run["global_batch"],
-            seq=run["seq"],
-            recompute=run["recompute"],
-            sequence_parallel=run["sequence_parallel"],
-            zero=run["zero"],
-            dtype=run["dtype"],
-            flash_attention=run["flash_attention"],
-            overlap_grad_reduce=run.get("overlap", {}).get("grad_reduce", True),
-            overlap_param_gather=run.get("overlap", {}).get("param_gather", False),
-            tp_comm_overlap=run.get("overlap", {}).get("tp_comm", False),
-            # Megatron's cross-entropy kernels as the run's recipe selects them (coplan/cost/loss.py)
-            loss_fusion=run.get("loss_fusion", "none"),
-            overlap_p2p=run.get("overlap", {}).get("p2p", True),
-            grad_reduce_fp32=run.get("grad_reduce_fp32", True),
-            # an uneven pipeline layout, in virtual-stage order, where the source's recipe gives one
-            stage_layers=tuple(run["stage_layers"]) if run.get("stage_layers") else None,
-        )
-    )
+    config = contract_config(run, cluster) if contract else run_config(run)
     start = time.perf_counter()
     est = CostModel(spec=spec).estimate(cluster, config)
     wall = time.perf_counter() - start
