@@ -1,6 +1,6 @@
 """The cost model: step time and per-GPU memory of a training configuration (see ``estimate``)."""
 
-from coplan.cost.config import ConfigError, Stack, TrainingConfig, check_against
+from coplan.cost.config import ConfigError, Stack, TrainingConfig, check_against, production_overlaps
 from coplan.cost.estimate import BREAKDOWN_KEYS, Estimate, MemoryEstimate, StageEstimate, estimate
 from coplan.cost.model import CostModel
 from coplan.cost.parts import GraphProfile
@@ -18,5 +18,6 @@ __all__ = [
     "TrainingConfig",
     "check_against",
     "estimate",
+    "production_overlaps",
     "profile_graph",
 ]
