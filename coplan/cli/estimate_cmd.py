@@ -226,6 +226,16 @@ def render(est: Estimate, title: str) -> None:
         f"zero={c.zero} dtype={c.dtype} flash={'on' if c.flash_attention else 'off'} fusion={c.fusion}",
         soft_wrap=True,
     )
+    # the overlaps decide much of the communication's price, and their defaults follow the hardware
+    overlaps = {
+        "grad-reduce": c.overlap_grad_reduce,
+        "param-gather": c.overlap_param_gather,
+        "tp-comm": c.tp_comm_overlap,
+        "p2p": c.overlap_p2p,
+    }
+    console.print(
+        "overlaps: " + " ".join(f"{k}={'on' if v else 'off'}" for k, v in overlaps.items()), soft_wrap=True
+    )
     head = Table(box=box.SIMPLE_HEAD, show_header=False)
     head.add_column(style="bold")
     head.add_column(justify="right")
