@@ -274,14 +274,19 @@ def ratio(seq: Outcome, joint: Outcome) -> float | None:
 class _Compared:
     """What a pair's and all four spaces' results share: the interaction of the joint gain with
     the single-space gains, joint over the best sequential order, and whether only joint fits.
-    Subclasses provide ``joint``, ``sequential`` and ``single_gains``."""
+    Subclasses provide ``joint``, ``sequential`` and ``single_outcomes`` (one per space compared)."""
 
     __slots__ = ()
     joint: Outcome
     sequential: Outcome
 
+    if TYPE_CHECKING:  # a declaration for the type checker; each subclass defines the property
+
+        @property
+        def single_outcomes(self) -> tuple[Outcome, ...]: ...
+
     def single_gains(self) -> tuple[float | None, ...]:
-        raise NotImplementedError
+        return tuple(o.gain for o in self.single_outcomes)
 
     @property
     def interaction(self) -> float | None:
@@ -319,8 +324,9 @@ class PairResult(_Compared):
     def sequential(self) -> Outcome:  # type: ignore[override]
         return _better(self.a_then_b, self.b_then_a)
 
-    def single_gains(self) -> tuple[float | None, ...]:
-        return (self.single_a.gain, self.single_b.gain)
+    @property
+    def single_outcomes(self) -> tuple[Outcome, ...]:
+        return (self.single_a, self.single_b)
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -353,8 +359,9 @@ class All4Result(_Compared):
     joint: Outcome
     joint_from_warm_start: bool
 
-    def single_gains(self) -> tuple[float | None, ...]:
-        return tuple(o.gain for o in self.singles)
+    @property
+    def single_outcomes(self) -> tuple[Outcome, ...]:
+        return self.singles
 
     def to_dict(self) -> dict[str, Any]:
         return {
