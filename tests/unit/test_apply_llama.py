@@ -12,12 +12,11 @@ import json
 
 import pytest
 import torch
-from apply_steps import compiled_step
+from apply_steps import compiled_step, spied_step
 
-import coplan
 from coplan.apply.precision import UNIT_ROUNDOFF, rms_norm, tolerance
 from coplan.apply.predict import make_context, megatron_recompute, plan_for
-from coplan.apply.train import batches, build, reference_grads, rel_errors
+from coplan.apply.train import build, reference_grads, rel_errors
 from coplan.cli.app import main
 from coplan.hardware import load_cluster
 from coplan.models.spec import PRESETS
@@ -103,29 +102,17 @@ def _fusion_step(spec, compile_kernels: bool):
     """(plan ops labelled in the forward and backward graphs, fusion records, groups) of one step
     of ``spec`` under its greedy-fusion bf16 plan; ``compile_kernels=False`` labels the graphs
     and runs them eagerly (no Inductor compile)."""
-    from functorch.compile import make_boxed_func
-
     from coplan.apply import fusion
     from coplan.search.space import fusion_option
 
     ctx = make_context(spec, load_cluster("cpu"), B, S)
     plan = plan_for(ctx, compute="bf16").with_(fusion=fusion_option(ctx, "greedy"))
     labelled: dict[str, set[str]] = {"forward": set(), "backward": set()}
-    inductor = fusion._inductor
 
-    def spy(gm, inputs, groups, phase, gemm_epilogues=False):
+    def seen(gm, phase):
         labelled[phase] |= {m for n in gm.graph.nodes for m in fusion._marks(n)}
-        if compile_kernels:
-            return inductor(gm, inputs, groups, phase, gemm_epilogues)
-        return make_boxed_func(gm), {"phase": phase, "honoured": [], "not_honoured": [], "groups_planned": 0}
 
-    torch._dynamo.reset()
-    be = coplan.backend(plan, spec)
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(fusion, "_inductor", spy)
-        model = torch.compile(build(spec, 0), backend=be)
-        idx, tgt = batches(spec, B, S, 1, 0)[0]
-        model(idx, tgt).backward()
+    be = spied_step(spec, plan, B, S, seen, compile_kernels)
     return labelled, be.report.fusion, fusion.expand_groups(plan, be.ir), be.ir
 
 

@@ -12,11 +12,11 @@ from __future__ import annotations
 
 import pytest
 import torch
+from apply_steps import compiled_step
 
-import coplan
 from coplan.apply.precision import tolerance
 from coplan.apply.predict import make_context, megatron_recompute, plan_for
-from coplan.apply.train import batches, build, reference_grads, rel_errors
+from coplan.apply.train import build, reference_grads, rel_errors
 from coplan.hardware import load_cluster
 from coplan.ir.types import OpKind
 from coplan.models.spec import PRESETS
@@ -42,28 +42,17 @@ def _autocast_plan(ctx, mode: str):
 @pytest.mark.parametrize("mode", ["none", "full"])
 def test_autocast_variant_saves_what_the_cost_model_prices(ctx, mode):
     plan = _autocast_plan(ctx, mode)
-    torch._dynamo.reset()
-    model = build(SPEC, 0)
-    be = coplan.backend(plan, SPEC)
-    compiled = torch.compile(model, backend=be)
-    idx, tgt = batches(SPEC, B, S, 1, 0)[0]
-    be.reset_saved()
-    wide: list[tuple[int, ...]] = []  # fp32 activations of the hidden width autograd saved
 
-    def pack(t):
-        if t.dtype == torch.float32 and t.numel() == B * S * SPEC.d_model:
-            wide.append(tuple(t.shape))
-        return t
+    def wide(t):  # fp32 tensors of the hidden width autograd saved
+        return t.dtype == torch.float32 and t.numel() == B * S * SPEC.d_model
 
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        loss = compiled(idx, tgt)
-    saved = be.last_saved["activation"]
-    loss.backward()
+    by_kind, wide_saved, model, be, (idx, tgt) = compiled_step(SPEC, plan, B, S, keep=wide)
+    saved = by_kind["activation"]
 
     predicted = ctx.price(plan).memory.activations_bytes
     assert saved == pytest.approx(predicted, rel=5e-3)
     # a norm's fp32 output is not kept: the GEMM after it reads (and keeps) its bf16 copy
-    assert not wide
+    assert not wide_saved
     # the reference block's norm overrides reach every block, as the cost model prices them
     overridden = set(be.report.casts[0].overridden)
     norms = {op.block for op in be.ir.ops if op.name in overridden and op.kind is OpKind.NORM}

@@ -10,12 +10,11 @@ from __future__ import annotations
 
 import pytest
 import torch
+from apply_steps import spied_step
 from torch import fx
 
-import coplan
 from coplan.apply import fusion
 from coplan.apply.predict import make_context, plan_for
-from coplan.apply.train import batches, build
 from coplan.hardware import load_cluster
 from coplan.ir.types import Graph, Phase
 from coplan.models.spec import PRESETS
@@ -27,26 +26,13 @@ _GEMM_GRADS = ("linear_bwd_input", "linear_bwd_weight")
 def _backward_graph(model: str, batch: int, seq: int) -> tuple[fx.GraphModule, Graph]:
     """(the labelled backward graph, the plan's IR) of one step of ``model`` under its greedy
     bf16 plan for ``batch`` x ``seq``."""
-    from functorch.compile import make_boxed_func
-
     from coplan.search.space import fusion_option
 
     spec = PRESETS[model]
     ctx = make_context(spec, load_cluster("cpu"), batch, seq)
     plan = plan_for(ctx, compute="bf16").with_(fusion=fusion_option(ctx, "greedy"))
     graphs: dict[str, fx.GraphModule] = {}
-
-    def spy(gm, inputs, groups, phase, gemm_epilogues=False):
-        graphs[phase] = gm
-        return make_boxed_func(gm), {"phase": phase, "honoured": [], "not_honoured": [], "groups_planned": 0}
-
-    torch._dynamo.reset()
-    be = coplan.backend(plan, spec)
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(fusion, "_inductor", spy)
-        compiled = torch.compile(build(spec, 0), backend=be)
-        idx, tgt = batches(spec, batch, seq, 1, 0)[0]
-        compiled(idx, tgt).backward()
+    be = spied_step(spec, plan, batch, seq, lambda gm, phase: graphs.__setitem__(phase, gm))
     return graphs["backward"], be.ir
 
 
