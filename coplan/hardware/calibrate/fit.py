@@ -322,7 +322,6 @@ def fit_attention(ms: Sequence[Measurement], base: Params) -> Params:
             if not mine:
                 continue
             key = f"{'backward' if backward else 'forward'}.{dtype}"
-            tiled = p.attn_tiling is not None
 
             def make(
                 x: np.ndarray, dtype: str = dtype, backward: bool = backward, p: Params = p, key: str = key
@@ -334,13 +333,13 @@ def fit_attention(ms: Sequence[Measurement], base: Params) -> Params:
                 return replace(p, attention={**p.attention, dtype: math.exp(x[0])})
 
             start = [math.log(base.attention.get(dtype, 0.5))]
-            if tiled:
-                start = _tiled_start(mine, p, make)
+            if p.attn_tiling is not None:
+                start = _tiled_start(mine, make)
             p = make(least_squares(_log_residuals(mine, make), start))
     return p
 
 
-def _tiled_start(ms: Sequence[Measurement], p: Params, make: Callable[[np.ndarray], Params]) -> list[float]:
+def _tiled_start(ms: Sequence[Measurement], make: Callable[[np.ndarray], Params]) -> list[float]:
     """A starting point for the tiled fit: the time is linear in (1 / rate, tile_s), so a
     relative linear least squares over the two terms (each measured one at unit value) gives it."""
     unit_rate = [predict(m, make(np.array([0.0, -80.0]))) for m in ms]  # fraction 1, no tile cost
