@@ -18,6 +18,8 @@ do not, and price exactly as without them):
   tiles (batch x heads x query length / 128), as measured on an H100;
 - ``matmul_call_s`` (a device field): a fixed cost per GEMM call and dtype beyond the launch (a CPU
   BLAS's operand packing and kernel lookup, which sets the time of small GEMMs);
+- ``matmul_tn.<dtype>``: the fraction of the GEMM rate reached when the left operand is a transposed
+  view (weight gradients; a CPU's 16-bit BLAS path for it is slower);
 - ``attention_tiles`` (a device field, ``coplan.hardware.tiling``): the attention kernel's tiling and
   a measured cost per tile, for kernels whose small tiles cost more than their FLOPs (a CPU's);
 - ``first_touch``: tensors written to fresh storage at least as large as the last-level cache are
@@ -60,6 +62,7 @@ class Rates:
     attn_tile_s: float = 0.0
     attn_bwd_tile_s: float = 0.0
     mm_call_s: float = 0.0  # fixed seconds per GEMM call beyond the launch (a CPU BLAS's; 0 on GPUs)
+    mm_tn: float = 1.0  # fraction of mm_flops a GEMM with a transposed left operand reaches
     # query tiles at which fused attention reaches half its full-occupancy rate (0: no derating)
     attn_par_half: float = 0.0
     attn_bwd_par_half: float = 0.0
@@ -93,6 +96,7 @@ class Rates:
             attn_tile_s=tiling.cost("forward", attn_dtype) if tiling else 0.0,
             attn_bwd_tile_s=tiling.cost("backward", attn_dtype) if tiling else 0.0,
             mm_call_s=device.matmul_call_s.get(mm_dtype, 0.0),
+            mm_tn=device.efficiency_of("matmul_tn", mm_dtype),
             attn_par_half=device.attention_parallel_half.get("forward", 0.0),
             attn_bwd_par_half=device.attention_parallel_half.get("backward", 0.0),
         )
@@ -215,7 +219,8 @@ def _matmul(k: Kernel, r: Rates, s: Scale) -> float:
     dims = k.dims
     if k.shard_dim >= 0 and s.tp > 1:
         dims = tuple(max(1, d // s.tp) if i == k.shard_dim else d for i, d in enumerate(dims))  # type: ignore[assignment]
-    compute = k.mm_flops / div / (r.mm_flops * shape_factor(dims, r.half_dim))
+    rate = r.mm_flops * (r.mm_tn if k.tn else 1.0)
+    compute = k.mm_flops / div / (rate * shape_factor(dims, r.half_dim))
     compute += vector_compute(k, r, s)  # fused epilogue work, if any
     memory = vdot(k.bytes, s.weights) / r.bandwidth
     # fp8: Transformer Engine fuses the quantisation of activations into the kernel producing them

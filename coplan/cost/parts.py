@@ -36,6 +36,7 @@ class Kernel:
     ``kind`` is ``"matmul"``, ``"attention"``, ``"vector"`` or ``"free"`` (views only).
     ``dims`` are the GEMM's (M, N, K) and ``shard_dim`` the one tensor parallelism divides (-1: none).
     ``attn`` is (batch * heads, query length, key length, head dim) for attention kernels.
+    ``tn`` marks a GEMM whose left operand is a transposed view (a weight gradient, ``grad.T @ x``).
     ``bytes`` is the element/byte vector of the tensors crossing the kernel's boundary.
     ``vec_split`` is ``vec_flops`` by vector family (``VECTOR_FAMILIES`` order; empty: all
     elementwise), ``fresh`` the vector of each tensor the kernel writes to newly allocated storage
@@ -58,6 +59,7 @@ class Kernel:
     fresh: tuple[Vec, ...] = ()
     dtype: str = ""  # the precision it runs in when overridden ("": the training dtype)
     dropout: float = 0.0  # attention kernels: dropout probability on the attention probabilities
+    tn: bool = False
 
 
 @dataclass(frozen=True, slots=True)

@@ -129,6 +129,10 @@ _DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2, "fp8": 1}
 _ACT_DTYPE = {"fp32": "fp32", "tf32": "fp32", "bf16": "bf16", "fp16": "fp16", "fp8": "bf16"}
 
 
+#: 2-D transposes among the view ops (``transposed_lhs`` counts them up a GEMM operand's chain).
+_TRANSPOSES = frozenset({"aten.t.default", "aten.transpose.int"})
+
+
 class _Ctx:
     """Per-graph lookups shared by all parts."""
 
@@ -557,7 +561,7 @@ class _Ctx:
         # one launched kernel: a library attention or GEMM (with any fused epilogue), or generated
         # vector code; only the anchor's geometry differs between them
         attn, dims, sdim = (0, 0, 0, 0), (0, 0, 0), -1
-        drop = 0.0
+        drop, tn = 0.0, False
         if at is not None:
             fwd_op = g.ops[at.forward_op] if at.phase is Phase.BACKWARD and at.forward_op is not None else at
             kind, attn, core = "attention", self.attn_geometry(fwd_op), True
@@ -565,6 +569,7 @@ class _Ctx:
         elif mm is not None:
             kind, core = "matmul", False
             dims, sdim = self.mm_dims(mm, shard)
+            tn = self.transposed_lhs(mm)
         else:
             kind = "vector"
             core = any(op.kind is OpKind.SOFTMAX and op.block is not None for op in real)
@@ -584,6 +589,7 @@ class _Ctx:
             fresh=tuple(fresh),
             dtype=dtype,
             dropout=drop,
+            tn=tn,
         )
 
     def _scalar_only(self, ops: Sequence[Op]) -> bool:
@@ -610,6 +616,25 @@ class _Ctx:
             return (1, 1, 1, 1)
         sk = round(op.flops / (4 * bh * sq * d)) if op.flops else sq
         return (int(bh), int(sq), int(max(1, sk)), int(d))
+
+    def transposed_lhs(self, op: Op) -> bool:
+        """Whether a 2-D GEMM's left operand is a transposed view of contiguous storage (a weight
+        gradient ``grad.T @ x``): an odd number of transposes up its chain of views in a captured
+        graph; a Linear's weight gradient in a synthetic one (``coplan.capture.synthetic``)."""
+        if op.target == "linear_bwd_weight":
+            return True
+        lhs = {"aten.mm.default": 0, "aten.addmm.default": 1}.get(op.target)
+        if lhs is None or len(op.inputs) <= lhs:
+            return False
+        flips, t = 0, self.g.tensors[op.inputs[lhs]]
+        while t.producer is not None:
+            prod = self.g.ops[t.producer]
+            if prod.kind is not OpKind.VIEW or not prod.inputs:
+                break
+            t = self.g.tensors[prod.inputs[0]]
+            # a transpose of more dimensions (attention's head split) may restore contiguity
+            flips += prod.target in _TRANSPOSES and len(t.shape) == 2
+        return flips % 2 == 1
 
     def mm_dims(self, op: Op, shard: int) -> tuple[tuple[int, int, int], int]:
         out = self.g.tensors[op.outputs[0]].shape

@@ -36,9 +36,12 @@ from coplan.hardware.tiling import PHASES, AttentionTiling
 #: where it differs from the forward kernel's (absent: ``attention``). ``first_touch`` is the fraction
 #: of ``memory_bandwidth`` at which memory newly mapped by the host allocator is written (page
 #: faults: a CPU's allocator hands tensors too large for the last-level cache back to the OS on
-#: free); absent, no such tier is priced.
+#: free); absent, no such tier is priced. ``matmul_tn`` is the fraction of the same dtype's
+#: ``matmul`` rate that a GEMM whose left operand is a transposed view reaches (a weight gradient,
+#: ``grad.T @ x``: a CPU BLAS packs such an operand on another, slower path in 16 bits); absent, 1.
 EFFICIENCY_KINDS: tuple[str, ...] = (
     "matmul",
+    "matmul_tn",
     "attention",
     "attention_backward",
     "vector",
@@ -48,7 +51,7 @@ EFFICIENCY_KINDS: tuple[str, ...] = (
 )
 
 #: Kinds whose efficiency may be refined per dtype as ``<kind>.<dtype>``.
-DTYPED_KINDS: tuple[str, ...] = ("matmul", "attention", "attention_backward", "vector")
+DTYPED_KINDS: tuple[str, ...] = ("matmul", "matmul_tn", "attention", "attention_backward", "vector")
 
 #: Families of non-matrix work whose achievable rate per counted FLOP differs (the op rules count a
 #: few FLOPs per element; a tanh-GELU executes tens of instructions for its 8, a sum one for its 1).

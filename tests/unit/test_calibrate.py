@@ -60,6 +60,7 @@ TRUTH = Params(
     attention_backward={"fp32": 0.06, "bf16": 0.025},
     first_touch=3e9,
     cache_bytes=float(1 << 25),
+    mm_tn={"fp32": 1.0, "bf16": 0.8},  # weight-gradient GEMMs 20% slower in bf16 only
 )
 START = Params(
     peaks=TRUTH.peaks,
@@ -114,10 +115,20 @@ def _synthetic() -> list[Measurement]:
         ms.append(Measurement("first_touch", f"fresh {size}", "fp32", 0.0, bytes=float(size)))
     for dtype in ("fp32", "bf16"):
         size = 4 if dtype == "fp32" else 2
-        for m, n, k, _ in ((64, 64, 64, ""), (256, 256, 256, ""), *transformer_gemms(1024, 256, 2048)):
+        for m, n, k, lay in ((64, 64, 64, "nn"), (256, 256, 256, "nn"), *transformer_gemms(1024, 256, 2048)):
             nbytes = size * (m * k + k * n + m * n)
             ms.append(
-                Measurement("matmul", f"mm {m}x{n}x{k}", dtype, 0.0, 2.0 * m * n * k, 0.0, nbytes, (m, n, k))
+                Measurement(
+                    "matmul",
+                    f"mm {m}x{n}x{k}",
+                    dtype,
+                    0.0,
+                    2.0 * m * n * k,
+                    0.0,
+                    nbytes,
+                    (m, n, k),
+                    layout=lay,
+                )
             )
         ms += _attention_probes(dtype, ((8, 128, 32), (16, 256, 64), (32, 512, 64)), size)
     for nbytes in (1 << 10, 1 << 16, 1 << 20, 1 << 24):
@@ -162,6 +173,7 @@ def test_each_stage_recovers_its_rates_from_exact_timings() -> None:
     assert _close(mm.half_dim, TRUTH.half_dim)
     for dtype, rate in TRUTH.mm_flops.items():
         assert _close(mm.mm_flops[dtype], rate)
+        assert _close(mm.mm_tn[dtype], TRUTH.mm_tn[dtype])
     att = fit_attention(ms, replace(TRUTH, attention={"fp32": 0.9, "bf16": 0.9}, attention_backward={}))
     for dtype in ("fp32", "bf16"):
         assert _close(att.attention[dtype], TRUTH.attention[dtype])
@@ -185,7 +197,7 @@ def test_full_fit_recovers_every_rate_and_leaves_no_residual() -> None:
         "first_touch",
     ):
         assert _close(getattr(got, name), getattr(TRUTH, name)), name
-    for name in ("attention", "attention_backward", "vec_rates", "mm_flops"):
+    for name in ("attention", "attention_backward", "vec_rates", "mm_flops", "mm_tn"):
         want = getattr(TRUTH, name)
         assert getattr(got, name).keys() == want.keys(), name
         assert all(_close(getattr(got, name)[k], v) for k, v in want.items()), name
@@ -211,6 +223,9 @@ def test_fitted_rates_round_trip_through_the_device_spec() -> None:
             assert _close(rate, p.vec_rates[f"{family}.{dtype}"])
         assert _close(rates.first_touch, p.first_touch) and rates.cache_bytes == base.sram_bytes
         assert rates.half_dim == pytest.approx(p.half_dim, abs=1e-3) and rates.launch_s == p.launch_s
+        assert _close(rates.mm_tn, p.mm_tn[dtype])
+    # a layout no slower than the others writes no key: absent means 1
+    assert "matmul_tn.fp32" not in device.efficiency and device.efficiency["matmul_tn.bf16"] == 0.8
 
 
 def test_a_rate_above_the_data_sheet_raises_it_and_says_so() -> None:

@@ -757,3 +757,50 @@ def test_fused_attention_slows_with_few_query_tiles_per_gpu():
             tiles = 16 / tp * 4096 / 128
             want = (kernel_time(k, fast, scale) - fast.launch_s) * (tiles + half) / tiles
             assert kernel_time(k, slow, scale) - slow.launch_s == pytest.approx(want, rel=1e-12)
+
+
+# --- GEMM operand layout (weight gradients) ---------------------------------------------------------
+
+
+def _tn_marks(prof: object) -> list[tuple[str, tuple[int, int, int], bool]]:
+    parts = (prof.templates[0], prof.post)  # type: ignore[attr-defined]
+    return [
+        (k.phase.value, k.dims, k.tn)
+        for part in parts
+        for k in (*part.forward, *part.backward)
+        if k.kind == "matmul"
+    ]
+
+
+def test_weight_gradient_gemms_and_only_they_have_a_transposed_left_operand():
+    # one per Linear of a block (QKV, output projection, MLP up and down) and the LM head's;
+    # the forward GEMMs (x @ W.T) and input gradients (g @ W) keep a contiguous left operand
+    from coplan.capture.api import capture_spec
+    from coplan.capture.synthetic import build_graph
+
+    spec, b, s = PRESETS["gpt-tiny"], 2, 32
+    for graph in (capture_spec(spec, b, s), build_graph(spec, b, s)):
+        marks = _tn_marks(CostModel(graph=graph).profile(b, s, "none"))
+        tn = [m for m in marks if m[2]]
+        assert len(tn) == 5 and all(phase == "backward" for phase, _, _ in tn)
+        # a weight gradient reduces over the tokens: K = batch x sequence
+        assert all(dims[2] == b * s for _, dims, _ in tn)
+        assert not any(m[2] for m in marks if m[0] == "forward")
+
+
+def test_a_transposed_left_operand_runs_at_its_own_fraction_of_the_gemm_rate():
+    from dataclasses import replace as _replace
+
+    from coplan.cost.kernels import Scale, kernel_time
+    from coplan.cost.parts import Kernel
+    from coplan.ir.types import Phase
+
+    device, rates = _kernel_rates(**{"matmul.bf16": 0.8, "matmul_tn.bf16": 0.75})
+    rates = _replace(rates, half_dim=0.0, mm_call_s=0.0)
+    scale = Scale(1, False, _SCALE_BYTES, 2, True)
+    flops = 2.0 * 4096**3  # compute-bound: memory time is far below
+    k = Kernel(Phase.BACKWARD, "matmul", 0, flops, 0.0, (0, 0, 0, 0, 0, 0), dims=(4096, 4096, 4096))
+    plain = kernel_time(k, rates, scale) - rates.launch_s
+    assert plain == pytest.approx(flops / (device.peak("bf16") * 0.8))
+    assert kernel_time(_replace(k, tn=True), rates, scale) - rates.launch_s == pytest.approx(plain / 0.75)
+    assert _kernel_rates()[1].mm_tn == 1.0  # absent: no penalty (every preset)

@@ -10,11 +10,13 @@ one):
    (eager training pays a dispatch and an autograd node per aten op, not just the bare dispatch);
 2. ``efficiency.memory`` and ``efficiency.vector.<family>.<dtype>`` from elementwise ops,
    transcendental activations, reductions, norms and softmax at several sizes (``vector``, the
-   fallback, is the widest dtype's elementwise rate);
+   fallback, is the widest dtype's elementwise rate), each rotating over operand copies that
+   overflow the last-level cache: a training step's kernels read operands from memory;
 3. on a CPU, ``efficiency.first_touch`` from writing fresh tensors as large as the last-level cache
    (the host allocator returns such blocks to the OS, so every step page-faults them in again);
 4. ``efficiency.matmul.<dtype>`` and ``matmul_half_dim`` from GEMMs of several sizes and shapes,
-   and on a CPU ``matmul_call_s`` (a fixed cost per GEMM call and dtype);
+   ``efficiency.matmul_tn.<dtype>`` where the weight-gradient layout (a transposed left operand)
+   runs slower than the others, and on a CPU ``matmul_call_s`` (a fixed cost per GEMM call and dtype);
 5. ``efficiency.attention.<dtype>`` and ``efficiency.attention_backward.<dtype>`` from fused
    attention forward and backward at several sequence lengths and head dimensions; on a CPU with
    ``attention_tiles``' cost per tile of PyTorch's tiled flash kernel (``coplan.hardware.tiling``);
@@ -209,6 +211,12 @@ def to_device(
 
     for d in dtypes:
         eff[f"matmul.{d}"], peaks[d] = fraction(f"matmul {d}", p.mm_flops[d], peaks[d])
+    # a transposed left operand no slower than the others is the default (absent: 1)
+    for d, tn in p.mm_tn.items():
+        if tn < 1.0:
+            eff[f"matmul_tn.{d}"] = tn
+        else:
+            eff.pop(f"matmul_tn.{d}", None)
     # measured per dtype (it then derates the head dimension too: see coplan.cost.kernels)
     attn = [d for d in dtypes if d in p.attention]
     for d in attn:
@@ -279,8 +287,8 @@ def calibrate(
     clock = _Clock(device, target_s=plan.target_s, samples=plan.samples)
     # attention has no TF32 path, and vector work on tf32 runs is fp32 work
     wide = [d for d in dtypes if d != "tf32"]
-    probes = launch_probes(device) + vector_probes(device, wide, plan)
     cache = base.sram_bytes if base is not None else int(torch.cuda.get_device_properties(0).L2_cache_size)
+    probes = launch_probes(device) + vector_probes(device, wide, plan, cache)
     if device == "cpu":  # a GPU's caching allocator keeps its blocks mapped: no first-touch tier
         probes += first_touch_probes(cache)
     probes += matmul_probes(device, dtypes, plan, cache) + attention_probes(device, wide, plan)

@@ -32,7 +32,8 @@ class Measurement:
     ``vec_flops`` vector FLOPs by coplan's op rules, ``bytes`` the bytes read and written.
     ``dims`` is (M, N, K) for a GEMM, (batch * heads, q, k, head dim) for attention, and
     (processes,) for a collective. ``phase`` is "backward" for attention gradients. ``family`` is
-    the vector family (``VECTOR_FAMILIES``) of a vector kernel. A ``first_touch`` measurement writes
+    the vector family (``VECTOR_FAMILIES``) of a vector kernel; ``layout`` a GEMM's operand layout
+    ("nn", "nt", "tn": which operand is a transposed view). A ``first_touch`` measurement writes
     ``bytes`` of newly allocated storage. ``fitted`` is the calibrated model's time for the same work
     (0 until fitted).
     """
@@ -49,6 +50,7 @@ class Measurement:
     fitted: float = 0.0
     used: bool = True  # False: reported for comparison, not fitted (bare dispatch)
     family: str = "elementwise"
+    layout: str = ""
 
     @property
     def error(self) -> float:
@@ -69,6 +71,7 @@ class Measurement:
             "dims": list(self.dims),
             "phase": self.phase,
             "family": self.family,
+            "layout": self.layout,
             "fitted": self.used,
         }
 
@@ -100,6 +103,8 @@ class Params:
     # fixed seconds per GEMM call beyond the launch, per dtype (fitted where ``fit_calls``: a CPU)
     mm_call_s: dict[str, float] = field(default_factory=dict)
     fit_calls: bool = False
+    # fraction of the GEMM rate reached with a transposed left operand, per dtype (absent: 1)
+    mm_tn: dict[str, float] = field(default_factory=dict)
     # the device's attention occupancy derating (forward, backward; not fitted, kept so the fitted
     # attention efficiency is the one the written device's kernel rule expects)
     attn_par_half: tuple[float, float] = (0.0, 0.0)
@@ -136,6 +141,7 @@ def predict(m: Measurement, p: Params) -> float:
         attn_tile_s=p.attn_tile_s.get(f"forward.{m.dtype}", 0.0),
         attn_bwd_tile_s=p.attn_tile_s.get(f"backward.{m.dtype}", 0.0),
         mm_call_s=p.mm_call_s.get(m.dtype, 0.0),
+        mm_tn=p.mm_tn.get(m.dtype, 1.0),
         attn_par_half=p.attn_par_half[0],
         attn_bwd_par_half=p.attn_par_half[1],
     )
@@ -151,7 +157,9 @@ def _kernel(m: Measurement) -> Any:
     data = (0.0, 0.0, 0.0, 0.0, float(m.bytes), 0.0)
     if m.kind == "matmul":
         dims = (*tuple(m.dims), 1, 1, 1)
-        return Kernel(phase, "matmul", 0, m.flops, 0.0, data, dims=(dims[0], dims[1], dims[2]))
+        return Kernel(
+            phase, "matmul", 0, m.flops, 0.0, data, dims=(dims[0], dims[1], dims[2]), tn=m.layout == "tn"
+        )
     if m.kind == "attention":
         a = (*tuple(m.dims), 1, 1, 1, 1)
         return Kernel(phase, "attention", 0, m.flops, 0.0, data, attn=(a[0], a[1], a[2], a[3]))
@@ -280,29 +288,35 @@ def _best(res: Callable[[np.ndarray], np.ndarray], starts: Iterable[Sequence[flo
 
 def fit_matmul(ms: Sequence[Measurement], base: Params) -> Params:
     """Achievable matrix FLOP/s per dtype and the shared shape half-dimension (launch and memory
-    fixed), and with ``base.fit_calls`` a fixed cost per GEMM call per dtype. The half-dimension is
-    started from several values: the fit is not convex in it."""
+    fixed), with ``base.fit_calls`` a fixed cost per GEMM call per dtype, and for each dtype with
+    weight-gradient-layout measurements ("tn") the fraction of the rate that layout reaches. The
+    half-dimension is started from several values: the fit is not convex in it."""
     ms = [m for m in ms if m.kind == "matmul" and m.used]
     if not ms:
         return base
     dtypes = sorted({m.dtype for m in ms})
-    n = len(dtypes)
+    tns = sorted({m.dtype for m in ms if m.layout == "tn"} & {m.dtype for m in ms if m.layout != "tn"})
+    n, c = len(dtypes), len(dtypes) if base.fit_calls else 0
 
     def make(x: np.ndarray) -> Params:
         rates = {**base.mm_flops, **{d: math.exp(v) for d, v in zip(dtypes, x[:n], strict=True)}}
         p = replace(base, mm_flops=rates, half_dim=math.exp(x[n]))
-        if len(x) > n + 1:
-            calls = {d: math.exp(v) for d, v in zip(dtypes, x[n + 1 :], strict=True)}
+        if c:
+            calls = {d: math.exp(v) for d, v in zip(dtypes, x[n + 1 : n + 1 + c], strict=True)}
             p = replace(p, mm_call_s={**base.mm_call_s, **calls})
+        if tns:
+            tn = {d: math.exp(v) for d, v in zip(tns, x[n + 1 + c :], strict=True)}
+            p = replace(p, mm_tn={**base.mm_tn, **tn})
         return p
 
     res = _log_residuals(ms, make)
     peaks = [math.log(base.mm_flops.get(d) or 1e12) for d in dtypes]
     halves = (1.0, 8.0, 64.0, 512.0)
+    same = [0.0] * len(tns)  # the transposed layout starts at the other layouts' rate
     if not base.fit_calls:
-        return make(_best(res, ([*peaks, math.log(h)] for h in halves)))
+        return make(_best(res, ([*peaks, math.log(h), *same] for h in halves)))
     calls = (1e-7, 3e-6, 3e-5)
-    return make(_best(res, ([*peaks, math.log(h), *[math.log(c)] * n] for h in halves for c in calls)))
+    return make(_best(res, ([*peaks, math.log(h), *[math.log(c)] * n, *same] for h in halves for c in calls)))
 
 
 def fit_attention(ms: Sequence[Measurement], base: Params) -> Params:

@@ -251,6 +251,7 @@ def matmul_probes(dev: str, dtypes: Sequence[str], plan: Plan, cache_bytes: int 
                     flops=2.0 * m * n * k,
                     bytes=nbytes,
                     dims=(m, n, k),
+                    layout=layout,
                 )
             )
     return out
@@ -358,13 +359,23 @@ def _vector_cases(n: int, dtype: torch.dtype, dev: str) -> list[tuple[str, str, 
     ]
 
 
-def vector_probes(dev: str, dtypes: Sequence[str], plan: Plan) -> list[Probe]:
+def vector_probes(dev: str, dtypes: Sequence[str], plan: Plan, cache_bytes: int = 0) -> list[Probe]:
+    """Non-matrix kernels of ``plan``'s sizes, each over enough operand copies (up to 64) for its
+    reads and writes to overflow ``cache_bytes``: a training step's activations and optimizer
+    state stream through a footprint larger than the last-level cache, so its elementwise kernels
+    read their operands from memory; one op repeated on one small tensor measures the cache."""
     from coplan.ir.oprules import rule_for
 
     out = []
     for dtype in dtypes:
         for n in plan.vector_sizes:
-            for name, op, fn, nbytes in _vector_cases(n, _TORCH_DTYPES[dtype], dev):
+            first = _vector_cases(n, _TORCH_DTYPES[dtype], dev)
+            # each case over as many copies as its own traffic needs (a sum reads one tensor)
+            counts = [max(1, min(64, math.ceil(2 * cache_bytes / case[3]))) for case in first]
+            sets = [first] + [_vector_cases(n, _TORCH_DTYPES[dtype], dev) for _ in range(max(counts) - 1)]
+            for i, (name, op, _fn, nbytes) in enumerate(first):
+                fns = [cases[i][2] for cases in sets[: counts[i]]]
+                fn: Callable[[], object] = _Rotate(fns) if len(fns) > 1 else fns[0]
                 flops = rule_for(op, pointwise=True).flops_per_element * n
                 fields = {"vec_flops": flops, "bytes": nbytes, "dims": (n,), "family": _FAMILY[name]}
                 out.append(_probe("vector", f"{name} {_count(n)}", dtype, fn, **fields))
