@@ -176,6 +176,8 @@ def render(cal: Calibration, console: Console) -> None:
     vec = d.vector_flops * d.efficiency_of("vector")
     console.print(f"  memory {bw / 1e9:.1f} GB/s achievable; vector {vec / 1e9:.1f} GFLOP/s achievable")
     console.print(f"  kernel launch {d.kernel_launch_s * 1e6:.2f} µs")
+    if d.host_op_s:
+        console.print(f"  host op (view, eager) {d.host_op_s * 1e6:.2f} µs")
     link = cal.cluster.groups[0].intra_node
     if cal.cluster.num_devices > 1:
         console.print(

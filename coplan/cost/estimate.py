@@ -198,7 +198,10 @@ def estimate(profile: GraphProfile, cluster: ClusterSpec, config: TrainingConfig
     # a pure 16-bit run (no master weights) keeps them in 16 bits too
     f32 = 4 if (not config.mixed or config.master_weights) else ab
     weights: Vec = (ab / div_rep, ab / t, f32 / div_rep, f32 / t, 1 / div_rep, 1 / t)
-    scale = Scale(t, config.sequence_parallel, weights, ab, config.flash_attention)
+    # a named fusion plan runs eagerly (PyTorch with or without Megatron's fused kernels); explicit
+    # fusion groups are a compiled graph, whose views cost the host nothing per step
+    eager = isinstance(config.fusion, str)
+    scale = Scale(t, config.sequence_parallel, weights, ab, config.flash_attention, eager)
     devices = _stage_devices(cluster, config)
     layers = _stage_layers(profile, config)
     per_stage_layers = [sum(layers[s * v + c] for c in range(v)) for s in range(p)]

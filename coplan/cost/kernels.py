@@ -23,7 +23,9 @@ do not, and price exactly as without them):
 - ``attention_tiles`` (a device field, ``coplan.hardware.tiling``): the attention kernel's tiling and
   a measured cost per tile, for kernels whose small tiles cost more than their FLOPs (a CPU's);
 - ``first_touch``: tensors written to fresh storage at least as large as the last-level cache are
-  page-faulted in by the host, at that fraction of the memory bandwidth, on top of the roofline.
+  page-faulted in by the host, at that fraction of the memory bandwidth, on top of the roofline;
+- ``host_op_s`` (a device field): the host's time for an op that launches no kernel (a view), paid
+  in eager mode where the host is the device (a CPU).
 """
 
 from __future__ import annotations
@@ -63,6 +65,7 @@ class Rates:
     attn_bwd_tile_s: float = 0.0
     mm_call_s: float = 0.0  # fixed seconds per GEMM call beyond the launch (a CPU BLAS's; 0 on GPUs)
     mm_tn: float = 1.0  # fraction of mm_flops a GEMM with a transposed left operand reaches
+    host_op_s: float = 0.0  # host seconds of an op that launches no kernel, in eager mode
     # query tiles at which fused attention reaches half its full-occupancy rate (0: no derating)
     attn_par_half: float = 0.0
     attn_bwd_par_half: float = 0.0
@@ -97,6 +100,7 @@ class Rates:
             attn_bwd_tile_s=tiling.cost("backward", attn_dtype) if tiling else 0.0,
             mm_call_s=device.matmul_call_s.get(mm_dtype, 0.0),
             mm_tn=device.efficiency_of("matmul_tn", mm_dtype),
+            host_op_s=device.host_op_s,
             attn_par_half=device.attention_parallel_half.get("forward", 0.0),
             attn_bwd_par_half=device.attention_parallel_half.get("backward", 0.0),
         )
@@ -126,6 +130,7 @@ class Scale:
     weights: Vec  # bytes per element of each (precision class, shard class) slot
     act_bytes: int
     flash: bool
+    eager: bool = True  # ops dispatched one by one (not a compiled graph): views cost host time
 
     def div(self, shard: int) -> int:
         return self.tp if shard == TP or self.sp else 1
@@ -186,7 +191,8 @@ def shape_factor(dims: tuple[float, ...], half: float) -> float:
 
 @kernel_rule("free")
 def _free(k: Kernel, r: Rates, s: Scale) -> float:
-    return 0.0
+    # views launch nothing; in eager mode the host still dispatches and records each one
+    return r.host_op_s if s.eager else 0.0
 
 
 def vector_compute(k: Kernel, r: Rates, s: Scale) -> float:

@@ -101,6 +101,7 @@ _OPTIONAL = (
     "attention_tiles",
     "matmul_call_s",
     "attention_parallel_half",
+    "host_op_s",
 )
 
 
@@ -141,6 +142,9 @@ class DeviceSpec:
             per 128-row query tile of each (batch, head), and a causal mask makes those tiles unequal,
             so with few tiles per SM the last wave leaves SMs idle. ``u`` tiles reach
             ``u / (u + half)`` of the full-occupancy rate. Absent: no such derating.
+        host_op_s: seconds the host spends on an op that launches no kernel (a view, and its
+            autograd record) in eager PyTorch, where the host is the device (a CPU) and so adds it
+            to the step; 0 where the host runs ahead of the device's kernels (the GPUs).
     """
 
     name: str
@@ -157,6 +161,7 @@ class DeviceSpec:
     attention_tiles: AttentionTiling | None = None
     matmul_call_s: Mapping[str, float] = field(default_factory=FrozenMap)
     attention_parallel_half: Mapping[str, float] = field(default_factory=FrozenMap)
+    host_op_s: float = 0.0
 
     def __post_init__(self) -> None:
         named = isinstance(self.name, str) and bool(self.name.strip())
@@ -184,6 +189,7 @@ class DeviceSpec:
             "attention_parallel_half",
             _keyed_numbers(src, "attention_parallel_half", self.attention_parallel_half, PHASES, "tiles"),
         )
+        put(self, "host_op_s", check_number(src, "host_op_s", self.host_op_s, strict=False))
 
     # --- queries -------------------------------------------------------------------------------
 
@@ -266,6 +272,8 @@ class DeviceSpec:
             out["matmul_call_s"] = dict(self.matmul_call_s)
         if self.attention_parallel_half:
             out["attention_parallel_half"] = dict(self.attention_parallel_half)
+        if self.host_op_s:
+            out["host_op_s"] = self.host_op_s
         return out
 
     @classmethod
@@ -283,6 +291,7 @@ class DeviceSpec:
         tiles = AttentionTiling.read(r.sub("attention_tiles")) if "attention_tiles" in r.data else None
         calls = r.numbers("matmul_call_s") if "matmul_call_s" in r.data else {}
         par = r.numbers("attention_parallel_half") if "attention_parallel_half" in r.data else {}
+        host = r.number("host_op_s", strict=False) if "host_op_s" in r.data else 0.0
         # Readers above already name ``source`` and the full path; only __post_init__ errors need
         # re-anchoring, so nothing else may run inside this block.
         with anchored(source, path):
@@ -301,6 +310,7 @@ class DeviceSpec:
                 attention_tiles=tiles,
                 matmul_call_s=calls,
                 attention_parallel_half=par,
+                host_op_s=host,
             )
 
 

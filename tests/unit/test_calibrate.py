@@ -61,6 +61,7 @@ TRUTH = Params(
     first_touch=3e9,
     cache_bytes=float(1 << 25),
     mm_tn={"fp32": 1.0, "bf16": 0.8},  # weight-gradient GEMMs 20% slower in bf16 only
+    host_op_s=2.5e-6,
 )
 START = Params(
     peaks=TRUTH.peaks,
@@ -96,6 +97,7 @@ def _attention_probes(dtype: str, geos: tuple[tuple[int, int, int], ...], size: 
 
 def _synthetic() -> list[Measurement]:
     ms = [Measurement("launch", "autograd chain (per kernel)", "fp32", 0.0, dims=(8,))]
+    ms.append(Measurement("host_op", "view chain (per op)", "fp32", 0.0, dims=(8,)))
     for dtype in ("fp32", "bf16"):
         for family in VECTOR_FAMILIES:
             for n in (1 << 12, 1 << 16, 1 << 20, 1 << 22):
@@ -195,6 +197,7 @@ def test_full_fit_recovers_every_rate_and_leaves_no_residual() -> None:
         "link_bandwidth",
         "link_latency_s",
         "first_touch",
+        "host_op_s",
     ):
         assert _close(getattr(got, name), getattr(TRUTH, name)), name
     for name in ("attention", "attention_backward", "vec_rates", "mm_flops", "mm_tn"):
@@ -223,7 +226,7 @@ def test_fitted_rates_round_trip_through_the_device_spec() -> None:
             assert _close(rate, p.vec_rates[f"{family}.{dtype}"])
         assert _close(rates.first_touch, p.first_touch) and rates.cache_bytes == base.sram_bytes
         assert rates.half_dim == pytest.approx(p.half_dim, abs=1e-3) and rates.launch_s == p.launch_s
-        assert _close(rates.mm_tn, p.mm_tn[dtype])
+        assert _close(rates.mm_tn, p.mm_tn[dtype]) and rates.host_op_s == p.host_op_s
     # a layout no slower than the others writes no key: absent means 1
     assert "matmul_tn.fp32" not in device.efficiency and device.efficiency["matmul_tn.bf16"] == 0.8
 

@@ -346,6 +346,7 @@ def test_devices_without_the_refinement_keys_keep_one_vector_rate_and_no_tiers()
         for dtype in ("fp32", "bf16"):
             r = Rates.of(device, dtype)
             assert r.vec_rates == () and r.attn_head_half == 0.0 and r.first_touch == 0.0, name
+            assert r.host_op_s == 0.0 and r.mm_tn == 1.0, name
             assert r.attn_bwd_flops == r.attn_flops, name
 
 
@@ -804,3 +805,29 @@ def test_a_transposed_left_operand_runs_at_its_own_fraction_of_the_gemm_rate():
     assert plain == pytest.approx(flops / (device.peak("bf16") * 0.8))
     assert kernel_time(_replace(k, tn=True), rates, scale) - rates.launch_s == pytest.approx(plain / 0.75)
     assert _kernel_rates()[1].mm_tn == 1.0  # absent: no penalty (every preset)
+
+
+def test_views_cost_the_host_in_eager_steps_only():
+    # a CPU's eager step dispatches and records every view; a compiled graph (explicit fusion
+    # groups) and a GPU (host_op_s 0: the host runs ahead) pay nothing for them
+    from dataclasses import replace as _replace
+
+    from coplan.capture.api import capture_spec
+
+    spec, b, s = PRESETS["gpt-tiny"], 2, 32
+    graph = capture_spec(spec, b, s)
+    cm = CostModel(graph=graph)
+    prof = cm.profile(b, s, "none")
+    parts = [(t, len(t.blocks)) for t in prof.templates] + [(prof.pre, 1), (prof.post, 1)]
+    views = sum(
+        n for part, n in parts for k in (*part.forward, *part.backward, *part.optimizer) if k.kind == "free"
+    )
+    assert views > 0
+    cpu = load_cluster("cpu", 1)
+    host = _replace(cpu, groups=(_replace(cpu.groups[0], device=_replace(cpu.device, host_op_s=2e-6)),))
+    config = TrainingConfig(microbatch=b, global_batch=b, seq=s, fusion="none", dtype="fp32")
+    extra = cm.estimate(host, config).step_time_s - cm.estimate(cpu, config).step_time_s
+    assert extra == pytest.approx(views * 2e-6, rel=1e-9)
+    groups = tuple((op.id,) for op in graph.ops)  # every op its own group: compiled, not eager
+    compiled = config.with_(fusion=groups)
+    assert cm.estimate(host, compiled).step_time_s == pytest.approx(cm.estimate(cpu, compiled).step_time_s)

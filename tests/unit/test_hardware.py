@@ -388,9 +388,12 @@ def test_attention_tiles_round_trip_and_stay_out_of_the_presets() -> None:
 def test_matmul_call_costs_validate_and_round_trip() -> None:
     cpu = device_presets()["cpu"]
     assert "matmul_call_s" not in cpu.to_dict()
-    timed = replace(cpu, matmul_call_s={"bf16": 1.5e-5, "fp32": 4e-6})
+    timed = replace(cpu, matmul_call_s={"bf16": 1.5e-5, "fp32": 4e-6}, host_op_s=2.5e-6)
     assert DeviceSpec.from_dict(json.loads(json.dumps(timed.to_dict()))) == timed
+    assert "host_op_s" not in cpu.to_dict() and cpu.host_op_s == 0.0
     for key, bad, field in (
+        ("host_op_s", -1e-6, "host_op_s"),
+        ("host_op_s", "fast", "host_op_s"),
         ("matmul_call_s", {"int8": 1e-6}, "matmul_call_s.int8"),
         ("matmul_call_s", {"bf16": -1.0}, "matmul_call_s.bf16"),
         ("attention_parallel_half", {"fwd": 100}, "attention_parallel_half.fwd"),

@@ -8,6 +8,8 @@ one):
 
 1. ``kernel_launch_s``: the per-kernel cost of an autograd chain of tiny ops, forward and backward
    (eager training pays a dispatch and an autograd node per aten op, not just the bare dispatch);
+   on a CPU ``host_op_s``, the same for views, which launch no kernel but are dispatched and
+   recorded all the same;
 2. ``efficiency.memory`` and ``efficiency.vector.<family>.<dtype>`` from elementwise ops,
    transcendental activations, reductions, norms and softmax at several sizes (``vector``, the
    fallback, is the widest dtype's elementwise rate), each rotating over operand copies that
@@ -49,6 +51,7 @@ from coplan.hardware.calibrate.probes import (
     _Clock,
     attention_probes,
     first_touch_probes,
+    host_op_probes,
     launch_probes,
     matmul_probes,
     measure_collectives,
@@ -248,6 +251,7 @@ def to_device(
         source=source,
         attention_tiles=tiles,
         matmul_call_s={**base.matmul_call_s, **p.mm_call_s},
+        host_op_s=p.host_op_s or base.host_op_s,
     )
     return device, notes
 
@@ -291,6 +295,8 @@ def calibrate(
     probes = launch_probes(device) + vector_probes(device, wide, plan, cache)
     if device == "cpu":  # a GPU's caching allocator keeps its blocks mapped: no first-touch tier
         probes += first_touch_probes(cache)
+        # a GPU's host dispatches views while earlier kernels run: only a CPU's step pays them
+        probes += host_op_probes(device)
     probes += matmul_probes(device, dtypes, plan, cache) + attention_probes(device, wide, plan)
     total = len(probes) * plan.passes + (1 if procs >= MIN_PROCS else 0)
     done = 0

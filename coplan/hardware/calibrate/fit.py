@@ -21,7 +21,7 @@ from coplan.hardware.device import VECTOR_FAMILIES
 from coplan.hardware.tiling import AttentionTiling
 
 #: What each microbenchmark kind measures, in fit order.
-KINDS: tuple[str, ...] = ("launch", "vector", "first_touch", "matmul", "attention", "collective")
+KINDS: tuple[str, ...] = ("launch", "host_op", "vector", "first_touch", "matmul", "attention", "collective")
 
 
 @dataclass(frozen=True, slots=True)
@@ -105,6 +105,7 @@ class Params:
     fit_calls: bool = False
     # fraction of the GEMM rate reached with a transposed left operand, per dtype (absent: 1)
     mm_tn: dict[str, float] = field(default_factory=dict)
+    host_op_s: float = 0.0  # host seconds of an op that launches no kernel (a view), eager
     # the device's attention occupancy derating (forward, backward; not fitted, kept so the fitted
     # attention efficiency is the one the written device's kernel rule expects)
     attn_par_half: tuple[float, float] = (0.0, 0.0)
@@ -142,6 +143,7 @@ def predict(m: Measurement, p: Params) -> float:
         attn_bwd_tile_s=p.attn_tile_s.get(f"backward.{m.dtype}", 0.0),
         mm_call_s=p.mm_call_s.get(m.dtype, 0.0),
         mm_tn=p.mm_tn.get(m.dtype, 1.0),
+        host_op_s=p.host_op_s,
         attn_par_half=p.attn_par_half[0],
         attn_bwd_par_half=p.attn_par_half[1],
     )
@@ -163,6 +165,8 @@ def _kernel(m: Measurement) -> Any:
     if m.kind == "attention":
         a = (*tuple(m.dims), 1, 1, 1, 1)
         return Kernel(phase, "attention", 0, m.flops, 0.0, data, attn=(a[0], a[1], a[2], a[3]))
+    if m.kind == "host_op":
+        return Kernel(phase, "free", 0, 0.0, 0.0, data)
     split = tuple(m.vec_flops if f == m.family else 0.0 for f in VECTOR_FAMILIES)
     fresh = (data,) if m.kind == "first_touch" else ()
     return Kernel(phase, "vector", 0, 0.0, m.vec_flops, data, vec_split=split, fresh=fresh)
@@ -384,12 +388,21 @@ def fit_launch(ms: Sequence[Measurement]) -> float | None:
     return statistics.median(chain) if chain else None
 
 
+def fit_host_op(ms: Sequence[Measurement]) -> float | None:
+    """The host's cost of a view: the median of the view-chain measurements (seconds per op)."""
+    views = [m.seconds for m in ms if m.kind == "host_op" and m.used]
+    return statistics.median(views) if views else None
+
+
 def fit(ms: Sequence[Measurement], start: Params) -> Params:
     """All stages in order; each stage's fixed inputs come from the stages before it."""
     p = start
     launch = fit_launch(ms)
     if launch is not None:
         p = replace(p, launch_s=launch)
+    host = fit_host_op(ms)
+    if host is not None:
+        p = replace(p, host_op_s=host)
     p = fit_vector(ms, p)
     p = fit_first_touch(ms, p)
     p = fit_matmul(ms, p)

@@ -442,6 +442,27 @@ def launch_probes(dev: str) -> list[Probe]:
     ]
 
 
+def host_op_probes(dev: str) -> list[Probe]:
+    """The host's cost of a view in eager training: a chain of reshapes recorded by autograd and
+    differentiated, 2 views a link forward and their 2 gradient views backward (the ops a captured
+    graph holds for them); the slope between two chain lengths drops the chain's fixed costs."""
+    a = torch.ones(8, device=dev)
+    x = torch.ones(8, device=dev, requires_grad=True)
+
+    def chain(links: int) -> Callable[[], object]:
+        def run() -> object:
+            z = x * 1.0
+            for _ in range(links):
+                z = z.view(2, 4).view(8)
+            return torch.autograd.grad(z, x, a)
+
+        return run
+
+    short, long = chain(16), chain(48)
+    per_op = Measurement("host_op", "host op: view, per op", "fp32", 0.0, dims=(8,))
+    return [Probe(per_op, lambda c: (c.time(long) - c.time(short)) / (4 * (48 - 16)))]
+
+
 # --- collectives ------------------------------------------------------------------------------------
 
 
