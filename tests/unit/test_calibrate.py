@@ -284,6 +284,7 @@ def _check_sane(path: Path) -> None:
     for kind, value in d.efficiency.items():
         assert 0.0 < value <= 1.0, kind
     assert 1e-8 < d.kernel_launch_s < 1e-3
+    assert 1e-8 < d.host_op_s < 1e-3  # a view's host time, fitted on a CPU
     assert 0.0 <= d.matmul_half_dim < 1e4
     assert 1e8 < d.memory_bandwidth * d.efficiency_of("memory") < 1e13
     assert 1e8 < d.vector_flops * d.efficiency_of("vector") < 1e13
@@ -303,7 +304,7 @@ def test_quick_cpu_calibration_writes_a_loadable_profile(
     data = json.loads(stdout)  # the whole of stdout is one JSON document
     assert data["out"] == str(out)
     kinds = {m["kind"] for m in data["measurements"]}
-    assert kinds == {"launch", "vector", "first_touch", "matmul", "attention"}
+    assert kinds == {"launch", "host_op", "vector", "first_touch", "matmul", "attention"}
     assert all(m["seconds"] > 0 and m["fitted_s"] > 0 for m in data["measurements"])
     assert json.loads(out.read_text())["groups"] == data["groups"]  # the file is the cluster spec alone
     _check_sane(out)
