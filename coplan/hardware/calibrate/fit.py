@@ -381,17 +381,20 @@ def fit_link(ms: Sequence[Measurement], base: Params) -> Params:
     return make(least_squares(_log_residuals(ms, make), x0))
 
 
+def _median_used(ms: Sequence[Measurement], kind: str) -> float | None:
+    times = [m.seconds for m in ms if m.kind == kind and m.used]
+    return statistics.median(times) if times else None
+
+
 def fit_launch(ms: Sequence[Measurement]) -> float | None:
     """The per-kernel launch cost: the median of the autograd-chain measurements (seconds per
     kernel); the bare-dispatch measurement is reported but not fitted."""
-    chain = [m.seconds for m in ms if m.kind == "launch" and m.used]
-    return statistics.median(chain) if chain else None
+    return _median_used(ms, "launch")
 
 
 def fit_host_op(ms: Sequence[Measurement]) -> float | None:
     """The host's cost of a view: the median of the view-chain measurements (seconds per op)."""
-    views = [m.seconds for m in ms if m.kind == "host_op" and m.used]
-    return statistics.median(views) if views else None
+    return _median_used(ms, "host_op")
 
 
 def fit(ms: Sequence[Measurement], start: Params) -> Params:
