@@ -195,6 +195,9 @@ def _llama(name: str, n_layers: int, d_model: int, n_heads: int, ffn: int, **kw:
 # Published configurations: GPT-2 (Radford et al. 2019, nanoGPT's configs), LLaMA 2 (Touvron et al.
 # 2023), Llama 3 (Meta 2024), GPT-3 175B (Brown et al. 2020), Mixtral 8x7B (Jiang et al. 2024),
 # Megatron-LM's 1T configuration (Narayanan et al. 2021, table 1). The tiny presets are for tests.
+# GPT-3 175B and the 1T model carry the dropout every published run of them used (hidden and
+# attention 0.1: Megatron-LM's --hidden-dropout / --attention-dropout defaults, which its GPT-3 and
+# Table 1 scripts keep, and NeMo's GPT-3 recipes); the others train without, as their recipes do.
 PRESETS: dict[str, ModelSpec] = {
     s.name: s
     for s in (
@@ -227,9 +230,25 @@ PRESETS: dict[str, ModelSpec] = {
             seq_len=8192,
             rope_theta=500000.0,
         ),
-        ModelSpec(name="gpt3-175b", n_layers=96, d_model=12288, n_heads=96, vocab_size=50257, seq_len=2048),
         ModelSpec(
-            name="megatron-1t", n_layers=128, d_model=25600, n_heads=160, vocab_size=51200, seq_len=2048
+            name="gpt3-175b",
+            n_layers=96,
+            d_model=12288,
+            n_heads=96,
+            vocab_size=50257,
+            seq_len=2048,
+            hidden_dropout=0.1,
+            attention_dropout=0.1,
+        ),
+        ModelSpec(
+            name="megatron-1t",
+            n_layers=128,
+            d_model=25600,
+            n_heads=160,
+            vocab_size=51200,
+            seq_len=2048,
+            hidden_dropout=0.1,
+            attention_dropout=0.1,
         ),
         _llama(
             "mixtral-8x7b",
