@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import enum
+from dataclasses import replace
 from typing import TYPE_CHECKING, Annotated
 
 import typer
@@ -138,6 +139,21 @@ def estimate(
             "e.g. 3,4,4,5 \\[default: an even split].",
         ),
     ] = None,
+    hidden_dropout: Annotated[
+        float | None,
+        typer.Option(
+            "--hidden-dropout",
+            help=r"Dropout on the residual branches (Megatron's --hidden-dropout) \[default: the model's].",
+        ),
+    ] = None,
+    attention_dropout: Annotated[
+        float | None,
+        typer.Option(
+            "--attention-dropout",
+            help="Dropout on the attention probabilities (Megatron's --attention-dropout) "
+            r"\[default: the model's].",
+        ),
+    ] = None,
     json: JsonOpt = False,
 ) -> None:
     """Predict step time, per-GPU memory and MFU of one training configuration."""
@@ -155,6 +171,17 @@ def estimate(
     if zero not in (0, 1, 2, 3):
         raise ConfigError("zero", f"--zero must be 0, 1, 2 or 3, got {zero}")
     spec = load_model_spec(model)
+    # the run's dropout, where it differs from the model's (Megatron's GPT runs use 0.1)
+    given = {"hidden_dropout": hidden_dropout, "attention_dropout": attention_dropout}
+    for field, p in given.items():
+        if p is not None and not 0.0 <= p < 1.0:
+            flag = "--" + field.replace("_", "-")
+            raise ConfigError(field, f"{flag} must be a probability in [0, 1), got {p}")
+    spec = replace(
+        spec,
+        hidden_dropout=spec.hidden_dropout if hidden_dropout is None else hidden_dropout,
+        attention_dropout=spec.attention_dropout if attention_dropout is None else attention_dropout,
+    )
     hw = load_cluster(cluster, gpus)
     n = hw.num_devices
     if dp is None:

@@ -831,3 +831,20 @@ def test_views_cost_the_host_in_eager_steps_only():
     groups = tuple((op.id,) for op in graph.ops)  # every op its own group: compiled, not eager
     compiled = config.with_(fusion=groups)
     assert cm.estimate(host, compiled).step_time_s == pytest.approx(cm.estimate(cpu, compiled).step_time_s)
+
+
+def test_estimate_dropout_flags_override_the_model(capsys):
+    base = ["--model", "gpt-tiny", "--cluster", "h100-sxm", "--microbatch", "2", "--json"]
+
+    def step_and_acts(*extra):
+        code, out, _ = _run(capsys, *base, *extra)
+        assert code == 0
+        data = json.loads(out)
+        return data["step_time_s"], data["memory"]["activations_bytes"]
+
+    plain = step_and_acts()
+    assert step_and_acts("--hidden-dropout", "0", "--attention-dropout", "0") == plain  # the preset's 0
+    dropped = step_and_acts("--hidden-dropout", "0.1", "--attention-dropout", "0.1")
+    assert dropped[0] > plain[0] and dropped[1] > plain[1]  # mask kernels and 1-byte masks saved
+    code, out, err = _run(capsys, *base, "--hidden-dropout", "1.5")
+    assert code == 2 and out == "" and len(err.strip().splitlines()) == 1 and "--hidden-dropout" in err
