@@ -21,6 +21,7 @@ from collections.abc import Iterable, Sequence
 
 from coplan.cost.fp8 import fp8_saved_delta
 from coplan.cost.fusion import default_groups, fused_recomputed, readers, source_op
+from coplan.cost.geometry import attn_geometry, mm_dims, transposed_lhs
 from coplan.cost.loss import LOSS_FUSIONS, loss_ops, megatron_loss
 from coplan.cost.parts import (
     ACT,
@@ -127,10 +128,6 @@ def _signature(graph: Graph, ops: Sequence[Op]) -> tuple[object, ...]:
 _DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2, "fp8": 1}
 #: The storage dtype of activations under each training dtype (fp8 recipes keep them in 16 bits).
 _ACT_DTYPE = {"fp32": "fp32", "tf32": "fp32", "bf16": "bf16", "fp16": "fp16", "fp8": "bf16"}
-
-
-#: 2-D transposes among the view ops (``transposed_lhs`` counts them up a GEMM operand's chain).
-_TRANSPOSES = frozenset({"aten.t.default", "aten.transpose.int"})
 
 
 class _Ctx:
@@ -433,7 +430,7 @@ class _Ctx:
         scores = scores_dropout = 0.0
         for op in ops:
             if op.kind is OpKind.ATTENTION and op.phase is Phase.FORWARD:
-                bh, sq, sk, _ = self.attn_geometry(op)
+                bh, sq, sk, _ = attn_geometry(self.g, op)
                 scores += float(bh * sq * sk)
                 if attention_dropout(op):
                     scores_dropout += float(bh * sq * sk)
@@ -564,12 +561,12 @@ class _Ctx:
         drop, tn = 0.0, False
         if at is not None:
             fwd_op = g.ops[at.forward_op] if at.phase is Phase.BACKWARD and at.forward_op is not None else at
-            kind, attn, core = "attention", self.attn_geometry(fwd_op), True
+            kind, attn, core = "attention", attn_geometry(g, fwd_op), True
             drop = attention_dropout(fwd_op)
         elif mm is not None:
             kind, core = "matmul", False
-            dims, sdim = self.mm_dims(mm, shard)
-            tn = self.transposed_lhs(mm)
+            dims, sdim = mm_dims(g, mm, shard, self.tokens)
+            tn = transposed_lhs(g, mm)
         else:
             kind = "vector"
             core = any(op.kind is OpKind.SOFTMAX and op.block is not None for op in real)
@@ -603,58 +600,6 @@ class _Ctx:
             if op.vector_flops:
                 out[VECTOR_FAMILIES.index(_family(op))] += float(op.vector_flops)
         return tuple(out)
-
-    def attn_geometry(self, op: Op) -> tuple[int, int, int, int]:
-        """(batch * heads, query length, key length, head dim) of a forward attention op, from its
-        output (batch, heads, q, d) and its FLOPs (4 * batch * heads * q * k * d)."""
-        out = self.g.tensors[op.outputs[0]].shape
-        if len(out) == 4:
-            bh, sq, d = out[0] * out[1], out[2], out[3]
-        elif len(out) == 3:
-            bh, sq, d = out[0], out[1], out[2]
-        else:
-            return (1, 1, 1, 1)
-        sk = round(op.flops / (4 * bh * sq * d)) if op.flops else sq
-        return (int(bh), int(sq), int(max(1, sk)), int(d))
-
-    def transposed_lhs(self, op: Op) -> bool:
-        """Whether a 2-D GEMM's left operand is a transposed view of contiguous storage (a weight
-        gradient ``grad.T @ x``): an odd number of transposes up its chain of views in a captured
-        graph; a Linear's weight gradient in a synthetic one (``coplan.capture.synthetic``)."""
-        if op.target == "linear_bwd_weight":
-            return True
-        lhs = {"aten.mm.default": 0, "aten.addmm.default": 1}.get(op.target)
-        if lhs is None or len(op.inputs) <= lhs:
-            return False
-        flips, t = 0, self.g.tensors[op.inputs[lhs]]
-        while t.producer is not None:
-            prod = self.g.ops[t.producer]
-            if prod.kind is not OpKind.VIEW or not prod.inputs:
-                break
-            t = self.g.tensors[prod.inputs[0]]
-            # a transpose of more dimensions (attention's head split) may restore contiguity
-            flips += prod.target in _TRANSPOSES and len(t.shape) == 2
-        return flips % 2 == 1
-
-    def mm_dims(self, op: Op, shard: int) -> tuple[tuple[int, int, int], int]:
-        out = self.g.tensors[op.outputs[0]].shape
-        if len(out) == 4:
-            # an input gradient in attention's head layout (batch, heads, seq, head dim): the
-            # GEMM is (batch * seq) x (heads * head dim), the head split is only a view
-            m, n = int(out[0]) * int(out[2]), int(out[1]) * int(out[3])
-        else:
-            n = int(out[-1]) if out else 1
-            m = 1
-            for d in out[:-1]:
-                m *= int(d)
-        k = max(1, round(op.flops / (2 * max(1, m * n)))) if op.flops else 1
-        dims = (m, n, k)
-        if shard != TP:
-            return dims, -1
-        cands = [i for i, d in enumerate(dims) if d != self.tokens]
-        if not cands:
-            return dims, -1
-        return dims, max(cands, key=lambda i: dims[i])
 
     # --- memory --------------------------------------------------------------------------------
 
