@@ -159,6 +159,7 @@ def estimate(
     """Predict step time, per-GPU memory and MFU of one training configuration."""
     from coplan.cost import ConfigError, CostModel, TrainingConfig
     from coplan.cost.config import production_overlaps
+    from coplan.errors import SpecError
     from coplan.hardware import load_cluster
     from coplan.models.spec import load_model_spec
 
@@ -171,17 +172,16 @@ def estimate(
     if zero not in (0, 1, 2, 3):
         raise ConfigError("zero", f"--zero must be 0, 1, 2 or 3, got {zero}")
     spec = load_model_spec(model)
-    # the run's dropout, where it differs from the model's (Megatron's GPT runs use 0.1)
-    given = {"hidden_dropout": hidden_dropout, "attention_dropout": attention_dropout}
-    for field, p in given.items():
-        if p is not None and not 0.0 <= p < 1.0:
-            flag = "--" + field.replace("_", "-")
-            raise ConfigError(field, f"{flag} must be a probability in [0, 1), got {p}")
-    spec = replace(
-        spec,
-        hidden_dropout=spec.hidden_dropout if hidden_dropout is None else hidden_dropout,
-        attention_dropout=spec.attention_dropout if attention_dropout is None else attention_dropout,
-    )
+    # the run's dropout, where it differs from the model's (Megatron's GPT runs use 0.1); the spec
+    # checks the values, and its error names the flag that set them
+    try:
+        spec = replace(
+            spec,
+            hidden_dropout=spec.hidden_dropout if hidden_dropout is None else hidden_dropout,
+            attention_dropout=spec.attention_dropout if attention_dropout is None else attention_dropout,
+        )
+    except SpecError as e:
+        raise ConfigError(e.field, f"--{(e.field or '').replace('_', '-')} {e.reason}") from None
     hw = load_cluster(cluster, gpus)
     n = hw.num_devices
     if dp is None:
