@@ -177,6 +177,20 @@ def _gpt2(name: str, n_layers: int, d_model: int, n_heads: int) -> ModelSpec:
     return ModelSpec(name=name, n_layers=n_layers, d_model=d_model, n_heads=n_heads, vocab_size=50257)
 
 
+def _megatron_gpt(name: str, n_layers: int, d_model: int, n_heads: int, vocab_size: int) -> ModelSpec:
+    """A GPT as Megatron-LM trains it: sequence 2048, hidden and attention dropout 0.1 (its defaults)."""
+    return ModelSpec(
+        name=name,
+        n_layers=n_layers,
+        d_model=d_model,
+        n_heads=n_heads,
+        vocab_size=vocab_size,
+        seq_len=2048,
+        hidden_dropout=0.1,
+        attention_dropout=0.1,
+    )
+
+
 def _llama(name: str, n_layers: int, d_model: int, n_heads: int, ffn: int, **kw: Any) -> ModelSpec:
     base: dict[str, Any] = dict(
         vocab_size=32000,
@@ -230,26 +244,8 @@ PRESETS: dict[str, ModelSpec] = {
             seq_len=8192,
             rope_theta=500000.0,
         ),
-        ModelSpec(
-            name="gpt3-175b",
-            n_layers=96,
-            d_model=12288,
-            n_heads=96,
-            vocab_size=50257,
-            seq_len=2048,
-            hidden_dropout=0.1,
-            attention_dropout=0.1,
-        ),
-        ModelSpec(
-            name="megatron-1t",
-            n_layers=128,
-            d_model=25600,
-            n_heads=160,
-            vocab_size=51200,
-            seq_len=2048,
-            hidden_dropout=0.1,
-            attention_dropout=0.1,
-        ),
+        _megatron_gpt("gpt3-175b", 96, 12288, 96, 50257),
+        _megatron_gpt("megatron-1t", 128, 25600, 160, 51200),
         _llama(
             "mixtral-8x7b",
             32,
