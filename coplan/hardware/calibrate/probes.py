@@ -204,9 +204,9 @@ class _TF32:
 
 
 class _Rotate:
-    """Calls ``fns`` in turn: GEMMs whose operands were last touched long ago, as in training
+    """Calls ``fns`` in turn: kernels whose operands were last touched long ago, as in training
     (weights since the previous step, activations many kernels back), not the cache-hot operands a
-    GEMM repeated on the same tensors sees."""
+    kernel repeated on the same tensors sees."""
 
     def __init__(self, fns: Sequence[Callable[[], object]]) -> None:
         self.fns, self.i = list(fns), 0
@@ -216,6 +216,15 @@ class _Rotate:
         return self.fns[self.i]()
 
 
+def _copies(nbytes: float, cache_bytes: int, most: int) -> int:
+    """Operand copies (at most ``most``) whose traffic of ``nbytes`` each overflows twice the cache."""
+    return max(1, min(most, math.ceil(2 * cache_bytes / nbytes)))
+
+
+def _rotation(fns: Sequence[Callable[[], object]]) -> Callable[[], object]:
+    return _Rotate(fns) if len(fns) > 1 else fns[0]
+
+
 def matmul_probes(dev: str, dtypes: Sequence[str], plan: Plan, cache_bytes: int = 0) -> list[Probe]:
     """GEMMs of ``plan``, each over enough operand copies (up to 8) to overflow ``cache_bytes``."""
     out = []
@@ -223,7 +232,7 @@ def matmul_probes(dev: str, dtypes: Sequence[str], plan: Plan, cache_bytes: int 
         kind = _TORCH_DTYPES[dtype]
         for m, n, k, layout in plan.matmul:
             operand_bytes = (m * k + k * n) * torch.empty((), dtype=kind).element_size()
-            copies = max(1, min(8, math.ceil(2 * cache_bytes / operand_bytes)))
+            copies = _copies(operand_bytes, cache_bytes, 8)
             fns: list[Callable[[], object]] = []
             for _ in range(copies):
                 # stored as training stores them: a transposed operand is a view of a contiguous one
@@ -238,7 +247,7 @@ def matmul_probes(dev: str, dtypes: Sequence[str], plan: Plan, cache_bytes: int 
                     else torch.randn(k, n, dtype=kind, device=dev)
                 )
                 fns.append(partial(torch.mm, a, b))
-            fn: Callable[[], object] = _Rotate(fns) if copies > 1 else fns[0]
+            fn = _rotation(fns)
             if dtype == "tf32":
                 fn = _TF32(fn)
             nbytes = operand_bytes + m * n * torch.empty((), dtype=kind).element_size()
@@ -371,11 +380,10 @@ def vector_probes(dev: str, dtypes: Sequence[str], plan: Plan, cache_bytes: int 
         for n in plan.vector_sizes:
             first = _vector_cases(n, _TORCH_DTYPES[dtype], dev)
             # each case over as many copies as its own traffic needs (a sum reads one tensor)
-            counts = [max(1, min(64, math.ceil(2 * cache_bytes / case[3]))) for case in first]
+            counts = [_copies(case[3], cache_bytes, 64) for case in first]
             sets = [first] + [_vector_cases(n, _TORCH_DTYPES[dtype], dev) for _ in range(max(counts) - 1)]
             for i, (name, op, _fn, nbytes) in enumerate(first):
-                fns = [cases[i][2] for cases in sets[: counts[i]]]
-                fn: Callable[[], object] = _Rotate(fns) if len(fns) > 1 else fns[0]
+                fn = _rotation([cases[i][2] for cases in sets[: counts[i]]])
                 flops = rule_for(op, pointwise=True).flops_per_element * n
                 fields = {"vec_flops": flops, "bytes": nbytes, "dims": (n,), "family": _FAMILY[name]}
                 out.append(_probe("vector", f"{name} {_count(n)}", dtype, fn, **fields))
@@ -413,39 +421,12 @@ def first_touch_probes(cache_bytes: int) -> list[Probe]:
     return out
 
 
-def launch_probes(dev: str) -> list[Probe]:
-    """Bare dispatch of a tiny op (reported, not fitted), and the per-kernel cost of a tiny autograd
-    chain: ``links`` multiplications forward and their ``links`` gradient multiplications backward,
-    2 kernels a link; the slope between two chain lengths drops the fixed cost of starting backward."""
-    a = torch.ones(8, device=dev)
-    x = torch.ones(8, device=dev, requires_grad=True)
-
-    def bare() -> object:
-        with torch.no_grad():
-            return a + a
-
-    def chain(links: int) -> Callable[[], object]:
-        def run() -> object:
-            z = x
-            for _ in range(links):
-                z = z * 1.0001
-            return torch.autograd.grad(z, x, a)
-
-        return run
-
-    short, long = chain(16), chain(48)
-    # 8 elements of work is nothing next to the dispatch: priced as pure launch cost
-    per_kernel = Measurement("launch", "launch: autograd, per kernel", "fp32", 0.0, dims=(8,))
-    return [
-        Probe(replace(per_kernel, name="launch: bare dispatch", used=False), lambda c: c.time(bare)),
-        Probe(per_kernel, lambda c: (c.time(long) - c.time(short)) / (2 * (48 - 16))),
-    ]
-
-
-def host_op_probes(dev: str) -> list[Probe]:
-    """The host's cost of a view in eager training: a chain of reshapes recorded by autograd and
-    differentiated, 2 views a link forward and their 2 gradient views backward (the ops a captured
-    graph holds for them); the slope between two chain lengths drops the chain's fixed costs."""
+def _chain_slope(
+    dev: str, link: Callable[[torch.Tensor], torch.Tensor], ops: int
+) -> Callable[[_Clock], float]:
+    """Seconds per op of a tiny autograd chain: ``link`` applied to 8 elements 16 and 48 times,
+    then differentiated, ``ops`` ops a link forward and backward together; the slope between the
+    two lengths drops the chain's fixed costs (starting backward)."""
     a = torch.ones(8, device=dev)
     x = torch.ones(8, device=dev, requires_grad=True)
 
@@ -453,14 +434,38 @@ def host_op_probes(dev: str) -> list[Probe]:
         def run() -> object:
             z = x * 1.0
             for _ in range(links):
-                z = z.view(2, 4).view(8)
+                z = link(z)
             return torch.autograd.grad(z, x, a)
 
         return run
 
     short, long = chain(16), chain(48)
+    return lambda c: (c.time(long) - c.time(short)) / (ops * (48 - 16))
+
+
+def launch_probes(dev: str) -> list[Probe]:
+    """Bare dispatch of a tiny op (reported, not fitted), and the per-kernel cost of a tiny autograd
+    chain of multiplications: one kernel a link forward and its gradient multiplication backward."""
+    a = torch.ones(8, device=dev)
+
+    def bare() -> object:
+        with torch.no_grad():
+            return a + a
+
+    # 8 elements of work is nothing next to the dispatch: priced as pure launch cost
+    per_kernel = Measurement("launch", "launch: autograd, per kernel", "fp32", 0.0, dims=(8,))
+    return [
+        Probe(replace(per_kernel, name="launch: bare dispatch", used=False), lambda c: c.time(bare)),
+        Probe(per_kernel, _chain_slope(dev, lambda z: z * 1.0001, 2)),
+    ]
+
+
+def host_op_probes(dev: str) -> list[Probe]:
+    """The host's cost of a view in eager training: a chain of reshapes recorded by autograd and
+    differentiated, 2 views a link forward and their 2 gradient views backward (the ops a captured
+    graph holds for them)."""
     per_op = Measurement("host_op", "host op: view, per op", "fp32", 0.0, dims=(8,))
-    return [Probe(per_op, lambda c: (c.time(long) - c.time(short)) / (4 * (48 - 16)))]
+    return [Probe(per_op, _chain_slope(dev, lambda z: z.view(2, 4).view(8), 4))]
 
 
 # --- collectives ------------------------------------------------------------------------------------
