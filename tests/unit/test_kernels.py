@@ -1,0 +1,260 @@
+"""The cost model's kernel rules: the refinements a calibrated CPU opts into (vector families,
+first-touch tier, per-dtype attention, tiled attention, GEMM call cost and operand layout, the host's
+time for views), GPU attention occupancy and dropout, each priced exactly as its rule states."""
+
+from __future__ import annotations
+
+import pytest
+
+from coplan.cost import CostModel, TrainingConfig
+from coplan.hardware import load_cluster
+from coplan.models.spec import PRESETS
+
+# --- refinements a calibrated CPU opts into (devices without their keys price as before) ----------
+
+
+def _kernel_rates(**efficiency: float) -> tuple[object, object]:
+    from dataclasses import replace as _replace
+
+    from coplan.cost.kernels import Rates
+    from coplan.hardware import device_presets
+
+    cpu = device_presets()["cpu"]
+    device = _replace(cpu, efficiency={**cpu.efficiency, **efficiency})
+    return device, Rates.of(device, "bf16")
+
+
+def _vector_kernel(family: str = "elementwise", flops: float = 1e9, fresh: tuple = ()) -> object:
+    from coplan.cost.parts import Kernel
+    from coplan.hardware.device import VECTOR_FAMILIES
+    from coplan.ir.types import Phase
+
+    split = tuple(flops if f == family else 0.0 for f in VECTOR_FAMILIES)
+    return Kernel(Phase.FORWARD, "vector", 0, 0.0, flops, (0, 0, 0, 0, 8.0, 0), vec_split=split, fresh=fresh)
+
+
+_SCALE_BYTES = (2.0, 2.0, 4.0, 4.0, 1.0, 1.0)
+
+
+def test_devices_without_the_refinement_keys_keep_one_vector_rate_and_no_tiers():
+    from coplan.cost.kernels import Rates
+    from coplan.hardware import device_presets
+
+    for name, device in device_presets().items():
+        for dtype in ("fp32", "bf16"):
+            r = Rates.of(device, dtype)
+            assert r.vec_rates == () and r.attn_head_half == 0.0 and r.first_touch == 0.0, name
+            assert r.host_op_s == 0.0 and r.mm_tn == 1.0, name
+            assert r.attn_bwd_flops == r.attn_flops, name
+
+
+def test_vector_families_are_priced_at_their_own_rate():
+    from coplan.cost.kernels import Scale, kernel_time
+
+    device, rates = _kernel_rates(**{"vector": 0.1, "vector.transcendental.bf16": 0.025})
+    scale = Scale(1, False, _SCALE_BYTES, 2, True)
+    plain = kernel_time(_vector_kernel("elementwise"), rates, scale) - rates.launch_s
+    gelu = kernel_time(_vector_kernel("transcendental"), rates, scale) - rates.launch_s
+    assert plain == pytest.approx(1e9 / (device.vector_flops * 0.1))
+    assert gelu == pytest.approx(4 * plain)  # a quarter of the rate per counted FLOP
+    assert device.vector_efficiency("transcendental", "fp32") == 0.1  # other dtypes fall back
+
+
+def test_fresh_tensors_as_large_as_the_cache_pay_the_first_touch_tier():
+    from coplan.cost.kernels import Scale, kernel_time
+
+    device, rates = _kernel_rates(first_touch=0.01)
+    scale = Scale(1, False, _SCALE_BYTES, 2, True)
+    elements = device.sram_bytes / 4  # an fp32-class slot (index 2): exactly the cache's size
+    big = (0.0, 0.0, float(elements), 0.0, 0.0, 0.0)
+    small = (0.0, 0.0, float(elements - 1), 0.0, 0.0, 0.0)
+    base = kernel_time(_vector_kernel(flops=1e3), rates, scale)
+    extra = kernel_time(_vector_kernel(flops=1e3, fresh=(big,)), rates, scale) - base
+    assert extra == pytest.approx(device.sram_bytes / (device.memory_bandwidth * 0.01))
+    assert kernel_time(_vector_kernel(flops=1e3, fresh=(small,)), rates, scale) == base
+
+
+def test_a_measured_attention_efficiency_per_dtype_also_derates_the_head_dimension():
+    from dataclasses import replace as _replace
+
+    from coplan.cost.kernels import Scale, kernel_time, shape_factor
+    from coplan.cost.parts import Kernel
+    from coplan.ir.types import Phase
+
+    scale = Scale(1, False, _SCALE_BYTES, 2, True)
+
+    def per_flop(rates: object, d: int, phase: Phase = Phase.FORWARD) -> float:
+        flops = 4.0 * 8 * 256 * 256 * d
+        k = Kernel(phase, "attention", 0, flops, 0.0, (0, 0, 0, 0, 0, 0), attn=(8, 256, 256, d))
+        return (kernel_time(k, rates, scale) - rates.launch_s) / flops  # type: ignore[attr-defined]
+
+    _, old = _kernel_rates(matmul=0.5, attention=0.2)
+    old = _replace(old, half_dim=32.0)
+    assert per_flop(old, 32) == pytest.approx(per_flop(old, 128))
+    _, new = _kernel_rates(**{"attention.bf16": 0.2, "attention_backward.bf16": 0.1})
+    new = _replace(new, half_dim=32.0, attn_head_half=32.0)
+    ratio = shape_factor((128,), 32.0) / shape_factor((32,), 32.0)
+    assert per_flop(new, 32) / per_flop(new, 128) == pytest.approx(ratio)
+    assert per_flop(new, 64, Phase.BACKWARD) == pytest.approx(2 * per_flop(new, 64))
+
+
+def test_flash_attention_dropout_slowdown():
+    from coplan.cost.kernels import FLASH_DROPOUT_COST, Rates, Scale, kernel_time
+    from coplan.cost.parts import Kernel
+    from coplan.hardware import get_device
+    from coplan.ir.types import Phase
+
+    rates = Rates.of(get_device("h100-sxm"), "bf16")
+    scale = Scale(1, False, _SCALE_BYTES, 2, True)
+    flops = 4.0 * 32 * 4096 * 4096 * 128
+    k = Kernel(Phase.FORWARD, "attention", 1, flops, 0.0, (0.0,) * 6, attn=(32, 4096, 4096, 128))
+    kd = Kernel(
+        Phase.FORWARD, "attention", 1, flops, 0.0, (0.0,) * 6, attn=(32, 4096, 4096, 128), dropout=0.1
+    )
+    t, td = (kernel_time(x, rates, scale) - rates.launch_s for x in (k, kd))
+    assert td == pytest.approx(t * (1 + FLASH_DROPOUT_COST))
+
+
+@pytest.mark.parametrize(
+    ("q", "kv", "causal", "tiles"),
+    [
+        (64, 64, True, 2),  # two 32-row tiles, each over all 64 keys (one key tile)
+        (128, 128, True, 4),
+        (191, 191, True, 6),  # last 32-row threshold: ceil(191 / 32) query tiles
+        (192, 192, True, 3),  # 64-row tiles from 192
+        (1024, 1024, True, 6),  # 256-row tiles from 768: key tiles 1, 1, 2, 2 (512 keys each)
+        (4096, 4096, False, 128),  # 16 query tiles x 8 key tiles
+        (0, 128, True, 0),
+    ],
+)
+def test_torch_cpu_flash_tile_counts(q: int, kv: int, causal: bool, tiles: int) -> None:
+    from coplan.hardware.tiling import TORCH_CPU_FLASH
+
+    assert TORCH_CPU_FLASH.tiles(q, kv, causal) == tiles
+
+
+def test_a_tiled_attention_kernel_costs_its_flops_plus_its_tiles():
+    """time = causal FLOPs / rate + (batch x heads / tp) x tiles x tile cost + launch, with no shape
+    derating; the tile cost is per phase and dtype."""
+    from dataclasses import replace as _replace
+
+    from coplan.cost.kernels import Rates, Scale, kernel_time
+    from coplan.cost.parts import TP, Kernel
+    from coplan.hardware.tiling import TORCH_CPU_FLASH
+    from coplan.ir.types import Phase
+
+    device, _ = _kernel_rates(**{"attention.bf16": 0.2, "attention_backward.bf16": 0.1})
+    costs = {"forward.bf16": 5e-6, "backward.bf16": 4e-5}
+    device = _replace(device, attention_tiles=TORCH_CPU_FLASH.with_costs(costs), matmul_half_dim=32.0)
+    rates = Rates.of(device, "bf16")
+    peak = device.peak("bf16")
+    for tp in (1, 2):
+        scale = Scale(tp, False, _SCALE_BYTES, 2, True)
+        for phase, eff, cost, mult in ((Phase.FORWARD, 0.2, 5e-6, 1.0), (Phase.BACKWARD, 0.1, 4e-5, 2.5)):
+            flops = mult * 4.0 * 16 * 128 * 128 * 32
+            k = Kernel(phase, "attention", TP, flops, 0.0, (0, 0, 0, 0, 0, 0), attn=(16, 128, 128, 32))
+            want = 0.5 * flops / tp / (peak * eff) + 16 / tp * 4 * cost + rates.launch_s
+            assert kernel_time(k, rates, scale) == pytest.approx(want, rel=1e-12)
+    # an fp32 run has no tile cost given: its FLOPs alone
+    fp32 = Rates.of(device, "fp32")
+    assert fp32.attn_tiling is not None and fp32.attn_tile_s == fp32.attn_bwd_tile_s == 0.0
+
+
+def test_fused_attention_slows_with_few_query_tiles_per_gpu():
+    """``attention_parallel_half``: u query tiles (local batch x heads x seq / 128) reach
+    u / (u + half) of the full rate, per phase; tensor parallelism divides the heads, so the same
+    layer at tp 4 runs each GPU's quarter at a lower rate."""
+    from dataclasses import replace as _replace
+
+    from coplan.cost.kernels import Rates, Scale, kernel_time
+    from coplan.cost.parts import TP, Kernel
+    from coplan.hardware import device_presets
+    from coplan.ir.types import Phase
+
+    h100 = device_presets()["h100-sxm"]
+    plain = _replace(h100, attention_parallel_half={})
+    fast, slow = Rates.of(plain, "bf16"), Rates.of(h100, "bf16")
+    halves = {Phase.FORWARD: 424.0, Phase.BACKWARD: 185.0}
+    assert dict(h100.attention_parallel_half) == {"forward": 424.0, "backward": 185.0}
+    for tp in (1, 4):
+        scale = Scale(tp, False, _SCALE_BYTES, 2, True)
+        for phase, half in halves.items():
+            k = Kernel(
+                phase, "attention", TP, 4.0 * 16 * 4096**2 * 128, 0.0, (0,) * 6, attn=(16, 4096, 4096, 128)
+            )
+            tiles = 16 / tp * 4096 / 128
+            want = (kernel_time(k, fast, scale) - fast.launch_s) * (tiles + half) / tiles
+            assert kernel_time(k, slow, scale) - slow.launch_s == pytest.approx(want, rel=1e-12)
+
+
+# --- GEMM operand layout (weight gradients) ---------------------------------------------------------
+
+
+def _tn_marks(prof: object) -> list[tuple[str, tuple[int, int, int], bool]]:
+    parts = (prof.templates[0], prof.post)  # type: ignore[attr-defined]
+    return [
+        (k.phase.value, k.dims, k.tn)
+        for part in parts
+        for k in (*part.forward, *part.backward)
+        if k.kind == "matmul"
+    ]
+
+
+def test_weight_gradient_gemms_and_only_they_have_a_transposed_left_operand():
+    # one per Linear of a block (QKV, output projection, MLP up and down) and the LM head's;
+    # the forward GEMMs (x @ W.T) and input gradients (g @ W) keep a contiguous left operand
+    from coplan.capture.api import capture_spec
+    from coplan.capture.synthetic import build_graph
+
+    spec, b, s = PRESETS["gpt-tiny"], 2, 32
+    for graph in (capture_spec(spec, b, s), build_graph(spec, b, s)):
+        marks = _tn_marks(CostModel(graph=graph).profile(b, s, "none"))
+        tn = [m for m in marks if m[2]]
+        assert len(tn) == 5 and all(phase == "backward" for phase, _, _ in tn)
+        # a weight gradient reduces over the tokens: K = batch x sequence
+        assert all(dims[2] == b * s for _, dims, _ in tn)
+        assert not any(m[2] for m in marks if m[0] == "forward")
+
+
+def test_a_transposed_left_operand_runs_at_its_own_fraction_of_the_gemm_rate():
+    from dataclasses import replace as _replace
+
+    from coplan.cost.kernels import Scale, kernel_time
+    from coplan.cost.parts import Kernel
+    from coplan.ir.types import Phase
+
+    device, rates = _kernel_rates(**{"matmul.bf16": 0.8, "matmul_tn.bf16": 0.75})
+    rates = _replace(rates, half_dim=0.0, mm_call_s=0.0)
+    scale = Scale(1, False, _SCALE_BYTES, 2, True)
+    flops = 2.0 * 4096**3  # compute-bound: memory time is far below
+    k = Kernel(Phase.BACKWARD, "matmul", 0, flops, 0.0, (0, 0, 0, 0, 0, 0), dims=(4096, 4096, 4096))
+    plain = kernel_time(k, rates, scale) - rates.launch_s
+    assert plain == pytest.approx(flops / (device.peak("bf16") * 0.8))
+    assert kernel_time(_replace(k, tn=True), rates, scale) - rates.launch_s == pytest.approx(plain / 0.75)
+    assert _kernel_rates()[1].mm_tn == 1.0  # absent: no penalty (every preset)
+
+
+def test_views_cost_the_host_in_eager_steps_only():
+    # a CPU's eager step dispatches and records every view; a compiled graph (explicit fusion
+    # groups) and a GPU (host_op_s 0: the host runs ahead) pay nothing for them
+    from dataclasses import replace as _replace
+
+    from coplan.capture.api import capture_spec
+
+    spec, b, s = PRESETS["gpt-tiny"], 2, 32
+    graph = capture_spec(spec, b, s)
+    cm = CostModel(graph=graph)
+    prof = cm.profile(b, s, "none")
+    parts = [(t, len(t.blocks)) for t in prof.templates] + [(prof.pre, 1), (prof.post, 1)]
+    views = sum(
+        n for part, n in parts for k in (*part.forward, *part.backward, *part.optimizer) if k.kind == "free"
+    )
+    assert views > 0
+    cpu = load_cluster("cpu", 1)
+    host = _replace(cpu, groups=(_replace(cpu.groups[0], device=_replace(cpu.device, host_op_s=2e-6)),))
+    config = TrainingConfig(microbatch=b, global_batch=b, seq=s, fusion="none", dtype="fp32")
+    extra = cm.estimate(host, config).step_time_s - cm.estimate(cpu, config).step_time_s
+    assert extra == pytest.approx(views * 2e-6, rel=1e-9)
+    groups = tuple((op.id,) for op in graph.ops)  # every op its own group: compiled, not eager
+    compiled = config.with_(fusion=groups)
+    assert cm.estimate(host, compiled).step_time_s == pytest.approx(cm.estimate(cpu, compiled).step_time_s)
