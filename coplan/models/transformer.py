@@ -195,6 +195,31 @@ class Transformer(nn.Module):
         self.lm_head = nn.Linear(spec.d_model, spec.vocab_size, bias=False)
         if spec.tied_embeddings:
             self.lm_head.weight = self.wte.weight
+        self._init_weights()
+
+    def _init_weights(self) -> None:
+        """GPT-2's initialisation, as nanoGPT and Megatron-LM use it: weights N(0, 0.02), biases 0,
+        and the projections that write into the residual stream (attention and MLP ``c_proj``, the
+        experts' ``w_proj``) N(0, 0.02 / sqrt(2 * layers)). PyTorch's module defaults (N(0, 1)
+        embeddings) start a tied-embedding GPT at a loss of ~75 instead of ln(vocab) ~7, with logits
+        spread over ~150: that is not a state anyone trains from, and on a CPU it also makes the
+        cross-entropy kernels twice as slow (their exponentials underflow), so measured steps would
+        not be a real training run's."""
+        std = 0.02
+        residual = std / (2 * self.spec.n_layers) ** 0.5
+        for name, module in self.named_modules():
+            if isinstance(module, nn.Linear):
+                nn.init.normal_(module.weight, 0.0, residual if name.endswith("c_proj") else std)
+                if module.bias is not None:
+                    nn.init.zeros_(module.bias)
+            elif isinstance(module, nn.Embedding):
+                nn.init.normal_(module.weight, 0.0, std)
+            elif isinstance(module, MoE):
+                for w in (module.w_fc, module.w_gate):
+                    if w is not None:
+                        nn.init.normal_(w, 0.0, std)
+                nn.init.normal_(module.w_proj, 0.0, residual)
+                # the expert biases are created as zeros already
 
     @property
     def recompute(self) -> str:
