@@ -201,10 +201,10 @@ class Transformer(nn.Module):
         """GPT-2's initialisation, as nanoGPT and Megatron-LM use it: weights N(0, 0.02), biases 0,
         and the projections that write into the residual stream (attention and MLP ``c_proj``, the
         experts' ``w_proj``) N(0, 0.02 / sqrt(2 * layers)). PyTorch's module defaults (N(0, 1)
-        embeddings) start a tied-embedding GPT at a loss of ~75 instead of ln(vocab) ~7, with logits
-        spread over ~150: that is not a state anyone trains from, and on a CPU it also makes the
-        cross-entropy kernels twice as slow (their exponentials underflow), so measured steps would
-        not be a real training run's."""
+        embeddings, which a tied LM head shares) start a tied-embedding GPT far above ln(vocab) (the
+        CPU benchmark's gpt-a at a loss of 87 against 7.6), with logits spread over ~150: not a state
+        anyone trains from, and on a CPU it also makes the log-softmax run at half speed (its
+        exponentials underflow), so measured steps would not be a real training run's."""
         std = 0.02
         residual = std / (2 * self.spec.n_layers) ** 0.5
         for name, module in self.named_modules():
