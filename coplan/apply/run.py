@@ -12,6 +12,7 @@ from typing import Any
 
 from coplan.apply.dist import from_torchrun, launch
 from coplan.apply.fusion import honoured_total
+from coplan.apply.host import HOST_ALLOCATORS
 from coplan.apply.predict import baseline_plan, make_context, predict, refuse, run_cluster
 from coplan.apply.train import MODES, Job, RankResult, run_rank, step_time, tolerance_of
 from coplan.errors import CoplanError, SpecError
@@ -37,6 +38,7 @@ class RunRequest:
     threads: int = 0
     seed: int = 0
     mode: str = "plan"  # or a baseline: "compile" (torch.compile defaults), "eager" (``Job.mode``)
+    host_allocator: str = "pinned"  # or "default" (``Job.host_allocator``, ``coplan.apply.host``)
 
 
 def run_plan(req: RunRequest) -> dict[str, Any]:
@@ -47,6 +49,9 @@ def run_plan(req: RunRequest) -> dict[str, Any]:
     notes = refuse(req.plan, ctx, req.nproc)
     if req.mode not in MODES:
         raise PlanError("mode", f"must be one of {', '.join(MODES)}, got {req.mode!r}", "run")
+    if req.host_allocator not in HOST_ALLOCATORS:
+        got = req.host_allocator
+        raise SpecError("--host-allocator", None, f"must be one of {', '.join(HOST_ALLOCATORS)}, got {got!r}")
     ran = baseline_plan(req.plan, ctx, req.mode)
     if req.mode != "plan":
         notes.append(
@@ -67,6 +72,7 @@ def run_plan(req: RunRequest) -> dict[str, Any]:
         threads=threads,
         seed=req.seed,
         mode=req.mode,
+        host_allocator=req.host_allocator,
     )
     res = execute(job, req.nproc)
     return report(req, cluster, pred.figures(), pred.breakdown_s, res, notes)

@@ -37,6 +37,7 @@ import torch
 from coplan.apply.backend import Backend
 from coplan.apply.dist import Rank, apply_dp, apply_tp, full_grad, init, mesh
 from coplan.apply.fusion import optimizer_record
+from coplan.apply.host import pin_host_allocator
 from coplan.apply.measure import LiveBytes, SavedBytes, state_tensors, storages
 from coplan.apply.precision import LossScaler, compute_dtype, model_dtype, tolerance
 from coplan.errors import CoplanError
@@ -65,6 +66,9 @@ class Job:
     # ``torch.compile(model)`` with Inductor's defaults, "eager" plain PyTorch, both in fp32 or,
     # for a 16-bit plan, under ``torch.autocast`` to its compute dtype (what AMP users run)
     mode: str = "plan"
+    # "pinned": on a CPU, hold glibc malloc's thresholds at their steady state for the run
+    # (``coplan.apply.host``); "default": leave the allocator as the process found it
+    host_allocator: str = "pinned"
 
 
 @dataclass
@@ -194,12 +198,17 @@ def _all_mean(values: list[float], world: int) -> list[float]:
 def run_rank(rank: int, world: int, job: Job) -> RankResult | None:
     """Train ``job`` as process ``rank`` of ``world``; the main rank returns (and, for spawned
     runs, writes) the result, the others None. A ``CoplanError`` is written as ``{"error": ...}``."""
+    pinned = None
+    if job.device == "cpu" and job.host_allocator == "pinned":
+        pinned = pin_host_allocator()  # before the model exists, so every step sees the same heap
     try:
         res = _run(rank, world, job)
     except CoplanError as e:
         if job.result and rank == 0:
             Path(job.result).write_text(json.dumps({"error": str(e), "exit_code": e.exit_code}))
         raise
+    if res is not None and pinned is not None:
+        res.notes.append(pinned)
     if res is not None and job.result:
         Path(job.result).write_text(json.dumps(res.to_dict()))
     return res

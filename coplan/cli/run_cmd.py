@@ -75,6 +75,14 @@ def run(
             "(torch.compile defaults) or eager; 16-bit plans' baselines run under autocast.",
         ),
     ] = "plan",
+    host_allocator: Annotated[
+        str,
+        typer.Option(
+            "--host-allocator",
+            help="pinned (on a CPU, hold glibc malloc's mmap threshold at 32 MiB and heap trimming "
+            "off, so steps do not page-fault their tensors in again) or default.",
+        ),
+    ] = "pinned",
     record: Annotated[
         Path | None,
         typer.Option("--record", help="Append this run to a JSONL file for coplan calibrate --runs."),
@@ -106,6 +114,7 @@ def run(
         device=dev,
         threads=threads,
         mode=mode,
+        host_allocator=host_allocator,
     )
     out = run_plan(req)
     if record is not None:

@@ -9,6 +9,7 @@ contract and refuse plans made for another job with one line and exit code 2.
 from __future__ import annotations
 
 import json
+import platform
 from pathlib import Path
 
 import pytest
@@ -276,6 +277,8 @@ def test_run_json_contract(capsys, plan_file):
     m, p = data["measured"], data["predicted"]
     assert abs(m["saved_activation_bytes"] / p["saved_activation_bytes"] - 1) <= 0.05
     assert m["step_time_s"] > 0 and m["peak_bytes"] > m["saved_activation_bytes"]
+    if platform.libc_ver()[0] == "glibc":  # the run says how it held the host allocator
+        assert any(n.startswith("host allocator pinned") for n in data["run"]["notes"])
 
 
 @pytest.mark.parametrize(
@@ -285,6 +288,7 @@ def test_run_json_contract(capsys, plan_file):
         (["--model", "gpt-tiny", "--nproc", "2"], "world size of 1"),
         (["--model", "gpt-tiny", "--batch", "8"], "global batch 4"),
         (["--model", "gpt-tiny", "--steps", "0"], "--steps"),
+        (["--model", "gpt-tiny", "--host-allocator", "jemalloc"], "--host-allocator"),
     ],
 )
 def test_run_refuses_plans_for_another_job(capsys, plan_file, args, needle):

@@ -1,0 +1,51 @@
+"""Holding glibc malloc's thresholds (``coplan.apply.host``): tensors below 32 MiB stop
+page-faulting in again after the first step."""
+
+from __future__ import annotations
+
+import platform
+import resource
+
+import pytest
+import torch
+
+from coplan.apply.host import MMAP_THRESHOLD, pin_host_allocator
+
+glibc = pytest.mark.skipif(platform.libc_ver()[0] != "glibc", reason="glibc's mallopt only")
+
+
+def _faults() -> int:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+
+
+@glibc
+def test_pinned_heap_reuses_its_pages() -> None:
+    assert pin_host_allocator() is not None
+    n = MMAP_THRESHOLD // 2 // 4  # a 16 MiB fp32 tensor: from the heap once pinned
+    x = torch.empty(n)
+    x.fill_(1.0)
+    del x  # freed at the top of the heap: glibc's default would trim it (or map it afresh)
+    before = _faults()
+    for _ in range(10):
+        x = torch.empty(n)
+        x.fill_(1.0)
+        del x
+    # 4096 pages a tensor: re-faulting them would be 40,960 faults; a few stray ones are the
+    # interpreter's own
+    assert _faults() - before < 500
+
+
+@glibc
+def test_tensors_of_32_mib_and_more_are_still_mapped_afresh() -> None:
+    # what the cost model's first-touch tier charges: these fault in on every allocation
+    assert pin_host_allocator() is not None
+    n = 2 * MMAP_THRESHOLD // 4
+    x = torch.empty(n)
+    x.fill_(1.0)
+    del x
+    before = _faults()
+    for _ in range(3):
+        x = torch.empty(n)
+        x.fill_(1.0)
+        del x
+    assert _faults() - before > 3 * 16_384 // 2  # 16,384 pages a tensor (4 KiB pages)
