@@ -11,6 +11,11 @@ on the calibrated profile (``coplan calibrate``, run here unless ``--profile`` n
 measures the activation bytes autograd really saves (``saved_tensors_hooks``, each storage once,
 parameters and inputs excluded) against the estimate's ``activations_bytes``.
 
+The process holds glibc malloc's thresholds as ``coplan run`` does (``--host-allocator pinned``,
+``coplan/apply/host.py``): tensors below 32 MiB reuse a heap that is never trimmed, larger ones are
+mapped and faulted in afresh, which is what the cost model prices; ``default`` leaves the allocator
+to the process's history.
+
 Targets: step-time error within 20% for every configuration, Spearman rank correlation >= 0.8,
 activation bytes within 5%. ``--ops N`` also profiles configuration N with ``torch.profiler`` and
 prints measured vs modelled time per aten op (where the model misprices).
@@ -41,6 +46,7 @@ from typing import Any
 import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 
+from coplan.apply.host import HOST_ALLOCATORS, pin_host_allocator
 from coplan.apply.measure import spearman
 from coplan.capture.api import capture_module
 from coplan.cost import CostModel, Estimate, TrainingConfig
@@ -372,8 +378,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--quick", action="store_true", help="fewer configurations and steps, quick calibration")
     ap.add_argument("--ops", type=int, default=None, help="profile configuration N per aten op")
     ap.add_argument("--out", default=str(RESULTS / "cpu_accuracy.json"))
+    ap.add_argument(
+        "--host-allocator",
+        choices=HOST_ALLOCATORS,
+        default="pinned",
+        help="pinned: glibc malloc held as `coplan run` holds it (coplan/apply/host.py); default: as found",
+    )
     args = ap.parse_args(argv)
     torch.set_num_threads(THREADS)
+    allocator = pin_host_allocator() if args.host_allocator == "pinned" else None
     RESULTS.mkdir(exist_ok=True)
     started = time.perf_counter()
     preset = load_cluster("cpu")
@@ -452,6 +465,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     machine = platform.processor() or platform.machine()
     result = {
         "machine": f"{machine}, {THREADS} threads, torch {torch.__version__}",
+        "host_allocator": allocator or "as the process found it",
         "profile": profile_path,
         "device": cluster.device.to_dict(),
         "targets": {"step_error": STEP_TARGET, "spearman": SPEARMAN_TARGET, "saved_bytes_error": ACT_TARGET},
