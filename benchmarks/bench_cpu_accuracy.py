@@ -12,7 +12,7 @@ measures the activation bytes autograd really saves (``saved_tensors_hooks``, ea
 parameters and inputs excluded) against the estimate's ``activations_bytes``.
 
 The process holds glibc malloc's thresholds as ``coplan run`` does (``--host-allocator pinned``,
-``coplan/apply/host.py``): tensors below 32 MiB reuse a heap that is never trimmed, larger ones are
+``coplan/hardware/allocator.py``): tensors below 32 MiB reuse a heap that is never trimmed, larger ones are
 mapped and faulted in afresh, which is what the cost model prices; ``default`` leaves the allocator
 to the process's history.
 
@@ -46,11 +46,11 @@ from typing import Any
 import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 
-from coplan.apply.host import HOST_ALLOCATORS, pin_host_allocator
 from coplan.apply.measure import spearman
 from coplan.capture.api import capture_module
 from coplan.cost import CostModel, Estimate, TrainingConfig
 from coplan.hardware import ClusterSpec, load_cluster
+from coplan.hardware.allocator import HOST_ALLOCATORS, pin_host_allocator
 from coplan.ir.types import Graph
 from coplan.models.spec import ModelSpec
 from coplan.models.transformer import Transformer, example_batch
@@ -382,7 +382,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         "--host-allocator",
         choices=HOST_ALLOCATORS,
         default="pinned",
-        help="pinned: glibc malloc held as `coplan run` holds it (coplan/apply/host.py); default: as found",
+        help="pinned: glibc malloc held as `coplan run` holds it (coplan/hardware/allocator.py); "
+        "default: as found",
     )
     args = ap.parse_args(argv)
     torch.set_num_threads(THREADS)

@@ -12,10 +12,10 @@ from typing import Any
 
 from coplan.apply.dist import from_torchrun, launch
 from coplan.apply.fusion import honoured_total
-from coplan.apply.host import HOST_ALLOCATORS
 from coplan.apply.predict import baseline_plan, make_context, predict, refuse, run_cluster
 from coplan.apply.train import MODES, Job, RankResult, run_rank, step_time, tolerance_of
 from coplan.errors import CoplanError, SpecError
+from coplan.hardware.allocator import HOST_ALLOCATORS
 from coplan.hardware.cluster import ClusterSpec
 from coplan.models.spec import ModelSpec
 from coplan.plan.types import Plan, PlanError
@@ -38,7 +38,7 @@ class RunRequest:
     threads: int = 0
     seed: int = 0
     mode: str = "plan"  # or a baseline: "compile" (torch.compile defaults), "eager" (``Job.mode``)
-    host_allocator: str = "pinned"  # or "default" (``Job.host_allocator``, ``coplan.apply.host``)
+    host_allocator: str = "pinned"  # or "default" (``Job.host_allocator``, ``coplan.hardware.allocator``)
 
 
 def run_plan(req: RunRequest) -> dict[str, Any]:

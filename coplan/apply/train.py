@@ -37,10 +37,10 @@ import torch
 from coplan.apply.backend import Backend
 from coplan.apply.dist import Rank, apply_dp, apply_tp, full_grad, init, mesh
 from coplan.apply.fusion import optimizer_record
-from coplan.apply.host import pin_host_allocator
 from coplan.apply.measure import LiveBytes, SavedBytes, state_tensors, storages
 from coplan.apply.precision import LossScaler, compute_dtype, model_dtype, tolerance
 from coplan.errors import CoplanError
+from coplan.hardware.allocator import pin_host_allocator
 from coplan.models.spec import ModelSpec
 from coplan.models.transformer import Transformer
 from coplan.plan.types import Plan, PlanError
@@ -67,7 +67,7 @@ class Job:
     # for a 16-bit plan, under ``torch.autocast`` to its compute dtype (what AMP users run)
     mode: str = "plan"
     # "pinned": on a CPU, hold glibc malloc's thresholds at their steady state for the run
-    # (``coplan.apply.host``); "default": leave the allocator as the process found it
+    # (``coplan.hardware.allocator``); "default": leave the allocator as the process found it
     host_allocator: str = "pinned"
 
 

@@ -45,6 +45,7 @@ from typing import Any
 import torch
 
 from coplan.errors import CoplanError
+from coplan.hardware.allocator import pin_host_allocator
 from coplan.hardware.calibrate.fit import KINDS, Measurement, Params, fit, predict, rms_residuals
 from coplan.hardware.calibrate.probes import (
     Plan,
@@ -307,6 +308,10 @@ def calibrate(
         if progress is not None:
             progress(label, done, total)
 
+    # on a CPU the probes allocate their outputs as a training step does: hold glibc's thresholds as
+    # `coplan run` holds them, so that no probe pays page faults that a run would not
+    # (``coplan.hardware.allocator``; whole-process, like a run)
+    pinned = pin_host_allocator() if device == "cpu" else None
     started, elsewhere = time.perf_counter(), 0.0
 
     def between(n: int) -> None:  # the caller's interleaved work is not the calibration's time
@@ -321,7 +326,7 @@ def calibrate(
     if procs >= MIN_PROCS:
         coll, backend = measure_collectives(device, procs, plan, tick)
         ms += coll
-    extra: list[str] = []
+    extra: list[str] = [pinned] if pinned else []
     if base is None:
         base = _bare_gpu(hardware, ms)
         extra.append(f"no device preset matches {hardware!r}: its peaks are the best rates measured")

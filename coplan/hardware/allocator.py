@@ -13,8 +13,10 @@ fresh process (session 9, README "Known limits"), a bf16 step of the benchmark's
 under 32 MiB from the heap, never trimmed back, blocks of 32 MiB and more mapped (and faulted in)
 on every allocation. That is also what the cost model prices on a CPU: the first-touch tier charges
 fresh tensors at least the size of the last-level cache (32 MiB on the development machine), and
-nothing below. It changes the whole process's allocator (the caller's too, for a run in this
-process), which is why ``coplan run`` reports it and ``--host-allocator default`` turns it off.
+nothing below. ``coplan run`` pins it in every training process (``--host-allocator default``
+turns that off; the run's notes say which), and ``coplan calibrate --device cpu`` while its probes
+run, so that they measure kernels as a run executes them. It changes the whole process's allocator,
+the caller's too for work done in this process.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Holding glibc malloc's thresholds (``coplan.apply.host``): tensors below 32 MiB stop
+"""Holding glibc malloc's thresholds (``coplan.hardware.allocator``): tensors below 32 MiB stop
 page-faulting in again after the first step."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ import resource
 import pytest
 import torch
 
-from coplan.apply.host import MMAP_THRESHOLD, pin_host_allocator
+from coplan.hardware.allocator import MMAP_THRESHOLD, pin_host_allocator
 
 glibc = pytest.mark.skipif(platform.libc_ver()[0] != "glibc", reason="glibc's mallopt only")
 
