@@ -477,16 +477,27 @@ class _PartCost:
 
 
 class _Priced:
-    __slots__ = ("backward", "cost", "forward", "fwd_kernels", "fwd_times", "kernels", "optimizer", "saved")
+    __slots__ = (
+        "backward",
+        "cost",
+        "forward",
+        "fwd_kernels",
+        "fwd_times",
+        "kernels",
+        "optimizer",
+        "points",
+        "saved",
+    )
 
     def __init__(self, cost: _PartCost, part: Part) -> None:
         s = cost.s
         self.cost = cost
         fwd, bwd = part.forward, part.backward
         self.saved: Vec = part.saved["none"]
-        for name, f, b, delta in part.loss_variants:
+        self.points = part.transient
+        for name, f, b, delta, points in part.loss_variants:
             if name == cost.c.loss_fusion:  # Megatron's own loss kernels (``loss.py``)
-                fwd, bwd, self.saved = f, b, vadd(self.saved, delta)
+                fwd, bwd, self.saved, self.points = f, b, vadd(self.saved, delta), points
         self.fwd_kernels = fwd
         self.fwd_times = [cost.time(k) for k in fwd]
         self.forward = sum(self.fwd_times)
@@ -554,7 +565,7 @@ class _Priced:
 
     def transient(self, part: Part) -> float:
         w = self.cost.s.weights
-        return max(vdot(pt, w) for pt in part.transient)
+        return max(vdot(pt, w) for pt in self.points)
 
 
 def _saved(profile: GraphProfile, part: Part, mode: str | frozenset[str]) -> Vec:

@@ -85,8 +85,9 @@ class Part:
     op_ids: tuple[int, ...] = ()
     saved_items: tuple[tuple[int, str, Vec], ...] = ()  # (tensor id, name, vector) kept with no recompute
     # the head under Megatron's loss kernels (``loss.py``): (loss fusion, forward kernels, backward
-    # kernels, change of the saved vector), replacing ``forward``/``backward`` when priced
-    loss_variants: tuple[tuple[str, tuple[Kernel, ...], tuple[Kernel, ...], Vec], ...] = ()
+    # kernels, change of the saved vector, transient points), replacing ``forward``/``backward``/
+    # ``transient`` when priced
+    loss_variants: tuple[tuple[str, tuple[Kernel, ...], tuple[Kernel, ...], Vec, tuple[Vec, ...]], ...] = ()
     cache: dict[object, object] = field(default_factory=dict, compare=False, repr=False)
 
 

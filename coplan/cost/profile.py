@@ -234,6 +234,12 @@ class _Ctx:
         out[cls * 2 + sh] = float(t.nbytes if cls == FIX else t.numel)
         return tuple(out)  # type: ignore[return-value]
 
+    def _act_vec(self, t: Tensor) -> Vec:
+        """``t`` stored in the training dtype's activation width, whatever its own class."""
+        out = [0.0] * NV
+        out[ACT * 2 + self.tensor_shard(t)] = float(t.numel)
+        return tuple(out)  # type: ignore[return-value]
+
     def as_dtype(self, t: Tensor, dtype: str) -> Vec:
         """The element/byte vector of ``t`` stored as ``dtype``."""
         out = [0.0] * NV
@@ -413,7 +419,7 @@ class _Ctx:
             {Phase.FORWARD: fwd, Phase.BACKWARD: bwd, Phase.OPTIMIZER: opt}[k.phase].append(k)
         for k in self.cast_kernels(ops):
             (fwd if k.phase is Phase.FORWARD else bwd).append(k)
-        variants = self.loss_variants(ops, fwd, bwd) if self.megatron_loss and not blocks else ()
+        variants = self.loss_variants(ops, ids, fwd, bwd) if self.megatron_loss and not blocks else ()
         params = [0.0, 0.0]
         seen: set[int] = set()
         for op in ops:
@@ -461,19 +467,31 @@ class _Ctx:
         )
 
     def loss_variants(
-        self, ops: Sequence[Op], fwd: Sequence[Kernel], bwd: Sequence[Kernel]
-    ) -> tuple[tuple[str, tuple[Kernel, ...], tuple[Kernel, ...], Vec], ...]:
-        """The part's kernels with its loss run as each of Megatron's cross-entropy kernels."""
+        self, ops: Sequence[Op], ids: set[int], fwd: Sequence[Kernel], bwd: Sequence[Kernel]
+    ) -> tuple[tuple[str, tuple[Kernel, ...], tuple[Kernel, ...], Vec, tuple[Vec, ...]], ...]:
+        """The part's kernels with its loss run as each of Megatron's cross-entropy kernels, and the
+        part's temporaries then. Megatron's kernels work in place on the fp32 copy of the logits they
+        keep (the softmax, then the gradient: ``loss.py``), so what they add to the rest of the
+        head's temporaries is the 16-bit logits before the copy and the 16-bit gradient after the
+        cast back, which a walk over the head without the IR's loss ops counts (the logits until
+        their last reader, the gradient as it enters the output layer's backward); the IR's own
+        formulation instead holds fp32 log-probabilities' gradients (two fp32 logit-sized tensors)."""
         mine = loss_ops(self.g, ops, self._f32_ops)
         if not mine:
             return ()
         keep_f = tuple(k for k in fwd if not mine.intersection(k.ops))
         keep_b = tuple(k for k in bwd if not mine.intersection(k.ops))
         loss = [op for op in ops if op.id in mine]
+        transient = self.liveness(ops, ids, skip=mine)
+        # Transformer Engine's kernel writes the gradient into the logits buffer it keeps (counted
+        # in the saved vector): nothing new enters the output layer's backward (its forward point
+        # still counts those logits as live as well as kept: at most 2 bytes a logit over)
+        in_place = self.liveness(ops, ids, skip=mine, skip_returns=False)
         out = []
         for impl in LOSS_FUSIONS:
             lf, lb, saved = megatron_loss(self.g, loss, impl)
-            out.append((impl, keep_f + tuple(lf), tuple(lb) + keep_b, saved))
+            points = in_place if impl == "te" else transient
+            out.append((impl, keep_f + tuple(lf), tuple(lb) + keep_b, saved, points))
         return tuple(out)
 
     def flash_saved(self, ops: Sequence[Op]) -> Vec:
@@ -655,8 +673,14 @@ class _Ctx:
             and any(self.g.ops[c].kind is OpKind.ATTENTION for c in t.consumers)
         )
 
-    def liveness(self, ops: Sequence[Op], ids: set[int]) -> tuple[Vec, ...]:
-        """Live temporaries (not kept for backward) after each op of the part, forward and backward."""
+    def liveness(
+        self, ops: Sequence[Op], ids: set[int], skip: frozenset[int] = frozenset(), skip_returns: bool = True
+    ) -> tuple[Vec, ...]:
+        """Live temporaries (not kept for backward) after each op of the part, forward and backward.
+        Ops in ``skip`` run as other kernels (Megatron's loss): their temporaries are left out, a
+        tensor they alone read is freed once its last reader has passed, and what they produce for
+        a walked op counts as an incoming temporary in the training dtype (``skip_returns``; off:
+        it is storage counted elsewhere)."""
         g = self.g
         last_use: dict[int, int] = {}
         for op in ops:
@@ -667,17 +691,24 @@ class _Ctx:
         live: dict[int, Vec] = {}
         points: list[Vec] = []
         current: Vec = ZERO
+        walked = ids - skip
         for op in ops:
-            if op.phase is Phase.OPTIMIZER or op.kind is OpKind.VIEW:
+            if op.phase is Phase.OPTIMIZER or op.kind is OpKind.VIEW or op.id in skip:
                 continue
+            if skip:  # temporaries whose last reader was a skipped op are gone by now
+                for sid in [s for s in live if last_use.get(s, -1) < op.id]:
+                    current = tuple(a - b for a, b in zip(current, live.pop(sid), strict=True))  # type: ignore[assignment]
             for tid in op.inputs:  # incoming temporaries from other parts (gradients) are live too
                 base = g.tensors[g.tensors[tid].storage_id]
                 if (
                     base.id not in live
                     and _is_temp(base)
-                    and (base.producer is None or base.producer not in ids)
+                    and (base.producer is None or base.producer not in walked)
+                    and (skip_returns or base.producer not in skip)
                 ):
-                    live[base.id] = self.vec(base)
+                    # a skipped (Megatron loss) kernel hands back its gradient in the training
+                    # dtype: the cast back from its fp32 buffer
+                    live[base.id] = self._act_vec(base) if base.producer in skip else self.vec(base)
                     current = vadd(current, live[base.id])
             for tid in op.outputs:
                 t = g.tensors[tid]

@@ -396,10 +396,32 @@ def _head_bytes(impl: str, spec: ModelSpec) -> tuple[float, float]:
 
     prof = CostModel(spec=spec).profile(1, 256)
     w = Scale(1, False, (2.0, 2.0, 4.0, 4.0, 1.0, 1.0), 2, True).weights
-    for name, f, b, _ in prof.post.loss_variants:
+    for name, f, b, _, _ in prof.post.loss_variants:
         if name == impl:
             return tuple(sum(vdot(k.bytes, w) for k in ks if k.kind == "vector") for ks in (f, b))  # type: ignore[return-value]
     raise AssertionError(impl)
+
+
+@pytest.mark.parametrize(
+    ("fusion", "loss", "low", "high"),
+    [
+        ("megatron", "none", 2.0, 2.05),
+        ("megatron", "native", 2.0, 2.05),
+        ("megatron", "te", 2.0, 2.05),
+        ("none", "none", 8.0, 8.05),
+    ],
+)
+def test_loss_temporaries_follow_the_kernels_that_run(fusion, loss, low, high):
+    # the head dominates (vocabulary 65,536 against width 256): the transient working set is its
+    # loss's. Megatron's kernels keep one fp32 buffer (counted as saved) and work in place, so only
+    # the 16-bit logits and the 16-bit gradient handed back are temporaries: 2 bytes a logit. The
+    # IR's own log_softmax + nll_loss (eager) hold two fp32 gradients at once: 8 bytes a logit.
+    spec = ModelSpec(
+        name="v", n_layers=2, d_model=256, n_heads=4, vocab_size=65536, seq_len=512, tied_embeddings=False
+    )
+    cfg = TrainingConfig(microbatch=4, global_batch=4, seq=512, dtype="bf16", fusion=fusion, loss_fusion=loss)
+    est = CostModel(spec=spec).estimate(load_cluster("dgx-h100", 1), cfg)
+    assert low <= est.memory.transient_bytes / (4 * 512 * 65536) <= high
 
 
 def test_megatron_vocab_parallel_cross_entropy_passes():
