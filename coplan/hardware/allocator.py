@@ -4,10 +4,10 @@ glibc serves a block below its mmap threshold from the heap, maps anything large
 it on free, and gives the top of the heap back to the OS once more than its trim threshold lies
 free there. Both thresholds move: each freed mapped block raises the mmap threshold to its size
 (up to 32 MiB on 64-bit), and the trim threshold to twice that. So whether a training step
-page-faults its tensors in again depends on what the process allocated before. Measured here in a
-fresh process (session 9, README "Known limits"), a bf16 step of the benchmark's gpt-a at batch 8 x
-128 faulted 21 MB every step and took 40 ms; with the thresholds held it faulted nothing and took
-28 ms.
+page-faults its tensors in again depends on what the process allocated before. Measured in fresh
+processes (session 9, eight of each, alternating; README "Applying a plan"), a bf16 training step of
+the CPU benchmark's gpt-a at batch 8 x 128 faulted 15-20 MB a step with glibc's defaults and took
+29.1 ms (median), and faulted nothing with the thresholds held: 23.8 ms.
 
 ``pin_host_allocator`` holds them at the state a long-running process reaches on its own: blocks
 under 32 MiB from the heap, never trimmed back, blocks of 32 MiB and more mapped (and faulted in)
