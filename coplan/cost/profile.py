@@ -484,9 +484,12 @@ class _Ctx:
         loss = [op for op in ops if op.id in mine]
         transient = self.liveness(ops, ids, skip=mine)
         # Transformer Engine's kernel writes the gradient into the logits buffer it keeps (counted
-        # in the saved vector): nothing new enters the output layer's backward (its forward point
-        # still counts those logits as live as well as kept: at most 2 bytes a logit over)
-        in_place = self.liveness(ops, ids, skip=mine, skip_returns=False)
+        # in the saved vector): the logits are not a temporary, and nothing new enters the output
+        # layer's backward
+        reads = [t for op in loss if op.phase is Phase.FORWARD for t in op.inputs]
+        logits = max(reads, key=lambda t: self.g.tensors[t].numel, default=None)
+        kept = frozenset() if logits is None else frozenset({self.g.tensors[logits].storage_id})
+        in_place = self.liveness(ops, ids, skip=mine, skip_returns=False, kept=kept)
         out = []
         for impl in LOSS_FUSIONS:
             lf, lb, saved = megatron_loss(self.g, loss, impl)
@@ -674,13 +677,18 @@ class _Ctx:
         )
 
     def liveness(
-        self, ops: Sequence[Op], ids: set[int], skip: frozenset[int] = frozenset(), skip_returns: bool = True
+        self,
+        ops: Sequence[Op],
+        ids: set[int],
+        skip: frozenset[int] = frozenset(),
+        skip_returns: bool = True,
+        kept: frozenset[int] = frozenset(),
     ) -> tuple[Vec, ...]:
         """Live temporaries (not kept for backward) after each op of the part, forward and backward.
         Ops in ``skip`` run as other kernels (Megatron's loss): their temporaries are left out, a
         tensor they alone read is freed once its last reader has passed, and what they produce for
         a walked op counts as an incoming temporary in the training dtype (``skip_returns``; off:
-        it is storage counted elsewhere)."""
+        it is storage counted elsewhere). Storages in ``kept`` are counted as saved, not here."""
         g = self.g
         last_use: dict[int, int] = {}
         for op in ops:
@@ -712,7 +720,7 @@ class _Ctx:
                     current = vadd(current, live[base.id])
             for tid in op.outputs:
                 t = g.tensors[tid]
-                if t.alias_of is None and _is_temp(t) and not t.saved_for_backward:
+                if t.alias_of is None and _is_temp(t) and not t.saved_for_backward and t.id not in kept:
                     live[t.id] = self.vec(t)
                     current = vadd(current, live[t.id])
             points.append(current)
