@@ -22,7 +22,6 @@ the caller's too for work done in this process.
 from __future__ import annotations
 
 import ctypes
-import ctypes.util
 import platform
 
 #: glibc's ``mallopt`` parameters (malloc.h)
@@ -42,11 +41,8 @@ def pin_host_allocator() -> str | None:
     a line saying what was set, or None where the C library is not glibc (nothing is changed)."""
     if platform.system() != "Linux" or platform.libc_ver()[0] != "glibc":
         return None
-    name = ctypes.util.find_library("c")
-    if name is None:
-        return None
-    libc = ctypes.CDLL(name)
-    mallopt = getattr(libc, "mallopt", None)
+    # the process's own symbols hold the C library it runs on (no search for libc's file)
+    mallopt = getattr(ctypes.CDLL(None), "mallopt", None)
     if mallopt is None:
         return None
     mallopt.argtypes = (ctypes.c_int, ctypes.c_int)
