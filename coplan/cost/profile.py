@@ -700,12 +700,17 @@ class _Ctx:
         points: list[Vec] = []
         current: Vec = ZERO
         walked = ids - skip
+
+        def release(sids: Iterable[int]) -> None:
+            nonlocal current
+            for sid in sids:
+                current = tuple(a - b for a, b in zip(current, live.pop(sid), strict=True))  # type: ignore[assignment]
+
         for op in ops:
             if op.phase is Phase.OPTIMIZER or op.kind is OpKind.VIEW or op.id in skip:
                 continue
             if skip:  # temporaries whose last reader was a skipped op are gone by now
-                for sid in [s for s in live if last_use.get(s, -1) < op.id]:
-                    current = tuple(a - b for a, b in zip(current, live.pop(sid), strict=True))  # type: ignore[assignment]
+                release([s for s in live if last_use.get(s, -1) < op.id])
             for tid in op.inputs:  # incoming temporaries from other parts (gradients) are live too
                 base = g.tensors[g.tensors[tid].storage_id]
                 if (
@@ -724,10 +729,8 @@ class _Ctx:
                     live[t.id] = self.vec(t)
                     current = vadd(current, live[t.id])
             points.append(current)
-            for tid in set(op.inputs) | set(op.outputs):
-                sid = g.tensors[tid].storage_id
-                if sid in live and last_use.get(sid, -1) <= op.id:
-                    current = tuple(a - b for a, b in zip(current, live.pop(sid), strict=True))  # type: ignore[assignment]
+            ended = {g.tensors[tid].storage_id for tid in (*op.inputs, *op.outputs)}
+            release([sid for sid in ended if sid in live and last_use.get(sid, -1) <= op.id])
         return _prune(points)
 
     def tp_boundaries(self, ops: Sequence[Op], ids: set[int]) -> tuple[tuple[float, ...], tuple[float, ...]]:
