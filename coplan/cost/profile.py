@@ -19,6 +19,7 @@ from __future__ import annotations
 import re
 from collections.abc import Iterable, Sequence
 
+from coplan.cost.boundaries import pipeline_boundary, tp_boundaries
 from coplan.cost.fp8 import fp8_saved_delta
 from coplan.cost.fusion import default_groups, fused_recomputed, readers, source_op
 from coplan.cost.geometry import attn_geometry, mm_dims, transposed_lhs
@@ -431,8 +432,8 @@ class _Ctx:
                     seen.add(t.id)
                     params[self._shard[op.id]] += t.numel
         saved_none = self.saved_vec(ops, ids, mode="none")
-        exits, entries = self.tp_boundaries(ops, ids)
-        boundary = self.boundary(ops, ids)
+        exits, entries = tp_boundaries(self.g, self._shard, ops)
+        boundary = pipeline_boundary(self.g, ops, ids)
         scores = scores_dropout = 0.0
         for op in ops:
             if op.kind is OpKind.ATTENTION and op.phase is Phase.FORWARD:
@@ -732,45 +733,6 @@ class _Ctx:
             ended = {g.tensors[tid].storage_id for tid in (*op.inputs, *op.outputs)}
             release([sid for sid in ended if sid in live and last_use.get(sid, -1) <= op.id])
         return _prune(points)
-
-    def tp_boundaries(self, ops: Sequence[Op], ids: set[int]) -> tuple[tuple[float, ...], tuple[float, ...]]:
-        """Tensors crossing between replicated and sharded ops in the forward pass."""
-        g = self.g
-        exits: dict[int, float] = {}
-        entries: dict[int, float] = {}
-        for op in ops:
-            if op.phase is not Phase.FORWARD or op.kind is OpKind.VIEW:
-                continue
-            mine = self._shard[op.id]
-            for tid in op.inputs:
-                t = g.tensors[tid]
-                src = source_op(g, tid)
-                if src is None:
-                    if t.role is not TensorRole.ACTIVATION or mine != TP:
-                        continue
-                    entries[t.storage_id] = float(t.numel)
-                    continue
-                theirs = self._shard[src]
-                if theirs == TP and mine == REPL:
-                    exits[t.storage_id] = float(t.numel)
-                elif theirs == REPL and mine == TP and g.ops[src].kind is not OpKind.CREATION:
-                    entries[t.storage_id] = float(t.numel)
-        return tuple(exits.values()), tuple(entries.values())
-
-    def boundary(self, ops: Sequence[Op], ids: set[int]) -> float:
-        """Elements of the activation a block hands to the next (its largest forward output read
-        outside the part): what a pipeline stage sends."""
-        g = self.g
-        best = 0.0
-        for op in ops:
-            if op.phase is not Phase.FORWARD:
-                continue
-            for tid in op.outputs:
-                t = g.tensors[tid]
-                if any(c not in ids and g.ops[c].phase is Phase.FORWARD for c in t.consumers):
-                    best = max(best, float(t.numel))
-        return best
-
 
 def _family(op: Op) -> str:
     """The vector family of one op: transcendental elementwise functions apart from the rest."""

@@ -159,6 +159,24 @@ def test_tensor_parallel_adds_collectives_and_splits_memory():
     assert tp8.memory.params_bytes < dp8.memory.params_bytes / 4
 
 
+@pytest.mark.parametrize("position", ["learned", "rope"])
+def test_each_block_has_two_tensor_parallel_exits_and_two_entries(position):
+    # Megatron's layer: all-gather (or identity) into QKV and FC1, reduce-scatter (or all-reduce)
+    # after the attention projection and FC2. The vocab-parallel embedding's own reduction belongs
+    # to the embedding, even where the first block reads its output directly (no learned
+    # positions): priced per layer it would add a third collective to every block.
+    spec = ModelSpec(
+        name="t", n_layers=2, d_model=256, n_heads=4, vocab_size=1024, seq_len=128, position=position
+    )
+    prof = CostModel(spec=spec).profile(2, 128)
+    tokens = 2 * 128 * 256
+    for part in prof.templates:
+        assert part.tp_exits == (tokens, tokens)
+        assert part.tp_entries == (tokens, tokens)
+    assert prof.pre.tp_exits == (tokens,) and prof.pre.tp_entries == ()
+    assert prof.post.tp_entries == (tokens,)
+
+
 def test_model_flops_match_the_6nd_rule_for_a_large_model():
     spec = PRESETS["gpt3-175b"]
     config = TrainingConfig(tp=8, pp=8, dp=16, microbatch=1, global_batch=1024, seq=2048)
