@@ -5,7 +5,9 @@
 Each run in the data file names its model (with its dropout probabilities), cluster preset,
 parallel layout (with ``stage_layers`` where the source's recipe splits layers unevenly), batch,
 recompute, precision, attention kernel, the stack's loss kernels (``loss_fusion``), pipeline-send
-and gradient-reduction settings (``overlap.p2p``, ``grad_reduce_fp32``), and the step time its
+and gradient-reduction settings (``overlap.p2p``, ``grad_reduce_fp32``), the Transformer Engine
+userbuffers settings its recipe tunes (``ub_cfg``, slot -> method, num_sm, num_splits,
+set_sm_margin; absent: TE's defaults), and the step time its
 source measured. The same device presets price every run (one
 profile per device, nothing fitted per run). Prints a table and the mean and worst absolute error
 (Megatron-Core stacks, other stacks, the runs added after the model and priced unchanged, all);
@@ -52,6 +54,17 @@ def run_config(run: dict) -> TrainingConfig:
         overlap_grad_reduce=overlap.get("grad_reduce", True),
         overlap_param_gather=overlap.get("param_gather", False),
         tp_comm_overlap=overlap.get("tp_comm", False),
+        # the recipe's userbuffers settings where it tunes them (TE's defaults otherwise)
+        tp_overlap_cfg=tuple(
+            (
+                slot,
+                c["method"],
+                c.get("num_sm", 1 if c["method"] == "ring_exchange" else 16),  # TE's defaults
+                c.get("num_splits", 4 if c["method"] == "pipeline" else 0),
+                bool(c.get("set_sm_margin", False)),
+            )
+            for slot, c in run.get("ub_cfg", {}).items()
+        ),
         # Megatron's cross-entropy kernels as the run's recipe selects them (coplan/cost/loss.py)
         loss_fusion=run.get("loss_fusion", "none"),
         overlap_p2p=overlap.get("p2p", True),

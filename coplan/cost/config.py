@@ -12,6 +12,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 
+from coplan.cost.tp_overlap import ub_slots
 from coplan.errors import SpecError
 
 if TYPE_CHECKING:
@@ -54,7 +55,10 @@ class TrainingConfig:
             backward (Megatron ``--overlap-grad-reduce``, PyTorch DDP buckets); otherwise after it.
         overlap_param_gather: ZeRO's parameter all-gather after the optimizer overlaps the next
             step's forward (Megatron ``--overlap-param-gather``).
-        tp_comm_overlap: tensor-parallel collectives overlap GEMMs (Transformer Engine userbuffers).
+        tp_comm_overlap: tensor-parallel collectives overlap GEMMs (Transformer Engine userbuffers),
+            each as its slot's method prices it (``coplan.cost.tp_overlap``).
+        tp_overlap_cfg: a recipe's userbuffers settings, ``(slot, method, num_sm, num_splits,
+            set_sm_margin)`` per slot it sets (NeMo's ``ub_cfg_*.yaml``); the rest are TE's defaults.
         overlap_p2p: under the interleaved schedule, pipeline sends and receives overlap the next
             chunk's compute (Megatron-Core's ``--overlap-p2p-communication``, on by default); off,
             each exchange blocks (2021 Megatron-LM's batched isend/irecv followed by
@@ -106,6 +110,7 @@ class TrainingConfig:
     overlap_grad_reduce: bool = True
     overlap_param_gather: bool = False
     tp_comm_overlap: bool = False
+    tp_overlap_cfg: tuple[tuple[str, str, int, int, bool], ...] = ()
     overlap_p2p: bool = True
     grad_reduce_fp32: bool = True
     stage_layers: tuple[int, ...] | None = None
@@ -153,6 +158,12 @@ class TrainingConfig:
                 )
         else:
             object.__setattr__(self, "fusion", tuple(tuple(int(i) for i in g) for g in self.fusion))
+        try:
+            cfg = tuple((str(a), str(m), int(n), int(k), bool(g)) for a, m, n, k, g in self.tp_overlap_cfg)
+            ub_slots(cfg)
+        except (TypeError, ValueError) as exc:
+            raise ConfigError("tp_overlap_cfg", str(exc)) from None
+        object.__setattr__(self, "tp_overlap_cfg", cfg)
         if self.loss_fusion not in LOSS_FUSIONS:
             raise ConfigError(
                 "loss_fusion", f"must be one of {', '.join(LOSS_FUSIONS)}, got {self.loss_fusion!r}"
@@ -224,6 +235,7 @@ class TrainingConfig:
             "overlap_grad_reduce": self.overlap_grad_reduce,
             "overlap_param_gather": self.overlap_param_gather,
             "tp_comm_overlap": self.tp_comm_overlap,
+            "tp_overlap_cfg": [list(e) for e in self.tp_overlap_cfg],
             "overlap_p2p": self.overlap_p2p,
             "grad_reduce_fp32": self.grad_reduce_fp32,
             "stage_layers": list(self.stage_layers) if self.stage_layers else None,

@@ -31,6 +31,7 @@ from coplan.cost.fusion import readers
 from coplan.cost.kernels import Rates, Scale, kernel_time, launches, vector_compute
 from coplan.cost.parts import ACT, FIX, NV, REPL, TP, GraphProfile, Kernel, Part, Vec, vadd, vdot
 from coplan.cost.stages import boundary_held, chunk_in_flight, drops_output, in_flight, static_bytes
+from coplan.cost.tp_overlap import block_overlap, ub_slots, with_rows
 from coplan.cost.zero import zero3_exposed, zero3_transient
 from coplan.hardware.cluster import ClusterSpec
 from coplan.hardware.device import DeviceSpec
@@ -454,6 +455,7 @@ class _PartCost:
         self.device = device
         self._memo: dict[int, _Priced] = {}
         self._rates: dict[str, Rates] = {}
+        self.ub_slots = ub_slots(config.tp_overlap_cfg)
 
     def rates(self, k: Kernel) -> Rates:
         """The rates of kernel ``k``: its own precision's when overridden, else the stage's."""
@@ -487,6 +489,7 @@ class _Priced:
         "optimizer",
         "points",
         "saved",
+        "tp_memo",
     )
 
     def __init__(self, cost: _PartCost, part: Part) -> None:
@@ -505,6 +508,7 @@ class _Priced:
         # optimizer kernels: everything scales with the local (TP-sharded) parameters
         self.optimizer = sum(cost.time(k) for k in part.optimizer)
         self.kernels = sum(launches(k, s) for k in (*fwd, *bwd, *part.optimizer))
+        self.tp_memo: dict[str | frozenset[str], float] = {}
 
     def recompute(self, part: Part, mode: str | frozenset[str]) -> float:
         if mode == "none":
@@ -533,6 +537,12 @@ class _Priced:
         return total
 
     def tp_comm(self, part: Part, mode: str | frozenset[str]) -> float:
+        got = self.tp_memo.get(mode)
+        if got is None:
+            got = self.tp_memo[mode] = self._tp_comm(part, mode)
+        return got
+
+    def _tp_comm(self, part: Part, mode: str | frozenset[str]) -> float:
         c, g = self.cost.c, self.cost.tp
         if c.tp == 1:
             return 0.0
@@ -557,8 +567,28 @@ class _Priced:
                 bwd += g.reduce_scatter(n * ab)
             else:
                 bwd += g.all_reduce(n * ab)
+        if c.tp_comm_overlap and c.sequence_parallel and part.blocks:
+            # Transformer Engine's userbuffers: each collective beside the GEMM it feeds or
+            # drains, at the cost of its overlap method (``tp_overlap.py``)
+            cost = self.cost
+            got = block_overlap(
+                self.fwd_kernels,
+                self.fwd_times,
+                part.tp_entries,
+                part.tp_exits,
+                lambda n: g.all_gather(n * ag),
+                lambda n: g.reduce_scatter(n * ab),
+                c.tp,
+                cost.device.compute_units,
+                cost.ub_slots,
+                lambda k, rows: cost.time(with_rows(k, rows)),
+            )
+            if got is not None:
+                fwd, bwd = got
+                return fwd + bwd + (fwd if mode == "full" else 0.0)
         total = fwd + bwd + (fwd if mode == "full" else 0.0)
         if c.tp_comm_overlap:
+            # a block of another shape: what its GEMMs' time can cover is hidden
             gemm = sum(t for k, t in zip(self.fwd_kernels, self.fwd_times, strict=True) if k.kind == "matmul")
             total = max(0.0, total - 2 * gemm)
         return total

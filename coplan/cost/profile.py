@@ -734,6 +734,7 @@ class _Ctx:
             release([sid for sid in ended if sid in live and last_use.get(sid, -1) <= op.id])
         return _prune(points)
 
+
 def _family(op: Op) -> str:
     """The vector family of one op: transcendental elementwise functions apart from the rest."""
     name = op.target.split(".")[1] if op.target.startswith("aten.") else op.target

@@ -102,6 +102,7 @@ _OPTIONAL = (
     "matmul_call_s",
     "attention_parallel_half",
     "host_op_s",
+    "compute_units",
 )
 
 
@@ -145,6 +146,9 @@ class DeviceSpec:
         host_op_s: seconds the host spends on an op that launches no kernel (a view, and its
             autograd record) in eager PyTorch, where the host is the device (a CPU) and so adds it
             to the step; 0 where the host runs ahead of the device's kernels (the GPUs).
+        compute_units: streaming multiprocessors (NVIDIA) or compute units (AMD): what a
+            communication kernel running beside a GEMM takes its SMs from
+            (``coplan.cost.tp_overlap``); 0 where unknown or not such a design (SM sharing unpriced).
     """
 
     name: str
@@ -162,6 +166,7 @@ class DeviceSpec:
     matmul_call_s: Mapping[str, float] = field(default_factory=FrozenMap)
     attention_parallel_half: Mapping[str, float] = field(default_factory=FrozenMap)
     host_op_s: float = 0.0
+    compute_units: int = 0
 
     def __post_init__(self) -> None:
         named = isinstance(self.name, str) and bool(self.name.strip())
@@ -190,6 +195,7 @@ class DeviceSpec:
             _keyed_numbers(src, "attention_parallel_half", self.attention_parallel_half, PHASES, "tiles"),
         )
         put(self, "host_op_s", check_number(src, "host_op_s", self.host_op_s, strict=False))
+        put(self, "compute_units", check_int(src, "compute_units", self.compute_units, minimum=0))
 
     # --- queries -------------------------------------------------------------------------------
 
@@ -274,6 +280,8 @@ class DeviceSpec:
             out["attention_parallel_half"] = dict(self.attention_parallel_half)
         if self.host_op_s:
             out["host_op_s"] = self.host_op_s
+        if self.compute_units:
+            out["compute_units"] = self.compute_units
         return out
 
     @classmethod
@@ -292,6 +300,7 @@ class DeviceSpec:
         calls = r.numbers("matmul_call_s") if "matmul_call_s" in r.data else {}
         par = r.numbers("attention_parallel_half") if "attention_parallel_half" in r.data else {}
         host = r.number("host_op_s", strict=False) if "host_op_s" in r.data else 0.0
+        units = r.integer("compute_units", minimum=0) if "compute_units" in r.data else 0
         # Readers above already name ``source`` and the full path; only __post_init__ errors need
         # re-anchoring, so nothing else may run inside this block.
         with anchored(source, path):
@@ -311,6 +320,7 @@ class DeviceSpec:
                 matmul_call_s=calls,
                 attention_parallel_half=par,
                 host_op_s=host,
+                compute_units=units,
             )
 
 

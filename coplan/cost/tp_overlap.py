@@ -1,0 +1,208 @@
+"""Tensor-parallel communication overlapped with GEMMs, priced as Transformer Engine runs it.
+
+With sequence parallelism each transformer block all-gathers its normalised input before the QKV
+and FC1 GEMMs and reduce-scatters the outputs of the attention projection and FC2 (and the
+reverse in backward). Megatron-Core's ``--tp-comm-overlap`` hands these to Transformer Engine's
+userbuffers, which hides them behind the GEMMs they feed, but not for free: every overlap runs in
+one of three ways, each with its own price (TE ``module/base.py`` ``initialize_ub`` and
+``csrc/comm_gemm_overlap.h``, v1.8, Jul 2024, the release Megatron-Core r0.8 ran on):
+
+- ``ring_exchange`` (the all-gathers into QKV/FC1 forward and into the projection/FC2 input
+  gradients): the GEMM is split into TP chunks of ``M / TP`` rows, each computed while the next
+  chunk arrives from the ring neighbour by copy engine. The chunks run on up to three compute
+  streams (``_NUM_MAX_UB_STREAMS``), so the GPU sees ``min(3, TP)`` chunks at a time: at TP8 with
+  4,096 tokens that is 1,536 rows where the unsplit GEMM had 4,096, and the device's GEMM shape
+  derating prices what that costs. The last chunk can only start once the whole ring has passed.
+- ``pipeline`` (the reduce-scatters after the projection and FC2 forward): the GEMM is split into
+  ``num_splits`` chunks and each chunk's output is reduce-scattered by a communication kernel on
+  ``num_sm`` SMs while the next chunk computes; the last chunk's reduce-scatter is exposed. With
+  ``set_sm_margin`` the GEMM is launched on the remaining SMs; without it the two contend.
+- ``bulk`` (the backward all-gather of the saved input for the weight gradient, during the input
+  gradient GEMM, and the reduce-scatter of that input gradient, during the weight-gradient GEMM):
+  one collective on ``num_sm`` SMs beside one whole GEMM.
+
+What a pair costs is its time less the GEMM's own time (already in the block's compute): chunking
+losses, SMs taken, and communication the GEMM is too short to cover. The defaults are TE's own
+(``TE_DEFAULTS``); recipes that tune them (NeMo's ``ub_cfg_*.yaml``) pass their values
+(``TrainingConfig.tp_overlap_cfg``). The input- and weight-gradient GEMMs are priced at their
+forward GEMM's time (the same FLOPs over the same three sizes).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
+
+from coplan.cost.parts import Kernel
+
+#: Transformer Engine's overlap slots: (layer)_(pass).
+UB_SLOTS: tuple[str, ...] = (
+    "qkv_fprop",
+    "fc1_fprop",
+    "proj_dgrad",
+    "fc2_dgrad",
+    "proj_fprop",
+    "fc2_fprop",
+    "qkv_dgrad",
+    "qkv_wgrad",
+    "fc1_dgrad",
+    "fc1_wgrad",
+)
+UB_METHODS: tuple[str, ...] = ("ring_exchange", "pipeline", "bulk")
+
+#: Compute streams a split GEMM's chunks are spread over (TE ``_NUM_MAX_UB_STREAMS``).
+COMPUTE_STREAMS = 3
+
+
+@dataclass(frozen=True, slots=True)
+class UbSlot:
+    """How one slot overlaps: method, communication SMs, chunks (pipeline), SM margin."""
+
+    method: str
+    num_sm: int = 16
+    num_splits: int = 4
+    set_sm_margin: bool = False
+
+    def __post_init__(self) -> None:
+        if self.method not in UB_METHODS:
+            raise ValueError(f"overlap method must be one of {', '.join(UB_METHODS)}, got {self.method!r}")
+        if not isinstance(self.num_sm, int) or self.num_sm < 0:
+            raise ValueError(f"num_sm must be a non-negative integer, got {self.num_sm!r}")
+        if not isinstance(self.num_splits, int) or self.num_splits < (1 if self.method == "pipeline" else 0):
+            raise ValueError(f"num_splits must be a positive integer for a pipeline, got {self.num_splits!r}")
+
+
+def _default(slot: str) -> UbSlot:
+    if slot in ("qkv_fprop", "fc1_fprop", "proj_dgrad", "fc2_dgrad"):
+        return UbSlot("ring_exchange", num_sm=1)
+    if slot in ("proj_fprop", "fc2_fprop"):
+        return UbSlot("pipeline", num_sm=16, num_splits=4)
+    return UbSlot("bulk", num_sm=16)
+
+
+#: TE's configuration where a recipe gives none (``initialize_ub`` with ``ub_cfgs=None``).
+TE_DEFAULTS: dict[str, UbSlot] = {s: _default(s) for s in UB_SLOTS}
+
+
+def ub_slots(overrides: Iterable[tuple[str, str, int, int, bool]]) -> dict[str, UbSlot]:
+    """TE's defaults with a recipe's ``(slot, method, num_sm, num_splits, set_sm_margin)`` entries."""
+    out = dict(TE_DEFAULTS)
+    for slot, method, sm, splits, margin in overrides:
+        if slot not in UB_SLOTS:
+            raise ValueError(f"unknown overlap slot {slot!r} (expected one of {', '.join(UB_SLOTS)})")
+        out[slot] = UbSlot(method, sm, splits, bool(margin))
+    return out
+
+
+#: Seconds of a kernel priced with its row count changed (the caller's kernel rule).
+ChunkTime = Callable[[Kernel, float], float]
+
+
+def with_rows(k: Kernel, rows: float) -> Kernel:
+    """GEMM ``k`` on ``rows`` of its ``M`` rows (a chunk): FLOPs and traffic in proportion."""
+    m, n, kk = k.dims
+    f = rows / m
+    return dataclasses.replace(
+        k,
+        dims=(max(1, round(rows)), n, kk),
+        mm_flops=k.mm_flops * f,
+        vec_flops=k.vec_flops * f,
+        vec_split=tuple(x * f for x in k.vec_split),
+        bytes=tuple(b * f for b in k.bytes),  # type: ignore[arg-type]
+    )
+
+
+def _pair(slot: UbSlot, gemm: Kernel, t: float, comm: float, tp: int, sms: int, chunk: ChunkTime) -> float:
+    """Seconds a GEMM of ``t`` seconds and its overlapped collective of ``comm`` seconds take
+    beyond ``t``."""
+    rows = float(gemm.dims[0])
+    share = slot.num_sm / sms if sms > slot.num_sm else 0.0
+    if slot.method == "bulk":
+        # with a margin the GEMM runs on the SMs left; without, it loses the collective's SMs
+        # while the collective runs
+        margin = t / (1.0 - share)
+        compute = margin if slot.set_sm_margin else t + min(comm, t) * share / (1.0 - share)
+        return max(compute, comm) - t
+    n = tp if slot.method == "ring_exchange" else slot.num_splits
+    streams = min(COMPUTE_STREAMS, n)
+    compute = n / streams * chunk(gemm, rows * streams / n)
+    if slot.set_sm_margin:
+        compute /= 1.0 - share
+    if slot.method == "ring_exchange":
+        # ring steps run back to back on the copy engines; the last chunk starts after the last
+        return max(compute, comm + chunk(gemm, rows / n)) - t
+    if not slot.set_sm_margin:
+        compute += min(comm, compute) * share / (1.0 - share)
+    return max(compute, comm) + comm / n - t
+
+
+def block_overlap(
+    kernels: Sequence[Kernel],
+    times: Sequence[float],
+    entries: tuple[float, ...],
+    exits: tuple[float, ...],
+    gather: Callable[[float], float],
+    scatter: Callable[[float], float],
+    tp: int,
+    sms: int,
+    slots: dict[str, UbSlot],
+    chunk: ChunkTime,
+) -> tuple[float, float] | None:
+    """(forward, backward) seconds the block's overlapped TP collectives add, or None where the
+    block is not Megatron's attention + MLP shape (QKV, attention, projection, FC1, FC2).
+
+    ``entries``/``exits`` are the elements gathered into (QKV, FC1) and scattered out of
+    (projection, FC2); ``gather``/``scatter`` price one collective of that many elements."""
+    if len(entries) != 2 or len(exits) != 2:
+        return None
+    kinds = [k.kind for k in kernels]
+    if "attention" not in kinds:
+        return None
+    at = kinds.index("attention")
+    mms = [(i, k, t) for i, (k, t) in enumerate(zip(kernels, times, strict=True)) if k.kind == "matmul"]
+    before = [(k, t) for i, k, t in mms if i < at]
+    after = [(k, t) for i, k, t in mms if i > at]
+    if not before or len(after) < 3:
+        return None
+    qkv, proj, fc1, fc2 = _merge(before), after[0], _merge(after[1:-1]), after[-1]
+    e_attn, e_mlp = entries
+    x_attn, x_mlp = exits
+
+    def pair(name: str, gemm: tuple[Kernel, float], comm: float) -> float:
+        return _pair(slots[name], gemm[0], gemm[1], comm, tp, sms, chunk)
+
+    fwd = (
+        pair("qkv_fprop", qkv, gather(e_attn))
+        + pair("fc1_fprop", fc1, gather(e_mlp))
+        + pair("proj_fprop", proj, scatter(x_attn))
+        + pair("fc2_fprop", fc2, scatter(x_mlp))
+    )
+    bwd = pair("proj_dgrad", proj, gather(x_attn)) + pair("fc2_dgrad", fc2, gather(x_mlp))
+    for layer, gemm, n in (("qkv", qkv, e_attn), ("fc1", fc1, e_mlp)):
+        dgrad = slots[f"{layer}_dgrad"]
+        if dgrad.method == "bulk":
+            bwd += pair(f"{layer}_dgrad", gemm, gather(n)) + pair(f"{layer}_wgrad", gemm, scatter(n))
+        else:
+            # the input gradient's reduce-scatter overlaps its own GEMM instead (TE moves it off
+            # the weight gradient); the input is then gathered by NCCL beside the same GEMM
+            bwd += pair(f"{layer}_dgrad", gemm, scatter(n)) + _pair(
+                TE_DEFAULTS[f"{layer}_dgrad"], gemm[0], gemm[1], gather(n), tp, sms, chunk
+            )
+    return fwd, bwd
+
+
+def _merge(gemms: Sequence[tuple[Kernel, float]]) -> tuple[Kernel, float]:
+    """One GEMM for GEMMs reading the same gathered input (SwiGLU's gate and up projections, or
+    separate Q, K and V): Megatron runs them as one, with their output widths summed."""
+    if len(gemms) == 1:
+        return gemms[0]
+    first = gemms[0][0]
+    m, _, k = first.dims
+    merged = dataclasses.replace(
+        first,
+        dims=(m, sum(g.dims[1] for g, _ in gemms), k),
+        mm_flops=sum(g.mm_flops for g, _ in gemms),
+        vec_flops=sum(g.vec_flops for g, _ in gemms),
+    )
+    return merged, sum(t for _, t in gemms)

@@ -1,0 +1,97 @@
+"""Transformer Engine's userbuffers overlap, priced per GEMM and collective (coplan/cost/tp_overlap.py)."""
+
+from __future__ import annotations
+
+import pytest
+
+from coplan.cost import ConfigError, CostModel, TrainingConfig
+from coplan.cost.parts import Kernel
+from coplan.cost.tp_overlap import TE_DEFAULTS, UbSlot, _pair, ub_slots, with_rows
+from coplan.errors import SpecError
+from coplan.hardware import DeviceSpec, load_cluster
+from coplan.ir.types import Phase
+from coplan.models.spec import ModelSpec
+
+GEMM = Kernel(
+    Phase.FORWARD, "matmul", 1, 2.0 * 4096 * 4096 * 4096, 0.0, (1.0, 0, 0, 0, 0, 0), dims=(4096, 4096, 4096)
+)
+
+
+def _rate(k: Kernel, rows: float) -> float:
+    """A device whose GEMMs slow as rows shrink: rows / (rows + 256) of 1e15 FLOP/s."""
+    c = with_rows(k, rows)
+    return c.mm_flops / (1e15 * c.dims[0] / (c.dims[0] + 256))
+
+
+T = _rate(GEMM, 4096)
+
+
+def test_with_rows_keeps_the_flops_per_row():
+    half = with_rows(GEMM, 2048)
+    assert half.dims == (2048, 4096, 4096)
+    assert half.mm_flops == GEMM.mm_flops / 2
+    assert half.bytes[0] == 0.5
+
+
+def test_ring_exchange_pays_for_chunks_that_no_stream_can_fill():
+    ring = UbSlot("ring_exchange", num_sm=1)
+    # TP2: both chunks run at once on two streams, the GPU sees all rows: nothing lost
+    assert _pair(ring, GEMM, T, 0.0, 2, 132, _rate) == pytest.approx(0.0, abs=1e-12)
+    # TP8: three chunks of 512 rows at a time, 1,536 rows where the GEMM had 4,096
+    want = 8 / 3 * _rate(GEMM, 1536) - T
+    assert _pair(ring, GEMM, T, 0.0, 8, 132, _rate) == pytest.approx(want)
+    assert want > 0.05 * T
+    # a ring too slow for the GEMM: the last chunk waits for the whole ring
+    slow = 2 * T
+    assert _pair(ring, GEMM, T, slow, 2, 132, _rate) == pytest.approx(slow + _rate(GEMM, 2048) - T)
+
+
+def test_bulk_and_pipeline_lose_the_collectives_sms():
+    bulk = UbSlot("bulk", num_sm=16, set_sm_margin=True)
+    assert _pair(bulk, GEMM, T, 0.1 * T, 8, 132, _rate) == pytest.approx(T * 16 / 116)
+    # without a margin only while the collective runs
+    shared = UbSlot("bulk", num_sm=16)
+    assert _pair(shared, GEMM, T, 0.1 * T, 8, 132, _rate) == pytest.approx(0.1 * T * 16 / 116)
+    # a pipelined reduce-scatter always shows its last chunk
+    pipe = UbSlot("pipeline", num_sm=16, num_splits=4)
+    assert _pair(pipe, GEMM, T, 0.4 * T, 8, 132, _rate) > 0.1 * T
+    # fewer SMs, less lost
+    assert _pair(UbSlot("bulk", num_sm=4), GEMM, T, T, 8, 132, _rate) < _pair(
+        shared, GEMM, T, T, 8, 132, _rate
+    )
+
+
+def test_recipe_settings_override_te_defaults_and_bad_ones_are_named():
+    got = ub_slots([("fc1_dgrad", "bulk", 2, 0, False)])
+    assert got["fc1_dgrad"] == UbSlot("bulk", 2, 0, False)
+    assert got["qkv_fprop"] == TE_DEFAULTS["qkv_fprop"]
+    with pytest.raises(ConfigError, match=r"tp_overlap_cfg.*unknown overlap slot"):
+        TrainingConfig(tp_overlap_cfg=(("qkv", "bulk", 4, 0, False),))
+    with pytest.raises(ConfigError, match=r"tp_overlap_cfg.*method"):
+        TrainingConfig(tp_overlap_cfg=(("qkv_dgrad", "fast", 4, 0, False),))
+
+
+SPEC = ModelSpec(name="t", n_layers=4, d_model=8192, n_heads=64, vocab_size=32768, seq_len=4096)
+
+
+def _tp_comm(**changes: object) -> float:
+    base = TrainingConfig(tp=8, dp=1, microbatch=1, global_batch=1, sequence_parallel=True, **changes)  # type: ignore[arg-type]
+    return CostModel(spec=SPEC).estimate(load_cluster("dgx-h100", 8), base).breakdown_s["tp_comm"]
+
+
+def test_overlap_costs_something_but_less_than_exposed_collectives():
+    exposed = _tp_comm()
+    overlapped = _tp_comm(tp_comm_overlap=True)
+    assert 0.0 < overlapped < exposed
+    # NeMo's tuned settings take fewer SMs for the bulk collectives than TE's default 16
+    tuned = tuple((s, "bulk", 4, 0, False) for s in ("qkv_dgrad", "qkv_wgrad", "fc1_dgrad", "fc1_wgrad"))
+    assert _tp_comm(tp_comm_overlap=True, tp_overlap_cfg=tuned) < overlapped
+
+
+def test_compute_units_round_trip_and_checks():
+    h100 = load_cluster("dgx-h100", 8).groups[0].device
+    assert h100.compute_units == 132
+    assert DeviceSpec.from_dict(h100.to_dict()) == h100
+    bad = h100.to_dict() | {"compute_units": -1}
+    with pytest.raises(SpecError, match="compute_units"):
+        DeviceSpec.from_dict(bad)
