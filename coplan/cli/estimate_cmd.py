@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import enum
 from dataclasses import replace
+from pathlib import Path
 from typing import TYPE_CHECKING, Annotated
 
 import typer
@@ -113,6 +114,15 @@ def estimate(
             show_default=False,
         ),
     ] = None,
+    tp_overlap_cfg: Annotated[
+        Path | None,
+        typer.Option(
+            "--tp-overlap-cfg",
+            help="A recipe's userbuffers settings (NeMo's ub_cfg_*.yaml, or the same as JSON: slot -> "
+            "method, num_sm, num_splits, set_sm_margin) \\[default: Transformer Engine's].",
+            show_default=False,
+        ),
+    ] = None,
     overlap_p2p: Annotated[
         bool,
         typer.Option(
@@ -211,6 +221,7 @@ def estimate(
         overlap_grad_reduce=overlap_grad_reduce,
         overlap_param_gather=overlap_param_gather,
         tp_comm_overlap=tp_comm_overlap,
+        tp_overlap_cfg=_ub_cfg(tp_overlap_cfg),
         overlap_p2p=overlap_p2p,
         grad_reduce_fp32=grad_reduce_fp32,
         loss_fusion=loss_fusion.value,
@@ -224,6 +235,47 @@ def estimate(
         print_json(out)
         return
     render(est, f"{spec.name} on {hw.summary()}")
+
+
+def _ub_cfg(path: Path | None) -> tuple[tuple[str, str, int, int, bool], ...]:
+    """``--tp-overlap-cfg FILE``: a YAML or JSON mapping of userbuffers slots, checked."""
+    from coplan.cost import ConfigError
+    from coplan.cost.tp_overlap import read_ub_cfg
+
+    if path is None:
+        return ()
+    where = f"--tp-overlap-cfg {path}"
+    try:
+        text = path.read_text()
+    except OSError as exc:
+        raise ConfigError("tp_overlap_cfg", f"{where}: {exc.strerror or exc}") from None
+    try:
+        data = _parse(text, path.suffix == ".json")
+    except ValueError as exc:
+        raise ConfigError("tp_overlap_cfg", f"{where}: {exc}") from None
+    try:
+        return read_ub_cfg(data)
+    except ValueError as exc:
+        raise ConfigError("tp_overlap_cfg", f"{where}: {exc}") from None
+
+
+def _parse(text: str, is_json: bool) -> object:
+    """JSON, or YAML (NeMo's format) where PyYAML is installed; ValueError with one line if not."""
+    import json as _json
+
+    if is_json:
+        try:
+            return _json.loads(text)
+        except _json.JSONDecodeError as exc:
+            raise ValueError(f"not valid JSON: {exc}") from None
+    try:
+        import yaml
+    except ImportError:
+        raise ValueError("reading YAML needs PyYAML (pip install pyyaml); or give a .json file") from None
+    try:
+        return yaml.safe_load(text)
+    except yaml.YAMLError as exc:
+        raise ValueError(f"not valid YAML: {str(exc).splitlines()[0]}") from None
 
 
 def _stage_layers(text: str | None) -> tuple[int, ...] | None:

@@ -206,3 +206,41 @@ def _merge(gemms: Sequence[tuple[Kernel, float]]) -> tuple[Kernel, float]:
         vec_flops=sum(g.vec_flops for g, _ in gemms),
     )
     return merged, sum(t for _, t in gemms)
+
+
+#: Keys of a TE/NeMo userbuffers slot entry that do not change the price (``cga_size`` packs the
+#: communication SMs, ``fp8_buf`` sets the buffer's dtype, ``use_ce`` is TE's default, ``atomic_gemm``
+#: and ``aggregate`` are priced as the plain method).
+_UNPRICED_KEYS = frozenset({"cga_size", "fp8_buf", "use_ce", "atomic_gemm", "aggregate", "is_reduce_scatter"})
+
+
+def read_ub_cfg(data: object) -> tuple[tuple[str, str, int, int, bool], ...]:
+    """A recipe's userbuffers settings (NeMo's ``ub_cfg_*.yaml`` or the same as JSON: slot ->
+    {method, num_sm, num_splits, set_sm_margin, ...}) as ``TrainingConfig.tp_overlap_cfg`` entries.
+    Raises ValueError naming the slot and key at fault."""
+    if not isinstance(data, dict):
+        raise ValueError(f"expected a mapping of overlap slots, got {type(data).__name__}")
+    out = []
+    for slot, entry in data.items():
+        if slot not in UB_SLOTS:
+            raise ValueError(f"unknown overlap slot {slot!r} (expected one of {', '.join(UB_SLOTS)})")
+        if not isinstance(entry, dict):
+            raise ValueError(f"{slot}: expected a mapping, got {type(entry).__name__}")
+        unknown = set(entry) - {"method", "num_sm", "num_splits", "set_sm_margin"} - _UNPRICED_KEYS
+        if unknown:
+            raise ValueError(f"{slot}: unknown key {sorted(unknown)[0]!r}")
+        method = entry.get("method", TE_DEFAULTS[slot].method)
+        fields = {
+            "num_sm": entry.get("num_sm", 1 if method == "ring_exchange" else 16),
+            "num_splits": entry.get("num_splits", 4 if method == "pipeline" else 0),
+            "set_sm_margin": entry.get("set_sm_margin", 0),
+        }
+        for key, value in fields.items():
+            if (isinstance(value, bool) and key != "set_sm_margin") or not isinstance(value, int):
+                raise ValueError(f"{slot}: {key} must be an integer, got {value!r}")
+        try:
+            UbSlot(str(method), fields["num_sm"], fields["num_splits"], bool(fields["set_sm_margin"]))
+        except ValueError as exc:
+            raise ValueError(f"{slot}: {exc}") from None
+        out.append((slot, str(method), fields["num_sm"], fields["num_splits"], bool(fields["set_sm_margin"])))
+    return tuple(out)

@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
+from coplan.cli import main
 from coplan.cost import ConfigError, CostModel, TrainingConfig
 from coplan.cost.parts import Kernel
 from coplan.cost.tp_overlap import TE_DEFAULTS, UbSlot, _pair, ub_slots, with_rows
@@ -95,3 +98,59 @@ def test_compute_units_round_trip_and_checks():
     bad = h100.to_dict() | {"compute_units": -1}
     with pytest.raises(SpecError, match="compute_units"):
         DeviceSpec.from_dict(bad)
+
+
+# --- `coplan estimate --tp-overlap-cfg` ------------------------------------------------------------
+
+ARGS = ["--model", "llama2-70b", "--cluster", "dgx-h100", "--gpus", "64", "--tp", "4", "--pp", "4"]
+ARGS += ["--vpp", "5", "--global-batch", "128", "--sequence-parallel", "--zero", "1", "--json"]
+
+
+def _estimate(capsys, *extra: str) -> tuple[int, str, str]:
+    with pytest.raises(SystemExit) as exc:
+        main(["estimate", *ARGS, *extra])
+    out = capsys.readouterr()
+    return int(exc.value.code or 0), out.out, out.err
+
+
+def test_a_recipes_settings_reach_the_estimate(tmp_path, capsys):
+    cfg = tmp_path / "ub.json"
+    # NeMo's style: fewer SMs for the bulk collectives; keys that do not change the price are accepted
+    bulk = {"method": "bulk", "num_sm": 2, "cga_size": 2, "set_sm_margin": 0}
+    cfg.write_text(json.dumps({s: bulk for s in ("qkv_dgrad", "qkv_wgrad", "fc1_dgrad", "fc1_wgrad")}))
+    code, out, _ = _estimate(capsys, "--tp-overlap-cfg", str(cfg))
+    tuned = json.loads(out)
+    assert code == 0 and ["qkv_dgrad", "bulk", 2, 0, False] in tuned["config"]["tp_overlap_cfg"]
+    code, out, _ = _estimate(capsys)
+    default = json.loads(out)
+    assert default["config"]["tp_overlap_cfg"] == []
+    assert tuned["breakdown_s"]["tp_comm"] < default["breakdown_s"]["tp_comm"]
+
+
+def test_a_nemo_yaml_is_read(tmp_path, capsys):
+    pytest.importorskip("yaml")
+    cfg = tmp_path / "ub_cfg_h100.yaml"
+    cfg.write_text("proj_fprop:\n  method: pipeline\n  num_sm: 24\n  num_splits: 4\n  set_sm_margin: 1\n")
+    code, out, _ = _estimate(capsys, "--tp-overlap-cfg", str(cfg))
+    got = json.loads(out)["config"]["tp_overlap_cfg"]
+    assert code == 0 and got == [["proj_fprop", "pipeline", 24, 4, True]]
+
+
+@pytest.mark.parametrize(
+    ("name", "text", "needle"),
+    [
+        ("a.json", '{"qkv": {"method": "bulk"}}', "unknown overlap slot 'qkv'"),
+        ("b.json", '{"qkv_dgrad": {"method": "bulk", "num_sm": "x"}}', "num_sm must be an integer"),
+        ("c.json", '{"fc2_fprop": {"method": "pipeline", "num_splits": 0}}', "fc2_fprop: num_splits"),
+        ("d.json", '{"fc2_fprop": {"method": "pipeline", "color": 1}}', "fc2_fprop: unknown key 'color'"),
+        ("e.json", "{not json", "not valid JSON"),
+        ("missing.json", None, "No such file"),
+    ],
+)
+def test_bad_overlap_settings_exit_2_with_one_line(tmp_path, capsys, name, text, needle):
+    cfg = tmp_path / name
+    if text is not None:
+        cfg.write_text(text)
+    code, out, err = _estimate(capsys, "--tp-overlap-cfg", str(cfg))
+    assert code == 2 and out == ""
+    assert needle in err and "--tp-overlap-cfg" in err and len(err.strip().splitlines()) == 1
