@@ -11,6 +11,8 @@ from pathlib import Path
 
 import pytest
 
+from coplan.cost.tp_overlap import read_ub_cfg
+
 ROOT = Path(__file__).resolve().parents[2]
 DATA = json.loads((ROOT / "benchmarks" / "data" / "published_runs.json").read_text())
 RUNS = DATA["runs"]
@@ -41,6 +43,8 @@ def test_run_is_complete_and_cited(run: dict) -> None:
     assert run["gpus"] % (run["tp"] * run["pp"]) == 0
     held = run.get("held_out")
     assert held is None or re.fullmatch(r"session \d+", held), held
+    if "ub_cfg" in run:  # a recipe's userbuffers settings, as `coplan estimate --tp-overlap-cfg` reads them
+        assert read_ub_cfg(run["ub_cfg"])
 
 
 def _within_factor_two(runs: list[dict]) -> list[tuple[str, float]]:
