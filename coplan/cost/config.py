@@ -319,9 +319,15 @@ class Stack:
     pipeline_keeps_outputs: bool = False
     fsdp_units: bool = False
     overlap: bool = True
+    # Transformer Engine's userbuffers overlap of TP collectives where a production Megatron-Core
+    # stack turns it on (``production_overlaps``: SP, TP > 1, Hopper or newer)
+    tp_comm_overlap: bool = True
 
     @classmethod
     def runner(cls, device: str) -> Stack:
         """coplan's runner: torch.distributed.pipelining keeps stage outputs, ZeRO >= 1 runs as
-        FSDP2 per block; on a CPU, gloo's collectives run on the cores that compute, unhidden."""
-        return cls(pipeline_keeps_outputs=True, fsdp_units=True, overlap=device != "cpu")
+        FSDP2 per block, TP collectives block (no userbuffers); on a CPU, gloo's collectives run on
+        the cores that compute, unhidden."""
+        return cls(
+            pipeline_keeps_outputs=True, fsdp_units=True, overlap=device != "cpu", tp_comm_overlap=False
+        )

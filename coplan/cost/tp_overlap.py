@@ -204,6 +204,9 @@ def _merge(gemms: Sequence[tuple[Kernel, float]]) -> tuple[Kernel, float]:
         dims=(m, sum(g.dims[1] for g, _ in gemms), k),
         mm_flops=sum(g.mm_flops for g, _ in gemms),
         vec_flops=sum(g.vec_flops for g, _ in gemms),
+        vec_split=tuple(map(sum, zip(*(g.vec_split for g, _ in gemms), strict=True))),
+        # (the shared input counted once per GEMM: these GEMMs are compute-bound)
+        bytes=tuple(float(sum(b)) for b in zip(*(g.bytes for g, _ in gemms), strict=True)),  # type: ignore[arg-type]
     )
     return merged, sum(t for _, t in gemms)
 

@@ -725,3 +725,22 @@ def test_memory_violation_reads_in_units_that_fit_the_model():
     ctx.budget_bytes = est.memory.peak_bytes / 2
     (v,) = [v for v in check(ctx.default_plan(), ctx) if v.rule == "memory"]
     assert "0.0 GiB" not in v.message and "MiB" in v.message, v.message
+
+
+@pytest.mark.parametrize(
+    ("cluster", "sp", "runner", "want"),
+    [
+        ("dgx-h100", True, False, True),  # Megatron-Core on Hopper with SP: TE userbuffers
+        ("dgx-h100", False, False, False),  # no SP, no userbuffers overlap
+        ("dgx-a100-80gb", True, False, False),  # Ampere recipes predate it
+        ("dgx-h100", True, True, False),  # coplan's own runner has no userbuffers
+    ],
+)
+def test_plans_price_tp_overlap_as_the_stack_that_runs_them(cluster, sp, runner, want):
+    from coplan.cost import Stack
+
+    ctx = make_ctx(cluster=cluster)
+    if runner:
+        ctx = dataclasses.replace(ctx, stack=Stack.runner("cuda"))
+    plan = BASE.with_(cluster=f"{cluster}[2]", parallel=ParallelPlan(tp=2, sequence_parallel=sp))
+    assert ctx.config_of(plan).tp_comm_overlap is want
