@@ -23,7 +23,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, cast
 
 from coplan.cost.comm import Group, p2p_time
 from coplan.cost.config import TrainingConfig
@@ -569,20 +569,24 @@ class _Priced:
                 bwd += g.all_reduce(n * ab)
         if c.tp_comm_overlap and c.sequence_parallel and part.blocks:
             # Transformer Engine's userbuffers: each collective beside the GEMM it feeds or
-            # drains, at the cost of its overlap method (``tp_overlap.py``)
+            # drains, at the cost of its overlap method (``tp_overlap.py``); kept on the part for
+            # every estimate that prices it alike (a search prices thousands)
             cost = self.cost
-            got = block_overlap(
-                self.fwd_kernels,
-                self.fwd_times,
-                part.tp_entries,
-                part.tp_exits,
-                lambda n: g.all_gather(n * ag),
-                lambda n: g.reduce_scatter(n * ab),
-                c.tp,
-                cost.device.compute_units,
-                cost.ub_slots,
-                lambda k, rows: cost.time(with_rows(k, rows)),
-            )
+            key = ("userbuffers", cost.device, c.dtype, cost.s, g, c.tp_overlap_cfg)
+            if key not in part.cache:
+                part.cache[key] = block_overlap(
+                    self.fwd_kernels,
+                    self.fwd_times,
+                    part.tp_entries,
+                    part.tp_exits,
+                    lambda n: g.all_gather(n * ag),
+                    lambda n: g.reduce_scatter(n * ab),
+                    c.tp,
+                    cost.device.compute_units,
+                    cost.ub_slots,
+                    lambda k, rows: cost.time(with_rows(k, rows)),
+                )
+            got = cast("tuple[float, float] | None", part.cache[key])
             if got is not None:
                 fwd, bwd = got
                 return fwd + bwd + (fwd if mode == "full" else 0.0)
