@@ -91,6 +91,17 @@ def test_overlap_costs_something_but_less_than_exposed_collectives():
     assert _tp_comm(tp_comm_overlap=True, tp_overlap_cfg=tuned) < overlapped
 
 
+def test_one_cost_model_prices_each_overlap_setting_apart():
+    # the per-template memo must not hand one setting's price to another
+    cm, cluster = CostModel(spec=SPEC), load_cluster("dgx-h100", 8)
+    base = TrainingConfig(tp=8, global_batch=1, sequence_parallel=True, tp_comm_overlap=True)
+    fewer_sms = (("qkv_wgrad", "bulk", 2, 0, False), ("fc1_wgrad", "bulk", 2, 0, False))
+    tuned = base.with_(tp_overlap_cfg=fewer_sms)
+    first = cm.estimate(cluster, base).breakdown_s["tp_comm"]
+    assert cm.estimate(cluster, tuned).breakdown_s["tp_comm"] < first
+    assert cm.estimate(cluster, base).breakdown_s["tp_comm"] == first
+
+
 def test_compute_units_round_trip_and_checks():
     h100 = load_cluster("dgx-h100", 8).groups[0].device
     assert h100.compute_units == 132
