@@ -20,26 +20,10 @@ wheels).
 from __future__ import annotations
 
 import json
-import statistics
 import sys
 
 import torch
-
-
-def timed(fn, repeat: int = 20, warmup: int = 5) -> float:
-    for _ in range(warmup):
-        fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(repeat):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        b.record()
-        torch.cuda.synchronize()
-        times.append(a.elapsed_time(b) / 1e3)
-    return statistics.median(times)
-
+from h100_microbench import timed  # this folder's: the same CUDA-event timing as the microbenchmarks
 
 #: (M tokens, N, K) of forward GEMMs TE splits: QKV and FC1 of the 177B model at TP8 (mb 1, seq
 #: 4096), the same at TP4, Nemotron-8B's at TP2 (mb 4); the projection and FC2 for the pipelined
