@@ -172,6 +172,13 @@ class TrainingConfig:
             raise ConfigError("vpp", "interleaved stages need pipeline parallelism (pp > 1)")
         if self.sequence_parallel and self.tp == 1:
             raise ConfigError("sequence_parallel", "needs tensor parallelism (tp > 1)")
+        if self.tp_comm_overlap and self.tp > 1 and not self.sequence_parallel:
+            # Megatron-Core asserts the same: userbuffers overlap all-gathers and reduce-scatters
+            raise ConfigError(
+                "tp_comm_overlap",
+                "needs sequence parallelism (Transformer Engine overlaps the all-gathers and "
+                "reduce-scatters of sequence parallelism, not all-reduces)",
+            )
         per_step = self.microbatch * self.dp
         if self.global_batch % per_step:
             raise ConfigError(

@@ -332,6 +332,11 @@ def test_estimate_overlaps_default_to_what_a_production_stack_runs(
     assert config("dgx-a100-80gb", *sp)["tp_comm_overlap"] is False
     assert config("dgx-h100", *sp, "--no-tp-comm-overlap")["tp_comm_overlap"] is False
     assert config("dgx-a100-80gb", *sp, "--tp-comm-overlap")["tp_comm_overlap"] is True
+    # forced without sequence parallelism: what Megatron-Core refuses, one line, exit 2
+    args = ("estimate", "--model", "gpt2-124m", "--cluster", "dgx-h100", "--gpus", "8", "--tp", "2")
+    code, out, err = run(capsys, *args, "--tp-comm-overlap", "--json")
+    assert code == 2 and out == "" and "tp_comm_overlap" in err and "sequence parallelism" in err
+    assert len(err.strip().splitlines()) == 1
     assert config("dgx-h100", "--zero", "1")["overlap_param_gather"] is True
     assert config("dgx-h100")["overlap_param_gather"] is False
     assert config("dgx-h100", "--zero", "1", "--no-overlap-param-gather")["overlap_param_gather"] is False
