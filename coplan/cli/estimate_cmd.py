@@ -312,9 +312,12 @@ def render(est: Estimate, title: str) -> None:
         "tp-comm": c.tp_comm_overlap,
         "p2p": c.overlap_p2p,
     }
-    console.print(
-        "overlaps: " + " ".join(f"{k}={'on' if v else 'off'}" for k, v in overlaps.items()), soft_wrap=True
-    )
+    shown = {k: "on" if v else "off" for k, v in overlaps.items()}
+    if c.tp_comm_overlap and c.tp > 1:
+        n = len(c.tp_overlap_cfg)
+        tuned = f"{n} userbuffers slot{'s' if n != 1 else ''} tuned, the rest TE's defaults"
+        shown["tp-comm"] = "on (" + (tuned if n else "TE's userbuffers defaults") + ")"
+    console.print("overlaps: " + " ".join(f"{k}={v}" for k, v in shown.items()), soft_wrap=True)
     head = Table(box=box.SIMPLE_HEAD, show_header=False)
     head.add_column(style="bold")
     head.add_column(justify="right")
