@@ -165,3 +165,15 @@ def test_bad_overlap_settings_exit_2_with_one_line(tmp_path, capsys, name, text,
     code, out, err = _estimate(capsys, "--tp-overlap-cfg", str(cfg))
     assert code == 2 and out == ""
     assert needle in err and "--tp-overlap-cfg" in err and len(err.strip().splitlines()) == 1
+
+
+def test_the_terminal_says_which_settings_priced_the_overlap(tmp_path, capsys):
+    plain = [a for a in ARGS if a != "--json"]
+    with pytest.raises(SystemExit):
+        main(["estimate", *plain])
+    assert "tp-comm=on (TE's userbuffers defaults)" in capsys.readouterr().out
+    cfg = tmp_path / "ub.json"
+    cfg.write_text(json.dumps({"fc1_wgrad": {"method": "bulk", "num_sm": 4}}))
+    with pytest.raises(SystemExit):
+        main(["estimate", *plain, "--tp-overlap-cfg", str(cfg)])
+    assert "tp-comm=on (1 userbuffers slot tuned, the rest TE's defaults)" in capsys.readouterr().out
