@@ -165,6 +165,11 @@ def block_overlap(
     after = [(k, t) for i, k, t in mms if i > at]
     if not before or len(after) < 3:
         return None
+    # QKV's GEMMs read one gathered input (same rows and depth), FC1's too and with one width
+    # (SwiGLU's gate and up); an MoE layer's router and experts do not, and keep the older rule
+    fc1s = after[1:-1]
+    if len({(k.dims[0], k.dims[2]) for k, _ in before}) != 1 or len({k.dims for k, _ in fc1s}) != 1:
+        return None
     qkv, proj, fc1, fc2 = _merge(before), after[0], _merge(after[1:-1]), after[-1]
     e_attn, e_mlp = entries
     x_attn, x_mlp = exits

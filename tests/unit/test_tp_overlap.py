@@ -177,3 +177,19 @@ def test_the_terminal_says_which_settings_priced_the_overlap(tmp_path, capsys):
     with pytest.raises(SystemExit):
         main(["estimate", *plain, "--tp-overlap-cfg", str(cfg)])
     assert "tp-comm=on (1 userbuffers slot tuned, the rest TE's defaults)" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize(("model", "priced"), [("gpt-tiny", True), ("llama-tiny", True), ("moe-tiny", False)])
+def test_only_megatrons_block_shape_is_priced_per_gemm(model, priced):
+    # QKV -> attention -> projection -> FC1 (SwiGLU's gate and up as one) -> FC2; an MoE layer's
+    # router and experts are no such FC1 and keep the older rule
+    from coplan.cost.tp_overlap import block_overlap
+    from coplan.models.spec import PRESETS
+
+    spec = PRESETS[model]
+    part = CostModel(spec=spec).profile(1, spec.seq_len).templates[0]
+    times = [1e-4] * len(part.forward)
+    comm = lambda n: 1e-5  # noqa: E731
+    ends = (part.tp_entries, part.tp_exits)
+    got = block_overlap(part.forward, times, *ends, comm, comm, 2, 132, TE_DEFAULTS, _rate)
+    assert (got is not None) is priced
