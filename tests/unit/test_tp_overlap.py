@@ -5,6 +5,8 @@ from __future__ import annotations
 import json
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from coplan.cli import main
 from coplan.cost import ConfigError, CostModel, TrainingConfig
@@ -193,3 +195,25 @@ def test_only_megatrons_block_shape_is_priced_per_gemm(model, priced):
     ends = (part.tp_entries, part.tp_exits)
     got = block_overlap(part.forward, times, *ends, comm, comm, 2, 132, TE_DEFAULTS, _rate)
     assert (got is not None) is priced
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    method=st.sampled_from(["ring_exchange", "pipeline", "bulk"]),
+    sms=st.integers(0, 32),
+    splits=st.integers(1, 8),
+    margin=st.booleans(),
+    tp=st.sampled_from([2, 4, 8]),
+    rows=st.sampled_from([512, 2048, 4096, 16384]),
+    comm=st.floats(0.0, 5.0),
+    more=st.floats(0.0, 5.0),
+)
+def test_an_overlap_never_saves_time_and_more_traffic_never_costs_less(
+    method, sms, splits, margin, tp, rows, comm, more
+):
+    slot = UbSlot(method, sms, splits, margin)
+    gemm = with_rows(GEMM, rows)
+    t = _rate(gemm, rows)
+    base = _pair(slot, gemm, t, comm * t, tp, 132, _rate)
+    assert base >= -1e-12 * t
+    assert _pair(slot, gemm, t, (comm + more) * t, tp, 132, _rate) >= base - 1e-12 * t
