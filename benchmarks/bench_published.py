@@ -10,7 +10,8 @@ userbuffers settings its recipe tunes (``ub_cfg``, slot -> method, num_sm, num_s
 set_sm_margin; absent: TE's defaults), and the step time its
 source measured. The same device presets price every run (one
 profile per device, nothing fitted per run). Prints a table and the mean and worst absolute error
-(Megatron-Core stacks, other stacks, the runs added after the model and priced unchanged, all);
+(Megatron-Core stacks, all and on the A100/H100 clusters the issue's target names, and newer GPUs
+apart; other stacks; the runs added after the model and priced unchanged; all);
 ``--json`` writes the rows. ``--contract`` prices each run as `coplan estimate` would from its
 contract flags alone (parallel layout, batch, sequence, recompute, ZeRO, dtype, flash attention;
 the model without dropout; overlaps, loss kernels and gradient precision at the CLI's defaults):
