@@ -562,8 +562,9 @@ class _Priced:
         for n in part.tp_entries:
             if c.sequence_parallel:
                 fwd += g.all_gather(n * ag)
-                # (the saved input shard is re-gathered for the weight gradient too, but Megatron
-                # overlaps that all-gather with the input-gradient GEMM, so it is not priced)
+                # (the saved input shard is re-gathered for the weight gradient too; Megatron
+                # overlaps that all-gather with the input-gradient GEMM, so this exposed tally
+                # leaves it out, and with userbuffers ``tp_overlap.py`` prices it as a bulk overlap)
                 bwd += g.reduce_scatter(n * ab)
             else:
                 bwd += g.all_reduce(n * ab)
