@@ -28,6 +28,7 @@ from pathlib import Path
 
 from coplan.cost import CostModel, TrainingConfig
 from coplan.cost.config import production_overlaps
+from coplan.cost.tp_overlap import read_ub_cfg
 from coplan.hardware import ClusterSpec, load_cluster
 from coplan.models.spec import ModelSpec
 
@@ -58,17 +59,9 @@ def run_config(run: dict) -> TrainingConfig:
         overlap_grad_reduce=overlap.get("grad_reduce", True),
         overlap_param_gather=overlap.get("param_gather", False),
         tp_comm_overlap=overlap.get("tp_comm", False),
-        # the recipe's userbuffers settings where it tunes them (TE's defaults otherwise)
-        tp_overlap_cfg=tuple(
-            (
-                slot,
-                c["method"],
-                c.get("num_sm", 1 if c["method"] == "ring_exchange" else 16),  # TE's defaults
-                c.get("num_splits", 4 if c["method"] == "pipeline" else 0),
-                bool(c.get("set_sm_margin", False)),
-            )
-            for slot, c in run.get("ub_cfg", {}).items()
-        ),
+        # the recipe's userbuffers settings where it tunes them (TE's defaults otherwise), read as
+        # `coplan estimate --tp-overlap-cfg` reads them
+        tp_overlap_cfg=read_ub_cfg(run.get("ub_cfg", {})),
         # Megatron's cross-entropy kernels as the run's recipe selects them (coplan/cost/loss.py)
         loss_fusion=run.get("loss_fusion", "none"),
         overlap_p2p=overlap.get("p2p", True),

@@ -267,11 +267,17 @@ def production_overlaps(
     published H100 runs; the published Ampere runs predate it), and the parameter all-gather
     overlapped with the forward wherever the distributed optimizer shards (ZeRO 1/2), as those
     recipes pair them."""
-    hopper = bool(devices) and all(d.supports("fp8") and d.vendor == "nvidia" for d in devices)
     return {
-        "tp_comm_overlap": sequence_parallel and tp > 1 and hopper,
+        "tp_comm_overlap": userbuffers_overlap(devices, tp, sequence_parallel),
         "overlap_param_gather": zero >= 1,
     }
+
+
+def userbuffers_overlap(devices: Sequence[DeviceSpec], tp: int, sequence_parallel: bool) -> bool:
+    """Whether a production Megatron-Core stack overlaps this layout's TP collectives with
+    Transformer Engine's userbuffers: sequence parallelism with TP > 1 on Hopper or newer GPUs."""
+    hopper = bool(devices) and all(d.supports("fp8") and d.vendor == "nvidia" for d in devices)
+    return sequence_parallel and tp > 1 and hopper
 
 
 def _recompute_mode(field: str, mode: object) -> str | frozenset[str]:

@@ -552,22 +552,6 @@ class _Priced:
         # block's all-gathers move 1-byte elements; reductions stay in 16 bits, and the embedding
         # and LM head run in 16 bits anyway
         ag = 1 if c.dtype == "fp8" and part.blocks else ab
-        fwd = bwd = 0.0
-        for n in part.tp_exits:
-            if c.sequence_parallel:
-                fwd += g.reduce_scatter(n * ab)
-                bwd += g.all_gather(n * ag)
-            else:
-                fwd += g.all_reduce(n * ab)
-        for n in part.tp_entries:
-            if c.sequence_parallel:
-                fwd += g.all_gather(n * ag)
-                # (the saved input shard is re-gathered for the weight gradient too; Megatron
-                # overlaps that all-gather with the input-gradient GEMM, so this exposed tally
-                # leaves it out, and with userbuffers ``tp_overlap.py`` prices it as a bulk overlap)
-                bwd += g.reduce_scatter(n * ab)
-            else:
-                bwd += g.all_reduce(n * ab)
         if c.tp_comm_overlap and c.sequence_parallel and part.blocks:
             # Transformer Engine's userbuffers: each collective beside the GEMM it feeds or
             # drains, at the cost of its overlap method (``tp_overlap.py``); kept on the part for
@@ -591,9 +575,27 @@ class _Priced:
             if got is not None:
                 fwd, bwd = got
                 return fwd + bwd + (fwd if mode == "full" else 0.0)
+        # each collective's own time: without userbuffers, or where they do not apply
+        fwd = bwd = 0.0
+        for n in part.tp_exits:
+            if c.sequence_parallel:
+                fwd += g.reduce_scatter(n * ab)
+                bwd += g.all_gather(n * ag)
+            else:
+                fwd += g.all_reduce(n * ab)
+        for n in part.tp_entries:
+            if c.sequence_parallel:
+                fwd += g.all_gather(n * ag)
+                # (the saved input shard is re-gathered for the weight gradient too; Megatron
+                # overlaps that all-gather with the input-gradient GEMM, so this exposed tally
+                # leaves it out, and with userbuffers ``tp_overlap.py`` prices it as a bulk overlap)
+                bwd += g.reduce_scatter(n * ab)
+            else:
+                bwd += g.all_reduce(n * ab)
         total = fwd + bwd + (fwd if mode == "full" else 0.0)
         if c.tp_comm_overlap:
-            # a block of another shape: what its GEMMs' time can cover is hidden
+            # the embedding and head, or a block of another shape: what the part's GEMMs' time can
+            # cover is hidden
             gemm = sum(t for k, t in zip(self.fwd_kernels, self.fwd_times, strict=True) if k.kind == "matmul")
             total = max(0.0, total - 2 * gemm)
         return total

@@ -73,25 +73,44 @@ class UbSlot:
             raise ValueError(f"num_splits must be a positive integer for a pipeline, got {self.num_splits!r}")
 
 
-def _default(slot: str) -> UbSlot:
+def _te_counts(method: str) -> tuple[int, int]:
+    """TE's (num_sm, num_splits) for a slot of ``method`` where a recipe gives only the method: one
+    SM for the copy-engine ring, 16 for the others, 4 chunks for a pipeline (``initialize_ub``)."""
+    return (1 if method == "ring_exchange" else 16), (4 if method == "pipeline" else 0)
+
+
+def _default_method(slot: str) -> str:
     if slot in ("qkv_fprop", "fc1_fprop", "proj_dgrad", "fc2_dgrad"):
-        return UbSlot("ring_exchange", num_sm=1)
+        return "ring_exchange"
     if slot in ("proj_fprop", "fc2_fprop"):
-        return UbSlot("pipeline", num_sm=16, num_splits=4)
-    return UbSlot("bulk", num_sm=16)
+        return "pipeline"
+    return "bulk"
+
+
+def _te_slot(slot: str) -> UbSlot:
+    method = _default_method(slot)
+    return UbSlot(method, *_te_counts(method))
 
 
 #: TE's configuration where a recipe gives none (``initialize_ub`` with ``ub_cfgs=None``).
-TE_DEFAULTS: dict[str, UbSlot] = {s: _default(s) for s in UB_SLOTS}
+TE_DEFAULTS: dict[str, UbSlot] = {s: _te_slot(s) for s in UB_SLOTS}
+
+
+def _slot(slot: str, method: str, num_sm: int, num_splits: int, set_sm_margin: bool) -> UbSlot:
+    """One recipe entry, checked; errors name the slot."""
+    if slot not in UB_SLOTS:
+        raise ValueError(f"unknown overlap slot {slot!r} (expected one of {', '.join(UB_SLOTS)})")
+    try:
+        return UbSlot(method, num_sm, num_splits, set_sm_margin)
+    except ValueError as exc:
+        raise ValueError(f"{slot}: {exc}") from None
 
 
 def ub_slots(overrides: Iterable[tuple[str, str, int, int, bool]]) -> dict[str, UbSlot]:
     """TE's defaults with a recipe's ``(slot, method, num_sm, num_splits, set_sm_margin)`` entries."""
     out = dict(TE_DEFAULTS)
     for slot, method, sm, splits, margin in overrides:
-        if slot not in UB_SLOTS:
-            raise ValueError(f"unknown overlap slot {slot!r} (expected one of {', '.join(UB_SLOTS)})")
-        out[slot] = UbSlot(method, sm, splits, bool(margin))
+        out[slot] = _slot(slot, method, sm, splits, bool(margin))
     return out
 
 
@@ -230,25 +249,21 @@ def read_ub_cfg(data: object) -> tuple[tuple[str, str, int, int, bool], ...]:
         raise ValueError(f"expected a mapping of overlap slots, got {type(data).__name__}")
     out = []
     for slot, entry in data.items():
-        if slot not in UB_SLOTS:
-            raise ValueError(f"unknown overlap slot {slot!r} (expected one of {', '.join(UB_SLOTS)})")
         if not isinstance(entry, dict):
             raise ValueError(f"{slot}: expected a mapping, got {type(entry).__name__}")
         unknown = set(entry) - {"method", "num_sm", "num_splits", "set_sm_margin"} - _UNPRICED_KEYS
         if unknown:
             raise ValueError(f"{slot}: unknown key {sorted(unknown)[0]!r}")
-        method = entry.get("method", TE_DEFAULTS[slot].method)
+        method = str(entry.get("method", _default_method(slot)))
+        num_sm, num_splits = _te_counts(method)
         fields = {
-            "num_sm": entry.get("num_sm", 1 if method == "ring_exchange" else 16),
-            "num_splits": entry.get("num_splits", 4 if method == "pipeline" else 0),
+            "num_sm": entry.get("num_sm", num_sm),
+            "num_splits": entry.get("num_splits", num_splits),
             "set_sm_margin": entry.get("set_sm_margin", 0),
         }
         for key, value in fields.items():
             if (isinstance(value, bool) and key != "set_sm_margin") or not isinstance(value, int):
                 raise ValueError(f"{slot}: {key} must be an integer, got {value!r}")
-        try:
-            UbSlot(str(method), fields["num_sm"], fields["num_splits"], bool(fields["set_sm_margin"]))
-        except ValueError as exc:
-            raise ValueError(f"{slot}: {exc}") from None
-        out.append((slot, str(method), fields["num_sm"], fields["num_splits"], bool(fields["set_sm_margin"])))
+        got = _slot(slot, method, fields["num_sm"], fields["num_splits"], bool(fields["set_sm_margin"]))
+        out.append((slot, got.method, got.num_sm, got.num_splits, got.set_sm_margin))
     return tuple(out)

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from functools import cached_property
 
 from coplan.cost import ConfigError, CostModel, Estimate, TrainingConfig
-from coplan.cost.config import Stack, production_overlaps
+from coplan.cost.config import Stack, userbuffers_overlap
 from coplan.cost.parts import GraphProfile
 from coplan.hardware.cluster import ClusterSpec
 from coplan.ir.fingerprint import fingerprint as graph_fingerprint
@@ -256,7 +256,8 @@ class PlanContext:
             master_weights=plan.precision.master_weights,
             overlap_grad_reduce=self.stack.overlap,
             overlap_param_gather=p.zero >= 1 and self.stack.overlap,
-            tp_comm_overlap=self.stack.tp_comm_overlap and self._userbuffers(p.tp, p.sequence_parallel),
+            tp_comm_overlap=self.stack.tp_comm_overlap
+            and userbuffers_overlap(self.cluster.devices, p.tp, p.sequence_parallel),
             overlap_zero=self.stack.overlap,
             pipeline_keeps_outputs=self.stack.pipeline_keeps_outputs,
             fsdp_units=self.stack.fsdp_units,
@@ -264,10 +265,6 @@ class PlanContext:
         )
         self._configs[key] = config
         return config
-
-    def _userbuffers(self, tp: int, sequence_parallel: bool) -> bool:
-        """Whether a production stack overlaps this layout's TP collectives (TE userbuffers)."""
-        return production_overlaps(self.cluster.devices, tp, sequence_parallel, 0)["tp_comm_overlap"]
 
     def price(self, plan: Plan) -> Estimate:
         """The cost model's estimate of ``plan`` (memoised by decisions)."""
