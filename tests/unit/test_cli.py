@@ -6,25 +6,18 @@ import importlib.util
 import json
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from coplan.cli import main
 from coplan.cli.common import human_bytes, human_count, human_flops, one_line
 
 SUMMARY_KEYS = {"params", "flops", "ops", "activation_bytes", "blocks", "fingerprint"}
 GPT_TINY_PARAMS = 136960
-
-
-def run(capsys: pytest.CaptureFixture[str], *args: str) -> tuple[int, str, str]:
-    """Run ``coplan ARGS`` in process; return (exit code, stdout, stderr)."""
-    with pytest.raises(SystemExit) as exc:
-        main(list(args))
-    code = exc.value.code
-    out, err = capsys.readouterr()
-    return (code if isinstance(code, int) else (0 if code is None else 1)), out, err
+#: the ``cli`` fixture (tests/conftest.py): ``coplan ARGS`` in process -> (exit code, stdout, stderr)
+Cli = Callable[..., tuple[int, str, str]]
 
 
 def assert_one_line_error(code: int, err: str, *needles: str) -> None:
@@ -51,8 +44,8 @@ needs_hardware = pytest.mark.skipif(not _hardware_available(), reason="coplan.ha
 
 
 @pytest.mark.capture
-def test_graph_json(capsys: pytest.CaptureFixture[str]) -> None:
-    code, out, _ = run(capsys, "graph", "--model", "gpt-tiny", "--batch", "2", "--seq", "32", "--json")
+def test_graph_json(cli: Cli) -> None:
+    code, out, _ = cli("graph", "--model", "gpt-tiny", "--batch", "2", "--seq", "32", "--json")
     assert code == 0
     data = json.loads(out)  # the whole of stdout is one JSON document
     assert isinstance(data, dict)
@@ -63,81 +56,81 @@ def test_graph_json(capsys: pytest.CaptureFixture[str]) -> None:
 
 
 @pytest.mark.capture
-def test_graph_text(capsys: pytest.CaptureFixture[str]) -> None:
-    code, out, err = run(capsys, "graph", "--model", "gpt-tiny", "--batch", "2", "--seq", "32")
+def test_graph_text(cli: Cli) -> None:
+    code, out, err = cli("graph", "--model", "gpt-tiny", "--batch", "2", "--seq", "32")
     assert code == 0, err
     for text in ("gpt-tiny", "137.0K", "136,960", "FLOP", "forward", "backward", "matmul", "fingerprint"):
         assert text in out, text
 
 
 @pytest.mark.capture
-def test_graph_seq_defaults_to_model_seq_len(capsys: pytest.CaptureFixture[str]) -> None:
-    code, out, _ = run(capsys, "graph", "-m", "gpt-tiny", "--json")
+def test_graph_seq_defaults_to_model_seq_len(cli: Cli) -> None:
+    code, out, _ = cli("graph", "-m", "gpt-tiny", "--json")
     assert code == 0
     assert json.loads(out)["seq"] == 64
 
 
-def test_graph_synthetic_matches_params(capsys: pytest.CaptureFixture[str]) -> None:
+def test_graph_synthetic_matches_params(cli: Cli) -> None:
     if importlib.util.find_spec("coplan.capture.synthetic") is None:
         pytest.skip("coplan.capture.synthetic is not available yet")
-    code, out, err = run(
-        capsys, "graph", "-m", "gpt-tiny", "--batch", "2", "--seq", "32", "--impl", "synthetic", "--json"
+    code, out, err = cli(
+        "graph", "-m", "gpt-tiny", "--batch", "2", "--seq", "32", "--impl", "synthetic", "--json"
     )
     assert code == 0, err
     assert json.loads(out)["params"] == GPT_TINY_PARAMS
 
 
-def test_unknown_model(capsys: pytest.CaptureFixture[str]) -> None:
-    code, out, err = run(capsys, "graph", "--model", "nope")
+def test_unknown_model(cli: Cli) -> None:
+    code, out, err = cli("graph", "--model", "nope")
     assert out == ""
     assert_one_line_error(code, err, "'nope'")
 
 
-def test_spec_file_unknown_field(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+def test_spec_file_unknown_field(cli: Cli, tmp_path: Path) -> None:
     spec = tmp_path / "bad_field.json"
     spec.write_text(json.dumps({"n_layers": 2, "d_model": 64, "n_heads": 4, "vocab_size": 512, "bogus": 1}))
-    code, _, err = run(capsys, "graph", "--model", str(spec))
+    code, _, err = cli("graph", "--model", str(spec))
     assert_one_line_error(code, err, str(spec), "bogus")
 
 
-def test_spec_file_bad_json(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+def test_spec_file_bad_json(cli: Cli, tmp_path: Path) -> None:
     spec = tmp_path / "broken.json"
     spec.write_text('{"n_layers": 2,')
-    code, _, err = run(capsys, "graph", "--model", str(spec))
+    code, _, err = cli("graph", "--model", str(spec))
     assert_one_line_error(code, err, str(spec), "JSON")
 
 
-def test_spec_file_missing(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+def test_spec_file_missing(cli: Cli, tmp_path: Path) -> None:
     spec = tmp_path / "absent.json"
-    code, _, err = run(capsys, "graph", "--model", str(spec))
+    code, _, err = cli("graph", "--model", str(spec))
     assert_one_line_error(code, err, str(spec))
 
 
 @pytest.mark.parametrize(("option", "value"), [("--batch", "0"), ("--batch", "-3"), ("--seq", "0")])
-def test_bad_sizes(capsys: pytest.CaptureFixture[str], option: str, value: str) -> None:
-    code, out, err = run(capsys, "graph", "--model", "gpt-tiny", option, value)
+def test_bad_sizes(cli: Cli, option: str, value: str) -> None:
+    code, out, err = cli("graph", "--model", "gpt-tiny", option, value)
     assert out == ""
     assert_one_line_error(code, err, option, value)
 
 
-def test_seq_longer_than_model(capsys: pytest.CaptureFixture[str]) -> None:
-    code, _, err = run(capsys, "graph", "--model", "gpt-tiny", "--seq", "65")
+def test_seq_longer_than_model(cli: Cli) -> None:
+    code, _, err = cli("graph", "--model", "gpt-tiny", "--seq", "65")
     assert_one_line_error(code, err, "seq_len", "65")
 
 
-def test_usage_errors_exit_2(capsys: pytest.CaptureFixture[str]) -> None:
+def test_usage_errors_exit_2(cli: Cli) -> None:
     for args in (
         ("graph",),
         ("graph", "-m", "gpt-tiny", "--batch", "x"),
         ("graph", "-m", "gpt-tiny", "--impl", "jax"),
     ):
-        code, _, err = run(capsys, *args)
+        code, _, err = cli(*args)
         assert code == 2, args
         assert "Traceback" not in err
 
 
-def test_help(capsys: pytest.CaptureFixture[str]) -> None:
-    code, out, _ = run(capsys, "--help")
+def test_help(cli: Cli) -> None:
+    code, out, _ = cli("--help")
     assert code == 0
     for command in ("graph", "hardware", "plan"):
         assert command in out
@@ -160,8 +153,8 @@ def test_subprocess_error_has_no_traceback() -> None:
 
 
 @needs_hardware
-def test_hardware_json(capsys: pytest.CaptureFixture[str]) -> None:
-    code, out, _ = run(capsys, "hardware", "--json")
+def test_hardware_json(cli: Cli) -> None:
+    code, out, _ = cli("hardware", "--json")
     assert code == 0
     data: dict[str, Any] = json.loads(out)
     assert set(data) == {"devices", "clusters"}
@@ -170,8 +163,8 @@ def test_hardware_json(capsys: pytest.CaptureFixture[str]) -> None:
 
 
 @needs_hardware
-def test_hardware_text(capsys: pytest.CaptureFixture[str]) -> None:
-    code, out, _ = run(capsys, "hardware")
+def test_hardware_text(cli: Cli) -> None:
+    code, out, _ = cli("hardware")
     assert code == 0
     for text in ("h100-sxm", "dgx-h100", "TFLOP/s", "nvlink"):
         assert text in out
@@ -182,10 +175,10 @@ def test_hardware_text(capsys: pytest.CaptureFixture[str]) -> None:
 
 @needs_hardware
 @pytest.mark.capture
-def test_plan_json(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+def test_plan_json(cli: Cli, tmp_path: Path) -> None:
     out_file = tmp_path / "plan.json"
-    code, out, err = run(
-        capsys, "plan", "--model", "gpt-tiny", "--global-batch", "8", "--json", "--out", str(out_file)
+    code, out, err = cli(
+        "plan", "--model", "gpt-tiny", "--global-batch", "8", "--json", "--out", str(out_file)
     )
     assert code == 0, err
     data = json.loads(out)
@@ -200,18 +193,16 @@ def test_plan_json(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
 
 
 @needs_hardware
-def test_plan_text(capsys: pytest.CaptureFixture[str]) -> None:
-    code, out, err = run(capsys, "plan", "-m", "gpt-tiny", "--global-batch", "4", "--seq", "16")
+def test_plan_text(cli: Cli) -> None:
+    code, out, err = cli("plan", "-m", "gpt-tiny", "--global-batch", "4", "--seq", "16")
     assert code == 0, err
     assert "gpt-tiny" in out and "step time" in out and "fingerprint" in out
 
 
 @needs_hardware
-def test_compare_json_contract(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+def test_compare_json_contract(cli: Cli, tmp_path: Path) -> None:
     report = tmp_path / "r.html"
-    code, out, err = run(
-        capsys, "compare", "-m", "gpt-tiny", "--global-batch", "8", "--json", "--html", str(report)
-    )
+    code, out, err = cli("compare", "-m", "gpt-tiny", "--global-batch", "8", "--json", "--html", str(report))
     assert code == 0, err
     data = json.loads(out)
     names = {"sequential", "sequential-best", "iterated", "hierarchical", "joint"}
@@ -233,8 +224,8 @@ def test_compare_json_contract(capsys: pytest.CaptureFixture[str], tmp_path: Pat
 
 
 @needs_hardware
-def test_infeasible_plan_exits_3(capsys: pytest.CaptureFixture[str]) -> None:
-    code, out, err = run(capsys, "plan", "-m", "llama2-70b", "--gpus", "1", "--seq", "512", "--json")
+def test_infeasible_plan_exits_3(cli: Cli) -> None:
+    code, out, err = cli("plan", "-m", "llama2-70b", "--gpus", "1", "--seq", "512", "--json")
     assert code == 3
     data = json.loads(out)
     assert data["fits"] is False and "nothing fits" in data["reason"]
@@ -254,8 +245,8 @@ def test_infeasible_plan_exits_3(capsys: pytest.CaptureFixture[str]) -> None:
         (("--strategy", "sequential", "--order", "fusion,remat"), "--order"),
     ],
 )
-def test_plan_errors(capsys: pytest.CaptureFixture[str], args: tuple[str, ...], needle: str) -> None:
-    code, _, err = run(capsys, "plan", "--model", "gpt-tiny", *args)
+def test_plan_errors(cli: Cli, args: tuple[str, ...], needle: str) -> None:
+    code, _, err = cli("plan", "--model", "gpt-tiny", *args)
     assert_one_line_error(code, err, needle)
 
 
@@ -273,12 +264,12 @@ def test_human_numbers() -> None:
     assert one_line("a\n  b\n\nc") == "a b c"
 
 
-def test_estimate_stack_flags_reach_the_cost_model(capsys: pytest.CaptureFixture[str]) -> None:
+def test_estimate_stack_flags_reach_the_cost_model(cli: Cli) -> None:
     base = ("estimate", "--model", "gpt2-124m", "--cluster", "dgx-h100", "--gpus", "8", "--tp", "2")
     base += ("--pp", "2", "--microbatch", "2", "--global-batch", "16", "--json")
 
     def est(*extra: str) -> dict:
-        code, out, err = run(capsys, *base, *extra)
+        code, out, err = cli(*base, *extra)
         assert code == 0, err
         return json.loads(out)
 
@@ -293,36 +284,36 @@ def test_estimate_stack_flags_reach_the_cost_model(capsys: pytest.CaptureFixture
     inter = ("--vpp", "2")
     assert est(*inter, "--no-overlap-p2p")["breakdown_s"]["pp_comm"] > est(*inter)["breakdown_s"]["pp_comm"]
     # a bad split is one line naming the option, exit 2
-    code, _, err = run(capsys, *base, "--stage-layers", "5,x")
+    code, _, err = cli(*base, "--stage-layers", "5,x")
     assert code == 2 and "--stage-layers" in err and len(err.strip().splitlines()) == 1
-    code, _, err = run(capsys, *base, "--stage-layers", "5,6")
+    code, _, err = cli(*base, "--stage-layers", "5,6")
     assert code == 2 and "stage_layers" in err
 
 
-def test_plan_short_s_is_the_sequence_length_as_on_every_command(capsys: pytest.CaptureFixture[str]) -> None:
+def test_plan_short_s_is_the_sequence_length_as_on_every_command(cli: Cli) -> None:
     # `-s` once belonged to both --seq and --strategy on `coplan plan`, and --strategy won
     args = ("plan", "--model", "gpt-tiny", "--cluster", "cpu", "--gpus", "1", "--global-batch", "4")
-    code, out, err = run(capsys, *args, "-s", "32", "--json")
+    code, out, err = cli(*args, "-s", "32", "--json")
     assert code == 0, err
     assert json.loads(out)["plan"]["seq"] == 32
 
 
-def test_help_keeps_computed_defaults_in_brackets(capsys: pytest.CaptureFixture[str]) -> None:
+def test_help_keeps_computed_defaults_in_brackets(cli: Cli) -> None:
     # Rich markup took "[default: ...]" for a style tag and dropped it from every help text
-    code, out, _ = run(capsys, "estimate", "--help")
+    code, out, _ = cli("estimate", "--help")
     flat = " ".join(out.replace("│", " ").split())
     assert code == 0 and "[default: the cluster's]" in flat
 
 
 def test_estimate_overlaps_default_to_what_a_production_stack_runs(
-    capsys: pytest.CaptureFixture[str],
+    cli: Cli,
 ) -> None:
     """Unsaid, TP comm overlap follows sequence parallelism on Hopper (fp8-capable) GPUs only, and
     the parameter all-gather overlap follows the distributed optimizer; either flag overrides."""
 
     def config(cluster: str, *extra: str) -> dict:
         args = ("estimate", "--model", "gpt2-124m", "--cluster", cluster, "--gpus", "8", "--tp", "2")
-        code, out, err = run(capsys, *args, "--microbatch", "2", "--global-batch", "16", "--json", *extra)
+        code, out, err = cli(*args, "--microbatch", "2", "--global-batch", "16", "--json", *extra)
         assert code == 0, err
         return json.loads(out)["config"]
 
@@ -334,7 +325,7 @@ def test_estimate_overlaps_default_to_what_a_production_stack_runs(
     assert config("dgx-a100-80gb", *sp, "--tp-comm-overlap")["tp_comm_overlap"] is True
     # forced without sequence parallelism: what Megatron-Core refuses, one line, exit 2
     args = ("estimate", "--model", "gpt2-124m", "--cluster", "dgx-h100", "--gpus", "8", "--tp", "2")
-    code, out, err = run(capsys, *args, "--tp-comm-overlap", "--json")
+    code, out, err = cli(*args, "--tp-comm-overlap", "--json")
     assert code == 2 and out == "" and "tp_comm_overlap" in err and "sequence parallelism" in err
     assert len(err.strip().splitlines()) == 1
     assert config("dgx-h100", "--zero", "1")["overlap_param_gather"] is True

@@ -9,7 +9,6 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from coplan.cli import main
 from coplan.cost import BREAKDOWN_KEYS, ConfigError, CostModel, TrainingConfig
 from coplan.hardware import load_cluster
 from coplan.models.spec import PRESETS, ModelSpec
@@ -222,16 +221,9 @@ def test_estimates_are_finite_and_consistent(tp, pp, mb, m, rec, zero, sp):
 # --- CLI contract ----------------------------------------------------------------------------------
 
 
-def _run(capsys, *args):
-    with pytest.raises(SystemExit) as exc:
-        main(["estimate", *args])
-    out = capsys.readouterr()
-    return exc.value.code, out.out, out.err
-
-
-def test_estimate_json_contract(capsys):
-    code, out, _ = _run(
-        capsys,
+def test_estimate_json_contract(cli):
+    code, out, _ = cli(
+        "estimate",
         "--model",
         "gpt2-124m",
         "--cluster",
@@ -285,14 +277,14 @@ def test_estimate_json_contract(capsys):
         (["--gpus", "2", "--pp", "2", "--vpp", "4", "--global-batch", "8"], "not divisible by pp"),
     ],
 )
-def test_inconsistent_configs_exit_2(capsys, args, needle):
-    code, _, err = _run(capsys, *args)
+def test_inconsistent_configs_exit_2(cli, args, needle):
+    code, _, err = cli("estimate", *args)
     assert code == 2
     assert needle in err and err.count("\n") == 1 and "Traceback" not in err
 
 
-def test_a_config_that_does_not_fit_still_prints(capsys):
-    code, out, _ = _run(capsys, "--model", "llama2-70b", "--gpus", "8", "--tp", "8", "--json")
+def test_a_config_that_does_not_fit_still_prints(cli):
+    code, out, _ = cli("estimate", "--model", "llama2-70b", "--gpus", "8", "--tp", "8", "--json")
     assert code == 0
     data = json.loads(out)
     assert data["fits"] is False and data["memory"]["peak_bytes"] > data["memory"]["capacity_bytes"]
@@ -625,11 +617,11 @@ def test_attention_logsumexp_is_kept_in_fp32_under_16_bit_training():
     assert (f32_r, f32_t) == (0.0, float(b * GPT.n_heads * s))
 
 
-def test_estimate_dropout_flags_override_the_model(capsys):
+def test_estimate_dropout_flags_override_the_model(cli):
     base = ["--model", "gpt-tiny", "--cluster", "h100-sxm", "--microbatch", "2", "--json"]
 
     def step_and_acts(*extra):
-        code, out, _ = _run(capsys, *base, *extra)
+        code, out, _ = cli("estimate", *base, *extra)
         assert code == 0
         data = json.loads(out)
         return data["step_time_s"], data["memory"]["activations_bytes"]
@@ -638,5 +630,5 @@ def test_estimate_dropout_flags_override_the_model(capsys):
     assert step_and_acts("--hidden-dropout", "0", "--attention-dropout", "0") == plain  # the preset's 0
     dropped = step_and_acts("--hidden-dropout", "0.1", "--attention-dropout", "0.1")
     assert dropped[0] > plain[0] and dropped[1] > plain[1]  # mask kernels and 1-byte masks saved
-    code, out, err = _run(capsys, *base, "--hidden-dropout", "1.5")
+    code, out, err = cli("estimate", *base, "--hidden-dropout", "1.5")
     assert code == 2 and out == "" and len(err.strip().splitlines()) == 1 and "--hidden-dropout" in err

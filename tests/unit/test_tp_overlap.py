@@ -8,7 +8,6 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from coplan.cli import main
 from coplan.cost import ConfigError, CostModel, TrainingConfig
 from coplan.cost.parts import Kernel
 from coplan.cost.tp_overlap import TE_DEFAULTS, UbSlot, _pair, ub_slots, with_rows
@@ -119,32 +118,25 @@ ARGS = ["--model", "llama2-70b", "--cluster", "dgx-h100", "--gpus", "64", "--tp"
 ARGS += ["--vpp", "5", "--global-batch", "128", "--sequence-parallel", "--zero", "1", "--json"]
 
 
-def _estimate(capsys, *extra: str) -> tuple[int, str, str]:
-    with pytest.raises(SystemExit) as exc:
-        main(["estimate", *ARGS, *extra])
-    out = capsys.readouterr()
-    return int(exc.value.code or 0), out.out, out.err
-
-
-def test_a_recipes_settings_reach_the_estimate(tmp_path, capsys):
+def test_a_recipes_settings_reach_the_estimate(tmp_path, cli):
     cfg = tmp_path / "ub.json"
     # NeMo's style: fewer SMs for the bulk collectives; keys that do not change the price are accepted
     bulk = {"method": "bulk", "num_sm": 2, "cga_size": 2, "set_sm_margin": 0}
     cfg.write_text(json.dumps({s: bulk for s in ("qkv_dgrad", "qkv_wgrad", "fc1_dgrad", "fc1_wgrad")}))
-    code, out, _ = _estimate(capsys, "--tp-overlap-cfg", str(cfg))
+    code, out, _ = cli("estimate", *ARGS, "--tp-overlap-cfg", str(cfg))
     tuned = json.loads(out)
     assert code == 0 and ["qkv_dgrad", "bulk", 2, 0, False] in tuned["config"]["tp_overlap_cfg"]
-    code, out, _ = _estimate(capsys)
+    code, out, _ = cli("estimate", *ARGS)
     default = json.loads(out)
     assert default["config"]["tp_overlap_cfg"] == []
     assert tuned["breakdown_s"]["tp_comm"] < default["breakdown_s"]["tp_comm"]
 
 
-def test_a_nemo_yaml_is_read(tmp_path, capsys):
+def test_a_nemo_yaml_is_read(tmp_path, cli):
     pytest.importorskip("yaml")
     cfg = tmp_path / "ub_cfg_h100.yaml"
     cfg.write_text("proj_fprop:\n  method: pipeline\n  num_sm: 24\n  num_splits: 4\n  set_sm_margin: 1\n")
-    code, out, _ = _estimate(capsys, "--tp-overlap-cfg", str(cfg))
+    code, out, _ = cli("estimate", *ARGS, "--tp-overlap-cfg", str(cfg))
     got = json.loads(out)["config"]["tp_overlap_cfg"]
     assert code == 0 and got == [["proj_fprop", "pipeline", 24, 4, True]]
 
@@ -160,25 +152,23 @@ def test_a_nemo_yaml_is_read(tmp_path, capsys):
         ("missing.json", None, "No such file"),
     ],
 )
-def test_bad_overlap_settings_exit_2_with_one_line(tmp_path, capsys, name, text, needle):
+def test_bad_overlap_settings_exit_2_with_one_line(tmp_path, cli, name, text, needle):
     cfg = tmp_path / name
     if text is not None:
         cfg.write_text(text)
-    code, out, err = _estimate(capsys, "--tp-overlap-cfg", str(cfg))
+    code, out, err = cli("estimate", *ARGS, "--tp-overlap-cfg", str(cfg))
     assert code == 2 and out == ""
     assert needle in err and "--tp-overlap-cfg" in err and len(err.strip().splitlines()) == 1
 
 
-def test_the_terminal_says_which_settings_priced_the_overlap(tmp_path, capsys):
+def test_the_terminal_says_which_settings_priced_the_overlap(tmp_path, cli):
     plain = [a for a in ARGS if a != "--json"]
-    with pytest.raises(SystemExit):
-        main(["estimate", *plain])
-    assert "tp-comm=on (TE's userbuffers defaults)" in capsys.readouterr().out
+    _, out, _ = cli("estimate", *plain)
+    assert "tp-comm=on (TE's userbuffers defaults)" in out
     cfg = tmp_path / "ub.json"
     cfg.write_text(json.dumps({"fc1_wgrad": {"method": "bulk", "num_sm": 4}}))
-    with pytest.raises(SystemExit):
-        main(["estimate", *plain, "--tp-overlap-cfg", str(cfg)])
-    assert "tp-comm=on (1 userbuffers slot tuned, the rest TE's defaults)" in capsys.readouterr().out
+    _, out, _ = cli("estimate", *plain, "--tp-overlap-cfg", str(cfg))
+    assert "tp-comm=on (1 userbuffers slot tuned, the rest TE's defaults)" in out
 
 
 @pytest.mark.parametrize(("model", "priced"), [("gpt-tiny", True), ("llama-tiny", True), ("moe-tiny", False)])
