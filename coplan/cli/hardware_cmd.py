@@ -19,14 +19,15 @@ def hardware(
     json: Annotated[bool, typer.Option("--json", help="Print one JSON object instead of tables.")] = False,
 ) -> None:
     """List the device and cluster presets (usable as --cluster NAME in `coplan plan`)."""
-    from coplan.hardware import cluster_presets, device_presets
+    from coplan.hardware import cluster_presets, device_presets, hardware_aliases
 
-    devices, clusters = device_presets(), cluster_presets()
+    devices, clusters, aliases = device_presets(), cluster_presets(), hardware_aliases()
     if json:
         print_json(
             {
                 "devices": {name: d.to_dict() for name, d in devices.items()},
                 "clusters": {name: c.to_dict() for name, c in clusters.items()},
+                "aliases": aliases,
             }
         )
         return
@@ -34,6 +35,8 @@ def hardware(
     render_devices(devices, console)
     console.print()
     render_clusters(clusters, console)
+    console.print()
+    console.print("aliases: " + ", ".join(f"{a} = {t}" for a, t in aliases.items()), soft_wrap=True)
 
 
 def _num(value: float, digits: int = 1) -> str:

@@ -13,7 +13,13 @@ from coplan.hardware.cluster import (
     NodeGroup,
 )
 from coplan.hardware.device import DTYPES, EFFICIENCY_KINDS, DeviceSpec, canonical_dtype
-from coplan.hardware.registry import cluster_presets, device_presets, get_device, load_cluster
+from coplan.hardware.registry import (
+    cluster_presets,
+    device_presets,
+    get_device,
+    hardware_aliases,
+    load_cluster,
+)
 
 __all__ = [
     "DTYPES",
@@ -29,5 +35,6 @@ __all__ = [
     "cluster_presets",
     "device_presets",
     "get_device",
+    "hardware_aliases",
     "load_cluster",
 ]

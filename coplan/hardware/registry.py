@@ -2,6 +2,8 @@
 
 Preset files (``presets/devices.json``, ``presets/clusters.json``) map a preset name to a spec
 object without its ``name`` (the key is the name). Cluster presets refer to devices by preset name.
+``presets/aliases.json`` maps the short names people type (``a100``, ``h100``, ``dgx-a100``) to the
+preset they mean: an unqualified A100 is the 80 GB SXM part that large training runs use.
 The parsed presets are cached with ``lru_cache``: they are immutable package data, and the specs
 are frozen, so sharing them is safe.
 """
@@ -82,6 +84,27 @@ def _cluster_table() -> Mapping[str, ClusterSpec]:
     )
 
 
+@lru_cache(maxsize=1)
+def _alias_table() -> Mapping[str, str]:
+    file = resources.files("coplan.hardware") / "presets" / "aliases.json"
+    label = str(file)
+    table = _read_json(file, label)
+    if not isinstance(table, dict):
+        raise SpecError(label, None, "expected an object mapping aliases to preset names")
+    presets = {**_device_table(), **_cluster_table()}
+    for alias, target in table.items():
+        if alias in presets:
+            raise SpecError(label, alias, "is a preset name; an alias may not shadow a preset")
+        if not isinstance(target, str) or target not in presets:
+            raise SpecError(label, alias, f"names no preset: {target!r}")
+    return MappingProxyType(dict(table))
+
+
+def hardware_aliases() -> dict[str, str]:
+    """Short names accepted for presets (``a100`` -> ``a100-sxm-80gb``), alias -> preset name."""
+    return dict(_alias_table())
+
+
 def device_presets() -> dict[str, DeviceSpec]:
     """All packaged device presets by name, in file order (a fresh dict; the specs are shared)."""
     return dict(_device_table())
@@ -115,20 +138,21 @@ def _load_file(text: str) -> DeviceSpec | ClusterSpec:
 
 
 def _unknown(text: str, names: Iterable[str], what: str) -> SpecError:
-    reason = f"no such {what} preset or file{suggest(text, names)}; {_HINT}"
+    reason = f"no such {what} preset or file{suggest(text, [*names, *_alias_table()])}; {_HINT}"
     return SpecError(f"hardware {text!r}", None, reason)
 
 
 def get_device(name_or_path: str) -> DeviceSpec:
     """A device preset by name, or a device spec JSON file."""
     devices = _device_table()
-    if _use_file(name_or_path, devices):
+    if _use_file(name_or_path, {**devices, **_alias_table()}):
         spec = _load_file(name_or_path)
         if not isinstance(spec, DeviceSpec):
             raise SpecError(name_or_path, None, "is a cluster spec; a device spec was expected")
         return spec
-    if name_or_path in devices:
-        return devices[name_or_path]
+    name = _alias_table().get(name_or_path, name_or_path)
+    if name in devices:
+        return devices[name]
     raise _unknown(name_or_path, devices, "device")
 
 
@@ -143,15 +167,16 @@ def load_cluster(name_or_path: str, gpus: int | None = None) -> ClusterSpec:
     """
     if gpus is not None and (isinstance(gpus, bool) or not isinstance(gpus, int) or gpus < 1):
         raise SpecError("gpus", None, f"must be a positive integer, got {gpus!r}")
-    clusters, devices = _cluster_table(), _device_table()
+    clusters, devices, aliases = _cluster_table(), _device_table(), _alias_table()
     known = {**devices, **clusters}
     spec: DeviceSpec | ClusterSpec
-    if _use_file(name_or_path, known):
+    name = aliases.get(name_or_path, name_or_path)
+    if _use_file(name_or_path, {**known, **aliases}):
         spec = _load_file(name_or_path)
-    elif name_or_path in clusters:  # clusters win over devices with the same name ("cpu")
-        spec = clusters[name_or_path]
-    elif name_or_path in devices:
-        spec = devices[name_or_path]
+    elif name in clusters:  # clusters win over devices with the same name ("cpu")
+        spec = clusters[name]
+    elif name in devices:
+        spec = devices[name]
     else:
         raise _unknown(name_or_path, known, "hardware")
     if isinstance(spec, ClusterSpec):

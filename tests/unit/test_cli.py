@@ -157,9 +157,16 @@ def test_hardware_json(cli: Cli) -> None:
     code, out, _ = cli("hardware", "--json")
     assert code == 0
     data: dict[str, Any] = json.loads(out)
-    assert set(data) == {"devices", "clusters"}
+    assert set(data) == {"devices", "clusters", "aliases"}
     assert "h100-sxm" in data["devices"] and "dgx-h100" in data["clusters"]
     assert data["devices"]["h100-sxm"]["memory_bytes"] > 0
+    assert data["aliases"]["dgx-a100"] == "dgx-a100-80gb"
+
+
+def test_estimate_takes_a_short_cluster_name(cli: Cli) -> None:
+    args = ("estimate", "-m", "gpt2-124m", "--gpus", "16", "--tp", "2", "--microbatch", "2", "--json")
+    runs = [json.loads(cli(*args, "--cluster", name)[1]) for name in ("dgx-a100", "dgx-a100-80gb")]
+    assert runs[0]["step_time_s"] == runs[1]["step_time_s"] > 0
 
 
 @needs_hardware

@@ -22,6 +22,7 @@ from coplan.hardware import (
     cluster_presets,
     device_presets,
     get_device,
+    hardware_aliases,
     load_cluster,
 )
 
@@ -304,7 +305,27 @@ def test_unknown_preset_suggests_and_hints() -> None:
     message = str(info.value)
     assert "'dgx-h100'" in message and "coplan hardware" in message
     with pytest.raises(SpecError, match="h100-sxm"):
-        get_device("h100")
+        get_device("h100-pcie")
+
+
+@pytest.mark.parametrize(("alias", "preset"), [("a100", "a100-sxm-80gb"), ("h100", "h100-sxm")])
+def test_short_device_names_are_the_presets_they_alias(alias: str, preset: str) -> None:
+    assert get_device(alias) == get_device(preset)
+    # sized like the preset: 16 H100 are two DGX H100 nodes
+    assert load_cluster(alias, 16) == load_cluster(preset, 16)
+
+
+def test_dgx_a100_is_the_80gb_system() -> None:
+    assert load_cluster("dgx-a100", 64) == load_cluster("dgx-a100-80gb", 64)
+    with pytest.raises(SpecError, match="device"):
+        get_device("dgx-a100")  # a cluster alias is not a device
+
+
+def test_aliases_name_presets_and_shadow_none() -> None:
+    aliases = hardware_aliases()
+    presets = {**device_presets(), **cluster_presets()}
+    assert aliases and all(target in presets for target in aliases.values())
+    assert not set(aliases) & set(presets)
 
 
 def test_cluster_file_and_device_file(tmp_path: Path) -> None:
