@@ -206,12 +206,51 @@ def _llama(name: str, n_layers: int, d_model: int, n_heads: int, ffn: int, **kw:
     return ModelSpec(name=name, n_layers=n_layers, d_model=d_model, n_heads=n_heads, ffn_hidden=ffn, **base)
 
 
+def _nemotron4(name: str, n_layers: int, d_model: int, n_heads: int) -> ModelSpec:
+    """Nemotron-4 (NVIDIA 2024, arXiv 2402.16819 and 2406.11704): squared-ReLU 4h MLP without
+    gating, LayerNorm, rotary positions, 8 KV heads, no biases, untied 256,000-token vocabulary,
+    sequence 4096. Its RoPE rotates half of each head (priced as full: a few elementwise FLOPs)."""
+    return ModelSpec(
+        name=name,
+        n_layers=n_layers,
+        d_model=d_model,
+        n_heads=n_heads,
+        n_kv_heads=8,
+        ffn_hidden=4 * d_model,
+        vocab_size=256000,
+        seq_len=4096,
+        activation="relu2",
+        norm="layernorm",
+        position="rope",
+        tied_embeddings=False,
+        bias=False,
+    )
+
+
+def _llama3(name: str, n_layers: int, d_model: int, n_heads: int, ffn: int) -> ModelSpec:
+    return _llama(
+        name,
+        n_layers,
+        d_model,
+        n_heads,
+        ffn,
+        n_kv_heads=8,
+        vocab_size=128256,
+        seq_len=8192,
+        rope_theta=500000.0,
+    )
+
+
 # Published configurations: GPT-2 (Radford et al. 2019, nanoGPT's configs), LLaMA 2 (Touvron et al.
-# 2023), Llama 3 (Meta 2024), GPT-3 175B (Brown et al. 2020), Mixtral 8x7B (Jiang et al. 2024),
-# Megatron-LM's 1T configuration (Narayanan et al. 2021, table 1). The tiny presets are for tests.
-# GPT-3 175B and the 1T model carry the dropout every published run of them used (hidden and
-# attention 0.1: Megatron-LM's --hidden-dropout / --attention-dropout defaults, which its GPT-3 and
-# Table 1 scripts keep, and NeMo's GPT-3 recipes); the others train without, as their recipes do.
+# 2023), Llama 3 and 3.1 (Meta 2024, "The Llama 3 Herd of Models" Table 3: 8B, 70B, 405B; 3.1 keeps
+# the shapes), GPT-3 175B (Brown et al. 2020), the GPT-3 5B and 20B that NeMo's performance tables
+# train (NeMo-Framework-Launcher conf/training/gpt3/5b.yaml, 20b.yaml: 24 x 4096 x 32 heads, 44 x
+# 6144 x 48 heads, GPT-2's tokenizer, dropout 0.1), Nemotron-4 15B and 340B, Mixtral 8x7B (Jiang et
+# al. 2024), Megatron-LM's 1T configuration (Narayanan et al. 2021, table 1). The tiny presets are
+# for tests. The GPT-3 models and the 1T model carry the dropout published runs of them used
+# (hidden and attention 0.1: Megatron-LM's --hidden-dropout / --attention-dropout defaults, which
+# its GPT-3 and Table 1 scripts keep, and NeMo's GPT-3 recipes up to NeMo 1.x); the others train
+# without, as their recipes do.
 PRESETS: dict[str, ModelSpec] = {
     s.name: s
     for s in (
@@ -222,29 +261,17 @@ PRESETS: dict[str, ModelSpec] = {
         _llama("llama2-7b", 32, 4096, 32, 11008),
         _llama("llama2-13b", 40, 5120, 40, 13824),
         _llama("llama2-70b", 80, 8192, 64, 28672, n_kv_heads=8),
-        _llama(
-            "llama3-8b",
-            32,
-            4096,
-            32,
-            14336,
-            n_kv_heads=8,
-            vocab_size=128256,
-            seq_len=8192,
-            rope_theta=500000.0,
-        ),
-        _llama(
-            "llama3-70b",
-            80,
-            8192,
-            64,
-            28672,
-            n_kv_heads=8,
-            vocab_size=128256,
-            seq_len=8192,
-            rope_theta=500000.0,
-        ),
+        _llama3("llama3-8b", 32, 4096, 32, 14336),
+        _llama3("llama3-70b", 80, 8192, 64, 28672),
+        _llama3("llama3-405b", 126, 16384, 128, 53248),
+        _llama3("llama3.1-8b", 32, 4096, 32, 14336),
+        _llama3("llama3.1-70b", 80, 8192, 64, 28672),
+        _llama3("llama3.1-405b", 126, 16384, 128, 53248),
+        _megatron_gpt("gpt3-5b", 24, 4096, 32, 50257),
+        _megatron_gpt("gpt3-20b", 44, 6144, 48, 50257),
         _megatron_gpt("gpt3-175b", 96, 12288, 96, 50257),
+        _nemotron4("nemotron4-15b", 32, 6144, 48),
+        _nemotron4("nemotron4-340b", 96, 18432, 96),
         _megatron_gpt("megatron-1t", 128, 25600, 160, 51200),
         _llama(
             "mixtral-8x7b",

@@ -48,3 +48,22 @@ def test_moe_experts_follow_gpt2_initialisation() -> None:
     moe = Transformer(spec).h[0].mlp
     assert moe.w_fc.std().item() == pytest.approx(0.02, rel=0.1)
     assert moe.w_proj.std().item() == pytest.approx(0.02 / math.sqrt(2 * spec.n_layers), rel=0.1)
+
+
+@pytest.mark.parametrize(
+    ("name", "published"),
+    [
+        # Meta, "The Llama 3 Herd of Models" (405B); NVIDIA, Nemotron-4 340B technical report (340B)
+        # and Nemotron-4 15B (arXiv 2402.16819: 3.2B embedding + 12.5B other parameters); the
+        # nominal GPT-3 5B / 20B sizes of NeMo's recipes, and GPT-3 175B (Brown et al. 2020)
+        ("llama3-405b", 405e9),
+        ("llama3.1-405b", 405e9),
+        ("nemotron4-340b", 340e9),
+        ("nemotron4-15b", 15.7e9),
+        ("gpt3-5b", 5e9),
+        ("gpt3-20b", 20e9),
+        ("gpt3-175b", 175e9),
+    ],
+)
+def test_published_model_presets_have_their_published_size(name: str, published: float) -> None:
+    assert abs(PRESETS[name].param_count() / published - 1) < 0.015
