@@ -128,10 +128,11 @@ def main() -> None:
     args = ap.parse_args()
     runs = json.loads(args.runs.read_text())["runs"]
     rows = [run_one(r, args.contract) for r in runs]
-    print(f"{'run':36} {'GPUs':>5} {'layout':28} {'measured':>9} {'predicted':>9} {'error':>7} {'MFU':>5}")
+    w = max(len(r["id"]) for r in rows)
+    print(f"{'run':{w}} {'GPUs':>5} {'layout':28} {'measured':>9} {'predicted':>9} {'error':>7} {'MFU':>5}")
     for r in rows:
         print(
-            f"{r['id']:36} {r['gpus']:5d} {r['layout']:28} {r['measured_s']:9.3f} {r['predicted_s']:9.3f} "
+            f"{r['id']:{w}} {r['gpus']:5d} {r['layout']:28} {r['measured_s']:9.3f} {r['predicted_s']:9.3f} "
             f"{r['error']:+7.1%} {r['mfu']:5.1%}{'' if r['fits'] else '  (does not fit)'}"
         )
     summary = {}
