@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from coplan.cost.fusion import source_op
+from coplan.cost.fusion import readers, source_op
 from coplan.cost.parts import REPL, TP
 from coplan.ir.types import Graph, Op, OpKind, Phase, TensorRole
 
@@ -47,17 +47,7 @@ def tp_boundaries(
 
 def _read_replicated(g: Graph, shard: dict[int, int], tid: int) -> bool:
     """Whether a replicated forward op reads tensor ``tid``, directly or through views."""
-    todo = [tid]
-    while todo:
-        for c in g.tensors[todo.pop()].consumers:
-            op = g.ops[c]
-            if op.phase is not Phase.FORWARD:
-                continue
-            if op.kind is OpKind.VIEW:
-                todo.extend(op.outputs)
-            elif shard[c] == REPL:
-                return True
-    return False
+    return any(g.ops[c].phase is Phase.FORWARD and shard[c] == REPL for c in readers(g, tid))
 
 
 def pipeline_boundary(g: Graph, ops: Sequence[Op], ids: set[int]) -> float:
