@@ -241,6 +241,14 @@ def _llama3(name: str, n_layers: int, d_model: int, n_heads: int, ffn: int) -> M
     )
 
 
+#: Llama 3's sizes (layers, width, heads, FFN width): "The Llama 3 Herd of Models", Table 3.
+_LLAMA3_SHAPES: dict[str, tuple[int, int, int, int]] = {
+    "8b": (32, 4096, 32, 14336),
+    "70b": (80, 8192, 64, 28672),
+    "405b": (126, 16384, 128, 53248),
+}
+
+
 # Published configurations: GPT-2 (Radford et al. 2019, nanoGPT's configs), LLaMA 2 (Touvron et al.
 # 2023), Llama 3 and 3.1 (Meta 2024, "The Llama 3 Herd of Models" Table 3: 8B, 70B, 405B; 3.1 keeps
 # the shapes), GPT-3 175B (Brown et al. 2020), the GPT-3 5B and 20B that NeMo's performance tables
@@ -261,12 +269,11 @@ PRESETS: dict[str, ModelSpec] = {
         _llama("llama2-7b", 32, 4096, 32, 11008),
         _llama("llama2-13b", 40, 5120, 40, 13824),
         _llama("llama2-70b", 80, 8192, 64, 28672, n_kv_heads=8),
-        _llama3("llama3-8b", 32, 4096, 32, 14336),
-        _llama3("llama3-70b", 80, 8192, 64, 28672),
-        _llama3("llama3-405b", 126, 16384, 128, 53248),
-        _llama3("llama3.1-8b", 32, 4096, 32, 14336),
-        _llama3("llama3.1-70b", 80, 8192, 64, 28672),
-        _llama3("llama3.1-405b", 126, 16384, 128, 53248),
+        *(
+            _llama3(f"{family}-{size}", *shape)
+            for family in ("llama3", "llama3.1")
+            for size, shape in _LLAMA3_SHAPES.items()
+        ),
         _megatron_gpt("gpt3-5b", 24, 4096, 32, 50257),
         _megatron_gpt("gpt3-20b", 44, 6144, 48, 50257),
         _megatron_gpt("gpt3-175b", 96, 12288, 96, 50257),
