@@ -144,13 +144,13 @@ def _unknown(text: str, names: Iterable[str], what: str) -> SpecError:
 
 def get_device(name_or_path: str) -> DeviceSpec:
     """A device preset by name, or a device spec JSON file."""
-    devices = _device_table()
-    if _use_file(name_or_path, {**devices, **_alias_table()}):
+    devices, aliases = _device_table(), _alias_table()
+    if _use_file(name_or_path, {**devices, **aliases}):
         spec = _load_file(name_or_path)
         if not isinstance(spec, DeviceSpec):
             raise SpecError(name_or_path, None, "is a cluster spec; a device spec was expected")
         return spec
-    name = _alias_table().get(name_or_path, name_or_path)
+    name = aliases.get(name_or_path, name_or_path)
     if name in devices:
         return devices[name]
     raise _unknown(name_or_path, devices, "device")
