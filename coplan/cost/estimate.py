@@ -27,6 +27,7 @@ from typing import Any, cast
 
 from coplan.cost.comm import Group, p2p_time
 from coplan.cost.config import TrainingConfig
+from coplan.cost.fp8 import quant_bytes, weight_cast_bytes
 from coplan.cost.fusion import readers
 from coplan.cost.kernels import Rates, Scale, kernel_time, launches, vector_compute
 from coplan.cost.parts import ACT, FIX, NV, REPL, TP, GraphProfile, Kernel, Part, Vec, vadd, vdot
@@ -252,6 +253,7 @@ def estimate(profile: GraphProfile, cluster: ClusterSpec, config: TrainingConfig
         saved: Vec = (0.0,) * NV  # type: ignore[assignment]
         saved_head: Vec = (0.0,) * NV  # type: ignore[assignment]
         transient = 0.0
+        weight_cast = 0.0
         for part, n in parts:
             # fp8 recipes keep the embedding and LM head in 16 bits (only block GEMMs are fp8)
             pc = cost.of(part) if part.blocks or head_cost is None else head_cost.of(part)
@@ -262,6 +264,7 @@ def estimate(profile: GraphProfile, cluster: ClusterSpec, config: TrainingConfig
             kern += int(n * pc.kernels)
             params[REPL] += n * part.params[REPL]
             params[TP] += n * part.params[TP]
+            weight_cast += n * pc.weight_cast
             is_block = bool(part.blocks)
             mode = rec if is_block else "none"
             if is_block:
@@ -297,6 +300,8 @@ def estimate(profile: GraphProfile, cluster: ClusterSpec, config: TrainingConfig
                 tp_comm += n * pc.tp_comm(part, "none")
                 saved_head = vadd(saved_head, pc.saved)
                 transient = max(transient, pc.transient(part))
+        # fp8 weights are cast in the step's first microbatch; spread over the microbatches here
+        fwd += weight_cast / m
         # pipeline sends: the block output, forward and backward, once per chunk boundary
         pp_comm = 0.0
         if p > 1:
@@ -490,6 +495,7 @@ class _Priced:
         "points",
         "saved",
         "tp_memo",
+        "weight_cast",
     )
 
     def __init__(self, cost: _PartCost, part: Part) -> None:
@@ -509,6 +515,17 @@ class _Priced:
         self.optimizer = sum(cost.time(k) for k in part.optimizer)
         self.kernels = sum(launches(k, s) for k in (*fwd, *bwd, *part.optimizer))
         self.tp_memo: dict[str | frozenset[str], float] = {}
+        self.weight_cast = 0.0  # seconds per step of casting the part's fp8 weights
+        c = cost.c
+        if c.dtype == "fp8" and part.fp8_gemms and cost.device.supports("fp8"):
+            # Transformer Engine's casts and transposes around the block's fp8 GEMMs (``fp8.py``):
+            # memory-bound kernels, in the forward time so full recompute re-runs them too
+            bw, launch = cost.r.bandwidth, cost.r.launch_s
+            fb, bb, nf, nb = quant_bytes(part.fp8_gemms, c.tp, c.sequence_parallel)
+            self.forward += fb / bw + nf * launch
+            self.backward += bb / bw + nb * launch
+            self.kernels += nf + nb
+            self.weight_cast = weight_cast_bytes(part.fp8_gemms, c.tp) / bw
 
     def recompute(self, part: Part, mode: str | frozenset[str]) -> float:
         if mode == "none":

@@ -1,23 +1,31 @@
-"""What fp8 training keeps for backward: Transformer Engine stores GEMM inputs in fp8.
+"""What fp8 training keeps for backward and what its casts cost: Transformer Engine's fp8 GEMMs.
 
-Under fp8 (Transformer Engine's ``fp8_autocast``), a ``Linear`` / ``LayerNormLinear`` casts its
-input to fp8 for the forward GEMM and keeps that fp8 copy (one byte per element) for the weight
-gradient, not the 16-bit input (transformer_engine/pytorch/module/linear.py,
+Memory. Under fp8 (Transformer Engine's ``fp8_autocast``), a ``Linear`` / ``LayerNormLinear``
+casts its input to fp8 for the forward GEMM and keeps that fp8 copy (one byte per element) for the
+weight gradient, not the 16-bit input (transformer_engine/pytorch/module/linear.py,
 ``_Linear.forward``: ``ctx.save_for_backward(... inputmat ...)`` saves the casted input when fp8
 is on, NVIDIA/TransformerEngine v1.7). So a block activation whose only forward readers are GEMMs
 (the norms' outputs, the GeLU or SwiGLU output feeding the second MLP GEMM) is kept at one byte
 instead of two, and one that a GEMM reads but another op also keeps for its own backward (the
 attention output, which the fused attention kernel keeps in 16 bits) is kept twice: 16 bits and
 the GEMM's fp8 copy. The embedding, LM head and loss stay in 16 bits (``estimate``).
+
+Time. An fp8 GEMM on Hopper reads both operands in fp8 and K-major, so TE quantises every GEMM
+input and output gradient, and transposes the ones the weight gradient reads, in memory-bound
+kernels of their own (``quant_bytes``): only the norm before QKV and FC1 writes fp8 itself
+(``LayerNormLinear``); the attention output and the MLP activation, which Megatron-Core computes
+outside TE, are cast by the next GEMM's module. Weights are cast once per step
+(``weight_cast_bytes``). This follows TE v1.8 (Jul 2024); TE 2 reorganises the casts around
+quantizer objects, and is priced the same.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from coplan.cost.fusion import readers
-from coplan.cost.parts import ACT, FIX, NV, Vec
-from coplan.ir.types import Graph, OpKind, Phase
+from coplan.cost.parts import ACT, FIX, NV, TP, Kernel, QuantGemm, Vec
+from coplan.ir.types import Graph, OpKind, Phase, Tensor, TensorRole
 
 
 def fp8_saved_delta(graph: Graph, saved_items: Sequence[tuple[int, str, Vec]]) -> Vec:
@@ -38,3 +46,101 @@ def fp8_saved_delta(graph: Graph, saved_items: Sequence[tuple[int, str, Vec]]) -
                 if only_gemms:  # the 16-bit value is not kept
                     out[cls_shard] -= vec[cls_shard]
     return tuple(out)  # type: ignore[return-value]
+
+
+def quant_gemms(
+    graph: Graph, kernels: Sequence[Kernel], input_shard: Callable[[Tensor], int]
+) -> tuple[QuantGemm, ...]:
+    """The forward GEMMs of a block's ``kernels`` as ``QuantGemm`` entries."""
+    out = []
+    for k in kernels:
+        if k.kind != "matmul":
+            continue
+        mm = next(graph.ops[i] for i in k.ops if graph.ops[i].kind is OpKind.MATMUL)
+        x = w = None
+        for tid in mm.inputs:
+            t = graph.tensors[graph.tensors[tid].storage_id]
+            if t.role is TensorRole.PARAMETER:
+                w = w or graph.tensors[tid]
+            elif x is None:
+                x = graph.tensors[tid]
+        if x is None or w is None or not w.shape or len(w.shape) != 2:
+            continue  # not a linear layer (a batched GEMM of two activations)
+        y = graph.tensors[mm.outputs[0]]
+        out.append(
+            QuantGemm(
+                input_key=x.storage_id,
+                input_elems=float(x.numel),
+                output_elems=float(y.numel),
+                weight_elems=float(w.numel),
+                row_parallel=input_shard(x) == TP,
+                from_norm=_written_by_norm(graph, x),
+                dtype=k.dtype,
+            )
+        )
+    return tuple(out)
+
+
+def _written_by_norm(graph: Graph, t: Tensor) -> bool:
+    while t.producer is not None:
+        op = graph.ops[t.producer]
+        if op.kind is OpKind.NORM:
+            return True
+        if op.kind is not OpKind.VIEW or not op.inputs:
+            return False
+        t = graph.tensors[op.inputs[0]]
+    return False
+
+
+def quant_bytes(
+    gemms: Sequence[QuantGemm], tp: int, sequence_parallel: bool
+) -> tuple[float, float, int, int]:
+    """(forward bytes, backward bytes, forward kernels, backward kernels) per GPU of the casts and
+    transposes Transformer Engine runs around a block's fp8 GEMMs in one microbatch.
+
+    Per element, TE v1.8 (``module/linear.py``, ``module/layernorm_linear.py``, ``module/base.py``
+    ``grad_output_preprocess``): a norm-fed input (LayerNormLinear) is written in fp8 by the norm
+    and transposed for the weight gradient in backward (read 1, write 1 byte); another input is
+    cast and transposed in one forward kernel (read 2, write 1 + 1), or under sequence parallelism
+    cast forward (2 + 1) and transposed backward (1 + 1). An output gradient is cast and transposed
+    in one kernel (2 + 1 + 1); a row-parallel GEMM's under sequence parallelism is cast on the
+    local shard (2 + 1), gathered in fp8, then transposed whole (1 + 1). Column-parallel inputs and
+    row-parallel output gradients are whole (gathered, or replicated) on every GPU.
+    """
+    sp = sequence_parallel and tp > 1
+    fwd = bwd = 0.0
+    nf = nb = 0
+    inputs: dict[int, QuantGemm] = {}
+    grads: dict[int, float] = {}
+    for g in gemms:
+        if g.dtype not in ("", "fp8"):
+            continue  # kept in 16 bits by a precision override
+        inputs.setdefault(g.input_key, g)
+        grads[g.input_key] = grads.get(g.input_key, 0.0) + g.output_elems
+    for key, g in inputs.items():
+        x = g.input_elems / tp if g.row_parallel else g.input_elems
+        if g.from_norm:
+            bwd += 2 * x
+            nb += 1
+        elif sp:
+            fwd += 3 * x
+            bwd += 2 * x
+            nf += 1
+            nb += 1
+        else:
+            fwd += 4 * x
+            nf += 1
+        dy = grads[key]
+        if g.row_parallel and sp:
+            bwd += 3 * dy / tp + 2 * dy
+            nb += 2
+        else:
+            bwd += 4 * (dy if g.row_parallel or tp == 1 else dy / tp)
+            nb += 1
+    return fwd, bwd, nf, nb
+
+
+def weight_cast_bytes(gemms: Sequence[QuantGemm], tp: int) -> float:
+    """Bytes per GPU of casting a block's fp8 weights and their transposes (read 2, write 1 + 1),
+    once per step: Megatron-Core passes ``is_first_microbatch`` so TE caches them after that."""
+    return sum(4 * g.weight_elems / tp for g in gemms if g.dtype in ("", "fp8"))

@@ -63,6 +63,23 @@ class Kernel:
 
 
 @dataclass(frozen=True, slots=True)
+class QuantGemm:
+    """One forward GEMM of a block, as Transformer Engine quantises its operands for fp8.
+
+    Sizes are unsharded elements (the whole microbatch). GEMMs that read one input (separate Q, K
+    and V, SwiGLU's gate and up) are one TE module in Megatron-Core and share ``input_key``.
+    """
+
+    input_key: int  # storage id of the activation input
+    input_elems: float  # M x K
+    output_elems: float  # M x N
+    weight_elems: float  # K x N
+    row_parallel: bool  # the input is tensor-parallel sharded (projection, FC2): output reduced
+    from_norm: bool  # the input is a norm's output, which TE writes in fp8 itself (LayerNormLinear)
+    dtype: str  # the GEMM kernel's overridden precision ("": the training dtype)
+
+
+@dataclass(frozen=True, slots=True)
 class Part:
     """A template block or one end of the model (embedding side ``pre``, loss side ``post``)."""
 
@@ -81,6 +98,7 @@ class Part:
     scores_dropout: float = 0.0  # of those, the elements of attention with dropout on the probabilities
     flash_saved: Vec = ZERO  # kept only for the fused attention's backward (its output, logsumexp)
     fp8_saved: Vec = ZERO  # change of the saved vector when the block's GEMMs run in fp8 (``fp8.py``)
+    fp8_gemms: tuple[QuantGemm, ...] = ()  # the block's linear layers, as fp8 quantises them (``fp8.py``)
     model_flops: float = 0.0  # matrix FLOPs of forward + backward (what MFU counts)
     op_ids: tuple[int, ...] = ()
     saved_items: tuple[tuple[int, str, Vec], ...] = ()  # (tensor id, name, vector) kept with no recompute

@@ -20,7 +20,7 @@ import re
 from collections.abc import Iterable, Sequence
 
 from coplan.cost.boundaries import pipeline_boundary, tp_boundaries
-from coplan.cost.fp8 import fp8_saved_delta
+from coplan.cost.fp8 import fp8_saved_delta, quant_gemms
 from coplan.cost.fusion import default_groups, fused_recomputed, readers, source_op
 from coplan.cost.geometry import attn_geometry, mm_dims, transposed_lhs
 from coplan.cost.loss import LOSS_FUSIONS, loss_ops, megatron_loss
@@ -463,6 +463,7 @@ class _Ctx:
             op_ids=tuple(op.id for op in ops),
             saved_items=(items := self.saved_items(ops)),
             fp8_saved=fp8_saved_delta(self.g, items) if blocks else ZERO,
+            fp8_gemms=quant_gemms(self.g, fwd, self.tensor_shard) if blocks else (),
             flash_saved=self.flash_saved(ops),
             loss_variants=variants,
         )

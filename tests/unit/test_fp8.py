@@ -1,0 +1,104 @@
+"""fp8 training: what Transformer Engine's casts and transposes around the GEMMs cost (exact bytes)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from coplan.cost import CostModel, TrainingConfig
+from coplan.cost.estimate import estimate
+from coplan.cost.fp8 import quant_bytes, weight_cast_bytes
+from coplan.hardware import load_cluster
+from coplan.models.spec import PRESETS, ModelSpec
+
+GPT = ModelSpec(name="gpt-test", n_layers=2, d_model=512, n_heads=8, vocab_size=4096, seq_len=256)
+B, S = 2, 256
+
+
+def _block(spec: ModelSpec):
+    return CostModel(spec=spec).profile(B, S).templates[0]
+
+
+def test_gpt_block_quantisation_bytes_without_tensor_parallelism():
+    # TP1: QKV and FC1 read the norms' fp8 outputs (a backward transpose each, 1 + 1 bytes); the
+    # projection and FC2 inputs are cast and transposed in one forward kernel (2 + 1 + 1); every
+    # output gradient is cast and transposed in one kernel (2 + 1 + 1)
+    part = _block(GPT)
+    t, h = B * S, GPT.d_model
+    assert [(g.row_parallel, g.from_norm) for g in part.fp8_gemms] == [
+        (False, True),  # QKV
+        (True, False),  # projection
+        (False, True),  # FC1
+        (True, False),  # FC2
+    ]
+    fwd, bwd, nf, nb = quant_bytes(part.fp8_gemms, 1, False)
+    assert fwd == 4 * t * h + 4 * t * 4 * h
+    assert bwd == 2 * t * h + 4 * t * 3 * h + 4 * t * h + 2 * t * h + 4 * t * 4 * h + 4 * t * h
+    assert (nf, nb) == (2, 6)
+
+
+def test_gpt_block_quantisation_bytes_under_sequence_parallelism():
+    # TP2 + SP: column-parallel inputs are gathered whole; the row-parallel inputs (sharded) are cast
+    # forward and transposed backward; a row-parallel output gradient is cast on the local shard,
+    # gathered in fp8 and transposed whole; a column-parallel one is cast and transposed, sharded
+    part = _block(GPT)
+    t, h, tp = B * S, GPT.d_model, 2
+    fwd, bwd, nf, nb = quant_bytes(part.fp8_gemms, tp, True)
+    assert fwd == 3 * t * h / tp + 3 * t * 4 * h / tp
+    qkv = 2 * t * h + 4 * t * 3 * h / tp
+    proj = 2 * t * h / tp + 3 * t * h / tp + 2 * t * h
+    fc1 = 2 * t * h + 4 * t * 4 * h / tp
+    fc2 = 2 * t * 4 * h / tp + 3 * t * h / tp + 2 * t * h
+    assert bwd == pytest.approx(qkv + proj + fc1 + fc2)
+    assert (nf, nb) == (2, 10)
+    # weights: 12 h^2 of them, sharded, each cast and transposed once per step
+    assert weight_cast_bytes(part.fp8_gemms, tp) == 4 * 12 * h * h / tp
+
+
+def test_gemms_sharing_an_input_are_one_module():
+    # SwiGLU's gate and up projections read one norm output: one transpose, one gradient cast of
+    # their summed outputs, as Megatron-Core's fused FC1 runs them
+    spec = PRESETS["llama-tiny"]
+    part = CostModel(spec=spec).profile(B, 64).templates[0]
+    keys = [g.input_key for g in part.fp8_gemms]
+    assert len(set(keys)) == 4 < len(keys)
+    _, _, nf, nb = quant_bytes(part.fp8_gemms, 1, False)
+    assert (nf, nb) == (2, 6)
+
+
+def test_a_gemm_kept_in_16_bits_is_not_quantised():
+    part = _block(GPT)
+    kept = tuple(dataclasses.replace(g, dtype="bf16") if g.row_parallel else g for g in part.fp8_gemms)
+    fwd, bwd, nf, nb = quant_bytes(kept, 1, False)
+    t, h = B * S, GPT.d_model
+    assert (fwd, nf, nb) == (0.0, 0, 4)
+    assert bwd == 2 * t * h + 4 * t * 3 * h + 2 * t * h + 4 * t * 4 * h
+
+
+@pytest.mark.parametrize(("tp", "sp"), [(1, False), (2, True)])
+def test_estimate_adds_the_casts_to_each_microbatch_and_the_weights_once(tp, sp):
+    cluster = load_cluster("dgx-h100", tp)
+    config = TrainingConfig(tp=tp, microbatch=B, global_batch=4 * B, seq=S, sequence_parallel=sp, dtype="fp8")
+    prof = CostModel(spec=GPT).profile(B, S)
+    bare = dataclasses.replace(
+        prof, templates=tuple(dataclasses.replace(p, fp8_gemms=()) for p in prof.templates)
+    )
+    got, without = estimate(prof, cluster, config).stages[0], estimate(bare, cluster, config).stages[0]
+    device = cluster.groups[0].device
+    bw = device.memory_bandwidth * device.efficiency_of("memory")
+    fwd, bwd, nf, nb = quant_bytes(prof.templates[0].fp8_gemms, tp, sp)
+    layers, m = GPT.n_layers, config.num_microbatches
+    weights = weight_cast_bytes(prof.templates[0].fp8_gemms, tp) / bw
+    assert got.forward_s - without.forward_s == pytest.approx(
+        layers * (fwd / bw + nf * device.kernel_launch_s + weights / m)
+    )
+    assert got.backward_s - without.backward_s == pytest.approx(
+        layers * (bwd / bw + nb * device.kernel_launch_s)
+    )
+    assert got.kernels - without.kernels == layers * (nf + nb)
+    # a device without fp8 units runs the GEMMs in 16 bits: nothing to quantise
+    a100 = load_cluster("dgx-a100-80gb", tp)
+    assert (
+        estimate(prof, a100, config).stages[0].forward_s == estimate(bare, a100, config).stages[0].forward_s
+    )
