@@ -1,6 +1,6 @@
 """Cost model against published, measured step times of large training runs.
 
-    python benchmarks/bench_published.py [--runs RUNS.json] [--json OUT] [--contract]
+    python benchmarks/bench_published.py [--runs RUNS.json] [--json OUT] [--contract] [--markdown]
 
 Each run in the data file names its model (with its dropout probabilities), cluster preset,
 parallel layout (with ``stage_layers`` where the source's recipe splits layers unevenly), batch,
@@ -15,7 +15,8 @@ apart; other stacks; the runs added after the model and priced unchanged; all);
 ``--json`` writes the rows. ``--contract`` prices each run as `coplan estimate` would from its
 contract flags alone (parallel layout, batch, sequence, recompute, ZeRO, dtype, flash attention;
 the model without dropout; overlaps, loss kernels and gradient precision at the CLI's defaults):
-what a user, or a check, who knows only those gets.
+what a user, or a check, who knows only those gets. ``--markdown`` ends with the README's table
+by source.
 """
 
 from __future__ import annotations
@@ -36,6 +37,29 @@ DATA = Path(__file__).parent / "data" / "published_runs.json"
 
 #: Cluster presets of the GPUs the issue's published-run target names (A100 and H100).
 SCOPE = ("dgx-a100", "dgx-h100")
+
+
+#: The README's table by source: (run id prefix, description), in the order shown.
+SOURCES = (
+    ("narayanan21", "Narayanan et al. 2021, Table 1 (Megatron-LM, fp16)"),
+    ("megatron21", "Megatron-LM README, GPT-3 175B (Jan 2021)"),
+    ("korthikanti22", "Korthikanti et al. 2022, Table 5 and abstract"),
+    ("nemo22", "NeMo-Megatron launcher README, Jul 2022 (5B, 175B at 1,024 GPUs)"),
+    ("nemolauncher2207", "the same two tables, their other columns"),
+    ("nemolauncher2209", "the launcher README's Sep 2022 tables (5B, 175B)"),
+    ("mtnlg", "MT-NLG 530B (Megatron-DeepSpeed: another stack)"),
+    ("megatron24", "Megatron-LM README model table and strong scaling (Megatron-Core r0.8)"),
+    ("nemolauncher2403", "NeMo launcher H100 FP8 table, Mar 2024"),
+    ("nemolauncher2404", "the same table, Apr 2024"),
+    ("nemolauncher2406", "the same table, NeMo 24.05"),
+    ("nemo2407", "NeMo 24.07 performance summary (FP8)"),
+    ("dgxc2411", "DGX Cloud benchmarks v24.11.1 (NeMo 24.05 / 24.09)"),
+    ("dgxc2502", "DGX Cloud benchmarks v25.02.02 (NeMo 24.09 / 24.12)"),
+    ("dgxc2504", "DGX Cloud benchmarks v25.04.02 (NeMo 25.02)"),
+    ("dgxc2505", "DGX Cloud benchmarks v25.05.05 (NeMo 25.04)"),
+    ("nemo2502", "NeMo 25.02 performance summary, GPT-3 175B"),
+    ("mbridge", "Megatron-Bridge performance tables, 25.09 to 26.04"),
+)
 
 
 #: What `coplan estimate`'s contract flags say of a run (``--contract``); everything else is left to
@@ -125,6 +149,7 @@ def main() -> None:
         action="store_true",
         help="price each run from `coplan estimate`'s contract flags alone (CLI defaults for the rest)",
     )
+    ap.add_argument("--markdown", action="store_true", help="end with the README's table by source")
     args = ap.parse_args()
     runs = json.loads(args.runs.read_text())["runs"]
     rows = [run_one(r, args.contract) for r in runs]
@@ -165,6 +190,36 @@ def main() -> None:
     if args.json:
         out = {"summary": summary, "by_source": sources, "rows": rows}
         args.json.write_text(json.dumps(out, indent=2) + "\n")
+    if args.markdown:
+        print()
+        print(markdown_table(scoped))
+
+
+def markdown_table(rows: list[dict]) -> str:
+    """The README's table by source (``SOURCES``), one line per source and GPU; a run of a source
+    not listed is an error (the table would silently leave it out)."""
+    groups: dict[tuple[int, str], list[dict]] = {}
+    for r in rows:
+        first = r["id"].split("-")[0]
+        at = next((i for i, (prefix, _) in enumerate(SOURCES) if first.startswith(prefix)), None)
+        if at is None:
+            raise SystemExit(f"bench_published: run {r['id']!r} has no entry in SOURCES")
+        gpu = "A100" if "a100" in r["cluster"] else "H100"
+        groups.setdefault((at, gpu), []).append(r)
+    lines = [
+        "| source (id prefix) | GPU | runs | held out | mean error | worst | mean signed | within 15% |",
+        "|---|---|---:|---:|---:|---:|---:|---:|",
+    ]
+    for (at, gpu), subset in sorted(groups.items()):
+        prefix, text = SOURCES[at]
+        s = _stats(subset)
+        worst = max((r["error"] for r in subset), key=abs)
+        held = sum(1 for r in subset if r["held_out"])
+        lines.append(
+            f"| `{prefix}`: {text} | {gpu} | {s['runs']} | {held} | {s['mean_abs_error']:.1%} | {worst:+.1%} "
+            f"| {s['mean_signed_error']:+.1%} | {s['within_15pct']} |"
+        )
+    return "\n".join(lines)
 
 
 def _stats(subset: list[dict]) -> dict:
