@@ -21,11 +21,12 @@ quantizer objects, and is priced the same.
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable, Sequence
 
 from coplan.cost.fusion import readers
 from coplan.cost.parts import ACT, FIX, NV, TP, Kernel, QuantGemm, Vec
-from coplan.ir.types import Graph, OpKind, Phase, Tensor, TensorRole
+from coplan.ir.types import Graph, Op, OpKind, Phase, Tensor, TensorRole
 
 
 def fp8_saved_delta(graph: Graph, saved_items: Sequence[tuple[int, str, Vec]]) -> Vec:
@@ -49,9 +50,10 @@ def fp8_saved_delta(graph: Graph, saved_items: Sequence[tuple[int, str, Vec]]) -
 
 
 def quant_gemms(
-    graph: Graph, kernels: Sequence[Kernel], input_shard: Callable[[Tensor], int]
+    graph: Graph, kernels: Sequence[Kernel], tensor_shard: Callable[[Tensor], int]
 ) -> tuple[QuantGemm, ...]:
-    """The forward GEMMs of a block's ``kernels`` as ``QuantGemm`` entries."""
+    """The forward GEMMs of a block's ``kernels`` (linear layers: an activation times a 2-D
+    weight) as ``QuantGemm`` entries."""
     out = []
     for k in kernels:
         if k.kind != "matmul":
@@ -59,37 +61,47 @@ def quant_gemms(
         mm = next(graph.ops[i] for i in k.ops if graph.ops[i].kind is OpKind.MATMUL)
         x = w = None
         for tid in mm.inputs:
-            t = graph.tensors[graph.tensors[tid].storage_id]
-            if t.role is TensorRole.PARAMETER:
-                w = w or graph.tensors[tid]
+            t = graph.tensors[tid]
+            if graph.tensors[t.storage_id].role is TensorRole.PARAMETER:
+                if w is None and len(t.shape) == 2:  # the weight (an addmm's bias comes first)
+                    w = t
             elif x is None:
-                x = graph.tensors[tid]
-        if x is None or w is None or not w.shape or len(w.shape) != 2:
+                x = t
+        if x is None or w is None:
             continue  # not a linear layer (a batched GEMM of two activations)
+        src = _through_views(graph, x)
         y = graph.tensors[mm.outputs[0]]
         out.append(
             QuantGemm(
-                input_key=x.storage_id,
+                input_key=src.storage_id,
                 input_elems=float(x.numel),
                 output_elems=float(y.numel),
                 weight_elems=float(w.numel),
-                row_parallel=input_shard(x) == TP,
-                from_norm=_written_by_norm(graph, x),
+                row_parallel=tensor_shard(src) == TP,
+                from_norm=src.producer is not None and _is_norm(graph.ops[src.producer]),
                 dtype=k.dtype,
             )
         )
     return tuple(out)
 
 
-def _written_by_norm(graph: Graph, t: Tensor) -> bool:
+def _through_views(graph: Graph, t: Tensor) -> Tensor:
+    """The tensor a view chain starts from (what a real kernel wrote)."""
     while t.producer is not None:
         op = graph.ops[t.producer]
-        if op.kind is OpKind.NORM:
-            return True
         if op.kind is not OpKind.VIEW or not op.inputs:
-            return False
+            break
         t = graph.tensors[op.inputs[0]]
-    return False
+    return t
+
+
+#: A norm module's name (a captured RMSNorm is elementwise ops inside it: ``ln_1``, ``norm``,
+#: ``input_layernorm``)
+_NORM_MODULE = re.compile(r"^ln(_\w+)?$|norm")
+
+
+def _is_norm(op: Op) -> bool:
+    return op.kind is OpKind.NORM or bool(_NORM_MODULE.search(op.module_path.rsplit(".", 1)[-1]))
 
 
 def quant_bytes(

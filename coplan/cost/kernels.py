@@ -229,8 +229,8 @@ def _matmul(k: Kernel, r: Rates, s: Scale) -> float:
     compute = k.mm_flops / div / (rate * shape_factor(dims, r.half_dim))
     compute += vector_compute(k, r, s)  # fused epilogue work, if any
     memory = vdot(k.bytes, s.weights) / r.bandwidth
-    # fp8: Transformer Engine fuses the quantisation of activations into the kernel producing them
-    # (norm, activation function) and casts weights once per step, so no extra pass is priced here
+    # fp8: the casts and transposes of the GEMM's operands are kernels of their own, priced per
+    # block (``fp8.py``), not here
     return max(compute, memory) + first_touch(k, r, s) + r.launch_s + r.mm_call_s
 
 
