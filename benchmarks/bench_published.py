@@ -5,7 +5,8 @@
 Each run in the data file names its model (with its dropout probabilities), cluster preset,
 parallel layout (with ``stage_layers`` where the source's recipe splits layers unevenly), batch,
 recompute, precision, attention kernel, the stack's loss kernels (``loss_fusion``), pipeline-send
-and gradient-reduction settings (``overlap.p2p``, ``grad_reduce_fp32``), the Transformer Engine
+and gradient-reduction settings (``overlap.p2p``, ``grad_reduce_fp32``), fp8 primary weights
+(``fp8_params``), the Transformer Engine
 userbuffers settings its recipe tunes (``ub_cfg``, slot -> method, num_sm, num_splits,
 set_sm_margin; absent: TE's defaults), and the step time its
 source measured. The same device presets price every run (one
@@ -90,6 +91,8 @@ def run_config(run: dict) -> TrainingConfig:
         loss_fusion=run.get("loss_fusion", "none"),
         overlap_p2p=overlap.get("p2p", True),
         grad_reduce_fp32=run.get("grad_reduce_fp32", True),
+        # fp8 primary weights where the recipe sets them (NeMo ``fp8_params``, ``--fp8-param-gather``)
+        fp8_params=run.get("fp8_params", False),
         # an uneven pipeline layout, in virtual-stage order, where the source's recipe gives one
         stage_layers=tuple(run["stage_layers"]) if run.get("stage_layers") else None,
     )

@@ -137,6 +137,14 @@ def estimate(
             help="Keep and reduce gradients in fp32 (Megatron's default under bf16) or in 16 bits.",
         ),
     ] = True,
+    fp8_params: Annotated[
+        bool,
+        typer.Option(
+            "--fp8-params",
+            help="With --dtype fp8: fp8 primary weights (NeMo fp8_params, Megatron --fp8-param-gather): "
+            "no 16-bit copy of block weights, parameter all-gathers in fp8.",
+        ),
+    ] = False,
     loss_fusion: Annotated[
         LossFusion,
         typer.Option("--loss-fusion", help="Megatron's cross-entropy kernels: unfused, native or te."),
@@ -224,6 +232,7 @@ def estimate(
         tp_overlap_cfg=_ub_cfg(tp_overlap_cfg),
         overlap_p2p=overlap_p2p,
         grad_reduce_fp32=grad_reduce_fp32,
+        fp8_params=fp8_params,
         loss_fusion=loss_fusion.value,
         stage_layers=_stage_layers(stage_layers),
     )

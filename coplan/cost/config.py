@@ -67,6 +67,9 @@ class TrainingConfig:
             forces it for bf16: arguments.py ``accumulate_allreduce_grads_in_fp32``); off, in the
             16-bit training dtype (2021 Megatron-LM's fp16 default, Megatron-Bridge's
             ``grad_reduce_in_fp32 = False``): half the gradient memory and reduction traffic.
+        fp8_params: under fp8, the block GEMMs' weights are fp8 themselves (Transformer Engine's
+            ``fp8_model_init``; NeMo ``fp8_params``, Megatron ``--fp8-param-gather``): no 16-bit copy
+            beside TE's fp8 one, and the distributed optimizer all-gathers them in fp8.
         stage_layers: layers held by each pipeline stage (default: an even split).
         recompute_per_stage: one recompute mode or set per pipeline stage, overriding ``recompute``
             (the first stage holds the most in-flight microbatches and may recompute more).
@@ -113,6 +116,7 @@ class TrainingConfig:
     tp_overlap_cfg: tuple[tuple[str, str, int, int, bool], ...] = ()
     overlap_p2p: bool = True
     grad_reduce_fp32: bool = True
+    fp8_params: bool = False
     stage_layers: tuple[int, ...] | None = None
     recompute_per_stage: tuple[str | frozenset[str], ...] | None = None
     recompute_fused: frozenset[str] = frozenset()
@@ -168,6 +172,8 @@ class TrainingConfig:
             raise ConfigError(
                 "loss_fusion", f"must be one of {', '.join(LOSS_FUSIONS)}, got {self.loss_fusion!r}"
             )
+        if self.fp8_params and self.dtype != "fp8":
+            raise ConfigError("fp8_params", f"needs dtype fp8, got {self.dtype!r}")
         if self.vpp > 1 and self.pp == 1:
             raise ConfigError("vpp", "interleaved stages need pipeline parallelism (pp > 1)")
         if self.sequence_parallel and self.tp == 1:
@@ -245,6 +251,7 @@ class TrainingConfig:
             "tp_overlap_cfg": [list(e) for e in self.tp_overlap_cfg],
             "overlap_p2p": self.overlap_p2p,
             "grad_reduce_fp32": self.grad_reduce_fp32,
+            "fp8_params": self.fp8_params,
             "stage_layers": list(self.stage_layers) if self.stage_layers else None,
             "recompute_per_stage": (
                 None

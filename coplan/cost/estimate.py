@@ -27,7 +27,7 @@ from typing import Any, cast
 
 from coplan.cost.comm import Group, p2p_time
 from coplan.cost.config import TrainingConfig
-from coplan.cost.fp8 import quant_bytes, weight_cast_bytes
+from coplan.cost.fp8 import quant_bytes, weight_cache_bytes, weight_cast_bytes
 from coplan.cost.fusion import readers
 from coplan.cost.kernels import Rates, Scale, kernel_time, launches, vector_compute
 from coplan.cost.parts import ACT, FIX, NV, REPL, TP, GraphProfile, Kernel, Part, Vec, vadd, vdot
@@ -253,7 +253,7 @@ def estimate(profile: GraphProfile, cluster: ClusterSpec, config: TrainingConfig
         saved: Vec = (0.0,) * NV  # type: ignore[assignment]
         saved_head: Vec = (0.0,) * NV  # type: ignore[assignment]
         transient = 0.0
-        weight_cast = 0.0
+        weight_cast = weight_cache = 0.0
         for part, n in parts:
             # fp8 recipes keep the embedding and LM head in 16 bits (only block GEMMs are fp8)
             pc = cost.of(part) if part.blocks or head_cost is None else head_cost.of(part)
@@ -265,6 +265,7 @@ def estimate(profile: GraphProfile, cluster: ClusterSpec, config: TrainingConfig
             params[REPL] += n * part.params[REPL]
             params[TP] += n * part.params[TP]
             weight_cast += n * pc.weight_cast
+            weight_cache += n * pc.weight_cache
             is_block = bool(part.blocks)
             mode = rec if is_block else "none"
             if is_block:
@@ -326,6 +327,9 @@ def estimate(profile: GraphProfile, cluster: ClusterSpec, config: TrainingConfig
         p_local = params[REPL] + params[TP] / t
         zero_comm = 0.0
         param_bytes = float(ab)  # parameters travel in the kernels' precision
+        if config.fp8_params and p_local:
+            # fp8 primary weights: the block GEMMs' weights (half the cache's bytes) travel in fp8
+            param_bytes -= (ab - 1) * (weight_cache / 2) / p_local
         # gradients are reduced in fp32 under mixed precision, or in 16 bits where the stack does
         grad_bytes = float(f32 if config.grad_reduce_fp32 else ab)
         per_unit = config.zero == 3 or (config.fsdp_units and config.zero >= 1)
@@ -370,6 +374,11 @@ def estimate(profile: GraphProfile, cluster: ClusterSpec, config: TrainingConfig
         if p > 1:
             act_stored += boundary_held(profile, mine, rec, config, s, p, v, m, ab, t, boundary_elems)
         static = static_bytes(p_local, config, d)
+        if not per_unit and not config.fp8_params:
+            # TE's fp8 weight copies, kept through the step beside the 16-bit weights (under ZeRO-3 a
+            # layer's gathered weights, and their casts, are transient instead; with fp8 primary
+            # weights the fp8 copy and its transpose replace the 16-bit weight)
+            static = (static[0] + weight_cache, static[1], static[2])
         capacity = float(min(dev.memory_bytes for dev in _devices_of_stage(cluster, config, s)))
         mem = MemoryEstimate(
             params_bytes=static[0],
@@ -495,6 +504,7 @@ class _Priced:
         "points",
         "saved",
         "tp_memo",
+        "weight_cache",
         "weight_cast",
     )
 
@@ -516,6 +526,7 @@ class _Priced:
         self.kernels = sum(launches(k, s) for k in (*fwd, *bwd, *part.optimizer))
         self.tp_memo: dict[str | frozenset[str], float] = {}
         self.weight_cast = 0.0  # seconds per step of casting the part's fp8 weights
+        self.weight_cache = 0.0  # bytes of the fp8 weight copies kept through the step
         c = cost.c
         if c.dtype == "fp8" and part.fp8_gemms and cost.device.supports("fp8"):
             # Transformer Engine's casts and transposes around the block's fp8 GEMMs (``fp8.py``):
@@ -526,6 +537,10 @@ class _Priced:
             self.backward += bb / bw + nb * launch
             self.kernels += nf + nb
             self.weight_cast = weight_cast_bytes(part.fp8_gemms, c.tp) / bw
+            self.weight_cache = weight_cache_bytes(part.fp8_gemms, c.tp)
+            if c.fp8_params:
+                # the optimizer writes the fp8 weights; only their transposes are made in the step
+                self.weight_cast /= 2
 
     def recompute(self, part: Part, mode: str | frozenset[str]) -> float:
         if mode == "none":

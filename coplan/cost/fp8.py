@@ -15,8 +15,9 @@ input and output gradient, and transposes the ones the weight gradient reads, in
 kernels of their own (``quant_bytes``): only the norm before QKV and FC1 writes fp8 itself
 (``LayerNormLinear``); the attention output and the MLP activation, which Megatron-Core computes
 outside TE, are cast by the next GEMM's module. Weights are cast once per step
-(``weight_cast_bytes``). This follows TE v1.8 (Jul 2024); TE 2 reorganises the casts around
-quantizer objects, and is priced the same.
+(``weight_cast_bytes``), and their fp8 copies stay allocated through it (``weight_cache_bytes``).
+This follows TE v1.8 (Jul 2024); TE 2 reorganises the casts around quantizer objects, and is
+priced the same.
 """
 
 from __future__ import annotations
@@ -150,6 +151,13 @@ def quant_bytes(
             bwd += 4 * (dy if g.row_parallel or tp == 1 else dy / tp)
             nb += 1
     return fwd, bwd, nf, nb
+
+
+def weight_cache_bytes(gemms: Sequence[QuantGemm], tp: int) -> float:
+    """Bytes per GPU of the fp8 copies of a block's weights TE keeps through the step: a weight and
+    its transpose, one byte each (``get_fp8_workspace`` with a ``cache_name``, which Megatron-Core's
+    ``is_first_microbatch`` selects: transformer_engine/pytorch/module/base.py, v1.8)."""
+    return sum(2 * g.weight_elems / tp for g in gemms if g.dtype in ("", "fp8"))
 
 
 def weight_cast_bytes(gemms: Sequence[QuantGemm], tp: int) -> float:

@@ -102,3 +102,50 @@ def test_estimate_adds_the_casts_to_each_microbatch_and_the_weights_once(tp, sp)
     assert (
         estimate(prof, a100, config).stages[0].forward_s == estimate(bare, a100, config).stages[0].forward_s
     )
+
+
+@pytest.mark.parametrize(("zero", "cached"), [(0, True), (1, True), (3, False)])
+def test_fp8_weight_copies_stay_allocated_unless_zero3(zero, cached):
+    # TE keeps each fp8 weight and its transpose (one byte each) from the step's first microbatch on;
+    # under ZeRO-3 a layer's weights are gathered and cast per use instead
+    cluster = load_cluster("dgx-h100", 2)
+    config = TrainingConfig(dp=2, zero=zero, microbatch=B, global_batch=2 * B, seq=S)
+    bf16 = CostModel(spec=GPT).estimate(cluster, config).memory
+    fp8 = CostModel(spec=GPT).estimate(cluster, config.with_(dtype="fp8")).memory
+    part = CostModel(spec=GPT).profile(B, S).templates[0]
+    want = GPT.n_layers * 2 * sum(g.weight_elems for g in part.fp8_gemms) if cached else 0.0
+    assert fp8.params_bytes - bf16.params_bytes == pytest.approx(want)
+    assert (fp8.grads_bytes, fp8.optimizer_bytes) == (bf16.grads_bytes, bf16.optimizer_bytes)
+
+
+def test_fp8_primary_weights_replace_the_16_bit_copy_and_gather_in_fp8():
+    # fp8 params (NeMo fp8_params): the fp8 weight and its transpose replace the 16-bit weight, and
+    # the distributed optimizer all-gathers block weights at one byte
+    from coplan.cost.comm import Group
+
+    cluster = load_cluster("dgx-h100", 16)
+    config = TrainingConfig(
+        dp=16, zero=1, microbatch=B, global_batch=16 * B, seq=S, dtype="fp8", overlap_param_gather=False
+    )
+    cm = CostModel(spec=GPT)
+    plain, fp8p = cm.estimate(cluster, config), cm.estimate(cluster, config.with_(fp8_params=True))
+    bf16 = cm.estimate(cluster, config.with_(dtype="bf16"))
+    assert fp8p.memory.params_bytes == bf16.memory.params_bytes < plain.memory.params_bytes
+    part = cm.profile(B, S).templates[0]
+    gemm_weights = GPT.n_layers * sum(g.weight_elems for g in part.fp8_gemms)
+    p_local = bf16.memory.params_bytes / 2
+    net = cluster.groups[0].device.efficiency_of("network")
+    group = Group.of(cluster, 16, 1, net)
+    assert plain.stages[0].param_gather_s == pytest.approx(group.all_gather(2 * p_local))
+    assert fp8p.stages[0].param_gather_s == pytest.approx(group.all_gather(2 * p_local - gemm_weights))
+
+
+def test_fp8_params_needs_fp8(cli):
+    from coplan.cost import ConfigError
+
+    with pytest.raises(ConfigError, match="fp8_params"):
+        TrainingConfig(fp8_params=True)
+    code, out, err = cli("estimate", "--model", "gpt-tiny", "--fp8-params", "--json")
+    assert code == 2 and out == "" and len(err.strip().splitlines()) == 1 and "fp8" in err
+    code, out, _ = cli("estimate", "--model", "gpt-tiny", "--dtype", "fp8", "--fp8-params", "--json")
+    assert code == 0
