@@ -343,6 +343,8 @@ def render(est: Estimate, title: str) -> None:
         "kernels per step", f"{est.kernels_per_step:,} ({est.launch_overhead_s:.3g} s launch overhead)"
     )
     console.print(head)
+    for note in est.notes:
+        console.print(f"note: {note}", soft_wrap=True)
     times = Table(title="step time breakdown", box=box.SIMPLE_HEAD)
     times.add_column("component")
     times.add_column("seconds", justify="right")

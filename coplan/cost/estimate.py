@@ -29,7 +29,15 @@ from coplan.cost.comm import Group, p2p_time
 from coplan.cost.config import TrainingConfig
 from coplan.cost.fp8 import quant_bytes, weight_cache_bytes, weight_cast_bytes
 from coplan.cost.fusion import readers
-from coplan.cost.kernels import Rates, Scale, kernel_time, launches, vector_compute
+from coplan.cost.kernels import (
+    Rates,
+    Scale,
+    kernel_time,
+    launches,
+    matmul_dtype,
+    precision_notes,
+    vector_compute,
+)
 from coplan.cost.parts import ACT, FIX, NV, REPL, TP, GraphProfile, Kernel, Part, Vec, vadd, vdot
 from coplan.cost.stages import boundary_held, chunk_in_flight, drops_output, in_flight, static_bytes
 from coplan.cost.tp_overlap import block_overlap, ub_slots, with_rows
@@ -276,7 +284,7 @@ def estimate(profile: GraphProfile, cluster: ClusterSpec, config: TrainingConfig
                     recompute += n * max(0.0, n / v - 1) / 2 * pc.forward
                 tp_comm += n * pc.tp_comm(part, mode)
                 sv = _saved(profile, part, mode)
-                if config.dtype == "fp8" and mode in ("none", "selective"):
+                if config.dtype == "fp8" and device.supports("fp8") and mode in ("none", "selective"):
                     sv = vadd(sv, part.fp8_saved)  # GEMM inputs kept in fp8 (``fp8.py``)
                 saved = vadd(saved, tuple(x * n for x in sv))
                 if not config.flash_attention and mode not in ("full", "selective"):
@@ -431,7 +439,8 @@ def estimate(profile: GraphProfile, cluster: ClusterSpec, config: TrainingConfig
     tokens = config.global_batch * seq
     model_flops = profile.model_flops * config.global_batch / profile.batch
     per_gpu = model_flops / step / config.gpus
-    peak = min(dev.peak(config.dtype) or dev.peak("fp32") for dev in cluster.devices)
+    # MFU against the peak of the precision each device really runs (fp8 on an A100: bf16's)
+    peak = min(dev.peak(matmul_dtype(dev, config.dtype)) for dev in cluster.devices)
     loaded = max(stages, key=lambda st: st.memory.peak_bytes / st.memory.capacity_bytes)
     return Estimate(
         step_time_s=step,
@@ -447,6 +456,7 @@ def estimate(profile: GraphProfile, cluster: ClusterSpec, config: TrainingConfig
         peak_flops=peak,
         launch_overhead_s=launch_total / p,
         kernels_per_step=kernels_total,
+        notes=precision_notes(cluster.devices, config.dtype, config.fp8_params),
     )
 
 
@@ -583,7 +593,7 @@ class _Priced:
         # it (the fused norm writes fp8, the output gradient is cast before its all-gather), so the
         # block's all-gathers move 1-byte elements; reductions stay in 16 bits, and the embedding
         # and LM head run in 16 bits anyway
-        ag = 1 if c.dtype == "fp8" and part.blocks else ab
+        ag = 1 if c.dtype == "fp8" and part.blocks and self.cost.device.supports("fp8") else ab
         if c.tp_comm_overlap and c.sequence_parallel and part.blocks:
             # Transformer Engine's userbuffers: each collective beside the GEMM it feeds or
             # drains, at the cost of its overlap method (``tp_overlap.py``); kept on the part for

@@ -31,7 +31,7 @@ do not, and price exactly as without them):
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from coplan.cost.parts import TP, Kernel, Vec, vdot
@@ -72,7 +72,7 @@ class Rates:
 
     @classmethod
     def of(cls, device: DeviceSpec, dtype: str) -> Rates:
-        mm_dtype = dtype if device.supports(dtype) else _fallback(device, dtype)
+        mm_dtype = matmul_dtype(device, dtype)
         peak = device.peak(mm_dtype)
         # attention stays in 16 bits under fp8 training (Transformer Engine's default recipe)
         attn_dtype = _fallback(device, "fp8") if mm_dtype == "fp8" else mm_dtype
@@ -106,6 +106,12 @@ class Rates:
         )
 
 
+def matmul_dtype(device: DeviceSpec, dtype: str) -> str:
+    """The precision ``device``'s matrix units run ``dtype`` GEMMs in (``dtype`` itself where
+    supported)."""
+    return dtype if device.supports(dtype) else _fallback(device, dtype)
+
+
 def _fallback(device: DeviceSpec, dtype: str) -> str:
     """The precision a device really runs ``dtype`` matmuls in when its matrix units lack it
     (fp8 on A100 runs as bf16; tf32 on a CPU as fp32): the next wider one it supports."""
@@ -119,6 +125,21 @@ def _fallback(device: DeviceSpec, dtype: str) -> str:
         if device.supports(d):
             return d
     return "fp32"
+
+
+def precision_notes(devices: Sequence[DeviceSpec], dtype: str, fp8_params: bool) -> tuple[str, ...]:
+    """What an estimate should say when a device's matrix units lack the training dtype: its GEMMs
+    are priced in the precision it falls back to (and fp8's casts and weight copies not at all)."""
+    out = []
+    for dev in dict.fromkeys(devices):
+        if not dev.supports(dtype):
+            note = f"{dev.name} has no {dtype} matrix units: its GEMMs are priced in {_fallback(dev, dtype)}"
+            if dtype == "fp8":
+                note += ", without fp8 casts or weight copies" + (
+                    " (fp8 params ignored)" if fp8_params else ""
+                )
+            out.append(note)
+    return tuple(out)
 
 
 @dataclass(frozen=True, slots=True)

@@ -16,9 +16,9 @@ from coplan.models.spec import PRESETS, ModelSpec
 GPT = ModelSpec(name="gpt-test", n_layers=4, d_model=1024, n_heads=16, vocab_size=8192, seq_len=1024)
 
 
-def _one_layer_activations(config: TrainingConfig, spec: ModelSpec = GPT) -> float:
+def _one_layer_activations(config: TrainingConfig, spec: ModelSpec = GPT, on: str = "dgx-a100-80gb") -> float:
     """Activation bytes of one layer for one microbatch: the difference between 2 and 1 layers."""
-    cluster = load_cluster("dgx-a100-80gb", config.gpus)
+    cluster = load_cluster(on, config.gpus)
     two = CostModel(spec=ModelSpec(**{**spec.to_dict(), "n_layers": 2})).estimate(cluster, config)
     one = CostModel(spec=ModelSpec(**{**spec.to_dict(), "n_layers": 1})).estimate(cluster, config)
     return two.memory.activations_bytes - one.memory.activations_bytes
@@ -583,9 +583,11 @@ def test_fp8_keeps_gemm_inputs_in_one_byte():
     # output (4h) drop to one byte per element, the attention output gains a one-byte copy
     b, s, h = 2, 1024, GPT.d_model
     config = TrainingConfig(microbatch=b, global_batch=b, seq=s, dtype="bf16")
-    bf16 = _one_layer_activations(config)
-    fp8 = _one_layer_activations(config.with_(dtype="fp8"))
+    bf16 = _one_layer_activations(config, on="dgx-h100")
+    fp8 = _one_layer_activations(config.with_(dtype="fp8"), on="dgx-h100")
     assert bf16 - fp8 == pytest.approx((1 + 1 + 4 - 1) * s * b * h)
+    # an A100 has no fp8 units: Transformer Engine would not run fp8 there, and the GEMMs are bf16
+    assert _one_layer_activations(config.with_(dtype="fp8")) == _one_layer_activations(config)
 
 
 def test_megatron_fused_kernels_recompute_norm_and_swiglu_intermediates():

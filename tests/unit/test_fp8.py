@@ -149,3 +149,15 @@ def test_fp8_params_needs_fp8(cli):
     assert code == 2 and out == "" and len(err.strip().splitlines()) == 1 and "fp8" in err
     code, out, _ = cli("estimate", "--model", "gpt-tiny", "--dtype", "fp8", "--fp8-params", "--json")
     assert code == 0
+
+
+def test_fp8_on_a_device_without_fp8_units_is_priced_as_bf16_and_says_so():
+    # MFU against the peak of the precision really run (it was the fp32 peak: MFU over 100%)
+    cluster = load_cluster("dgx-a100-80gb", 1)
+    config = TrainingConfig(microbatch=B, global_batch=B, seq=S)
+    bf16 = CostModel(spec=GPT).estimate(cluster, config)
+    fp8 = CostModel(spec=GPT).estimate(cluster, config.with_(dtype="fp8"))
+    assert fp8.step_time_s == pytest.approx(bf16.step_time_s)
+    assert fp8.mfu == pytest.approx(bf16.mfu) and fp8.mfu < 1
+    assert fp8.memory.peak_bytes == pytest.approx(bf16.memory.peak_bytes)
+    assert bf16.notes == () and len(fp8.notes) == 1 and "bf16" in fp8.notes[0]
