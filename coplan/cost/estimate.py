@@ -769,7 +769,7 @@ def _stage_devices(cluster: ClusterSpec, config: TrainingConfig) -> list[DeviceS
     out = []
     for s in range(config.pp):
         devs = _devices_of_stage(cluster, config, s)
-        out.append(min(devs, key=lambda dv: (dv.peak(config.dtype) or dv.peak("fp32"), dv.memory_bandwidth)))
+        out.append(min(devs, key=lambda dv: (dv.peak(matmul_dtype(dv, config.dtype)), dv.memory_bandwidth)))
     return out
 
 
