@@ -15,7 +15,10 @@ from coplan.cli.common import human_bytes, positive, print_json, stdout
 from coplan.cli.graph_cmd import JsonOpt, SeqOpt
 
 if TYPE_CHECKING:
+    from coplan.cost import CostModel
     from coplan.cost.estimate import Estimate
+    from coplan.cost.explain import KernelCost
+    from coplan.hardware.cluster import ClusterSpec
 
 
 class Recompute(enum.StrEnum):
@@ -172,6 +175,14 @@ def estimate(
             r"\[default: the model's].",
         ),
     ] = None,
+    kernels: Annotated[
+        int,
+        typer.Option(
+            "--kernels",
+            help="List the N most expensive kernels of the slowest pipeline stage (one microbatch).",
+            show_default=False,
+        ),
+    ] = 0,
     json: JsonOpt = False,
 ) -> None:
     """Predict step time, per-GPU memory and MFU of one training configuration."""
@@ -187,6 +198,8 @@ def estimate(
     positive("--dp", dp, optional=True)
     positive("--global-batch", global_batch, optional=True)
     positive("--seq", seq, optional=True)
+    if kernels < 0:
+        raise ConfigError("kernels", f"--kernels must be 0 or more, got {kernels}")
     if zero not in (0, 1, 2, 3):
         raise ConfigError("zero", f"--zero must be 0, 1, 2 or 3, got {zero}")
     spec = load_model_spec(model)
@@ -236,14 +249,60 @@ def estimate(
         loss_fusion=loss_fusion.value,
         stage_layers=_stage_layers(stage_layers),
     )
-    est = CostModel(spec=spec).estimate(hw, config)
+    cm = CostModel(spec=spec)
+    est = cm.estimate(hw, config)
+    listed = _kernels(cm, hw, est, kernels) if kernels else None
     if json:
         out = est.to_dict()
         out["model"] = spec.name
         out["seq"] = spec.resolve_seq(seq)
+        if listed is not None:
+            out["kernels"] = {"stage": listed[0], "rows": [row.to_dict() for row in listed[1]]}
         print_json(out)
         return
     render(est, f"{spec.name} on {hw.summary()}")
+    if listed is not None:
+        render_kernels(est, *listed)
+
+
+def _kernels(cm: CostModel, hw: ClusterSpec, est: Estimate, top: int) -> tuple[int, list[KernelCost]]:
+    """(stage, its ``top`` most expensive kernels): the stage with the longest microbatch."""
+    from coplan.cost.explain import kernel_costs
+
+    c = est.config
+    stage = max(est.stages, key=lambda st: st.microbatch_s).index
+    profile = cm.profile(c.microbatch, cm.seq_of(c), c.fusion, (c.dtype, c.op_dtypes))
+    return stage, list(kernel_costs(profile, hw, c, stage)[:top])
+
+
+def render_kernels(est: Estimate, stage: int, rows: list[KernelCost]) -> None:
+    st = est.stages[stage]
+    compute = st.forward_s + st.backward_s
+    table = Table(
+        title=f"stage {stage}: most expensive kernels of one microbatch ({compute * 1e3:.4g} ms of compute)",
+        box=box.SIMPLE_HEAD,
+    )
+    table.add_column("kernel", overflow="fold")
+    table.add_column("pass", no_wrap=True)
+    table.add_column("x", justify="right", no_wrap=True)
+    table.add_column("GEMM MxNxK", no_wrap=True)
+    table.add_column("ms", justify="right", no_wrap=True)
+    table.add_column("share", justify="right", no_wrap=True)
+    table.add_column("bound", no_wrap=True)
+    for r in rows:
+        table.add_row(
+            r.name if r.kind != "fp8 casts" else f"{r.part}: {r.name}",
+            "fwd" if r.phase == "forward" else "bwd",
+            f"{r.count:g}",
+            r.dims.replace(" ", ""),
+            f"{r.total_s * 1e3:.4g}",
+            f"{r.total_s / compute:.1%}" if compute else "-",
+            r.bound,
+        )
+    stdout().print(table)
+    stdout().print(
+        "ms: all launches of the kernel on the stage; GEMM sizes as one GPU runs them", soft_wrap=True
+    )
 
 
 def _ub_cfg(path: Path | None) -> tuple[tuple[str, str, int, int, bool], ...]:

@@ -21,7 +21,7 @@ warm-up count) and the largest transient working set found by liveness over the 
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, cast
 
@@ -38,8 +38,19 @@ from coplan.cost.kernels import (
     precision_notes,
     vector_compute,
 )
-from coplan.cost.parts import ACT, FIX, NV, REPL, TP, GraphProfile, Kernel, Part, Vec, vadd, vdot
-from coplan.cost.stages import boundary_held, chunk_in_flight, drops_output, in_flight, static_bytes
+from coplan.cost.parts import ACT, F32, FIX, NV, REPL, TP, GraphProfile, Kernel, Part, Vec, vadd, vdot
+from coplan.cost.stages import (
+    boundary_held,
+    chunk_in_flight,
+    chunk_layers,
+    devices_of_stage,
+    drops_output,
+    in_flight,
+    stage_blocks,
+    stage_devices,
+    stage_parts,
+    static_bytes,
+)
 from coplan.cost.tp_overlap import block_overlap, ub_slots, with_rows
 from coplan.cost.zero import zero3_exposed, zero3_transient
 from coplan.hardware.cluster import ClusterSpec
@@ -203,22 +214,13 @@ def estimate(profile: GraphProfile, cluster: ClusterSpec, config: TrainingConfig
         raise ValueError(f"config uses {config.gpus} GPUs, cluster has {cluster.num_devices}")
     t, p, d, v, m = config.tp, config.pp, config.dp, config.vpp, config.num_microbatches
     ab = config.act_bytes
-    div_rep = t if config.sequence_parallel else 1
-    # fp32-class values (loss on logits, main gradients, Adam state) are 4 bytes in mixed precision;
-    # a pure 16-bit run (no master weights) keeps them in 16 bits too
-    f32 = 4 if (not config.mixed or config.master_weights) else ab
-    weights: Vec = (ab / div_rep, ab / t, f32 / div_rep, f32 / t, 1 / div_rep, 1 / t)
-    # a named fusion plan runs eagerly (PyTorch with or without Megatron's fused kernels); explicit
-    # fusion groups are a compiled graph, whose views cost the host nothing per step
-    eager = isinstance(config.fusion, str)
-    scale = Scale(t, config.sequence_parallel, weights, ab, config.flash_attention, eager)
-    devices = _stage_devices(cluster, config)
-    layers = _stage_layers(profile, config)
-    per_stage_layers = [sum(layers[s * v + c] for c in range(v)) for s in range(p)]
-    templates = profile.layer_templates
-    starts = [0]
-    for n_chunk in layers[:-1]:
-        starts.append(starts[-1] + n_chunk)
+    scale = Scale.of(config)
+    weights = scale.weights
+    f32 = weights[F32 * 2 + TP] * t  # bytes of an fp32-class value (``Scale.of``)
+    devices = stage_devices(cluster, config)
+    layers = chunk_layers(profile, config)
+    # layers of each stage: its chunks s, s + p, ... (``stage_blocks``)
+    per_stage_layers = [sum(layers[c * p + s] for c in range(v)) for s in range(p)]
     net = cluster.groups[0].device.efficiency_of("network")
     per_node = cluster.groups[0].devices_per_node
     tp_group = Group.of(cluster, t, 1, net)
@@ -248,13 +250,9 @@ def estimate(profile: GraphProfile, cluster: ClusterSpec, config: TrainingConfig
                     Rates.of(device, "bf16"), scale, config, tp_group, profile, device
                 )
         rec = config.recompute_of(s)
-        # this stage's layers, by template (all chunks of the stage)
-        mine = _chunk_templates(templates, layers, starts, s, p, v)
-        parts: list[tuple[Part, float]] = _count(mine)
-        if s == 0:
-            parts.append((profile.pre, 1.0))
-        if s == p - 1:
-            parts.append((profile.post, 1.0))
+        # this stage's layers (all chunks of the stage), and its parts by template
+        mine = stage_blocks(profile, config, s)
+        parts = stage_parts(profile, config, s)
         fwd = bwd = recompute = tp_comm = opt = 0.0
         kern = 0
         params = [0.0, 0.0]
@@ -387,7 +385,7 @@ def estimate(profile: GraphProfile, cluster: ClusterSpec, config: TrainingConfig
             # layer's gathered weights, and their casts, are transient instead; with fp8 primary
             # weights the fp8 copy and its transpose replace the 16-bit weight)
             static = (static[0] + weight_cache, static[1], static[2])
-        capacity = float(min(dev.memory_bytes for dev in _devices_of_stage(cluster, config, s)))
+        capacity = float(min(dev.memory_bytes for dev in devices_of_stage(cluster, config, s)))
         mem = MemoryEstimate(
             params_bytes=static[0],
             grads_bytes=static[1],
@@ -714,63 +712,6 @@ def _recompute_closure(
 
         got = part.cache[key] = recompute_closure(profile.graph, part, names)
     return got  # type: ignore[return-value]
-
-
-# --- layout helpers --------------------------------------------------------------------------------
-
-
-def _stage_layers(profile: GraphProfile, config: TrainingConfig) -> list[int]:
-    chunks = config.pp * config.vpp
-    if config.stage_layers is not None:
-        return list(config.stage_layers)
-    base, extra = divmod(profile.n_layers, chunks)
-    return [base + (1 if i < extra else 0) for i in range(chunks)]
-
-
-def _chunk_templates(
-    templates: Sequence[Part], layers: Sequence[int], starts: Sequence[int], s: int, p: int, v: int
-) -> list[Part]:
-    """The layers of stage ``s``: chunks ``s, s + p, s + 2p, ...`` of the layer sequence (with
-    ``v == 1`` that is the one contiguous chunk ``s``)."""
-    out: list[Part] = []
-    for c in range(v):
-        i = c * p + s
-        out.extend(templates[starts[i] : starts[i] + layers[i]])
-    return out
-
-
-def _count(parts: Sequence[Part]) -> list[tuple[Part, float]]:
-    counts: dict[int, list[Any]] = {}
-    for part in parts:
-        entry = counts.setdefault(id(part), [part, 0.0])
-        entry[1] += 1.0
-    return [(e[0], e[1]) for e in counts.values()]
-
-
-def _rank_devices(cluster: ClusterSpec) -> list[DeviceSpec]:
-    out: list[DeviceSpec] = []
-    for g in cluster.groups:
-        out.extend([g.device] * g.num_devices)
-    return out
-
-
-def _devices_of_stage(cluster: ClusterSpec, config: TrainingConfig, stage: int) -> list[DeviceSpec]:
-    if len(cluster.groups) == 1:
-        return [cluster.groups[0].device]
-    ranks = _rank_devices(cluster)
-    width = config.tp * config.dp
-    return ranks[stage * width : (stage + 1) * width] or ranks[:1]
-
-
-def _stage_devices(cluster: ClusterSpec, config: TrainingConfig) -> list[DeviceSpec]:
-    """The device pacing each stage: the slowest (lowest matrix peak) among its ranks."""
-    if len(cluster.groups) == 1:
-        return [cluster.groups[0].device] * config.pp
-    out = []
-    for s in range(config.pp):
-        devs = _devices_of_stage(cluster, config, s)
-        out.append(min(devs, key=lambda dv: (dv.peak(matmul_dtype(dv, config.dtype)), dv.memory_bandwidth)))
-    return out
 
 
 def cluster_latency(cluster: ClusterSpec, cross_node: bool) -> float:

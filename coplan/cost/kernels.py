@@ -34,6 +34,7 @@ import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
+from coplan.cost.config import TrainingConfig
 from coplan.cost.parts import TP, Kernel, Vec, vdot
 from coplan.hardware.device import VECTOR_FAMILIES, DeviceSpec
 from coplan.hardware.tiling import AttentionTiling
@@ -155,6 +156,19 @@ class Scale:
 
     def div(self, shard: int) -> int:
         return self.tp if shard == TP or self.sp else 1
+
+    @classmethod
+    def of(cls, config: TrainingConfig) -> Scale:
+        t, ab = config.tp, config.act_bytes
+        div_rep = t if config.sequence_parallel else 1
+        # fp32-class values (loss on logits, main gradients, Adam state) are 4 bytes in mixed
+        # precision; a pure 16-bit run (no master weights) keeps them in 16 bits too
+        f32 = 4 if (not config.mixed or config.master_weights) else ab
+        weights: Vec = (ab / div_rep, ab / t, f32 / div_rep, f32 / t, 1 / div_rep, 1 / t)
+        # a named fusion plan runs eagerly (PyTorch with or without Megatron's fused kernels);
+        # explicit fusion groups are a compiled graph, whose views cost the host nothing per step
+        eager = isinstance(config.fusion, str)
+        return cls(t, config.sequence_parallel, weights, ab, config.flash_attention, eager)
 
 
 KernelRule = Callable[[Kernel, Rates, Scale], float]

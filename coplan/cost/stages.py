@@ -1,11 +1,17 @@
-"""What a pipeline stage holds: microbatches in flight under 1F1B and Megatron's interleaved
-schedule, the boundary activations between stages, and the static memory (weights, gradients,
-optimizer state) of one GPU. Pure functions of the configuration, used by ``estimate``."""
+"""What a pipeline stage holds: its layers and devices, microbatches in flight under 1F1B and
+Megatron's interleaved schedule, the boundary activations between stages, and the static memory
+(weights, gradients, optimizer state) of one GPU. Pure functions of the configuration, used by
+``estimate`` and ``explain``."""
 
 from __future__ import annotations
 
+from typing import Any
+
 from coplan.cost.config import TrainingConfig
+from coplan.cost.kernels import matmul_dtype
 from coplan.cost.parts import GraphProfile, Part
+from coplan.hardware.cluster import ClusterSpec
+from coplan.hardware.device import DeviceSpec
 
 
 def drops_output(profile: GraphProfile, part: Part, names: frozenset[str]) -> bool:
@@ -114,3 +120,74 @@ def static_bytes(p_local: float, config: TrainingConfig, d: int) -> tuple[float,
     if config.zero >= 3:
         w /= d
     return w, g, o
+
+
+# --- layout: which layers and devices each stage has ------------------------------------------------
+
+
+def chunk_layers(profile: GraphProfile, config: TrainingConfig) -> list[int]:
+    """Layers of each model chunk (virtual stage), in model order: ``config.stage_layers`` or an
+    even split (the first chunks take one more where the layers do not divide)."""
+    chunks = config.pp * config.vpp
+    if config.stage_layers is not None:
+        return list(config.stage_layers)
+    base, extra = divmod(profile.n_layers, chunks)
+    return [base + (1 if i < extra else 0) for i in range(chunks)]
+
+
+def stage_blocks(profile: GraphProfile, config: TrainingConfig, stage: int) -> list[Part]:
+    """The block templates of pipeline stage ``stage``, one per layer: chunks ``stage, stage + p,
+    stage + 2p, ...`` of the layer sequence (with ``vpp == 1`` the one contiguous chunk)."""
+    layers = chunk_layers(profile, config)
+    starts = [0]
+    for n in layers[:-1]:
+        starts.append(starts[-1] + n)
+    templates = profile.layer_templates
+    out: list[Part] = []
+    for c in range(config.vpp):
+        i = c * config.pp + stage
+        out.extend(templates[starts[i] : starts[i] + layers[i]])
+    return out
+
+
+def stage_parts(profile: GraphProfile, config: TrainingConfig, stage: int) -> list[tuple[Part, float]]:
+    """(part, how many times one microbatch runs it) on pipeline stage ``stage``: its block
+    templates by count, the embedding side on the first stage and the loss side on the last."""
+    counts: dict[int, list[Any]] = {}
+    for part in stage_blocks(profile, config, stage):
+        entry = counts.setdefault(id(part), [part, 0.0])
+        entry[1] += 1.0
+    out = [(e[0], e[1]) for e in counts.values()]
+    if stage == 0:
+        out.append((profile.pre, 1.0))
+    if stage == config.pp - 1:
+        out.append((profile.post, 1.0))
+    return out
+
+
+def _rank_devices(cluster: ClusterSpec) -> list[DeviceSpec]:
+    out: list[DeviceSpec] = []
+    for g in cluster.groups:
+        out.extend([g.device] * g.num_devices)
+    return out
+
+
+def devices_of_stage(cluster: ClusterSpec, config: TrainingConfig, stage: int) -> list[DeviceSpec]:
+    """The devices of pipeline stage ``stage`` (Megatron's rank order: tensor, then data, then pipeline)."""
+    if len(cluster.groups) == 1:
+        return [cluster.groups[0].device]
+    ranks = _rank_devices(cluster)
+    width = config.tp * config.dp
+    return ranks[stage * width : (stage + 1) * width] or ranks[:1]
+
+
+def stage_devices(cluster: ClusterSpec, config: TrainingConfig) -> list[DeviceSpec]:
+    """The device pacing each stage: the slowest (lowest peak of the precision each device really
+    runs, then least memory bandwidth) among its ranks."""
+    if len(cluster.groups) == 1:
+        return [cluster.groups[0].device] * config.pp
+    out = []
+    for s in range(config.pp):
+        devs = devices_of_stage(cluster, config, s)
+        out.append(min(devs, key=lambda dv: (dv.peak(matmul_dtype(dv, config.dtype)), dv.memory_bandwidth)))
+    return out
