@@ -634,3 +634,14 @@ def test_estimate_dropout_flags_override_the_model(cli):
     assert dropped[0] > plain[0] and dropped[1] > plain[1]  # mask kernels and 1-byte masks saved
     code, out, err = cli("estimate", *base, "--hidden-dropout", "1.5")
     assert code == 2 and out == "" and len(err.strip().splitlines()) == 1 and "--hidden-dropout" in err
+
+
+def test_interleaved_stage_holds_its_own_chunks():
+    # stage s of an interleaved pipeline runs chunks s, s + p, ...: with chunks of 1, 2, 3, 4 layers
+    # on two stages, stage 0 holds 1 + 3 and stage 1 holds 2 + 4
+    spec = ModelSpec(name="t", n_layers=10, d_model=256, n_heads=4, vocab_size=512, seq_len=128)
+    config = TrainingConfig(pp=2, vpp=2, microbatch=1, global_batch=4, stage_layers=(1, 2, 3, 4))
+    est = CostModel(spec=spec).estimate(load_cluster("dgx-h100", 2), config)
+    assert [st.layers for st in est.stages] == [4, 6]
+    # the stage with more layers is the slower one (the head's work is small at this width)
+    assert est.stages[1].forward_s > est.stages[0].forward_s
