@@ -42,12 +42,12 @@ from coplan.cost.parts import ACT, F32, FIX, NV, REPL, TP, GraphProfile, Kernel,
 from coplan.cost.stages import (
     boundary_held,
     chunk_in_flight,
-    chunk_layers,
     devices_of_stage,
     drops_output,
     in_flight,
     stage_blocks,
     stage_devices,
+    stage_layout,
     stage_parts,
     static_bytes,
 )
@@ -218,7 +218,8 @@ def estimate(profile: GraphProfile, cluster: ClusterSpec, config: TrainingConfig
     weights = scale.weights
     f32 = weights[F32 * 2 + TP] * t  # bytes of an fp32-class value (``Scale.of``)
     devices = stage_devices(cluster, config)
-    layers = chunk_layers(profile, config)
+    layout = stage_layout(profile, config)
+    layers = layout[1]
     # layers of each stage: its chunks s, s + p, ... (``stage_blocks``)
     per_stage_layers = [sum(layers[c * p + s] for c in range(v)) for s in range(p)]
     net = cluster.groups[0].device.efficiency_of("network")
@@ -251,8 +252,8 @@ def estimate(profile: GraphProfile, cluster: ClusterSpec, config: TrainingConfig
                 )
         rec = config.recompute_of(s)
         # this stage's layers (all chunks of the stage), and its parts by template
-        mine = stage_blocks(profile, config, s)
-        parts = stage_parts(profile, config, s)
+        mine = stage_blocks(profile, config, s, layout)
+        parts = stage_parts(profile, config, s, mine)
         fwd = bwd = recompute = tp_comm = opt = 0.0
         kern = 0
         params = [0.0, 0.0]

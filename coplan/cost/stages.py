@@ -135,14 +135,25 @@ def chunk_layers(profile: GraphProfile, config: TrainingConfig) -> list[int]:
     return [base + (1 if i < extra else 0) for i in range(chunks)]
 
 
-def stage_blocks(profile: GraphProfile, config: TrainingConfig, stage: int) -> list[Part]:
-    """The block templates of pipeline stage ``stage``, one per layer: chunks ``stage, stage + p,
-    stage + 2p, ...`` of the layer sequence (with ``vpp == 1`` the one contiguous chunk)."""
+#: (layer templates in model order, layers per chunk, first layer of each chunk)
+Layout = tuple[tuple[Part, ...], list[int], list[int]]
+
+
+def stage_layout(profile: GraphProfile, config: TrainingConfig) -> Layout:
+    """What ``stage_blocks`` reads, computed once for all stages of an estimate."""
     layers = chunk_layers(profile, config)
     starts = [0]
     for n in layers[:-1]:
         starts.append(starts[-1] + n)
-    templates = profile.layer_templates
+    return profile.layer_templates, layers, starts
+
+
+def stage_blocks(
+    profile: GraphProfile, config: TrainingConfig, stage: int, layout: Layout | None = None
+) -> list[Part]:
+    """The block templates of pipeline stage ``stage``, one per layer: chunks ``stage, stage + p,
+    stage + 2p, ...`` of the layer sequence (with ``vpp == 1`` the one contiguous chunk)."""
+    templates, layers, starts = layout or stage_layout(profile, config)
     out: list[Part] = []
     for c in range(config.vpp):
         i = c * config.pp + stage
@@ -150,11 +161,14 @@ def stage_blocks(profile: GraphProfile, config: TrainingConfig, stage: int) -> l
     return out
 
 
-def stage_parts(profile: GraphProfile, config: TrainingConfig, stage: int) -> list[tuple[Part, float]]:
+def stage_parts(
+    profile: GraphProfile, config: TrainingConfig, stage: int, blocks: list[Part] | None = None
+) -> list[tuple[Part, float]]:
     """(part, how many times one microbatch runs it) on pipeline stage ``stage``: its block
-    templates by count, the embedding side on the first stage and the loss side on the last."""
+    templates by count (``blocks``: its ``stage_blocks``, where known), the embedding side on the
+    first stage and the loss side on the last."""
     counts: dict[int, list[Any]] = {}
-    for part in stage_blocks(profile, config, stage):
+    for part in stage_blocks(profile, config, stage) if blocks is None else blocks:
         entry = counts.setdefault(id(part), [part, 0.0])
         entry[1] += 1.0
     out = [(e[0], e[1]) for e in counts.values()]
