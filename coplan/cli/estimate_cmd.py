@@ -370,7 +370,8 @@ def render(est: Estimate, title: str) -> None:
     console.print(
         f"tp={c.tp} pp={c.pp} dp={c.dp} vpp={c.vpp} microbatch={c.microbatch} global batch={c.global_batch} "
         f"({c.num_microbatches} microbatches) recompute={rec} sp={'on' if c.sequence_parallel else 'off'} "
-        f"zero={c.zero} dtype={c.dtype} flash={'on' if c.flash_attention else 'off'} fusion={c.fusion}",
+        f"zero={c.zero} dtype={c.dtype}{' (fp8 params)' if c.fp8_params else ''} "
+        f"flash={'on' if c.flash_attention else 'off'} fusion={c.fusion}",
         soft_wrap=True,
     )
     # the overlaps decide much of the communication's price, and their defaults follow the hardware
