@@ -6,7 +6,7 @@ Each run in the data file names its model (with its dropout probabilities), clus
 parallel layout (with ``stage_layers`` where the source's recipe splits layers unevenly), batch,
 recompute, precision, attention kernel, the stack's loss kernels (``loss_fusion``), pipeline-send
 and gradient-reduction settings (``overlap.p2p``, ``grad_reduce_fp32``), fp8 primary weights
-(``fp8_params``), the Transformer Engine
+(``fp8_params``), an eagerly run MLP activation (``activation_fusion``), the Transformer Engine
 userbuffers settings its recipe tunes (``ub_cfg``, slot -> method, num_sm, num_splits,
 set_sm_margin; absent: TE's defaults), and the step time its
 source measured. The same device presets price every run (one
@@ -93,6 +93,8 @@ def run_config(run: dict) -> TrainingConfig:
         grad_reduce_fp32=run.get("grad_reduce_fp32", True),
         # fp8 primary weights where the recipe sets them (NeMo ``fp8_params``, ``--fp8-param-gather``)
         fp8_params=run.get("fp8_params", False),
+        # the MLP activation op by op where the stack runs it eagerly (NeMo 2.x's squared ReLU)
+        activation_fusion=run.get("activation_fusion", True),
         # an uneven pipeline layout, in virtual-stage order, where the source's recipe gives one
         stage_layers=tuple(run["stage_layers"]) if run.get("stage_layers") else None,
     )

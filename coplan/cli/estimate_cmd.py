@@ -148,6 +148,14 @@ def estimate(
             "no 16-bit copy of block weights, parameter all-gathers in fp8.",
         ),
     ] = False,
+    activation_fusion: Annotated[
+        bool,
+        typer.Option(
+            "--activation-fusion/--no-activation-fusion",
+            help="The MLP activation as Megatron's fused kernels, or op by op in eager PyTorch "
+            "(NeMo 2.x's squared ReLU).",
+        ),
+    ] = True,
     loss_fusion: Annotated[
         LossFusion,
         typer.Option("--loss-fusion", help="Megatron's cross-entropy kernels: unfused, native or te."),
@@ -246,6 +254,7 @@ def estimate(
         overlap_p2p=overlap_p2p,
         grad_reduce_fp32=grad_reduce_fp32,
         fp8_params=fp8_params,
+        activation_fusion=activation_fusion,
         loss_fusion=loss_fusion.value,
         stage_layers=_stage_layers(stage_layers),
     )

@@ -67,6 +67,9 @@ class TrainingConfig:
             forces it for bf16: arguments.py ``accumulate_allreduce_grads_in_fp32``); off, in the
             16-bit training dtype (2021 Megatron-LM's fp16 default, Megatron-Bridge's
             ``grad_reduce_in_fp32 = False``): half the gradient memory and reduction traffic.
+        activation_fusion: the MLP activation runs as Megatron's fused kernels (bias-GeLU,
+            bias-SwiGLU, NeMo 1.x's compiled squared ReLU); off, op by op as eager PyTorch runs it
+            (NeMo 2.x's squared ReLU: ``coplan.cost.activation``).
         fp8_params: under fp8, the block GEMMs' weights are fp8 themselves (Transformer Engine's
             ``fp8_model_init``; NeMo ``fp8_params``, Megatron ``--fp8-param-gather``): no 16-bit copy
             beside TE's fp8 one, and the distributed optimizer all-gathers them in fp8.
@@ -117,6 +120,7 @@ class TrainingConfig:
     overlap_p2p: bool = True
     grad_reduce_fp32: bool = True
     fp8_params: bool = False
+    activation_fusion: bool = True
     stage_layers: tuple[int, ...] | None = None
     recompute_per_stage: tuple[str | frozenset[str], ...] | None = None
     recompute_fused: frozenset[str] = frozenset()
@@ -252,6 +256,7 @@ class TrainingConfig:
             "overlap_p2p": self.overlap_p2p,
             "grad_reduce_fp32": self.grad_reduce_fp32,
             "fp8_params": self.fp8_params,
+            "activation_fusion": self.activation_fusion,
             "stage_layers": list(self.stage_layers) if self.stage_layers else None,
             "recompute_per_stage": (
                 None

@@ -526,6 +526,8 @@ class _Priced:
         for name, f, b, delta, points in part.loss_variants:
             if name == cost.c.loss_fusion:  # Megatron's own loss kernels (``loss.py``)
                 fwd, bwd, self.saved, self.points = f, b, vadd(self.saved, delta), points
+        if not cost.c.activation_fusion and part.eager_activation:
+            fwd, bwd = part.eager_activation  # the MLP activation op by op (``activation.py``)
         self.fwd_kernels = fwd
         self.fwd_times = [cost.time(k) for k in fwd]
         self.forward = sum(self.fwd_times)

@@ -106,6 +106,9 @@ class Part:
     # kernels, change of the saved vector, transient points), replacing ``forward``/``backward``/
     # ``transient`` when priced
     loss_variants: tuple[tuple[str, tuple[Kernel, ...], tuple[Kernel, ...], Vec, tuple[Vec, ...]], ...] = ()
+    # the block's (forward, backward) kernels with its MLP activation run eagerly (``activation.py``;
+    # ``()``: the same as ``forward``/``backward``)
+    eager_activation: tuple[tuple[Kernel, ...], tuple[Kernel, ...]] | tuple[()] = ()
     cache: dict[object, object] = field(default_factory=dict, compare=False, repr=False)
 
 

@@ -19,6 +19,7 @@ from __future__ import annotations
 import re
 from collections.abc import Iterable, Sequence
 
+from coplan.cost.activation import eager_variant, extra_passes
 from coplan.cost.boundaries import pipeline_boundary, tp_boundaries
 from coplan.cost.fp8 import fp8_saved_delta, quant_gemms
 from coplan.cost.fusion import default_groups, fused_recomputed, readers, source_op
@@ -82,6 +83,8 @@ def profile_graph(
     # precision override changes the loss path
     ctx.megatron_loss = fusion == "megatron" and not (precision and precision[1])
     ctx.fused_backward = fusion == "megatron"
+    # eager PyTorch (fusion "none") runs some IR ops as several kernels (``activation.py``)
+    ctx.eager = fusion == "none"
     by_block: dict[int | None, list[Op]] = {}
     for op in graph.ops:
         by_block.setdefault(op.block, []).append(op)
@@ -162,6 +165,7 @@ class _Ctx:
                 self._f32_ops.add(op.id)  # Megatron computes the vocab-parallel loss on fp32 logits
         self.group_of = group_of or {}
         self.megatron_loss = False
+        self.eager = False
         # Megatron's fused kernels recompute their intermediates in backward (``_fused_recomputed``)
         self.fused_backward = False
         self._dtype: dict[int, str] = {}  # op id -> overridden dtype (backward ops follow forward)
@@ -417,10 +421,18 @@ class _Ctx:
                 continue
             done.add(grp)
             k = self.kernel(grp)
-            {Phase.FORWARD: fwd, Phase.BACKWARD: bwd, Phase.OPTIMIZER: opt}[k.phase].append(k)
+            into = {Phase.FORWARD: fwd, Phase.BACKWARD: bwd, Phase.OPTIMIZER: opt}[k.phase]
+            into.append(k)
+            if self.eager and len(grp) == 1:
+                into.extend(extra_passes(g, g.ops[grp[0]], self.vec, self._shard[grp[0]]))
         for k in self.cast_kernels(ops):
             (fwd if k.phase is Phase.FORWARD else bwd).append(k)
         variants = self.loss_variants(ops, ids, fwd, bwd) if self.megatron_loss and not blocks else ()
+        eager_act = (
+            eager_variant(g, ops, fwd, bwd, self.kernel, self.vec, lambda op: self._shard[op.id])
+            if blocks and not self.eager
+            else ()
+        )
         params = [0.0, 0.0]
         seen: set[int] = set()
         for op in ops:
@@ -466,6 +478,7 @@ class _Ctx:
             fp8_gemms=quant_gemms(self.g, fwd, self.tensor_shard) if blocks else (),
             flash_saved=self.flash_saved(ops),
             loss_variants=variants,
+            eager_activation=eager_act,
         )
 
     def loss_variants(
