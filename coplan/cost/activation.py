@@ -2,10 +2,12 @@
 
 Megatron-Core fuses the MLP activation with its neighbours (``bias_gelu``, ``bias_swiglu``), and
 NeMo 1.x compiles its squared ReLU (``jit_fuser`` over ``torch.pow(relu(x), 2)``,
-nemo/collections/nlp/modules/common/megatron/utils.py), which the ``"megatron"`` fusion groups
-price. NeMo 2.x runs the same squared ReLU eagerly (nemo/collections/llm/fn/activation.py, v2.0 to
-v2.3: "# @torch.jit.script # remove until we have serialization"): every op of the activation and
-of its gradient is a kernel of its own, and PyTorch's gradient of ``pow(x, 2)`` is itself three
+nemo/collections/nlp/modules/common/megatron/utils.py); the ``"megatron"`` fusion groups price
+that as fused pointwise chains (for squared ReLU: one backward kernel; forward, ``relu`` and
+``square`` stay two kernels because ``relu``'s output is kept for backward). NeMo 2.x runs the
+same squared ReLU eagerly (nemo/collections/llm/fn/activation.py, v2.0 to v2.3: "# @torch.jit.script
+# remove until we have serialization"): every op of the activation and of its gradient is a kernel
+of its own, and PyTorch's gradient of ``pow(x, 2)`` is itself three
 kernels (``pow_backward``: ``grad * (2 * x.pow(1))``; derivatives.yaml / FunctionsManual.cpp),
 where the IR states it as one op. ``TrainingConfig.activation_fusion = False`` prices that.
 """
@@ -36,7 +38,10 @@ def extra_passes(graph: Graph, op: Op, vec: Callable[[Tensor], Vec], shard: int)
 
 def activation_ops(graph: Graph, ops: Sequence[Op]) -> frozenset[int]:
     """The MLP activation of a block: its forward pointwise ops in an ``mlp`` module (not in one
-    of the MLP's linear layers) and the backward ops of their gradients."""
+    of the MLP's linear layers) and the backward ops of their gradients. None for an MoE block,
+    whose ``mlp`` module also routes and combines tokens."""
+    if any(p in ("router", "experts") for op in ops for p in op.module_path.split(".")):
+        return frozenset()
     fwd = {
         op.id
         for op in ops

@@ -38,7 +38,21 @@ from coplan.cost.kernels import (
     precision_notes,
     vector_compute,
 )
-from coplan.cost.parts import ACT, F32, FIX, NV, REPL, TP, GraphProfile, Kernel, Part, Vec, vadd, vdot
+from coplan.cost.parts import (
+    ACT,
+    F32,
+    FIX,
+    NV,
+    REPL,
+    TP,
+    GraphProfile,
+    Kernel,
+    Part,
+    Vec,
+    run_kernels,
+    vadd,
+    vdot,
+)
 from coplan.cost.stages import (
     boundary_held,
     chunk_in_flight,
@@ -309,7 +323,9 @@ def estimate(profile: GraphProfile, cluster: ClusterSpec, config: TrainingConfig
                 saved_head = vadd(saved_head, pc.saved)
                 transient = max(transient, pc.transient(part))
         # fp8 weights are cast in the step's first microbatch; spread over the microbatches here
-        fwd += weight_cast / m
+        # (parameters gathered per layer, ZeRO-3 / FSDP, are cast at each use: every microbatch)
+        per_unit = config.zero == 3 or (config.fsdp_units and config.zero >= 1)
+        fwd += weight_cast if per_unit and d > 1 else weight_cast / m
         # pipeline sends: the block output, forward and backward, once per chunk boundary
         pp_comm = 0.0
         if p > 1:
@@ -339,7 +355,6 @@ def estimate(profile: GraphProfile, cluster: ClusterSpec, config: TrainingConfig
             param_bytes -= (ab - 1) * (weight_cache / 2) / p_local
         # gradients are reduced in fp32 under mixed precision, or in 16 bits where the stack does
         grad_bytes = float(f32 if config.grad_reduce_fp32 else ab)
-        per_unit = config.zero == 3 or (config.fsdp_units and config.zero >= 1)
         if per_unit and d > 1:
             # per-unit gathers and reduce-scatters, prefetched behind compute (``zero.py``); the
             # units are the stage's layers (the embedding and head ride with the first and last).
@@ -381,7 +396,7 @@ def estimate(profile: GraphProfile, cluster: ClusterSpec, config: TrainingConfig
         if p > 1:
             act_stored += boundary_held(profile, mine, rec, config, s, p, v, m, ab, t, boundary_elems)
         static = static_bytes(p_local, config, d)
-        if not per_unit and not config.fp8_params:
+        if not (per_unit and d > 1) and not config.fp8_params:
             # TE's fp8 weight copies, kept through the step beside the 16-bit weights (under ZeRO-3 a
             # layer's gathered weights, and their casts, are transient instead; with fp8 primary
             # weights the fp8 copy and its transpose replace the 16-bit weight)
@@ -523,11 +538,10 @@ class _Priced:
         fwd, bwd = part.forward, part.backward
         self.saved: Vec = part.saved["none"]
         self.points = part.transient
-        for name, f, b, delta, points in part.loss_variants:
+        for name, _, _, delta, points in part.loss_variants:
             if name == cost.c.loss_fusion:  # Megatron's own loss kernels (``loss.py``)
-                fwd, bwd, self.saved, self.points = f, b, vadd(self.saved, delta), points
-        if not cost.c.activation_fusion and part.eager_activation:
-            fwd, bwd = part.eager_activation  # the MLP activation op by op (``activation.py``)
+                self.saved, self.points = vadd(self.saved, delta), points
+        fwd, bwd = run_kernels(part, cost.c.loss_fusion, cost.c.activation_fusion)
         self.fwd_kernels = fwd
         self.fwd_times = [cost.time(k) for k in fwd]
         self.forward = sum(self.fwd_times)
@@ -600,7 +614,9 @@ class _Priced:
             # drains, at the cost of its overlap method (``tp_overlap.py``); kept on the part for
             # every estimate that prices it alike (a search prices thousands)
             cost = self.cost
-            key = ("userbuffers", cost.device, c.dtype, cost.s, g, c.tp_overlap_cfg)
+            # (the kernels priced depend on the activation's fusion where the part has a variant)
+            eager = not c.activation_fusion and bool(part.eager_activation)
+            key = ("userbuffers", cost.device, c.dtype, cost.s, g, c.tp_overlap_cfg, eager)
             if key not in part.cache:
                 part.cache[key] = block_overlap(
                     self.fwd_kernels,

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from coplan.cost.config import TrainingConfig
 from coplan.cost.fp8 import quant_bytes, weight_cast_bytes
 from coplan.cost.kernels import Rates, Scale, kernel_time
-from coplan.cost.parts import GraphProfile, Kernel, Part, vdot
+from coplan.cost.parts import GraphProfile, Kernel, Part, run_kernels, vdot
 from coplan.cost.stages import stage_devices, stage_parts
 from coplan.hardware.cluster import ClusterSpec
 from coplan.hardware.device import DeviceSpec
@@ -59,8 +59,8 @@ def kernel_costs(
     """Every kernel pipeline stage ``stage`` runs in one microbatch, most expensive first.
 
     Prices kernels as ``estimate`` does: the stage's pacing device, the training dtype's rates (a
-    kernel with a precision override at its own; under fp8 the embedding and head at bf16's),
-    Megatron's loss kernels in place of the IR's where ``config.loss_fusion`` selects them."""
+    kernel with a precision override at its own; under fp8 the embedding and head at bf16's), the
+    kernels ``run_kernels`` chooses (Megatron's loss kernels, an eager MLP activation)."""
     if not 0 <= stage < config.pp:
         raise ValueError(f"stage {stage} is outside the pipeline's {config.pp} stages")
     device = stage_devices(cluster, config)[stage]
@@ -78,10 +78,7 @@ def kernel_costs(
     for part, n in stage_parts(profile, config, stage):
         # fp8 recipes keep the embedding and LM head in 16 bits (only block GEMMs are fp8)
         base = config.dtype if part.blocks or config.dtype != "fp8" else "bf16"
-        fwd, bwd = part.forward, part.backward
-        for name, f, b, _, _ in part.loss_variants:
-            if name == config.loss_fusion:
-                fwd, bwd = f, b
+        fwd, bwd = run_kernels(part, config.loss_fusion, config.activation_fusion)
         for k in (*fwd, *bwd):
             if k.kind == "free":
                 continue

@@ -17,7 +17,8 @@ kernels of their own (``quant_bytes``): only the norm before QKV and FC1 writes 
 outside TE, are cast by the next GEMM's module. Weights are cast once per step
 (``weight_cast_bytes``), and their fp8 copies stay allocated through it (``weight_cache_bytes``).
 This follows TE v1.8 (Jul 2024); TE 2 reorganises the casts around quantizer objects, and is
-priced the same.
+priced the same. MoE experts (batched 3-D weights) run at the fp8 rate without these casts, and the
+router is not an fp8 GEMM.
 """
 
 from __future__ import annotations
@@ -69,7 +70,9 @@ def quant_gemms(
             elif x is None:
                 x = t
         if x is None or w is None:
-            continue  # not a linear layer (a batched GEMM of two activations)
+            continue  # not a linear layer: a batched GEMM of two activations, or MoE experts' 3-D weights
+        if mm.module_path.rsplit(".", 1)[-1] in _PLAIN_LINEAR:
+            continue  # an MoE router: a plain PyTorch linear layer in Megatron-Core, not TE's
         src = _through_views(graph, x)
         y = graph.tensors[mm.outputs[0]]
         out.append(
@@ -84,6 +87,10 @@ def quant_gemms(
             )
         )
     return tuple(out)
+
+
+#: Linear layers of a block that Megatron-Core runs outside Transformer Engine (MoE routers)
+_PLAIN_LINEAR = frozenset({"router", "gate"})
 
 
 def _through_views(graph: Graph, t: Tensor) -> Tensor:
@@ -115,10 +122,12 @@ def quant_bytes(
     ``grad_output_preprocess``): a norm-fed input (LayerNormLinear) is written in fp8 by the norm
     and transposed for the weight gradient in backward (read 1, write 1 byte); another input is
     cast and transposed in one forward kernel (read 2, write 1 + 1), or under sequence parallelism
-    cast forward (2 + 1) and transposed backward (1 + 1). An output gradient is cast and transposed
+    cast forward where it lives (2 + 1; a column-parallel one on the local sequence shard, before
+    its fp8 all-gather) and transposed backward (1 + 1). An output gradient is cast and transposed
     in one kernel (2 + 1 + 1); a row-parallel GEMM's under sequence parallelism is cast on the
-    local shard (2 + 1), gathered in fp8, then transposed whole (1 + 1). Column-parallel inputs and
-    row-parallel output gradients are whole (gathered, or replicated) on every GPU.
+    local shard (2 + 1), gathered in fp8, then transposed whole (1 + 1). Transposes of
+    column-parallel inputs and of row-parallel output gradients are whole (gathered, or
+    replicated) on every GPU.
     """
     sp = sequence_parallel and tp > 1
     fwd = bwd = 0.0
@@ -136,7 +145,9 @@ def quant_bytes(
             bwd += 2 * x
             nb += 1
         elif sp:
-            fwd += 3 * x
+            # cast where the input lives (a column-parallel input on the local sequence shard, then
+            # gathered in fp8), transposed whole for the weight gradient
+            fwd += 3 * (x if g.row_parallel else x / tp)
             bwd += 2 * x
             nf += 1
             nb += 1

@@ -112,6 +112,21 @@ class Part:
     cache: dict[object, object] = field(default_factory=dict, compare=False, repr=False)
 
 
+def run_kernels(
+    part: Part, loss_fusion: str, activation_fusion: bool
+) -> tuple[tuple[Kernel, ...], tuple[Kernel, ...]]:
+    """The (forward, backward) kernels a configuration runs for ``part``: Megatron's loss kernels
+    where ``loss_fusion`` selects them (``loss.py``), the MLP activation op by op where it is not
+    fused (``activation.py``), else the part's own."""
+    fwd, bwd = part.forward, part.backward
+    for name, f, b, _, _ in part.loss_variants:
+        if name == loss_fusion:
+            fwd, bwd = f, b
+    if not activation_fusion and part.eager_activation:
+        fwd, bwd = part.eager_activation
+    return fwd, bwd
+
+
 @dataclass(frozen=True, slots=True)
 class GraphProfile:
     """What the cost model needs of a graph, per template block and model end."""

@@ -12,6 +12,9 @@ from coplan.hardware import load_cluster
 from coplan.models.spec import PRESETS, ModelSpec
 
 GPT = ModelSpec(name="gpt-test", n_layers=4, d_model=1024, n_heads=16, vocab_size=8192, seq_len=1024)
+RELU2 = ModelSpec(
+    name="relu2-test", n_layers=2, d_model=512, n_heads=8, vocab_size=1024, seq_len=256, activation="relu2"
+)
 
 
 @pytest.mark.parametrize(
@@ -22,6 +25,8 @@ GPT = ModelSpec(name="gpt-test", n_layers=4, d_model=1024, n_heads=16, vocab_siz
         (GPT, TrainingConfig(dp=4, zero=1, microbatch=2, global_batch=16, dtype="fp8", fp8_params=True)),
         (PRESETS["llama-tiny"], TrainingConfig(tp=2, dp=2, global_batch=2, loss_fusion="native")),
         (GPT, TrainingConfig(dp=4, microbatch=2, global_batch=8, fusion="none", dtype="fp32")),
+        # NeMo 2.x's eager squared ReLU: the kernels listed are the eager ones the estimate prices
+        (RELU2, TrainingConfig(microbatch=2, global_batch=2, activation_fusion=False)),
     ],
 )
 def test_kernels_add_up_to_each_stages_compute(spec, config):

@@ -161,3 +161,38 @@ def test_fp8_on_a_device_without_fp8_units_is_priced_as_bf16_and_says_so():
     assert fp8.mfu == pytest.approx(bf16.mfu) and fp8.mfu < 1
     assert fp8.memory.peak_bytes == pytest.approx(bf16.memory.peak_bytes)
     assert bf16.notes == () and len(fp8.notes) == 1 and "bf16" in fp8.notes[0]
+
+
+def test_a_column_parallel_input_not_from_a_norm_is_cast_on_its_sequence_shard():
+    # under sequence parallelism TE casts the local shard, gathers it in fp8, and transposes the
+    # gathered input for the weight gradient
+    from coplan.cost.parts import QuantGemm
+
+    g = QuantGemm(1, 1000.0, 3000.0, 300.0, row_parallel=False, from_norm=False, dtype="")
+    fwd, bwd, nf, nb = quant_bytes((g,), 4, True)
+    assert fwd == 3 * 1000 / 4
+    assert bwd == 2 * 1000 + 4 * 3000 / 4
+    assert (nf, nb) == (1, 2)
+
+
+def test_moe_router_is_not_an_fp8_gemm():
+    part = CostModel(spec=PRESETS["moe-tiny"]).profile(1, 64).templates[0]
+    g = CostModel(spec=PRESETS["moe-tiny"]).profile(1, 64).graph
+    paths = {g.ops[i].module_path for i in part.op_ids}
+    assert any(p.endswith(".router") for p in paths)
+    # attention's two linear layers only: the router is a plain linear layer, experts are batched
+    assert len(part.fp8_gemms) == 2
+
+
+def test_zero3_casts_fp8_weights_at_every_use():
+    # gathered per layer and freed after use, the weights are cast every microbatch, not once a step
+    cluster = load_cluster("dgx-h100", 2)
+    config = TrainingConfig(dp=2, zero=1, microbatch=B, global_batch=8 * B, seq=S, dtype="fp8")
+    cm = CostModel(spec=GPT)
+    z1, z3 = cm.estimate(cluster, config), cm.estimate(cluster, config.with_(zero=3))
+    device = cluster.groups[0].device
+    bw = device.memory_bandwidth * device.efficiency_of("memory")
+    part = cm.profile(B, S).templates[0]
+    cast = GPT.n_layers * weight_cast_bytes(part.fp8_gemms, 1) / bw
+    m = config.num_microbatches
+    assert z3.stages[0].forward_s - z1.stages[0].forward_s == pytest.approx(cast * (1 - 1 / m))
