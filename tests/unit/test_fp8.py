@@ -196,3 +196,16 @@ def test_zero3_casts_fp8_weights_at_every_use():
     cast = GPT.n_layers * weight_cast_bytes(part.fp8_gemms, 1) / bw
     m = config.num_microbatches
     assert z3.stages[0].forward_s - z1.stages[0].forward_s == pytest.approx(cast * (1 - 1 / m))
+
+
+def test_a_mixed_cluster_takes_mfu_against_what_each_device_really_runs():
+    # H100s run fp8, A100s fall back to bf16: MFU's peak is the least of those (A100's bf16), not an
+    # A100 fp8 peak of zero standing in for fp32's
+    cluster = load_cluster("mixed-h100-a100")
+    config = TrainingConfig(
+        tp=8, pp=2, microbatch=1, global_batch=4, seq=S, dtype="fp8", sequence_parallel=True
+    )
+    est = CostModel(spec=GPT).estimate(cluster, config)
+    a100 = next(d for d in cluster.devices if d.name == "a100-sxm-80gb")
+    assert est.peak_flops == a100.peak("bf16") and 0 < est.mfu < 1
+    assert [n.split(" ")[0] for n in est.notes] == ["a100-sxm-80gb"]
