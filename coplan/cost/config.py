@@ -219,6 +219,12 @@ class TrainingConfig:
         return self.global_batch // (self.microbatch * self.dp)
 
     @property
+    def gathers_per_unit(self) -> bool:
+        """Whether parameters are gathered layer by layer and freed after use (ZeRO-3, or ZeRO-1/2
+        run as FSDP units) across more than one data-parallel rank."""
+        return (self.zero == 3 or (self.fsdp_units and self.zero >= 1)) and self.dp > 1
+
+    @property
     def mixed(self) -> bool:
         """Whether activations run in fewer than 32 bits."""
         return self.dtype in ("bf16", "fp16", "fp8")

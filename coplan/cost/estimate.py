@@ -27,7 +27,7 @@ from typing import Any, cast
 
 from coplan.cost.comm import Group, p2p_time
 from coplan.cost.config import TrainingConfig
-from coplan.cost.fp8 import quant_bytes, weight_cache_bytes, weight_cast_bytes
+from coplan.cost.fp8 import fp8_cost, runs_fp8
 from coplan.cost.fusion import readers
 from coplan.cost.kernels import (
     Rates,
@@ -274,18 +274,18 @@ def estimate(profile: GraphProfile, cluster: ClusterSpec, config: TrainingConfig
         saved: Vec = (0.0,) * NV  # type: ignore[assignment]
         saved_head: Vec = (0.0,) * NV  # type: ignore[assignment]
         transient = 0.0
-        weight_cast = weight_cache = 0.0
+        weight_cache = 0.0
         for part, n in parts:
             # fp8 recipes keep the embedding and LM head in 16 bits (only block GEMMs are fp8)
             pc = cost.of(part) if part.blocks or head_cost is None else head_cost.of(part)
-            fwd += n * pc.forward
+            # (with the microbatch's share of the fp8 weights' casts, which no recompute re-runs)
+            fwd += n * (pc.forward + pc.weight_cast)
             bwd += n * pc.backward
             opt_part = pc.optimizer
             opt += n * opt_part
             kern += int(n * pc.kernels)
             params[REPL] += n * part.params[REPL]
             params[TP] += n * part.params[TP]
-            weight_cast += n * pc.weight_cast
             weight_cache += n * pc.weight_cache
             is_block = bool(part.blocks)
             mode = rec if is_block else "none"
@@ -297,7 +297,7 @@ def estimate(profile: GraphProfile, cluster: ClusterSpec, config: TrainingConfig
                     recompute += n * max(0.0, n / v - 1) / 2 * pc.forward
                 tp_comm += n * pc.tp_comm(part, mode)
                 sv = _saved(profile, part, mode)
-                if config.dtype == "fp8" and device.supports("fp8") and mode in ("none", "selective"):
+                if runs_fp8(config.dtype, device) and mode in ("none", "selective"):
                     sv = vadd(sv, part.fp8_saved)  # GEMM inputs kept in fp8 (``fp8.py``)
                 saved = vadd(saved, tuple(x * n for x in sv))
                 if not config.flash_attention and mode not in ("full", "selective"):
@@ -322,10 +322,6 @@ def estimate(profile: GraphProfile, cluster: ClusterSpec, config: TrainingConfig
                 tp_comm += n * pc.tp_comm(part, "none")
                 saved_head = vadd(saved_head, pc.saved)
                 transient = max(transient, pc.transient(part))
-        # fp8 weights are cast in the step's first microbatch; spread over the microbatches here
-        # (parameters gathered per layer, ZeRO-3 / FSDP, are cast at each use: every microbatch)
-        per_unit = config.zero == 3 or (config.fsdp_units and config.zero >= 1)
-        fwd += weight_cast if per_unit and d > 1 else weight_cast / m
         # pipeline sends: the block output, forward and backward, once per chunk boundary
         pp_comm = 0.0
         if p > 1:
@@ -355,7 +351,7 @@ def estimate(profile: GraphProfile, cluster: ClusterSpec, config: TrainingConfig
             param_bytes -= (ab - 1) * (weight_cache / 2) / p_local
         # gradients are reduced in fp32 under mixed precision, or in 16 bits where the stack does
         grad_bytes = float(f32 if config.grad_reduce_fp32 else ab)
-        if per_unit and d > 1:
+        if config.gathers_per_unit:
             # per-unit gathers and reduce-scatters, prefetched behind compute (``zero.py``); the
             # units are the stage's layers (the embedding and head ride with the first and last).
             # Only ZeRO-3 gathers again for backward (FSDP2 keeps the unit gathered otherwise)
@@ -366,7 +362,7 @@ def estimate(profile: GraphProfile, cluster: ClusterSpec, config: TrainingConfig
             transient += zero3_transient(p_local, units, param_bytes, grad_bytes)
         # data-parallel gradient reduction, once per step
         dp_comm = param_gather = 0.0
-        if d > 1 and not per_unit:
+        if d > 1 and not config.gathers_per_unit:
             g_bytes = p_local * grad_bytes
             red = dp_group.all_reduce(g_bytes) if config.zero == 0 else dp_group.reduce_scatter(g_bytes)
             dp_comm = max(0.0, red - (bwd + recompute)) if config.overlap_grad_reduce else red
@@ -396,7 +392,7 @@ def estimate(profile: GraphProfile, cluster: ClusterSpec, config: TrainingConfig
         if p > 1:
             act_stored += boundary_held(profile, mine, rec, config, s, p, v, m, ab, t, boundary_elems)
         static = static_bytes(p_local, config, d)
-        if not (per_unit and d > 1) and not config.fp8_params:
+        if not config.gathers_per_unit and not config.fp8_params:
             # TE's fp8 weight copies, kept through the step beside the 16-bit weights (under ZeRO-3 a
             # layer's gathered weights, and their casts, are transient instead; with fp8 primary
             # weights the fp8 copy and its transpose replace the 16-bit weight)
@@ -535,7 +531,6 @@ class _Priced:
     def __init__(self, cost: _PartCost, part: Part) -> None:
         s = cost.s
         self.cost = cost
-        fwd, bwd = part.forward, part.backward
         self.saved: Vec = part.saved["none"]
         self.points = part.transient
         for name, _, _, delta, points in part.loss_variants:
@@ -550,22 +545,16 @@ class _Priced:
         self.optimizer = sum(cost.time(k) for k in part.optimizer)
         self.kernels = sum(launches(k, s) for k in (*fwd, *bwd, *part.optimizer))
         self.tp_memo: dict[str | frozenset[str], float] = {}
-        self.weight_cast = 0.0  # seconds per step of casting the part's fp8 weights
+        self.weight_cast = 0.0  # seconds per microbatch of casting the part's fp8 weights
         self.weight_cache = 0.0  # bytes of the fp8 weight copies kept through the step
-        c = cost.c
-        if c.dtype == "fp8" and part.fp8_gemms and cost.device.supports("fp8"):
+        if runs_fp8(cost.c.dtype, cost.device) and part.fp8_gemms:
             # Transformer Engine's casts and transposes around the block's fp8 GEMMs (``fp8.py``):
             # memory-bound kernels, in the forward time so full recompute re-runs them too
-            bw, launch = cost.r.bandwidth, cost.r.launch_s
-            fb, bb, nf, nb = quant_bytes(part.fp8_gemms, c.tp, c.sequence_parallel)
-            self.forward += fb / bw + nf * launch
-            self.backward += bb / bw + nb * launch
-            self.kernels += nf + nb
-            self.weight_cast = weight_cast_bytes(part.fp8_gemms, c.tp) / bw
-            self.weight_cache = weight_cache_bytes(part.fp8_gemms, c.tp)
-            if c.fp8_params:
-                # the optimizer writes the fp8 weights; only their transposes are made in the step
-                self.weight_cast /= 2
+            f8 = fp8_cost(part.fp8_gemms, cost.c, cost.r.bandwidth, cost.r.launch_s)
+            self.forward += f8.forward_s
+            self.backward += f8.backward_s
+            self.kernels += f8.forward_kernels + f8.backward_kernels
+            self.weight_cast, self.weight_cache = f8.weight_cast_s, f8.weight_cache_bytes
 
     def recompute(self, part: Part, mode: str | frozenset[str]) -> float:
         if mode == "none":
@@ -608,7 +597,7 @@ class _Priced:
         # it (the fused norm writes fp8, the output gradient is cast before its all-gather), so the
         # block's all-gathers move 1-byte elements; reductions stay in 16 bits, and the embedding
         # and LM head run in 16 bits anyway
-        ag = 1 if c.dtype == "fp8" and part.blocks and self.cost.device.supports("fp8") else ab
+        ag = 1 if runs_fp8(c.dtype, self.cost.device) and part.blocks else ab
         if c.tp_comm_overlap and c.sequence_parallel and part.blocks:
             # Transformer Engine's userbuffers: each collective beside the GEMM it feeds or
             # drains, at the cost of its overlap method (``tp_overlap.py``); kept on the part for

@@ -13,8 +13,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from coplan.cost.config import TrainingConfig
-from coplan.cost.fp8 import quant_bytes, weight_cast_bytes
-from coplan.cost.kernels import Rates, Scale, kernel_time
+from coplan.cost.fp8 import fp8_cost, runs_fp8
+from coplan.cost.kernels import Rates, Scale, kernel_time, local_dims
 from coplan.cost.parts import GraphProfile, Kernel, Part, run_kernels, vdot
 from coplan.cost.stages import stage_devices, stage_parts
 from coplan.hardware.cluster import ClusterSpec
@@ -102,23 +102,19 @@ def kernel_costs(
 
 
 def _fp8_rows(part: Part, n: float, config: TrainingConfig, device: DeviceSpec, r: Rates) -> list[KernelCost]:
-    if config.dtype != "fp8" or not part.fp8_gemms or not device.supports("fp8"):
+    if not runs_fp8(config.dtype, device) or not part.fp8_gemms:
         return []
-    fb, bb, nf, nb = quant_bytes(part.fp8_gemms, config.tp, config.sequence_parallel)
+    f8 = fp8_cost(part.fp8_gemms, config, r.bandwidth, r.launch_s)
     out = []
-    for phase, nbytes, launches in (("forward", fb, nf), ("backward", bb, nb)):
+    for phase, t, launches in (
+        ("forward", f8.forward_s, f8.forward_kernels),
+        ("backward", f8.backward_s, f8.backward_kernels),
+    ):
         if launches:
-            t = nbytes / r.bandwidth + launches * r.launch_s
             name = f"{launches} Transformer Engine casts and transposes"
             out.append(KernelCost(part.name, n, phase, "fp8 casts", name, "", t, "memory"))
-    # the weights' casts run once per step; ``estimate`` spreads them over the microbatches
-    weights = weight_cast_bytes(part.fp8_gemms, config.tp) / (2 if config.fp8_params else 1)
-    t = weights / r.bandwidth / config.num_microbatches
-    out.append(
-        KernelCost(
-            part.name, n, "forward", "fp8 casts", "weight casts (a share of once per step)", "", t, "memory"
-        )
-    )
+    name = "weight casts (per use)" if config.gathers_per_unit else "weight casts (a share of once per step)"
+    out.append(KernelCost(part.name, n, "forward", "fp8 casts", name, "", f8.weight_cast_s, "memory"))
     return out
 
 
@@ -137,8 +133,7 @@ def _name(g: Graph, k: Kernel) -> str:
 def _dims(k: Kernel, tp: int) -> str:
     if k.kind != "matmul":
         return ""
-    dims = [max(1, d // tp) if i == k.shard_dim and tp > 1 else d for i, d in enumerate(k.dims)]
-    return " x ".join(str(d) for d in dims)
+    return " x ".join(str(d) for d in local_dims(k, tp))
 
 
 def _bound(k: Kernel, r: Rates, s: Scale, t: float) -> str:

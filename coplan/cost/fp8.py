@@ -25,9 +25,12 @@ from __future__ import annotations
 
 import re
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 
+from coplan.cost.config import TrainingConfig
 from coplan.cost.fusion import readers
 from coplan.cost.parts import ACT, FIX, NV, TP, Kernel, QuantGemm, Vec
+from coplan.hardware.device import DeviceSpec
 from coplan.ir.types import Graph, Op, OpKind, Phase, Tensor, TensorRole
 
 
@@ -175,3 +178,42 @@ def weight_cast_bytes(gemms: Sequence[QuantGemm], tp: int) -> float:
     """Bytes per GPU of casting a block's fp8 weights and their transposes (read 2, write 1 + 1),
     once per step: Megatron-Core passes ``is_first_microbatch`` so TE caches them after that."""
     return sum(4 * g.weight_elems / tp for g in gemms if g.dtype in ("", "fp8"))
+
+
+def runs_fp8(dtype: str, device: DeviceSpec) -> bool:
+    """Whether training in ``dtype`` runs Transformer Engine's fp8 on ``device`` (a device without
+    fp8 matrix units runs the GEMMs in 16 bits, and TE none of its fp8 machinery)."""
+    return dtype == "fp8" and device.supports("fp8")
+
+
+@dataclass(frozen=True, slots=True)
+class Fp8Cost:
+    """What fp8 adds to one block template on one device, per microbatch."""
+
+    forward_s: float  # casts and transposes, forward (re-run under full recompute)
+    backward_s: float
+    forward_kernels: int
+    backward_kernels: int
+    weight_cast_s: float  # the microbatch's share of the weights' casts
+    weight_cache_bytes: float  # fp8 weight copies kept through the step (``weight_cache_bytes``)
+
+
+def fp8_cost(
+    gemms: Sequence[QuantGemm], config: TrainingConfig, bandwidth: float, launch_s: float
+) -> Fp8Cost:
+    """The block's fp8 casts at ``bandwidth`` bytes/s and ``launch_s`` per kernel."""
+    fb, bb, nf, nb = quant_bytes(gemms, config.tp, config.sequence_parallel)
+    cast = weight_cast_bytes(gemms, config.tp) / bandwidth
+    if config.fp8_params:
+        cast /= 2  # the optimizer writes the fp8 weights; only their transposes are made in the step
+    # cast in the step's first microbatch and cached (a share per microbatch), or, where weights
+    # are gathered per layer and freed after use, at every use
+    share = cast if config.gathers_per_unit else cast / config.num_microbatches
+    return Fp8Cost(
+        fb / bandwidth + nf * launch_s,
+        bb / bandwidth + nb * launch_s,
+        nf,
+        nb,
+        share,
+        weight_cache_bytes(gemms, config.tp),
+    )

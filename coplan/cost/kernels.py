@@ -254,12 +254,18 @@ def _vector(k: Kernel, r: Rates, s: Scale) -> float:
     return max(compute, memory) + first_touch(k, r, s) + r.launch_s
 
 
+def local_dims(k: Kernel, tp: int) -> tuple[int, int, int]:
+    """A GEMM's (M, N, K) as one GPU runs it: the tensor-parallel dimension divided by ``tp``."""
+    if k.shard_dim < 0 or tp <= 1:
+        return k.dims
+    m, n, kk = (max(1, d // tp) if i == k.shard_dim else d for i, d in enumerate(k.dims))
+    return m, n, kk
+
+
 @kernel_rule("matmul")
 def _matmul(k: Kernel, r: Rates, s: Scale) -> float:
     div = s.div(k.shard)
-    dims = k.dims
-    if k.shard_dim >= 0 and s.tp > 1:
-        dims = tuple(max(1, d // s.tp) if i == k.shard_dim else d for i, d in enumerate(dims))  # type: ignore[assignment]
+    dims = local_dims(k, s.tp)
     rate = r.mm_flops * (r.mm_tn if k.tn else 1.0)
     compute = k.mm_flops / div / (rate * shape_factor(dims, r.half_dim))
     compute += vector_compute(k, r, s)  # fused epilogue work, if any
