@@ -23,6 +23,8 @@ RELU2 = ModelSpec(
         (GPT, TrainingConfig(tp=2, dp=2, microbatch=2, global_batch=8, sequence_parallel=True)),
         (GPT, TrainingConfig(tp=2, pp=2, microbatch=1, global_batch=4, dtype="fp8", sequence_parallel=True)),
         (GPT, TrainingConfig(dp=4, zero=1, microbatch=2, global_batch=16, dtype="fp8", fp8_params=True)),
+        # ZeRO-3: the weights' casts at every use, not a share of once per step
+        (GPT, TrainingConfig(dp=4, zero=3, microbatch=2, global_batch=16, dtype="fp8")),
         (PRESETS["llama-tiny"], TrainingConfig(tp=2, dp=2, global_batch=2, loss_fusion="native")),
         (GPT, TrainingConfig(dp=4, microbatch=2, global_batch=8, fusion="none", dtype="fp32")),
         # NeMo 2.x's eager squared ReLU: the kernels listed are the eager ones the estimate prices
