@@ -11,12 +11,14 @@ subject to freeing the missing bytes; each tensor's seconds and bytes measured o
 for this combination, so the fusion, precision and layout it is priced under are the real ones).
 The cost model's memory is not exactly additive (transients, liveness), so the solver's answer is
 priced and, if it still does not fit, re-solved with the shortfall added; then improved by local
-search (drop or swap one tensor) on the true cost model. Warm starts (the other strategies'
-plans) are priced too, so ``joint`` is never worse than a strategy it was given.
+search (drop, add or swap one tensor) on the true cost model, and the winner's set by two-for-one
+swaps too. Warm starts (the other strategies' plans) are priced too, so ``joint`` is never worse
+than a strategy it was given.
 """
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import replace
 
 from coplan.passes.base import PassRecord, score
@@ -81,13 +83,34 @@ def optimise_remat(plan: Plan, ctx: PlanContext) -> Plan:
     return _local_search(best, ctx, names)
 
 
-def _local_search(plan: Plan, ctx: PlanContext, names: tuple[str, ...]) -> Plan:
-    """Drop-one and swap-one moves on the recompute set while they improve the true score.
+def refine_remat(plan: Plan, ctx: PlanContext) -> Plan:
+    """The winning plan's recompute set, improved by local search with two-for-one moves too.
+
+    Two small tensors that each free too little can be worth one larger one, a change no single
+    drop, add or swap makes without breaking the budget or adding time on the way. These moves
+    are quadratic in the set, so they are tried on the winner only, not on every combination."""
+    names = saved_names(ctx)
+    if not plan.remat.recompute or plan.remat.per_stage is not None:
+        return plan
+    t0 = ctx.price(with_remat(plan, frozenset(), ctx)).step_time_s
+    solo = {n: max(0.0, ctx.price(with_remat(plan, frozenset({n}), ctx)).step_time_s - t0) for n in names}
+    return _local_search(plan, ctx, names, solo)
+
+
+def _local_search(
+    plan: Plan, ctx: PlanContext, names: tuple[str, ...], solo: dict[str, float] | None = None
+) -> Plan:
+    """Drop-one, add-one, swap-one and two-for-one moves on the recompute set while they improve
+    the true score.
 
     Ties in score go to the smaller recompute set, so a drop that costs nothing is taken: tensors
     one op produces together (a norm's mean and rstd) are only freed of their recompute when both
     are dropped, and the first drop alone leaves the time unchanged (a plateau a strict descent
     would stop on). Every accepted move lowers (score, set size), so the search terminates.
+
+    With ``solo`` (each tensor's recompute seconds on its own) two-for-one moves are tried too,
+    only those whose added tensor costs no more than the two it replaces: recompute time is close
+    to additive, and a move that adds time cannot lower the score of a plan that already fits.
     """
 
     def key_of(p: Plan) -> tuple[int, float, int]:
@@ -98,8 +121,20 @@ def _local_search(plan: Plan, ctx: PlanContext, names: tuple[str, ...]) -> Plan:
     while improved:
         improved = False
         s = cur.remat.recompute
-        moves = [s - {n} for n in s] + [s | {n} for n in names if n not in s]
-        moves += [(s - {a}) | {b} for a in s for b in names if b not in s]
+        # sorted: a frozenset of names iterates in hash order, which varies between processes,
+        # and first-improvement descent would then reach different plans on different runs
+        members = sorted(s)
+        moves = [s - {n} for n in members] + [s | {n} for n in names if n not in s]
+        moves += [(s - {a}) | {b} for a in members for b in names if b not in s]
+        # two for one: two small tensors that each free too little may be worth one larger one
+        # (a 1-move cannot cross: dropping either alone breaks the budget, adding the larger one
+        # first costs time)
+        moves += [
+            (s - {a, b}) | {c}
+            for a, b in itertools.combinations(members, 2)
+            for c in names
+            if solo is not None and c not in s and solo[c] <= (solo[a] + solo[b]) * (1 + 1e-9)
+        ]
         for m in moves:
             p = with_remat(cur, frozenset(m), ctx)
             k = key_of(p)
@@ -191,6 +226,8 @@ def joint(ctx: PlanContext, opts: Options) -> tuple[Plan, list[PassRecord], list
     # its price is exact (so the bound search stays exact)
     solve = (lambda p: p) if "remat" in fixed else (lambda p: optimise_remat(p, ctx))
     best, explored = bound_search(ctx, combos, solve, "joint", opts.progress, opts.warm)
+    if best is not None and "remat" not in fixed:
+        best = refine_remat(best, ctx)
     if best is not None and opts.space.stages:
         if "parallel" not in fixed:  # the layer split is a parallel decision
             best = rebalance_stages(best, ctx)

@@ -16,6 +16,10 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import json
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 from hypothesis import HealthCheck, given, settings
@@ -207,6 +211,28 @@ def test_joint_takes_a_better_warm_start():
     assert ctx.price(fp8).step_time_s < cold.step_time_s
     assert warm.plan == fp8
     assert warm.violations == ()
+
+
+def test_joint_plans_the_same_in_every_process():
+    # a recompute set is a frozenset of names, which iterates in string-hash order; the local
+    # search once followed it, and this job got one of several equally fast plans per process
+    code = (
+        "import json, sys\n"
+        f"sys.path.insert(0, {str(Path(__file__).parent)!r})\n"
+        "from test_search import make_ctx, set_budget\n"
+        "from coplan.search import SearchSpace, run_strategy\n"
+        "ctx = make_ctx('gpt-tiny', 2)\n"
+        "set_budget(ctx, SearchSpace(), 0.3)\n"
+        "print(json.dumps(run_strategy('joint', ctx).plan.to_dict(), sort_keys=True))\n"
+    )
+    plans = set()
+    for seed in ("1", "2", "3"):
+        env = {**os.environ, "PYTHONHASHSEED": seed}
+        out = subprocess.run(
+            [sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300, check=True
+        )
+        plans.add(out.stdout.strip().splitlines()[-1])
+    assert len(plans) == 1
 
 
 # joint against the exhaustive oracle --------------------------------------------------------------
