@@ -52,6 +52,7 @@ SOURCES = (
     ("mtnlg", "MT-NLG 530B (Megatron-DeepSpeed: another stack)"),
     ("megatron24", "Megatron-LM README model table and strong scaling (Megatron-Core r0.8)"),
     ("nemolauncher2403", "NeMo launcher H100 FP8 table, Mar 2024"),
+    ("nemolongseq2403", "NeMo long-sequence page, LLaMA-2 7B at 4K-16K, CP 1 (NeMo 24.03)"),
     ("nemolauncher2404", "the same table, Apr 2024"),
     ("nemolauncher2406", "the same table, NeMo 24.05"),
     ("nemo2407", "NeMo 24.07 performance summary (FP8)"),
