@@ -46,7 +46,9 @@ def knapsack(items: list[tuple[str, float, float]], need: float) -> frozenset[st
     m.minimize(sum(round(s * SCALE_S) * x for (_, s, _), x in zip(items, xs, strict=True)))
     solver = cp_model.CpSolver()
     solver.parameters.num_workers = 1
-    solver.parameters.max_time_in_seconds = 2.0
+    # a deterministic budget, not wall-clock seconds: on a loaded machine a time limit could stop
+    # at a different feasible answer, and the plan would depend on the machine's load
+    solver.parameters.max_deterministic_time = 2.0
     st = solver.solve(m)
     if st not in (cp_model.OPTIMAL, cp_model.FEASIBLE):
         return None
@@ -86,11 +88,16 @@ def optimise_remat(plan: Plan, ctx: PlanContext) -> Plan:
 def refine_remat(plan: Plan, ctx: PlanContext) -> Plan:
     """The winning plan's recompute set, improved by local search with two-for-one moves too.
 
-    Two small tensors that each free too little can be worth one larger one, a change no single
-    drop, add or swap makes without breaking the budget or adding time on the way. These moves
-    are quadratic in the set, so they are tried on the winner only, not on every combination."""
+    Two small tensors that each free too little can be worth one larger one, and one tensor can
+    be worth two that free memory only together (outputs of one op), changes no single drop, add
+    or swap makes without breaking the budget or adding time on the way. There are (pairs in the
+    set) x (names outside it) and (set) x (pairs outside it) of them, so they are tried on the
+    winner only, not on every combination. A winner that does not fit, or that recomputes tensors
+    outside the search's candidates (a warm start's), is returned as it is."""
     names = saved_names(ctx)
     if not plan.remat.recompute or plan.remat.per_stage is not None:
+        return plan
+    if not plan.remat.recompute <= set(names) or score(plan, ctx)[0] != 0:
         return plan
     t0 = ctx.price(with_remat(plan, frozenset(), ctx)).step_time_s
     solo = {n: max(0.0, ctx.price(with_remat(plan, frozenset({n}), ctx)).step_time_s - t0) for n in names}
@@ -109,8 +116,9 @@ def _local_search(
     would stop on). Every accepted move lowers (score, set size), so the search terminates.
 
     With ``solo`` (each tensor's recompute seconds on its own) two-for-one moves are tried too,
-    only those whose added tensor costs no more than the two it replaces: recompute time is close
-    to additive, and a move that adds time cannot lower the score of a plan that already fits.
+    only those whose added tensor costs no more than the two it replaces (recompute time is close
+    to additive, and a move that adds time cannot lower the score of a plan that already fits),
+    and one-for-two moves.
     """
 
     def key_of(p: Plan) -> tuple[int, float, int]:
@@ -129,12 +137,18 @@ def _local_search(
         # two for one: two small tensors that each free too little may be worth one larger one
         # (a 1-move cannot cross: dropping either alone breaks the budget, adding the larger one
         # first costs time)
-        moves += [
-            (s - {a, b}) | {c}
-            for a, b in itertools.combinations(members, 2)
-            for c in names
-            if solo is not None and c not in s and solo[c] <= (solo[a] + solo[b]) * (1 + 1e-9)
-        ]
+        if solo is not None:
+            moves += [
+                (s - {a, b}) | {c}
+                for a, b in itertools.combinations(members, 2)
+                for c in names
+                if c not in s and solo[c] <= (solo[a] + solo[b]) * (1 + 1e-9)
+            ]
+            # one for two: outputs of one op (attention's output and its logsumexp, a norm's
+            # mean and rstd) free their memory only together, so one may pay for both only
+            # when both are added at once; no time filter (each one's solo time holds the op)
+            outside = [n for n in names if n not in s]
+            moves += [(s - {a}) | {b, c} for a in members for b, c in itertools.combinations(outside, 2)]
         for m in moves:
             p = with_remat(cur, frozenset(m), ctx)
             k = key_of(p)
