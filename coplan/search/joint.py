@@ -12,8 +12,8 @@ for this combination, so the fusion, precision and layout it is priced under are
 The cost model's memory is not exactly additive (transients, liveness), so the solver's answer is
 priced and, if it still does not fit, re-solved with the shortfall added; then improved by local
 search (drop, add or swap one tensor) on the true cost model, and the winner's set by two-for-one
-swaps too. Warm starts (the other strategies' plans) are priced too, so ``joint`` is never worse
-than a strategy it was given.
+and one-for-two swaps too. Warm starts (the other strategies' plans) are priced too, so ``joint``
+is never worse than a strategy it was given.
 """
 
 from __future__ import annotations
@@ -21,6 +21,7 @@ from __future__ import annotations
 import itertools
 from dataclasses import replace
 
+from coplan.cost import Estimate
 from coplan.passes.base import PassRecord, score
 from coplan.passes.remat import remat_pass, saved_names, with_remat
 from coplan.plan.context import PlanContext
@@ -63,8 +64,7 @@ def optimise_remat(plan: Plan, ctx: PlanContext) -> Plan:
         return none
     names = saved_names(ctx)
     items = []
-    for n in names:
-        e = ctx.price(with_remat(plan, frozenset({n}), ctx))
+    for n, e in _each_alone(plan, ctx, names).items():
         freed = e0.memory.peak_bytes - e.memory.peak_bytes
         if freed > 0:
             items.append((n, max(0.0, e.step_time_s - e0.step_time_s), freed))
@@ -100,15 +100,20 @@ def refine_remat(plan: Plan, ctx: PlanContext) -> Plan:
     if not plan.remat.recompute <= set(names) or score(plan, ctx)[0] != 0:
         return plan
     t0 = ctx.price(with_remat(plan, frozenset(), ctx)).step_time_s
-    solo = {n: max(0.0, ctx.price(with_remat(plan, frozenset({n}), ctx)).step_time_s - t0) for n in names}
+    solo = {n: max(0.0, e.step_time_s - t0) for n, e in _each_alone(plan, ctx, names).items()}
     return _local_search(plan, ctx, names, solo)
+
+
+def _each_alone(plan: Plan, ctx: PlanContext, names: tuple[str, ...]) -> dict[str, Estimate]:
+    """``plan`` priced with each of ``names`` the only tensor recomputed."""
+    return {n: ctx.price(with_remat(plan, frozenset({n}), ctx)) for n in names}
 
 
 def _local_search(
     plan: Plan, ctx: PlanContext, names: tuple[str, ...], solo: dict[str, float] | None = None
 ) -> Plan:
-    """Drop-one, add-one, swap-one and two-for-one moves on the recompute set while they improve
-    the true score.
+    """Drop-one, add-one and swap-one moves (and, with ``solo``, two-for-one and one-for-two) on
+    the recompute set while they improve the true score.
 
     Ties in score go to the smaller recompute set, so a drop that costs nothing is taken: tensors
     one op produces together (a norm's mean and rstd) are only freed of their recompute when both
@@ -132,8 +137,9 @@ def _local_search(
         # sorted: a frozenset of names iterates in hash order, which varies between processes,
         # and first-improvement descent would then reach different plans on different runs
         members = sorted(s)
-        moves = [s - {n} for n in members] + [s | {n} for n in names if n not in s]
-        moves += [(s - {a}) | {b} for a in members for b in names if b not in s]
+        outside = [n for n in names if n not in s]
+        moves = [s - {n} for n in members] + [s | {n} for n in outside]
+        moves += [(s - {a}) | {b} for a in members for b in outside]
         # two for one: two small tensors that each free too little may be worth one larger one
         # (a 1-move cannot cross: dropping either alone breaks the budget, adding the larger one
         # first costs time)
@@ -141,13 +147,12 @@ def _local_search(
             moves += [
                 (s - {a, b}) | {c}
                 for a, b in itertools.combinations(members, 2)
-                for c in names
-                if c not in s and solo[c] <= (solo[a] + solo[b]) * (1 + 1e-9)
+                for c in outside
+                if solo[c] <= (solo[a] + solo[b]) * (1 + 1e-9)
             ]
             # one for two: outputs of one op (attention's output and its logsumexp, a norm's
             # mean and rstd) free their memory only together, so one may pay for both only
             # when both are added at once; no time filter (each one's solo time holds the op)
-            outside = [n for n in names if n not in s]
             moves += [(s - {a}) | {b, c} for a in members for b, c in itertools.combinations(outside, 2)]
         for m in moves:
             p = with_remat(cur, frozenset(m), ctx)
