@@ -40,6 +40,11 @@ class Fusion(enum.StrEnum):
     none = "none"
 
 
+class BucketScope(enum.StrEnum):  # coplan.cost.buckets.BUCKET_SCOPES
+    megatron_core = "megatron-core"
+    all = "all"
+
+
 class LossFusion(enum.StrEnum):  # coplan.cost.config.LOSS_FUSIONS
     none = "none"
     native = "native"
@@ -160,6 +165,24 @@ def estimate(
         LossFusion,
         typer.Option("--loss-fusion", help="Megatron's cross-entropy kernels: unfused, native or te."),
     ] = LossFusion.none,
+    dp_bucket_params: Annotated[
+        int | None,
+        typer.Option(
+            "--dp-bucket-params",
+            min=1,
+            help="Parameters per DP gradient bucket (Megatron --ddp-bucket-size) \\[default: "
+            "Megatron-Core's max(4e7, 1e6 x dp)].",
+            show_default=False,
+        ),
+    ] = None,
+    dp_bucket_scope: Annotated[
+        BucketScope,
+        typer.Option(
+            "--dp-bucket-scope",
+            help="Which gradient buffers are bucketed: Megatron-Core's (pipeline stage 0's first "
+            "chunk, with --overlap-grad-reduce) or all (Apex distributed Adam, PyTorch DDP).",
+        ),
+    ] = BucketScope.megatron_core,
     stage_layers: Annotated[
         str | None,
         typer.Option(
@@ -257,6 +280,8 @@ def estimate(
         activation_fusion=activation_fusion,
         loss_fusion=loss_fusion.value,
         stage_layers=_stage_layers(stage_layers),
+        dp_bucket_params=dp_bucket_params,
+        dp_bucket_scope=dp_bucket_scope.value,
     )
     cm = CostModel(spec=spec)
     est = cm.estimate(hw, config)

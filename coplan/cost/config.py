@@ -12,6 +12,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 
+from coplan.cost.buckets import BUCKET_SCOPES, default_bucket_params
 from coplan.cost.tp_overlap import ub_slots
 from coplan.errors import SpecError
 
@@ -26,6 +27,8 @@ FUSION_MODES: tuple[str, ...] = ("megatron", "none")
 #: Megatron's cross-entropy kernels (``--cross-entropy-loss-fusion``, ``--cross-entropy-fusion-impl``):
 #: unfused (the default), jit-fused ("native"), Transformer Engine's ("te"); see ``cost/loss.py``.
 LOSS_FUSIONS: tuple[str, ...] = ("none", "native", "te")
+#: PyTorch DDP's default ``bucket_cap_mb`` (25 MiB of gradients).
+DDP_BUCKET_BYTES = 25 * 2**20
 
 
 class ConfigError(SpecError):
@@ -88,6 +91,12 @@ class TrainingConfig:
             forward): each layer (unit) all-gathers its parameters in forward and reduce-scatters
             its gradients after its backward, every microbatch, instead of Megatron's distributed
             optimizer (one bucketed reduce-scatter per step, one all-gather after the update).
+        dp_bucket_params: parameters per data-parallel gradient bucket (Megatron ``--ddp-bucket-size``,
+            Apex ``bucket_cap_mb`` over the gradient's bytes); ``None``: Megatron-Core's default,
+            ``max(4e7, 1e6 * dp)`` (``coplan.cost.buckets``).
+        dp_bucket_scope: which gradient buffers are bucketed: ``"megatron-core"`` (pipeline stage
+            0's first chunk, and only with ``overlap_grad_reduce``) or ``"all"`` (every stage and
+            chunk: Apex's distributed Adam, PyTorch DDP).
         overlap_zero: ZeRO-3 / FSDP unit collectives are prefetched behind compute (GPUs: NCCL on
             its own stream); off where communication and compute share the same cores (gloo on
             a CPU), so every collective shows.
@@ -129,6 +138,8 @@ class TrainingConfig:
     pipeline_keeps_outputs: bool = False
     fsdp_units: bool = False
     overlap_zero: bool = True
+    dp_bucket_params: int | None = None
+    dp_bucket_scope: str = "megatron-core"
 
     def __post_init__(self) -> None:
         for name in ("tp", "pp", "dp", "vpp", "microbatch", "global_batch"):
@@ -175,6 +186,19 @@ class TrainingConfig:
         if self.loss_fusion not in LOSS_FUSIONS:
             raise ConfigError(
                 "loss_fusion", f"must be one of {', '.join(LOSS_FUSIONS)}, got {self.loss_fusion!r}"
+            )
+        if self.dp_bucket_params is not None and (
+            isinstance(self.dp_bucket_params, bool)
+            or not isinstance(self.dp_bucket_params, int)
+            or self.dp_bucket_params < 1
+        ):
+            raise ConfigError(
+                "dp_bucket_params", f"must be a positive integer, got {self.dp_bucket_params!r}"
+            )
+        if self.dp_bucket_scope not in BUCKET_SCOPES:
+            raise ConfigError(
+                "dp_bucket_scope",
+                f"must be one of {', '.join(BUCKET_SCOPES)}, got {self.dp_bucket_scope!r}",
             )
         if self.fp8_params and self.dtype != "fp8":
             raise ConfigError("fp8_params", f"needs dtype fp8, got {self.dtype!r}")
@@ -225,6 +249,13 @@ class TrainingConfig:
         return (self.zero == 3 or (self.fsdp_units and self.zero >= 1)) and self.dp > 1
 
     @property
+    def bucket_params(self) -> int:
+        """Parameters per data-parallel gradient bucket (Megatron-Core's rule unless set)."""
+        if self.dp_bucket_params is not None:
+            return self.dp_bucket_params
+        return default_bucket_params(self.dp)
+
+    @property
     def mixed(self) -> bool:
         """Whether activations run in fewer than 32 bits."""
         return self.dtype in ("bf16", "fp16", "fp8")
@@ -272,6 +303,8 @@ class TrainingConfig:
             "recompute_fused": sorted(self.recompute_fused),
             "op_dtypes": [list(x) for x in self.op_dtypes],
             "loss_fusion": self.loss_fusion,
+            "dp_bucket_params": self.bucket_params,
+            "dp_bucket_scope": self.dp_bucket_scope,
         }
 
 
@@ -353,12 +386,21 @@ class Stack:
     # Transformer Engine's userbuffers overlap of TP collectives where a production Megatron-Core
     # stack turns it on (``production_overlaps``: SP, TP > 1, Hopper or newer)
     tp_comm_overlap: bool = True
+    # data-parallel gradient buckets (``coplan.cost.buckets``): Megatron-Core's by default
+    dp_bucket_params: int | None = None
+    dp_bucket_scope: str = "megatron-core"
 
     @classmethod
     def runner(cls, device: str) -> Stack:
         """coplan's runner: torch.distributed.pipelining keeps stage outputs, ZeRO >= 1 runs as
-        FSDP2 per block, TP collectives block (no userbuffers); on a CPU, gloo's collectives run on
-        the cores that compute, unhidden."""
+        FSDP2 per block, TP collectives block (no userbuffers), ZeRO 0 runs PyTorch DDP (its
+        default 25 MiB buckets of the fp32 master gradients, every stage bucketed); on a CPU,
+        gloo's collectives run on the cores that compute, unhidden."""
         return cls(
-            pipeline_keeps_outputs=True, fsdp_units=True, overlap=device != "cpu", tp_comm_overlap=False
+            pipeline_keeps_outputs=True,
+            fsdp_units=True,
+            overlap=device != "cpu",
+            tp_comm_overlap=False,
+            dp_bucket_params=DDP_BUCKET_BYTES // 4,
+            dp_bucket_scope="all",
         )

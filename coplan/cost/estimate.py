@@ -25,6 +25,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, cast
 
+from coplan.cost.buckets import StageBuckets, queued_exposure, serial_time
 from coplan.cost.comm import Group, p2p_time
 from coplan.cost.config import TrainingConfig
 from coplan.cost.fp8 import fp8_cost, runs_fp8
@@ -275,6 +276,7 @@ def estimate(profile: GraphProfile, cluster: ClusterSpec, config: TrainingConfig
         saved_head: Vec = (0.0,) * NV  # type: ignore[assignment]
         transient = 0.0
         weight_cache = 0.0
+        block_local = 0.0  # this GPU's parameters in the stage's blocks
         for part, n in parts:
             # fp8 recipes keep the embedding and LM head in 16 bits (only block GEMMs are fp8)
             pc = cost.of(part) if part.blocks or head_cost is None else head_cost.of(part)
@@ -286,6 +288,8 @@ def estimate(profile: GraphProfile, cluster: ClusterSpec, config: TrainingConfig
             kern += int(n * pc.kernels)
             params[REPL] += n * part.params[REPL]
             params[TP] += n * part.params[TP]
+            if part.blocks:
+                block_local += n * (part.params[REPL] + part.params[TP] / t)
             weight_cache += n * pc.weight_cache
             is_block = bool(part.blocks)
             mode = rec if is_block else "none"
@@ -360,15 +364,45 @@ def estimate(profile: GraphProfile, cluster: ClusterSpec, config: TrainingConfig
             gathers = 2 if config.zero == 3 else 1
             zero_comm = zero3_exposed(dp_group, p_local, units, param_bytes, grad_bytes, hide, gathers)
             transient += zero3_transient(p_local, units, param_bytes, grad_bytes)
-        # data-parallel gradient reduction, once per step
+        # data-parallel gradient reduction, once per step, bucket by bucket (``buckets.py``)
         dp_comm = param_gather = 0.0
         if d > 1 and not config.gathers_per_unit:
-            g_bytes = p_local * grad_bytes
-            red = dp_group.all_reduce(g_bytes) if config.zero == 0 else dp_group.reduce_scatter(g_bytes)
-            dp_comm = max(0.0, red - (bwd + recompute)) if config.overlap_grad_reduce else red
+            # chunk 0 holds its share of the stage's layers, and the embedding on stage 0 (the
+            # head sits in the last chunk of the last stage); the other chunks share the rest
+            first = block_local * layers[s] / max(1, per_stage_layers[s])
+            if s == 0 or v == 1:
+                first += p_local - block_local
+            others = (p_local - first) / (v - 1) if v > 1 else 0.0
+            bk = StageBuckets.of(
+                s,
+                v,
+                first,
+                others,
+                config.bucket_params,
+                config.dp_bucket_scope,
+                config.overlap_grad_reduce,
+            )
+            reduce = dp_group.all_reduce if config.zero == 0 else dp_group.reduce_scatter
+            # chunk 0's buckets under its last microbatch's backward, the other chunks' reductions
+            # ahead of them, chunk k's k p chunk-backwards before the end (the interleaved
+            # cooldown); stage s ends its backward s chunk-backwards before stage 0 does, which
+            # its reduction may use
+            back = (bwd + recompute) / v
+            if config.overlap_grad_reduce:
+                dp_comm = queued_exposure(bk, reduce, grad_bytes, back, p * back)
+                dp_comm = max(0.0, dp_comm - s * back)
+            else:
+                dp_comm = serial_time(bk, reduce, grad_bytes)
             if config.zero >= 1:
-                ag = dp_group.all_gather(p_local * param_bytes)
-                param_gather = max(0.0, ag - fwd) if config.overlap_param_gather else ag
+                gather = dp_group.all_gather
+                if config.overlap_param_gather:
+                    # the mirror image: chunk 0's first forward needs its buckets one by one,
+                    # chunk k's first forward starts k p chunk-forwards later
+                    ahead = fwd / v
+                    param_gather = queued_exposure(bk, gather, param_bytes, ahead, p * ahead)
+                    param_gather = max(0.0, param_gather - s * ahead)
+                else:
+                    param_gather = serial_time(bk, gather, param_bytes)
         opt_div = d if config.zero >= 1 else 1
         opt /= opt_div
         # memory

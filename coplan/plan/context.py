@@ -261,6 +261,8 @@ class PlanContext:
             overlap_zero=self.stack.overlap,
             pipeline_keeps_outputs=self.stack.pipeline_keeps_outputs,
             fsdp_units=self.stack.fsdp_units,
+            dp_bucket_params=self.stack.dp_bucket_params,
+            dp_bucket_scope=self.stack.dp_bucket_scope,
             stage_layers=p.stage_layers,
         )
         self._configs[key] = config
