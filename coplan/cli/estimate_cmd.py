@@ -43,6 +43,8 @@ class Fusion(enum.StrEnum):
 class BucketScope(enum.StrEnum):  # coplan.cost.buckets.BUCKET_SCOPES
     megatron_core = "megatron-core"
     all = "all"
+    padded = "padded"
+    none = "none"
 
 
 class LossFusion(enum.StrEnum):  # coplan.cost.config.LOSS_FUSIONS
@@ -179,8 +181,9 @@ def estimate(
         BucketScope,
         typer.Option(
             "--dp-bucket-scope",
-            help="Which gradient buffers are bucketed: Megatron-Core's (pipeline stage 0's first "
-            "chunk, with --overlap-grad-reduce) or all (Apex distributed Adam, PyTorch DDP).",
+            help="How gradients are bucketed: Megatron-Core's rule (pipeline stage 0's first chunk, "
+            "with --overlap-grad-reduce), all (every chunk: PyTorch DDP), padded (every layer opens "
+            "whole buckets: Apex distributed Adam in NeMo) or none (one collective per chunk).",
         ),
     ] = BucketScope.megatron_core,
     stage_layers: Annotated[

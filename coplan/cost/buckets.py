@@ -28,7 +28,14 @@ Which buffers are bucketed is the stack's choice (``TrainingConfig.dp_bucket_sco
   the buckets grow with the data-parallel degree and the latency per step stays bounded
   ("larger DP sizes need larger buckets to ensure collectives do not become latency-bound",
   ``DistributedDataParallelConfig.bucket_size``).
-- ``"all"``: every stage and chunk is bucketed (Apex ``DistributedFusedAdam``, PyTorch DDP).
+- ``"all"``: every stage and chunk is bucketed (PyTorch DDP's buckets, NeMo 1.x's chunked
+  all-reduce, Apex ``DistributedFusedAdam`` filled with the whole stage as NeMo 1.11 did).
+- ``"padded"``: Apex ``DistributedFusedAdam`` as NeMo 1.2x and 2.0-rc drive it: every layer opens
+  new buckets of exactly the bucket size, the last one padded and reduced whole, so a layer of
+  1.1 buckets moves 2 buckets' bytes (apex ``distributed_fused_adam.py`` ``init_params_bucket``).
+- ``"none"``: one collective per chunk on every stage (2021 Megatron-LM's local DDP, Megatron-Core
+  with ``overlap_param_gather_with_optimizer_step``, which NeMo 2 and Megatron-Bridge turn on for
+  interleaved pipelines and which disables bucketing on every chunk).
 """
 
 from __future__ import annotations
@@ -40,7 +47,7 @@ from dataclasses import dataclass
 #: Megatron-Core's default bucket: ``max(40000000, 1000000 * dp)`` parameters.
 MCORE_MIN_BUCKET = 40_000_000
 MCORE_BUCKET_PER_DP = 1_000_000
-BUCKET_SCOPES: tuple[str, ...] = ("megatron-core", "all")
+BUCKET_SCOPES: tuple[str, ...] = ("megatron-core", "all", "padded", "none")
 
 
 def default_bucket_params(dp: int) -> int:
@@ -65,6 +72,16 @@ class ChunkBuckets:
         n = math.ceil(params / bucket)
         return cls(n, params / n)
 
+    @classmethod
+    def padded(cls, layers: float, layer_params: float, extra: float, bucket: float) -> ChunkBuckets:
+        """Apex's buckets as NeMo fills them: each of ``layers`` layers of ``layer_params`` (and the
+        ``extra`` parameters outside the layers, as a group of their own) starts new buckets of
+        exactly ``bucket`` parameters, the last one padded and sent whole."""
+        n = layers * math.ceil(layer_params / bucket) if layer_params > 0 else 0.0
+        n += math.ceil(extra / bucket) if extra > 0 else 0
+        count = math.ceil(n)
+        return cls(count, float(bucket)) if count else cls(0, 0.0)
+
     def time(self, collective: Callable[[float], float], bytes_per_param: float) -> float:
         """Seconds of the chunk's collectives run back to back."""
         return self.count * collective(self.params * bytes_per_param) if self.count else 0.0
@@ -84,21 +101,31 @@ class StageBuckets:
         cls,
         stage: int,
         vpp: int,
-        first_chunk_params: float,
-        other_chunk_params: float,
+        first: tuple[float, float],
+        other: tuple[float, float],
+        layer_params: float,
         bucket: float,
         scope: str,
         overlap: bool,
     ) -> StageBuckets:
-        """``first_chunk_params`` in the stage's chunk 0 and ``other_chunk_params`` in each of its
-        ``vpp - 1`` other chunks, bucketed as ``scope`` does (module docstring)."""
+        """The stage's chunk 0 holds ``first = (layers, extra parameters)``, each of its ``vpp - 1``
+        other chunks ``other``, at ``layer_params`` per layer; bucketed as ``scope`` does (module
+        docstring)."""
+
+        def chunk(layers: float, extra: float, cut: float | None) -> ChunkBuckets:
+            if scope == "padded" and cut is not None:
+                return ChunkBuckets.padded(layers, layer_params, extra, cut)
+            return ChunkBuckets.of(layers * layer_params + extra, cut)
+
         if scope == "megatron-core":
-            first = bucket if overlap and stage == 0 else None
-            others: float | None = None
+            head: float | None = bucket if overlap and stage == 0 else None
+            rest: float | None = None
+        elif scope == "none":
+            head = rest = None
         else:
-            first = others = bucket
-        early = tuple(ChunkBuckets.of(other_chunk_params, others) for _ in range(vpp - 1))
-        return cls(ChunkBuckets.of(first_chunk_params, first), early)
+            head = rest = bucket
+        early = tuple(chunk(*other, rest) for _ in range(vpp - 1))
+        return cls(chunk(*first, head), early)
 
     @property
     def collectives(self) -> int:

@@ -94,9 +94,10 @@ class TrainingConfig:
         dp_bucket_params: parameters per data-parallel gradient bucket (Megatron ``--ddp-bucket-size``,
             Apex ``bucket_cap_mb`` over the gradient's bytes); ``None``: Megatron-Core's default,
             ``max(4e7, 1e6 * dp)`` (``coplan.cost.buckets``).
-        dp_bucket_scope: which gradient buffers are bucketed: ``"megatron-core"`` (pipeline stage
-            0's first chunk, and only with ``overlap_grad_reduce``) or ``"all"`` (every stage and
-            chunk: Apex's distributed Adam, PyTorch DDP).
+        dp_bucket_scope: how the gradient buffers are bucketed: ``"megatron-core"`` (pipeline stage
+            0's first chunk, and only with ``overlap_grad_reduce``), ``"all"`` (every stage and
+            chunk: PyTorch DDP), ``"padded"`` (every layer opens whole buckets: Apex's distributed
+            Adam as NeMo drives it) or ``"none"`` (one collective per chunk); ``coplan.cost.buckets``.
         overlap_zero: ZeRO-3 / FSDP unit collectives are prefetched behind compute (GPUs: NCCL on
             its own stream); off where communication and compute share the same cores (gloo on
             a CPU), so every collective shows.

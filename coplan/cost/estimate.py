@@ -369,15 +369,21 @@ def estimate(profile: GraphProfile, cluster: ClusterSpec, config: TrainingConfig
         if d > 1 and not config.gathers_per_unit:
             # chunk 0 holds its share of the stage's layers, and the embedding on stage 0 (the
             # head sits in the last chunk of the last stage); the other chunks share the rest
-            first = block_local * layers[s] / max(1, per_stage_layers[s])
-            if s == 0 or v == 1:
-                first += p_local - block_local
-            others = (p_local - first) / (v - 1) if v > 1 else 0.0
+            layer_params = block_local / max(1, per_stage_layers[s])
+            extra = p_local - block_local
+            first_layers = float(layers[s])
+            first_extra = extra if s == 0 or v == 1 else 0.0
+            other = (
+                ((per_stage_layers[s] - first_layers) / (v - 1), (extra - first_extra) / (v - 1))
+                if v > 1
+                else (0.0, 0.0)
+            )
             bk = StageBuckets.of(
                 s,
                 v,
-                first,
-                others,
+                (first_layers, first_extra),
+                other,
+                layer_params,
                 config.bucket_params,
                 config.dp_bucket_scope,
                 config.overlap_grad_reduce,

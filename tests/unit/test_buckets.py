@@ -69,14 +69,27 @@ def test_megatron_core_buckets_only_the_first_chunk_of_the_first_stage():
     # after the first, and without overlap_grad_reduce
     bucket = default_bucket_params(64)
     assert bucket == 64_000_000 and default_bucket_params(8) == 40_000_000
-    first = StageBuckets.of(0, 3, 4e8, 3e8, bucket, "megatron-core", overlap=True)
+    first = StageBuckets.of(0, 3, (4, 0.0), (3, 0.0), 1e8, bucket, "megatron-core", overlap=True)
     assert first.last.count == math.ceil(4e8 / bucket) and [c.count for c in first.early] == [1, 1]
-    later = StageBuckets.of(2, 3, 4e8, 3e8, bucket, "megatron-core", overlap=True)
+    later = StageBuckets.of(2, 3, (4, 0.0), (3, 0.0), 1e8, bucket, "megatron-core", overlap=True)
     assert later.collectives == 3
-    assert StageBuckets.of(0, 1, 4e8, 0.0, bucket, "megatron-core", overlap=False).collectives == 1
-    # Apex's distributed Adam and PyTorch DDP bucket every stage and chunk
-    every = StageBuckets.of(2, 3, 4e8, 3e8, bucket, "all", overlap=True)
+    alone = StageBuckets.of(0, 1, (4, 0.0), (0, 0.0), 1e8, bucket, "megatron-core", overlap=False)
+    assert alone.collectives == 1
+    # overlap_param_gather_with_optimizer_step: one bucket per chunk everywhere
+    assert StageBuckets.of(0, 3, (4, 0.0), (3, 0.0), 1e8, bucket, "none", overlap=True).collectives == 3
+    # PyTorch DDP buckets every stage and chunk
+    every = StageBuckets.of(2, 3, (4, 0.0), (3, 0.0), 1e8, bucket, "all", overlap=True)
     assert every.collectives == 7 + 5 + 5
+
+
+def test_apex_buckets_are_padded_per_layer():
+    # a layer of 1.25 buckets opens two, the last padded: 4 layers move 8 buckets, not 5
+    chunk = ChunkBuckets.padded(4, 1.25e8, 0.0, 1e8)
+    assert (chunk.count, chunk.params) == (8, 1e8)
+    # the parameters outside the layers are a group of their own
+    assert ChunkBuckets.padded(4, 1.25e8, 3e7, 1e8).count == 9
+    stage = StageBuckets.of(1, 2, (4, 0.0), (4, 3e7), 1.25e8, 1e8, "padded", overlap=False)
+    assert [stage.last.count, stage.early[0].count] == [8, 9]
 
 
 SPEC = ModelSpec(name="bk", n_layers=8, d_model=2048, n_heads=16, vocab_size=32000, seq_len=1024)
