@@ -81,6 +81,7 @@ def contract_config(run: dict, cluster: ClusterSpec) -> TrainingConfig:
 def run_config(run: dict) -> TrainingConfig:
     """The configuration the run's source describes: its contract flags and its stack's settings."""
     overlap = run.get("overlap", {})
+    buckets = run.get("dp_buckets", {})
     return TrainingConfig(
         **_contract_fields(run),
         overlap_grad_reduce=overlap.get("grad_reduce", True),
@@ -99,6 +100,10 @@ def run_config(run: dict) -> TrainingConfig:
         activation_fusion=run.get("activation_fusion", True),
         # an uneven pipeline layout, in virtual-stage order, where the source's recipe gives one
         stage_layers=tuple(run["stage_layers"]) if run.get("stage_layers") else None,
+        # the stack's gradient buckets (coplan/cost/buckets.py): Megatron-Core's rule unless the
+        # run's optimizer buckets otherwise (Apex's distributed Adam, PyTorch DDP, local DDP)
+        dp_bucket_params=buckets.get("params"),
+        dp_bucket_scope=buckets.get("scope", "megatron-core"),
     )
 
 

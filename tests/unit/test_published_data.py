@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 
+from coplan.cost.buckets import BUCKET_SCOPES
 from coplan.cost.tp_overlap import read_ub_cfg
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -45,6 +46,10 @@ def test_run_is_complete_and_cited(run: dict) -> None:
     assert held is None or re.fullmatch(r"session \d+", held), held
     if "ub_cfg" in run:  # a recipe's userbuffers settings, as `coplan estimate --tp-overlap-cfg` reads them
         assert read_ub_cfg(run["ub_cfg"])
+    if "dp_buckets" in run:  # the stack's gradient buckets, each traced to its optimizer's code
+        buckets = run["dp_buckets"]
+        assert buckets["scope"] in BUCKET_SCOPES and buckets["source"]
+        assert buckets.get("params") is None or buckets["params"] >= 10**6
 
 
 def _within_factor_two(runs: list[dict]) -> list[tuple[str, float]]:
