@@ -288,12 +288,11 @@ def estimate(profile: GraphProfile, cluster: ClusterSpec, config: TrainingConfig
             kern += int(n * pc.kernels)
             params[REPL] += n * part.params[REPL]
             params[TP] += n * part.params[TP]
-            if part.blocks:
-                block_local += n * (part.params[REPL] + part.params[TP] / t)
             weight_cache += n * pc.weight_cache
             is_block = bool(part.blocks)
             mode = rec if is_block else "none"
             if is_block:
+                block_local += n * (part.params[REPL] + part.params[TP] / t)
                 recompute += n * pc.recompute(part, mode)
                 if isinstance(mode, frozenset) and mode and drops_output(profile, part, mode):
                     # every block's input is gone: block k of a chunk re-runs the k - 1 before it
