@@ -4,7 +4,8 @@
 
 Each run in the data file names its model (with its dropout probabilities), cluster preset,
 parallel layout (with ``stage_layers`` where the source's recipe splits layers unevenly), batch,
-recompute, precision, attention kernel, the stack's loss kernels (``loss_fusion``), pipeline-send
+recompute, precision, attention kernel (``attention``: the fused kernel its stack ran, with the
+evidence), the stack's loss kernels (``loss_fusion``), pipeline-send
 and gradient-reduction settings (``overlap.p2p``, ``grad_reduce_fp32``), fp8 primary weights
 (``fp8_params``), an eagerly run MLP activation (``activation_fusion``), the Transformer Engine
 userbuffers settings its recipe tunes (``ub_cfg``, slot -> method, num_sm, num_splits,
@@ -104,6 +105,9 @@ def run_config(run: dict) -> TrainingConfig:
         # run's optimizer buckets otherwise (Apex's distributed Adam, PyTorch DDP, local DDP)
         dp_bucket_params=buckets.get("params"),
         dp_bucket_scope=buckets.get("scope", "megatron-core"),
+        # the fused-attention kernel the run's stack ran where it is not the device profile's
+        # (Transformer Engine with NVTE_FUSED_ATTN=0 runs FlashAttention-2 on Hopper)
+        attention_kernel=run.get("attention", {}).get("kernel", "auto"),
     )
 
 

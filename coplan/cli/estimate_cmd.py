@@ -47,6 +47,13 @@ class BucketScope(enum.StrEnum):  # coplan.cost.buckets.BUCKET_SCOPES
     none = "none"
 
 
+class AttentionKernel(enum.StrEnum):  # coplan.cost.config.ATTENTION_KERNEL_CHOICES
+    auto = "auto"
+    cudnn = "cudnn"
+    flash2 = "flash2"
+    flash3 = "flash3"
+
+
 class LossFusion(enum.StrEnum):  # coplan.cost.config.LOSS_FUSIONS
     none = "none"
     native = "native"
@@ -94,6 +101,15 @@ def estimate(
     flash_attention: Annotated[
         bool, typer.Option("--flash-attention/--no-flash-attention", help="Fused attention kernel.")
     ] = True,
+    attention_kernel: Annotated[
+        AttentionKernel,
+        typer.Option(
+            "--attention-kernel",
+            help="Fused attention kernel: auto (what Transformer Engine picks on the device: cuDNN on "
+            "Hopper, FlashAttention-2 on Ampere) or one the stack forces (flash2: NVTE_FUSED_ATTN=0, "
+            "PyTorch SDPA); a kernel the device has no rates for is an error.",
+        ),
+    ] = AttentionKernel.auto,
     fusion: Annotated[
         Fusion, typer.Option("--fusion", help="Kernel fusion: Megatron-LM's fused kernels, or eager.")
     ] = Fusion.megatron,
@@ -272,6 +288,7 @@ def estimate(
         zero=zero,
         dtype=dtype.value,
         flash_attention=flash_attention,
+        attention_kernel=attention_kernel.value,
         fusion=fusion.value,
         overlap_grad_reduce=overlap_grad_reduce,
         overlap_param_gather=overlap_param_gather,
@@ -408,7 +425,8 @@ def render(est: Estimate, title: str) -> None:
         f"tp={c.tp} pp={c.pp} dp={c.dp} vpp={c.vpp} microbatch={c.microbatch} global batch={c.global_batch} "
         f"({c.num_microbatches} microbatches) recompute={rec} sp={'on' if c.sequence_parallel else 'off'} "
         f"zero={c.zero} dtype={c.dtype}{' (fp8 params)' if c.fp8_params else ''} "
-        f"flash={'on' if c.flash_attention else 'off'} fusion={c.fusion}",
+        f"flash={'on' if c.flash_attention else 'off'}"
+        f"{'' if c.attention_kernel == 'auto' else f' ({c.attention_kernel})'} fusion={c.fusion}",
         soft_wrap=True,
     )
     # the overlaps decide much of the communication's price, and their defaults follow the hardware

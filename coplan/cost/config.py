@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any
 from coplan.cost.buckets import BUCKET_SCOPES, default_bucket_params
 from coplan.cost.tp_overlap import ub_slots
 from coplan.errors import SpecError
+from coplan.hardware.device import ATTENTION_KERNELS
 
 if TYPE_CHECKING:
     from coplan.hardware.device import DeviceSpec
@@ -27,6 +28,11 @@ FUSION_MODES: tuple[str, ...] = ("megatron", "none")
 #: Megatron's cross-entropy kernels (``--cross-entropy-loss-fusion``, ``--cross-entropy-fusion-impl``):
 #: unfused (the default), jit-fused ("native"), Transformer Engine's ("te"); see ``cost/loss.py``.
 LOSS_FUSIONS: tuple[str, ...] = ("none", "native", "te")
+#: Fused-attention kernels a configuration may ask for: ``"auto"`` prices the one each device's
+#: profile describes (what Transformer Engine selects there: cuDNN's on Hopper, FlashAttention-2 on
+#: Ampere); a kernel name prices that kernel where the device has rates for it
+#: (``DeviceSpec.attention_kernels``), and is an error elsewhere.
+ATTENTION_KERNEL_CHOICES: tuple[str, ...] = ("auto", *ATTENTION_KERNELS)
 #: PyTorch DDP's default ``bucket_cap_mb`` (25 MiB of gradients).
 DDP_BUCKET_BYTES = 25 * 2**20
 
@@ -98,6 +104,9 @@ class TrainingConfig:
             0's first chunk, and only with ``overlap_grad_reduce``), ``"all"`` (every stage and
             chunk: PyTorch DDP), ``"padded"`` (every layer opens whole buckets: Apex's distributed
             Adam as NeMo drives it) or ``"none"`` (one collective per chunk); ``coplan.cost.buckets``.
+        attention_kernel: the fused-attention kernel (``ATTENTION_KERNEL_CHOICES``): ``"auto"``, what
+            the device's profile describes, or one the stack forces (``"flash2"``: Transformer
+            Engine with ``NVTE_FUSED_ATTN=0`` on Hopper, or PyTorch's SDPA flash backend).
         overlap_zero: ZeRO-3 / FSDP unit collectives are prefetched behind compute (GPUs: NCCL on
             its own stream); off where communication and compute share the same cores (gloo on
             a CPU), so every collective shows.
@@ -141,6 +150,7 @@ class TrainingConfig:
     overlap_zero: bool = True
     dp_bucket_params: int | None = None
     dp_bucket_scope: str = "megatron-core"
+    attention_kernel: str = "auto"
 
     def __post_init__(self) -> None:
         for name in ("tp", "pp", "dp", "vpp", "microbatch", "global_batch"):
@@ -200,6 +210,11 @@ class TrainingConfig:
             raise ConfigError(
                 "dp_bucket_scope",
                 f"must be one of {', '.join(BUCKET_SCOPES)}, got {self.dp_bucket_scope!r}",
+            )
+        if self.attention_kernel not in ATTENTION_KERNEL_CHOICES:
+            raise ConfigError(
+                "attention_kernel",
+                f"must be one of {', '.join(ATTENTION_KERNEL_CHOICES)}, got {self.attention_kernel!r}",
             )
         if self.fp8_params and self.dtype != "fp8":
             raise ConfigError("fp8_params", f"needs dtype fp8, got {self.dtype!r}")
@@ -306,6 +321,7 @@ class TrainingConfig:
             "loss_fusion": self.loss_fusion,
             "dp_bucket_params": self.bucket_params,
             "dp_bucket_scope": self.dp_bucket_scope,
+            "attention_kernel": self.attention_kernel,
         }
 
 

@@ -254,7 +254,12 @@ def estimate(profile: GraphProfile, cluster: ClusterSpec, config: TrainingConfig
         cost = costs.get(device)
         if cost is None:
             cost = costs[device] = _PartCost(
-                Rates.of(device, config.dtype), scale, config, tp_group, profile, device
+                Rates.of(device, config.dtype, config.attention_kernel),
+                scale,
+                config,
+                tp_group,
+                profile,
+                device,
             )
         rates = cost.r
         head_cost = None
@@ -263,7 +268,12 @@ def estimate(profile: GraphProfile, cluster: ClusterSpec, config: TrainingConfig
             head_cost = heads.get(key)
             if head_cost is None:
                 head_cost = heads[key] = _PartCost(
-                    Rates.of(device, "bf16"), scale, config, tp_group, profile, device
+                    Rates.of(device, "bf16", config.attention_kernel),
+                    scale,
+                    config,
+                    tp_group,
+                    profile,
+                    device,
                 )
         rec = config.recompute_of(s)
         # this stage's layers (all chunks of the stage), and its parts by template
@@ -536,7 +546,7 @@ class _PartCost:
             return self.r
         got = self._rates.get(k.dtype)
         if got is None:
-            got = self._rates[k.dtype] = Rates.of(self.device, k.dtype)
+            got = self._rates[k.dtype] = Rates.of(self.device, k.dtype, self.c.attention_kernel)
         return got
 
     def time(self, k: Kernel) -> float:

@@ -70,7 +70,7 @@ def kernel_costs(
     def rates_of(dtype: str) -> Rates:
         got = rates.get(dtype)
         if got is None:
-            got = rates[dtype] = Rates.of(device, dtype)
+            got = rates[dtype] = Rates.of(device, dtype, config.attention_kernel)
         return got
 
     g = profile.graph

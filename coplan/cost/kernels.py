@@ -34,10 +34,21 @@ import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from coplan.cost.config import TrainingConfig
+from coplan.cost.config import ConfigError, TrainingConfig
 from coplan.cost.parts import TP, Kernel, Vec, vdot
 from coplan.hardware.device import VECTOR_FAMILIES, DeviceSpec
 from coplan.hardware.tiling import AttentionTiling
+
+#: Slowdown of a fused (flash) attention kernel that applies dropout to its probabilities: it
+#: generates the mask in registers (Philox) in forward and regenerates it in backward, on the
+#: CUDA cores next to the tensor-core work. Measured fwd + bwd at p = 0.1: +3% for cuDNN's fused
+#: attention on H200 (NVIDIA/TransformerEngine issue #3312, sbhd layout: 0.594 -> 0.614 ms), +5%
+#: for FlashAttention-2 on GB200 (TransformerEngine PR #3313: 0.695 -> 0.728 ms), +11-17% for
+#: PyTorch's FlashAttention-2 kernels on one H100 (benchmarks/data/h100_microbench.json, causal,
+#: head dim 128, seq 4096). Transformer Engine, which the Megatron-Core runs use, picks cuDNN's
+#: kernel on Hopper; 5% stands for that class of kernel. A device's ``attention_kernels`` give
+#: their own (``DeviceSpec.attention_rates``).
+FLASH_DROPOUT_COST = 0.05
 
 #: The precision non-matrix work runs in under each training dtype (fp8 training keeps its
 #: activations in 16 bits; tf32 is a matmul mode of fp32 tensors).
@@ -70,9 +81,12 @@ class Rates:
     # query tiles at which fused attention reaches half its full-occupancy rate (0: no derating)
     attn_par_half: float = 0.0
     attn_bwd_par_half: float = 0.0
+    attn_dropout: float = FLASH_DROPOUT_COST  # fractional slowdown of fused attention with dropout
 
     @classmethod
-    def of(cls, device: DeviceSpec, dtype: str) -> Rates:
+    def of(cls, device: DeviceSpec, dtype: str, attention: str = "auto") -> Rates:
+        """``device``'s rates for training in ``dtype``, fused attention by kernel ``attention``
+        (``"auto"``: the one the device's ``attention`` efficiencies describe)."""
         mm_dtype = matmul_dtype(device, dtype)
         peak = device.peak(mm_dtype)
         # attention stays in 16 bits under fp8 training (Transformer Engine's default recipe)
@@ -84,10 +98,22 @@ class Rates:
         )
         first = device.efficiency.get("first_touch")
         tiling = device.attention_tiles
+        attn = device.peak(attn_dtype)
+        fwd = device.efficiency_of("attention", attn_dtype)
+        bwd = device.efficiency_of("attention_backward", attn_dtype)
+        dropout = FLASH_DROPOUT_COST
+        if attention not in ("auto", device.attention_kernel):
+            got = device.attention_rates(attention)
+            if got is None:
+                named = f" (its own is {device.attention_kernel})" if device.attention_kernel else ""
+                raise ConfigError(
+                    "attention_kernel", f"device {device.name!r} has no rates for {attention!r}{named}"
+                )
+            fwd, bwd, dropout = got
         return cls(
             mm_flops=peak * device.efficiency_of("matmul", mm_dtype),
-            attn_flops=device.peak(attn_dtype) * device.efficiency_of("attention", attn_dtype),
-            attn_bwd_flops=device.peak(attn_dtype) * device.efficiency_of("attention_backward", attn_dtype),
+            attn_flops=attn * fwd,
+            attn_bwd_flops=attn * bwd,
             vec_flops=vec,
             bandwidth=device.memory_bandwidth * device.efficiency_of("memory"),
             half_dim=device.matmul_half_dim,
@@ -104,6 +130,7 @@ class Rates:
             host_op_s=device.host_op_s,
             attn_par_half=device.attention_parallel_half.get("forward", 0.0),
             attn_bwd_par_half=device.attention_parallel_half.get("backward", 0.0),
+            attn_dropout=dropout,
         )
 
 
@@ -192,16 +219,6 @@ def kernel_time(k: Kernel, r: Rates, s: Scale) -> float:
 #: Query rows per thread block of a GPU's fused attention kernel (FlashAttention-2/3, cuDNN on
 #: Hopper with head dim 128), the unit ``attention_parallel_half`` counts.
 ATTN_TILE_ROWS = 128
-
-#: Slowdown of a fused (flash) attention kernel that applies dropout to its probabilities: it
-#: generates the mask in registers (Philox) in forward and regenerates it in backward, on the
-#: CUDA cores next to the tensor-core work. Measured fwd + bwd at p = 0.1: +3% for cuDNN's fused
-#: attention on H200 (NVIDIA/TransformerEngine issue #3312, sbhd layout: 0.594 -> 0.614 ms), +5%
-#: for FlashAttention-2 on GB200 (TransformerEngine PR #3313: 0.695 -> 0.728 ms), +11-17% for
-#: PyTorch's FlashAttention-2 kernels on one H100 (benchmarks/data/h100_microbench.json, causal,
-#: head dim 128, seq 4096). Transformer Engine, which the Megatron-Core runs use, picks cuDNN's
-#: kernel on Hopper; 5% stands for that class of kernel.
-FLASH_DROPOUT_COST = 0.05
 
 
 def launches(k: Kernel, s: Scale) -> int:
@@ -298,7 +315,7 @@ def _attention(k: Kernel, r: Rates, s: Scale) -> float:
                 shape *= shape_factor((bh / div * math.ceil(sq / ATTN_TILE_ROWS),), half)
             compute = 0.5 * k.mm_flops / div / (rate * shape)
         if k.dropout:
-            compute *= 1.0 + FLASH_DROPOUT_COST
+            compute *= 1.0 + r.attn_dropout
         return max(compute, memory) + first_touch(k, r, s) + r.launch_s
     # unfused (Megatron-LM's baddbmm, fused scale-mask-softmax, dropout, bmm): two batched GEMMs at
     # matmul efficiency, and the score matrix through memory. Forward: S written by QK^T, read and

@@ -50,6 +50,17 @@ EFFICIENCY_KINDS: tuple[str, ...] = (
     "first_touch",
 )
 
+#: Fused-attention kernels a device may price (``DeviceSpec.attention_kernel`` names the one its
+#: ``attention`` efficiencies describe, ``attention_kernels`` gives others): NVIDIA cuDNN's fused
+#: attention (what Transformer Engine selects on Hopper), the flash-attn package's FlashAttention-2
+#: (Transformer Engine's choice on Ampere, and on Hopper with ``NVTE_FUSED_ATTN=0``; PyTorch's SDPA
+#: flash backend) and FlashAttention-3.
+ATTENTION_KERNELS: tuple[str, ...] = ("cudnn", "flash2", "flash3")
+
+#: What ``attention_kernels`` gives per kernel: its forward and backward fractions of the 16-bit
+#: matrix peak (as ``attention`` / ``attention_backward``) and its slowdown with dropout on.
+ATTENTION_KERNEL_KEYS: tuple[str, ...] = ("forward", "backward", "dropout")
+
 #: Kinds whose efficiency may be refined per dtype as ``<kind>.<dtype>``.
 DTYPED_KINDS: tuple[str, ...] = ("matmul", "matmul_tn", "attention", "attention_backward", "vector")
 
@@ -103,6 +114,8 @@ _OPTIONAL = (
     "attention_parallel_half",
     "host_op_s",
     "compute_units",
+    "attention_kernel",
+    "attention_kernels",
 )
 
 
@@ -149,6 +162,14 @@ class DeviceSpec:
         compute_units: streaming multiprocessors (NVIDIA) or compute units (AMD): what a
             communication kernel running beside a GEMM takes its SMs from
             (``coplan.cost.tp_overlap``); 0 where unknown or not such a design (SM sharing unpriced).
+        attention_kernel: which of ``ATTENTION_KERNELS`` the ``attention`` efficiencies describe:
+            the kernel the device's usual stack runs (Transformer Engine: cuDNN's on Hopper,
+            FlashAttention-2 on Ampere); "" where unnamed.
+        attention_kernels: other fused-attention kernels the device can price, as
+            ``<kernel>.forward`` / ``<kernel>.backward`` (fractions of the 16-bit peak before the
+            shape and occupancy deratings, which all kernels share) and ``<kernel>.dropout`` (the
+            fractional slowdown with dropout on the probabilities); a training configuration picks
+            one with ``attention_kernel``.
     """
 
     name: str
@@ -167,6 +188,8 @@ class DeviceSpec:
     attention_parallel_half: Mapping[str, float] = field(default_factory=FrozenMap)
     host_op_s: float = 0.0
     compute_units: int = 0
+    attention_kernel: str = ""
+    attention_kernels: Mapping[str, float] = field(default_factory=FrozenMap)
 
     def __post_init__(self) -> None:
         named = isinstance(self.name, str) and bool(self.name.strip())
@@ -196,6 +219,10 @@ class DeviceSpec:
         )
         put(self, "host_op_s", check_number(src, "host_op_s", self.host_op_s, strict=False))
         put(self, "compute_units", check_int(src, "compute_units", self.compute_units, minimum=0))
+        check_str(src, "attention_kernel", self.attention_kernel, allow_empty=True)
+        if self.attention_kernel and self.attention_kernel not in ATTENTION_KERNELS:
+            fail(src, "attention_kernel", f"unknown kernel; expected one of: {', '.join(ATTENTION_KERNELS)}")
+        put(self, "attention_kernels", _attention_kernels(src, self.attention_kernels, self.attention_kernel))
 
     # --- queries -------------------------------------------------------------------------------
 
@@ -247,6 +274,16 @@ class DeviceSpec:
         """Whether ``<work>.<dtype>`` is given (a measured per-dtype figure, not a fallback)."""
         return f"{work}.{canonical_dtype(dtype)}" in self.efficiency
 
+    def attention_rates(self, kernel: str) -> tuple[float, float, float] | None:
+        """(forward, backward, dropout) of fused-attention kernel ``kernel`` from
+        ``attention_kernels``; None where the device does not price it there."""
+        keys = tuple(f"{kernel}.{k}" for k in ATTENTION_KERNEL_KEYS)
+        if keys[0] not in self.attention_kernels:
+            return None
+        fwd = self.attention_kernels[keys[0]]
+        bwd = self.attention_kernels.get(keys[1], fwd)
+        return fwd, bwd, self.attention_kernels.get(keys[2], 0.0)
+
     def summary(self) -> str:
         """One human-readable line (memory in GiB, bandwidth in TB/s, peaks in TFLOP/s)."""
         peaks = ", ".join(f"{d} {self.peak_flops[d] / 1e12:g}" for d in DTYPES if d in self.peak_flops)
@@ -282,6 +319,10 @@ class DeviceSpec:
             out["host_op_s"] = self.host_op_s
         if self.compute_units:
             out["compute_units"] = self.compute_units
+        if self.attention_kernel:
+            out["attention_kernel"] = self.attention_kernel
+        if self.attention_kernels:
+            out["attention_kernels"] = dict(self.attention_kernels)
         return out
 
     @classmethod
@@ -301,6 +342,8 @@ class DeviceSpec:
         par = r.numbers("attention_parallel_half") if "attention_parallel_half" in r.data else {}
         host = r.number("host_op_s", strict=False) if "host_op_s" in r.data else 0.0
         units = r.integer("compute_units", minimum=0) if "compute_units" in r.data else 0
+        attn = r.text("attention_kernel", default="")
+        attn_kernels = r.numbers("attention_kernels") if "attention_kernels" in r.data else {}
         # Readers above already name ``source`` and the full path; only __post_init__ errors need
         # re-anchoring, so nothing else may run inside this block.
         with anchored(source, path):
@@ -321,6 +364,8 @@ class DeviceSpec:
                 attention_parallel_half=par,
                 host_op_s=host,
                 compute_units=units,
+                attention_kernel=attn,
+                attention_kernels=attn_kernels,
             )
 
 
@@ -350,6 +395,31 @@ def _keyed_numbers(src: str, name: str, value: object, keys: tuple[str, ...], un
         if key not in keys:
             fail(src, where, f"unknown key; expected one of: {', '.join(keys)}")
         out[key] = check_number(src, where, number, strict=False)
+    return FrozenMap(out)
+
+
+def _attention_kernels(src: str, value: object, default: str) -> FrozenMap:
+    """``<kernel>.<forward|backward|dropout>`` -> number, each kernel with its forward fraction."""
+    if not isinstance(value, Mapping):
+        fail(src, "attention_kernels", f"expected an object of <kernel>.<key> -> number, got {kind(value)}")
+    out: dict[str, float] = {}
+    for key, number in value.items():
+        where = f"attention_kernels.{key}"
+        name, _, what = str(key).partition(".")
+        if name not in ATTENTION_KERNELS:
+            fail(src, where, f"unknown kernel {name!r}; expected one of: {', '.join(ATTENTION_KERNELS)}")
+        if name == default:
+            fail(src, where, f"{name!r} is the device's attention_kernel, priced by its efficiency")
+        if what not in ATTENTION_KERNEL_KEYS:
+            fail(src, where, f"unknown key; expected {name}.<{'|'.join(ATTENTION_KERNEL_KEYS)}>")
+        # fractions of peak are positive; a kernel may run dropout for free (0)
+        out[key] = check_number(src, where, number, strict=what != "dropout")
+        if what != "dropout" and out[key] > 1.0:
+            fail(src, where, f"must be a fraction of peak in (0, 1], got {number!r}")
+    for key in out:
+        name = key.partition(".")[0]
+        if f"{name}.forward" not in out:
+            fail(src, f"attention_kernels.{name}.forward", "missing: every kernel needs its forward fraction")
     return FrozenMap(out)
 
 

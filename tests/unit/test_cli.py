@@ -295,6 +295,13 @@ def test_estimate_stack_flags_reach_the_cost_model(cli: Cli) -> None:
     assert code == 2 and "--stage-layers" in err and len(err.strip().splitlines()) == 1
     code, _, err = cli(*base, "--stage-layers", "5,6")
     assert code == 2 and "stage_layers" in err
+    # FlashAttention-2 forced on an H100 (TE with NVTE_FUSED_ATTN=0) is slower than cuDNN's kernel
+    fa2 = est("--attention-kernel", "flash2")
+    assert fa2["breakdown_s"]["compute"] > ref["breakdown_s"]["compute"]
+    assert est("--attention-kernel", "cudnn")["step_time_s"] == ref["step_time_s"]
+    # a kernel the device has no rates for is one line naming the field, exit 2
+    code, _, err = cli(*base[:4], "dgx-b200", *base[5:], "--attention-kernel", "flash2")
+    assert_one_line_error(code, err, "attention_kernel", "flash2")
 
 
 def test_plan_short_s_is_the_sequence_length_as_on_every_command(cli: Cli) -> None:

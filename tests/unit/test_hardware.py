@@ -425,3 +425,30 @@ def test_matmul_call_costs_validate_and_round_trip() -> None:
         assert info.value.field == field
     h100 = device_presets()["h100-sxm"]
     assert DeviceSpec.from_dict(json.loads(json.dumps(h100.to_dict()))) == h100
+
+
+def test_attention_kernels_validate_round_trip_and_name_what_the_presets_price() -> None:
+    h100 = device_presets()["h100-sxm"]
+    assert h100.attention_kernel == "cudnn" and h100.attention_rates("flash2") == (0.414, 0.3, 0.148)
+    assert h100.attention_rates("flash3") is None
+    assert device_presets()["a100-sxm-80gb"].attention_kernel == "flash2"
+    assert DeviceSpec.from_dict(json.loads(json.dumps(h100.to_dict()))) == h100
+    # a kernel without its backward runs the forward fraction both ways, dropout free
+    bare = replace(h100, attention_kernels={"flash3.forward": 0.6})
+    assert bare.attention_rates("flash3") == (0.6, 0.6, 0.0)
+    for bad, field in (
+        ({"flash4.forward": 0.4}, "attention_kernels.flash4.forward"),
+        ({"flash2.fwd": 0.4}, "attention_kernels.flash2.fwd"),
+        ({"flash2.forward": 1.5}, "attention_kernels.flash2.forward"),
+        ({"flash2.forward": 0.0}, "attention_kernels.flash2.forward"),
+        ({"flash2.forward": 0.4, "flash2.dropout": -0.1}, "attention_kernels.flash2.dropout"),
+        ({"flash2.backward": 0.4}, "attention_kernels.flash2.forward"),
+        ({"cudnn.forward": 0.5}, "attention_kernels.cudnn.forward"),  # the device's own kernel
+        ([0.4], "attention_kernels"),
+    ):
+        with pytest.raises(SpecError) as info:
+            DeviceSpec.from_dict({**h100.to_dict(), "attention_kernels": bad}, "dev.json")
+        assert info.value.field == field, bad
+    with pytest.raises(SpecError) as info:
+        DeviceSpec.from_dict({**h100.to_dict(), "attention_kernel": "xformers"}, "dev.json")
+    assert info.value.field == "attention_kernel"

@@ -115,6 +115,74 @@ def test_flash_attention_dropout_slowdown():
     assert td == pytest.approx(t * (1 + FLASH_DROPOUT_COST))
 
 
+def _attention_kernel(phase: object, b: int, h: int, s: int, d: int, dropout: float = 0.0) -> object:
+    from coplan.cost.parts import TP, Kernel
+    from coplan.ir.types import Phase
+
+    flops = 4.0 * b * h * s * s * d * (2.5 if phase is Phase.BACKWARD else 1.0)
+    return Kernel(phase, "attention", TP, flops, 0.0, (0.0,) * 6, attn=(b * h, s, s, d), dropout=dropout)
+
+
+def test_a_forced_attention_kernel_is_priced_at_its_own_rates():
+    """``attention_kernel="flash2"`` on an H100 prices FlashAttention-2 at the preset's own
+    fractions and dropout cost; "auto" and the device's own name price its default (cuDNN)."""
+    from coplan.cost.kernels import FLASH_DROPOUT_COST, Rates, Scale, kernel_time
+    from coplan.hardware import get_device
+    from coplan.ir.types import Phase
+
+    h100 = get_device("h100-sxm")
+    auto, own, fa2 = (Rates.of(h100, "bf16", k) for k in ("auto", "cudnn", "flash2"))
+    assert own == auto and auto.attn_dropout == FLASH_DROPOUT_COST
+    fwd, bwd, dropout = h100.attention_rates("flash2")  # type: ignore[misc]
+    scale = Scale(4, True, _SCALE_BYTES, 2, True)
+    for phase, eff in ((Phase.FORWARD, fwd), (Phase.BACKWARD, bwd)):
+        kind = "attention" if phase is Phase.FORWARD else "attention_backward"
+        default_eff = h100.efficiency_of(kind, "bf16")
+        for p in (0.0, 0.1):
+            k = _attention_kernel(phase, 1, 96, 2048, 128, p)
+            slow = (1 + dropout) / (1 + FLASH_DROPOUT_COST) if p else 1.0
+            t_auto, t_fa2 = (kernel_time(k, r, scale) - r.launch_s for r in (auto, fa2))
+            assert t_fa2 == pytest.approx(t_auto * default_eff / eff * slow, rel=1e-12)
+    # fp8 training keeps attention in 16 bits: the same FlashAttention-2 rates
+    assert Rates.of(h100, "fp8", "flash2").attn_flops == fa2.attn_flops
+
+
+def test_h100_flash2_rates_reproduce_the_measured_kernels():
+    """The preset's FlashAttention-2 fractions, under the shape and occupancy deratings every fused
+    kernel shares, give PyTorch's FlashAttention-2 times on one H100
+    (benchmarks/data/h100_microbench.json) within 8% per point, dropout included."""
+    import json
+    from pathlib import Path
+
+    from coplan.cost.kernels import Rates, Scale, kernel_time
+    from coplan.hardware import get_device
+    from coplan.ir.types import Phase
+
+    data = Path(__file__).parents[2] / "benchmarks" / "data" / "h100_microbench.json"
+    rates = Rates.of(get_device("h100-sxm"), "bf16", "flash2")
+    scale = Scale(1, False, _SCALE_BYTES, 2, True)
+    points = json.loads(data.read_text())["attention"]
+    assert len(points) >= 6
+    for m in points:
+        args = (m["b"], m["h"], m["s"], m["d"], m["dropout"])
+        fwd = kernel_time(_attention_kernel(Phase.FORWARD, *args), rates, scale)
+        bwd = kernel_time(_attention_kernel(Phase.BACKWARD, *args), rates, scale)
+        assert fwd + bwd == pytest.approx(m["fwd_bwd_s"], rel=0.08), m
+        assert fwd == pytest.approx(m["fwd_s"], rel=0.08), m
+
+
+def test_an_attention_kernel_the_device_cannot_price_is_a_config_error():
+    from coplan.cost import ConfigError
+    from coplan.cost.kernels import Rates
+    from coplan.hardware import get_device
+
+    with pytest.raises(ConfigError, match="'b200' has no rates for 'flash2'") as info:
+        Rates.of(get_device("b200"), "bf16", "flash2")
+    assert info.value.field == "attention_kernel"
+    with pytest.raises(ConfigError, match="must be one of auto, cudnn, flash2, flash3"):
+        TrainingConfig(attention_kernel="sdpa")
+
+
 @pytest.mark.parametrize(
     ("q", "kv", "causal", "tiles"),
     [
