@@ -406,14 +406,19 @@ class Stack:
     # data-parallel gradient buckets (``coplan.cost.buckets``): Megatron-Core's by default
     dp_bucket_params: int | None = None
     dp_bucket_scope: str = "megatron-core"
+    # the fused-attention kernel the stack runs, priced where the cluster's devices have rates
+    # for it (``DeviceSpec.prices_attention``), else the devices' own (``"auto"``)
+    attention_kernel: str = "auto"
 
     @classmethod
     def runner(cls, device: str) -> Stack:
         """coplan's runner: torch.distributed.pipelining keeps stage outputs, ZeRO >= 1 runs as
         FSDP2 per block, TP collectives block (no userbuffers), ZeRO 0 runs PyTorch DDP (its
         default 25 MiB buckets of the fp32 master gradients, every stage bucketed); on a CPU,
-        gloo's collectives run on the cores that compute, unhidden."""
+        gloo's collectives run on the cores that compute, unhidden. On a GPU attention runs
+        PyTorch's SDPA, whose backend priority puts FlashAttention-2 first."""
         return cls(
+            attention_kernel="auto" if device == "cpu" else "flash2",
             pipeline_keeps_outputs=True,
             fsdp_units=True,
             overlap=device != "cpu",

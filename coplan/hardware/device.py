@@ -284,6 +284,10 @@ class DeviceSpec:
         bwd = self.attention_kernels.get(keys[1], fwd)
         return fwd, bwd, self.attention_kernels.get(keys[2], 0.0)
 
+    def prices_attention(self, kernel: str) -> bool:
+        """Whether ``kernel`` (or ``"auto"``) can be priced on this device."""
+        return kernel in ("auto", self.attention_kernel) or self.attention_rates(kernel) is not None
+
     def summary(self) -> str:
         """One human-readable line (memory in GiB, bandwidth in TB/s, peaks in TFLOP/s)."""
         peaks = ", ".join(f"{d} {self.peak_flops[d] / 1e12:g}" for d in DTYPES if d in self.peak_flops)

@@ -131,6 +131,13 @@ class PlanContext:
     def gpus(self) -> int:
         return self.cluster.num_devices
 
+    @cached_property
+    def attention_kernel(self) -> str:
+        """The stack's fused-attention kernel where every device of the cluster prices it, else
+        the devices' own: a kernel without measured rates on some device is not invented."""
+        kernel = self.stack.attention_kernel
+        return kernel if all(d.prices_attention(kernel) for d in self.cluster.devices) else "auto"
+
     @property
     def budget(self) -> float:
         assert self.budget_bytes is not None
@@ -263,6 +270,7 @@ class PlanContext:
             fsdp_units=self.stack.fsdp_units,
             dp_bucket_params=self.stack.dp_bucket_params,
             dp_bucket_scope=self.stack.dp_bucket_scope,
+            attention_kernel=self.attention_kernel,
             stage_layers=p.stage_layers,
         )
         self._configs[key] = config

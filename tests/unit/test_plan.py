@@ -744,3 +744,23 @@ def test_plans_price_tp_overlap_as_the_stack_that_runs_them(cluster, sp, runner,
         ctx = dataclasses.replace(ctx, stack=Stack.runner("cuda"))
     plan = BASE.with_(cluster=f"{cluster}[2]", parallel=ParallelPlan(tp=2, sequence_parallel=sp))
     assert ctx.config_of(plan).tp_comm_overlap is want
+
+
+@pytest.mark.parametrize(
+    ("cluster", "runner", "want"),
+    [
+        ("dgx-h100", False, "auto"),  # Megatron-Core: TE picks cuDNN's kernel, the profile's own
+        ("dgx-h100", True, "flash2"),  # coplan's runner: PyTorch SDPA's FlashAttention-2
+        ("dgx-a100-80gb", True, "flash2"),  # the A100 profile's own kernel
+        ("l4-node", True, "auto"),  # no FlashAttention-2 rates on an L4: its profile's kernel
+    ],
+)
+def test_plans_price_the_attention_kernel_of_the_stack_that_runs_them(cluster, runner, want):
+    from coplan.cost import Stack
+
+    ctx = make_ctx(cluster=cluster)
+    if runner:
+        ctx = dataclasses.replace(ctx, stack=Stack.runner("cuda"))
+    plan = BASE.with_(cluster=f"{cluster}[2]", parallel=ParallelPlan(dp=2))
+    assert ctx.config_of(plan).attention_kernel == want
+    ctx.price(plan)  # every choice prices
