@@ -13,6 +13,7 @@ import pytest
 
 from coplan.cost.buckets import BUCKET_SCOPES
 from coplan.cost.tp_overlap import read_ub_cfg
+from coplan.hardware import load_cluster
 
 ROOT = Path(__file__).resolve().parents[2]
 DATA = json.loads((ROOT / "benchmarks" / "data" / "published_runs.json").read_text())
@@ -50,6 +51,12 @@ def test_run_is_complete_and_cited(run: dict) -> None:
         buckets = run["dp_buckets"]
         assert buckets["scope"] in BUCKET_SCOPES and buckets["source"]
         assert buckets.get("params") is None or buckets["params"] >= 10**6
+    if "attention" in run:  # the fused-attention kernel the stack ran, traced to its env and TE's code
+        assert run["flash_attention"] and run["attention"]["source"]
+        devices = load_cluster(run["cluster"], run["gpus"]).devices
+        assert all(d.prices_attention(run["attention"]["kernel"]) for d in devices)
+    elif run["flash_attention"] and run["cluster"] == "dgx-h100":
+        pytest.fail("an H100 run with flash attention names the kernel its stack ran")
 
 
 def _within_factor_two(runs: list[dict]) -> list[tuple[str, float]]:
