@@ -58,8 +58,14 @@ def default_groups(graph: Graph, mode: str) -> tuple[tuple[int, ...], ...]:
             # outputs (a dropout mask kept for backward) are written by the fused kernel either way,
             # as Megatron's fused bias-dropout-add writes its mask
             read = [t for t in prod.outputs if op.id in readers(graph, t)]
-            read_by = {c for t in read for c in readers(graph, t)}
-            if read and read_by <= {op.id}:
+            others = {c for t in read for c in readers(graph, t)} - {op.id}
+            # ... or only by backward ops, where the fused kernel recomputes the intermediate from
+            # its kept inputs instead of storing it (Megatron's bias_swiglu: SiLU and the product
+            # in one forward kernel, SiLU recomputed in the backward one)
+            recomputed = all(ops[c].phase is Phase.BACKWARD for c in others) and all(
+                fused_recomputed(graph, graph.tensors[t]) for t in read
+            )
+            if read and (not others or recomputed):
                 parent[find(op.id)] = find(prod.id)
     groups: dict[int, list[int]] = {}
     for op in ops:

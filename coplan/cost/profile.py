@@ -554,6 +554,7 @@ class _Ctx:
             return Kernel(phase, "free", REPL, 0.0, 0.0, ZERO, ops=grp)
         inside = set(grp)
         produced = {t for op in real for t in op.outputs}
+        recomputes = self.fused_backward
         b = list(self._extra_write.get(tuple(grp), [0.0] * NV))
         seen: set[int] = set()
         for op in real:
@@ -566,6 +567,14 @@ class _Ctx:
                 seen.add(tid)
                 t = g.tensors[tid]
                 base = g.tensors[t.storage_id]
+                if recomputes and phase is Phase.BACKWARD and fused_recomputed(g, base):
+                    # Megatron's fused backward kernel rebuilds it from its producer's kept inputs
+                    assert base.producer is not None  # fused_recomputed holds only for produced ones
+                    for pid in g.ops[base.producer].inputs:
+                        if pid not in produced and pid not in seen:
+                            seen.add(pid)
+                            b = [x + y for x, y in zip(b, self.vec(g.tensors[pid]), strict=True)]
+                    continue
                 # a library kernel reads the cast copy when its input had to be converted
                 v = self.as_dtype(t, need) if need and (base.id, need) in self._casts else self.vec(t)
                 for i in range(NV):
@@ -574,6 +583,13 @@ class _Ctx:
         for tid in produced:
             t = g.tensors[tid]
             direct = set(t.consumers)
+            if (
+                recomputes
+                and tid not in g.outputs
+                and all(g.ops[c].phase is Phase.BACKWARD for c in direct - inside)
+                and fused_recomputed(g, g.tensors[t.storage_id])
+            ):
+                continue  # read only by backward kernels, which recompute it: never written
             if t.saved_for_backward or tid in g.outputs or not direct <= inside or not direct:
                 v = self.vec(t)
                 for i in range(NV):

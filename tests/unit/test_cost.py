@@ -609,6 +609,34 @@ def test_megatron_fused_kernels_recompute_norm_and_swiglu_intermediates():
     )
 
 
+def test_megatron_fused_kernels_neither_write_nor_read_what_they_recompute():
+    # Megatron's bias_swiglu runs SiLU and the product as one forward kernel (read gate and up,
+    # write the product: 3 passes of b x s x ffn) and one backward kernel that recomputes SiLU
+    # (read the gradient, gate and up, write both gradients: 5 passes), where eager PyTorch runs
+    # four kernels (2 + 3 + 5 + 3 passes). Transformer Engine's RMSNorm neither writes its
+    # normalized input in forward nor reads it in backward (b x s x d each way).
+    b, s = 2, 64
+    spec = PRESETS["llama-tiny"]
+    cm = CostModel(spec=spec)
+    act, hidden = b * s * spec.ffn, b * s * spec.d_model
+
+    def kernels(mode: str, path: str) -> dict[tuple[str, ...], float]:
+        prof = cm.profile(b, s, mode)
+        part, g = prof.templates[0], prof.graph
+        return {
+            tuple(g.ops[i].name.rsplit("_", 1)[0] for i in k.ops): sum(k.bytes)
+            for k in (*part.forward, *part.backward)
+            if k.kind == "vector" and {g.ops[i].module_path for i in k.ops} == {path}
+        }
+
+    fused, eager = kernels("megatron", "h.0.mlp"), kernels("none", "h.0.mlp")
+    assert fused == {("silu", "mul"): 3 * act, ("mul_bwd", "silu_bwd"): 5 * act}
+    assert eager == {("silu",): 2 * act, ("mul",): 3 * act, ("mul_bwd",): 5 * act, ("silu_bwd",): 3 * act}
+    fused, eager = kernels("megatron", "h.0.ln_1"), kernels("none", "h.0.ln_1")
+    for name in (("rms_norm",), ("norm_bwd",)):
+        assert eager[name] - fused[name] == hidden
+
+
 def test_attention_logsumexp_is_kept_in_fp32_under_16_bit_training():
     # flash kernels write their logsumexp in fp32 whatever the training dtype: in a block's saved
     # vector (activation-width, fp32, byte entries; replicated and tensor-parallel each) it is the
