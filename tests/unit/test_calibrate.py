@@ -29,7 +29,7 @@ from coplan.hardware.calibrate.fit import (
     rms_residuals,
 )
 from coplan.hardware.calibrate.probes import Plan, transformer_gemms
-from coplan.hardware.device import VECTOR_FAMILIES
+from coplan.hardware.device import VECTOR_FAMILIES, DeviceSpec
 from coplan.hardware.tiling import TORCH_CPU_FLASH
 
 # A machine whose families differ as a CPU's do: a tanh-GELU slower per counted FLOP than a sum, and
@@ -602,3 +602,24 @@ def test_a_gpu_calibration_fits_attention_under_the_presets_occupancy_term() -> 
     flat = Scale(1, False, (1.0,) * 6, 4, True)  # type: ignore[arg-type]
     for m in ms:
         assert _close(kernel_time(_kernel(m), Rates.of(device, "bf16"), flat), predict(m, got))
+
+
+def test_a_gpu_calibration_labels_attention_with_the_kernel_its_probes_ran() -> None:
+    """The probes run PyTorch's SDPA, FlashAttention-2 on an NVIDIA GPU: the written H100 profile's
+    attention efficiencies describe that kernel, and Transformer Engine's cuDNN kernel, the
+    preset's own, stays priceable at the preset's rates."""
+    from coplan.cost.kernels import FLASH_DROPOUT_COST
+    from coplan.hardware.calibrate import _start_params
+
+    h100 = device_presets()["h100-sxm"]
+    p = replace(_start_params(h100, ["bf16"]), attention={"bf16": 0.4}, attention_backward={"bf16": 0.3})
+    device, _ = to_device(h100, p, ["bf16"], "h100-calibrated", "test", "flash2")
+    assert device.attention_kernel == "flash2" and device.attention_rates("flash2") is None
+    assert device.attention_rates("cudnn") == (0.45, 0.45, FLASH_DROPOUT_COST)
+    fa2, cudnn = Rates.of(device, "bf16", "flash2"), Rates.of(device, "bf16", "cudnn")
+    assert fa2.attn_flops == Rates.of(device, "bf16").attn_flops == 0.4 * h100.peak("bf16")
+    assert cudnn.attn_bwd_flops == Rates.of(h100, "bf16").attn_bwd_flops
+    assert DeviceSpec.from_dict(device.to_dict()) == device
+    # a calibration naming no kernel (a CPU's) leaves the base's labels as they are
+    cpu, _ = to_device(h100, p, ["bf16"], "x", "test")
+    assert cpu.attention_kernel == "cudnn" and cpu.attention_kernels == h100.attention_kernels

@@ -196,10 +196,15 @@ def _start_params(
 
 
 def to_device(
-    base: DeviceSpec, p: Params, dtypes: Sequence[str], name: str, source: str
+    base: DeviceSpec, p: Params, dtypes: Sequence[str], name: str, source: str, attention_kernel: str = ""
 ) -> tuple[DeviceSpec, list[str]]:
     """``base`` with the fitted rates as efficiencies of its data-sheet values; a fraction above 1
-    raises the data-sheet value to the measurement instead (listed in the returned notes)."""
+    raises the data-sheet value to the measurement instead (listed in the returned notes).
+
+    ``attention_kernel`` names the fused-attention kernel the probes ran (PyTorch SDPA's on a GPU:
+    FlashAttention-2): the fitted attention efficiencies describe it, so the device is labelled
+    with it, and the base's own kernel, where another, stays priceable among ``attention_kernels``
+    at the base's rates."""
     notes: list[str] = []
     eff = dict(base.efficiency)
     peaks = dict(base.peak_flops)
@@ -240,6 +245,17 @@ def to_device(
     if p.first_touch > 0.0:
         eff["first_touch"] = min(1.0, p.first_touch / bandwidth)
     tiles = p.attn_tiling.with_costs(p.attn_tile_s) if p.attn_tiling is not None else base.attention_tiles
+    label, kernels = base.attention_kernel, dict(base.attention_kernels)
+    if attn and attention_kernel and attention_kernel != label:
+        from coplan.cost.kernels import FLASH_DROPOUT_COST  # the default kernel's, as Rates prices it
+
+        kernels = {k: v for k, v in kernels.items() if k.partition(".")[0] != attention_kernel}
+        if label:
+            d = "bf16" if "bf16" in attn else attn[0]
+            kernels[f"{label}.forward"] = base.efficiency_of("attention", d)
+            kernels[f"{label}.backward"] = base.efficiency_of("attention_backward", d)
+            kernels[f"{label}.dropout"] = FLASH_DROPOUT_COST
+        label = attention_kernel
     device = replace(
         base,
         name=name,
@@ -253,6 +269,8 @@ def to_device(
         attention_tiles=tiles,
         matmul_call_s={**base.matmul_call_s, **p.mm_call_s},
         host_op_s=p.host_op_s or base.host_op_s,
+        attention_kernel=label,
+        attention_kernels=kernels,
     )
     return device, notes
 
@@ -345,7 +363,9 @@ def calibrate(
         f"{len(ms)} microbenchmarks in {took:.0f} s; started from preset "
         f"'{base.name}' (data-sheet peaks kept); rms relative residual of the fit: {res_text}"
     )
-    dev_spec, notes = to_device(base, params, dtypes, f"{base.name}-calibrated", source)
+    # PyTorch's SDPA runs its FlashAttention-2 kernels first on NVIDIA GPUs (ROCm's differ: unnamed)
+    sdpa = "flash2" if device == "cuda" and not getattr(torch.version, "hip", None) else ""
+    dev_spec, notes = to_device(base, params, dtypes, f"{base.name}-calibrated", source, sdpa)
     notes = extra + notes
     if notes:
         dev_spec = replace(dev_spec, source=source + "; " + "; ".join(notes))
