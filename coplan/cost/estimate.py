@@ -50,6 +50,7 @@ from coplan.cost.parts import (
     Kernel,
     Part,
     Vec,
+    part_dtype,
     run_kernels,
     vadd,
     vdot,
@@ -247,34 +248,20 @@ def estimate(profile: GraphProfile, cluster: ClusterSpec, config: TrainingConfig
     stages = []
     launch_total = 0.0
     kernels_total = 0
-    costs: dict[DeviceSpec, _PartCost] = {}
-    heads: dict[tuple[DeviceSpec, str], _PartCost] = {}
+    costs: dict[tuple[DeviceSpec, str], _PartCost] = {}
+
+    def cost_of(device: DeviceSpec, dtype: str) -> _PartCost:
+        """Prices for the parts that run in ``dtype`` on ``device`` (``part_dtype``)."""
+        got = costs.get((device, dtype))
+        if got is None:
+            rates = Rates.of(device, dtype, config.attention_kernel)
+            got = costs[device, dtype] = _PartCost(rates, scale, config, tp_group, profile, device)
+        return got
+
     for s in range(p):
         device = devices[s]
-        cost = costs.get(device)
-        if cost is None:
-            cost = costs[device] = _PartCost(
-                Rates.of(device, config.dtype, config.attention_kernel),
-                scale,
-                config,
-                tp_group,
-                profile,
-                device,
-            )
+        cost = cost_of(device, config.dtype)
         rates = cost.r
-        head_cost = None
-        if config.dtype == "fp8":
-            key = (device, "head")
-            head_cost = heads.get(key)
-            if head_cost is None:
-                head_cost = heads[key] = _PartCost(
-                    Rates.of(device, "bf16", config.attention_kernel),
-                    scale,
-                    config,
-                    tp_group,
-                    profile,
-                    device,
-                )
         rec = config.recompute_of(s)
         # this stage's layers (all chunks of the stage), and its parts by template
         mine = stage_blocks(profile, config, s, layout)
@@ -288,8 +275,7 @@ def estimate(profile: GraphProfile, cluster: ClusterSpec, config: TrainingConfig
         weight_cache = 0.0
         block_local = 0.0  # this GPU's parameters in the stage's blocks
         for part, n in parts:
-            # fp8 recipes keep the embedding and LM head in 16 bits (only block GEMMs are fp8)
-            pc = cost.of(part) if part.blocks or head_cost is None else head_cost.of(part)
+            pc = cost_of(device, part_dtype(part, config.dtype)).of(part)
             # (with the microbatch's share of the fp8 weights' casts, which no recompute re-runs)
             fwd += n * (pc.forward + pc.weight_cast)
             bwd += n * pc.backward

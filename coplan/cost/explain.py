@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from coplan.cost.config import TrainingConfig
 from coplan.cost.fp8 import fp8_cost, runs_fp8
 from coplan.cost.kernels import Rates, Scale, kernel_time, local_dims
-from coplan.cost.parts import GraphProfile, Kernel, Part, run_kernels, vdot
+from coplan.cost.parts import GraphProfile, Kernel, Part, part_dtype, run_kernels, vdot
 from coplan.cost.stages import stage_devices, stage_parts
 from coplan.hardware.cluster import ClusterSpec
 from coplan.hardware.device import DeviceSpec
@@ -76,8 +76,7 @@ def kernel_costs(
     g = profile.graph
     rows: list[KernelCost] = []
     for part, n in stage_parts(profile, config, stage):
-        # fp8 recipes keep the embedding and LM head in 16 bits (only block GEMMs are fp8)
-        base = config.dtype if part.blocks or config.dtype != "fp8" else "bf16"
+        base = part_dtype(part, config.dtype)
         fwd, bwd = run_kernels(part, config.loss_fusion, config.activation_fusion)
         for k in (*fwd, *bwd):
             if k.kind == "free":

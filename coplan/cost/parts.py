@@ -112,6 +112,12 @@ class Part:
     cache: dict[object, object] = field(default_factory=dict, compare=False, repr=False)
 
 
+def part_dtype(part: Part, dtype: str) -> str:
+    """The precision ``part``'s kernels run in under training dtype ``dtype``: fp8 recipes keep
+    the embedding and LM head in 16 bits (Transformer Engine quantises only the blocks' GEMMs)."""
+    return dtype if part.blocks or dtype != "fp8" else "bf16"
+
+
 def run_kernels(
     part: Part, loss_fusion: str, activation_fusion: bool
 ) -> tuple[tuple[Kernel, ...], tuple[Kernel, ...]]:
