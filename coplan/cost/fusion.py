@@ -62,10 +62,13 @@ def default_groups(graph: Graph, mode: str) -> tuple[tuple[int, ...], ...]:
             # ... or only by backward ops, where the fused kernel recomputes the intermediate from
             # its kept inputs instead of storing it (Megatron's bias_swiglu: SiLU and the product
             # in one forward kernel, SiLU recomputed in the backward one)
-            recomputed = all(ops[c].phase is Phase.BACKWARD for c in others) and all(
-                fused_recomputed(graph, graph.tensors[t]) for t in read
-            )
-            if read and (not others or recomputed):
+            if read and (
+                not others
+                or (
+                    all(ops[c].phase is Phase.BACKWARD for c in others)
+                    and all(fused_recomputed(graph, graph.tensors[t]) for t in read)
+                )
+            ):
                 parent[find(op.id)] = find(prod.id)
     groups: dict[int, list[int]] = {}
     for op in ops:

@@ -573,7 +573,9 @@ class _Ctx:
                     for pid in g.ops[base.producer].inputs:
                         if pid not in produced and pid not in seen:
                             seen.add(pid)
-                            b = [x + y for x, y in zip(b, self.vec(g.tensors[pid]), strict=True)]
+                            v = self.vec(g.tensors[pid])
+                            for i in range(NV):
+                                b[i] += v[i]
                     continue
                 # a library kernel reads the cast copy when its input had to be converted
                 v = self.as_dtype(t, need) if need and (base.id, need) in self._casts else self.vec(t)

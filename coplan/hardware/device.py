@@ -417,9 +417,10 @@ def _attention_kernels(src: str, value: object, default: str) -> FrozenMap:
         if what not in ATTENTION_KERNEL_KEYS:
             fail(src, where, f"unknown key; expected {name}.<{'|'.join(ATTENTION_KERNEL_KEYS)}>")
         # fractions of peak are positive; a kernel may run dropout for free (0)
-        out[key] = check_number(src, where, number, strict=what != "dropout")
-        if what != "dropout" and out[key] > 1.0:
-            fail(src, where, f"must be a fraction of peak in (0, 1], got {number!r}")
+        if what == "dropout":
+            out[key] = check_number(src, where, number, strict=False)
+        else:
+            out[key] = _fraction(src, where, number)
     for key in out:
         name = key.partition(".")[0]
         if f"{name}.forward" not in out:
@@ -443,8 +444,13 @@ def _efficiency(src: str, value: object) -> FrozenMap:
                 fail(src, where, f"unknown dtype {rest!r}; expected {base}.<{'|'.join(DTYPES)}>")
         elif work not in EFFICIENCY_KINDS:
             fail(src, where, f"unknown kind; expected one of: {', '.join(EFFICIENCY_KINDS)}")
-        number = check_number(src, where, fraction)
-        if number > 1.0:
-            fail(src, where, f"must be a fraction of peak in (0, 1], got {fraction!r}")
-        out[work] = number
+        out[work] = _fraction(src, where, fraction)
     return FrozenMap(out)
+
+
+def _fraction(src: str, where: str, value: object) -> float:
+    """A fraction of peak, in (0, 1]."""
+    number = check_number(src, where, value)
+    if number > 1.0:
+        fail(src, where, f"must be a fraction of peak in (0, 1], got {value!r}")
+    return number
