@@ -37,12 +37,39 @@ def report(err: CoplanError) -> int:
     return int(getattr(err, "exit_code", 2))
 
 
-def main(argv: Sequence[str] | None = None) -> None:
-    """Console-script entry point: run the app; ``CoplanError`` -> one line on stderr and its exit code.
+try:  # Typer from 0.2x carries its own copy of click; earlier ones use click itself
+    from typer._click.exceptions import ClickException
+except ImportError:  # pragma: no cover - depends on the installed Typer
+    from click.exceptions import ClickException  # type: ignore[assignment]
 
-    Always ends with ``SystemExit`` (click's standalone mode), as a console script should.
+
+def _usage(err: ClickException) -> int:
+    """A usage error (unknown option, a value not among the choices, not a number) as one line."""
+    ctx = getattr(err, "ctx", None)
+    where = f"{ctx.command_path}: " if ctx is not None and ctx.command_path else ""
+    sys.stdout.flush()
+    message = one_line(err.format_message()).replace("Value error, ", "")
+    sys.stderr.write(f"error: {where}{message}\n")
+    sys.stderr.flush()
+    return err.exit_code
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    """Console-script entry point: run the app; ``CoplanError`` and usage errors -> one line on
+    stderr and their exit code (2 bad input, 3 nothing fits, 1 a failed run).
+
+    Always ends with ``SystemExit``, as a console script should.
     """
+    args = list(argv) if argv is not None else sys.argv[1:]
     try:
-        app(args=list(argv) if argv is not None else None, prog_name="coplan")
+        app(args=args or ["--help"], prog_name="coplan", standalone_mode=False)
     except CoplanError as err:
         raise SystemExit(report(err)) from None
+    except ClickException as err:
+        raise SystemExit(_usage(err)) from None
+    except typer.Exit as done:  # --help, or a command's own typer.Exit
+        raise SystemExit(done.exit_code) from None
+    except typer.Abort:  # Ctrl-C where no command handled it
+        sys.stderr.write("error: interrupted\n")
+        raise SystemExit(130) from None
+    raise SystemExit(0)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import enum
 import sys
 import time
 from pathlib import Path
@@ -14,11 +15,17 @@ from rich.table import Table
 
 from coplan.cli.common import human_bytes, positive, print_json, stdout
 from coplan.errors import SpecError
+from coplan.fileio import check_output
 
 if TYPE_CHECKING:
     from rich.progress import Progress, TaskID
 
     from coplan.hardware.calibrate import Calibration, Measurement
+
+class CalibrateDevice(enum.StrEnum):  # coplan.hardware.calibrate.DEVICES
+    cpu = "cpu"
+    cuda = "cuda"
+
 
 #: The progress bar appears only once a run has lasted this long (a fast run prints no flicker).
 PROGRESS_AFTER_S = 1.0
@@ -26,7 +33,8 @@ PROGRESS_AFTER_S = 1.0
 
 def calibrate(
     device: Annotated[
-        str | None, typer.Option("--device", "-d", help="What to measure: cpu or cuda \\[default: cpu].")
+        CalibrateDevice | None,
+        typer.Option("--device", "-d", help="What to measure \\[default: cpu].", show_default=False),
     ] = None,
     out: Annotated[
         Path | None,
@@ -57,7 +65,7 @@ def calibrate(
         int | None,
         typer.Option(
             "--procs",
-            "-n",
+            "--nproc",
             help="Processes for the collective benchmarks (1: none) "
             "\\[default: 2 on cpu, every GPU on cuda].",
         ),
@@ -73,16 +81,19 @@ def calibrate(
     from coplan.hardware.calibrate import calibrate as run
     from coplan.hardware.calibrate import write_profile
 
+    what = device.value if device is not None else None
+    check_output("--out", out)
     if runs is not None:
-        from_runs(runs, cluster, device, out, json)
+        from_runs(runs, cluster, what, out, json)
         return
     if cluster is not None:
         raise SpecError("--cluster", None, "only applies with --runs (microbenchmarks measure this machine)")
-    device = device or "cpu"
+    what = what or "cpu"
     positive("--procs", procs, optional=True)
-    path = out if out is not None else Path(f"coplan-profile-{device}.json")
+    path = out if out is not None else Path(f"coplan-profile-{what}.json")
+    check_output("--out", path)
     with _LazyProgress() as bar:
-        cal = run(device, procs=procs, quick=quick, progress=bar.update)
+        cal = run(what, procs=procs, quick=quick, progress=bar.update)
     written = write_profile(cal, path)
     if json:
         print_json({**cal.to_dict(), "out": str(written)})

@@ -60,10 +60,24 @@ def human_flops(n: float) -> str:
     return f"{value:.1f} {prefix}FLOP" if prefix else f"{int(n)} FLOP"
 
 
+_BINARY = ((2.0**40, "Ti"), (2.0**30, "Gi"), (2.0**20, "Mi"), (2.0**10, "Ki"))
+
+
 def human_bytes(n: float) -> str:
-    """``816926728`` -> ``"816.9 MB"`` (decimal units)."""
-    value, prefix = _scaled(n)
+    """``816926728`` -> ``"779.1 MiB"``: binary units, as ``--memory-budget-gb`` reads GiB."""
+    value, prefix = _scaled(n, _BINARY)
     return f"{value:.1f} {prefix}B" if prefix else f"{int(n)} B"
+
+
+def gib(n: float) -> str:
+    """``85899345920`` -> ``"80.0"``: bytes as GiB, for columns headed with the unit."""
+    return f"{n / 2**30:.1f}"
+
+
+def human_rate(n: float) -> str:
+    """``2488123.4`` -> ``"2.49M"``: a rate in a narrow column (tokens/s)."""
+    value, prefix = _scaled(n, ((1e12, "T"), (1e9, "G"), (1e6, "M"), (1e3, "k")))
+    return f"{value:.3g}{prefix}" if prefix else f"{n:.3g}"
 
 
 def exact(n: int) -> str:

@@ -15,6 +15,7 @@ report of whichever study ran. Bad input: one line on stderr, exit 2.
 
 from __future__ import annotations
 
+import enum
 import os
 import sys
 import time
@@ -24,8 +25,9 @@ from typing import Annotated, Any
 import typer
 
 from coplan.cli.common import positive, print_json, stdout
-from coplan.cli.graph_cmd import JsonOpt
+from coplan.cli.options import Device, JsonOpt
 from coplan.errors import SpecError
+from coplan.fileio import check_output
 
 
 class _Bar:
@@ -61,6 +63,11 @@ class _Bar:
             self.progress.stop()
 
 
+class Grid(enum.StrEnum):  # coplan.experiments.coupling.GRIDS
+    small = "small"
+    full = "full"
+
+
 MEASURE_ONLY = (
     "--device",
     "--model",
@@ -75,8 +82,8 @@ MEASURE_ONLY = (
 
 def coupling(
     grid: Annotated[
-        str, typer.Option("--grid", help="Scenario grid: small (minutes) or full (hours on two cores).")
-    ] = "small",
+        Grid, typer.Option("--grid", help="Scenario grid: small (minutes) or full (hours on two cores).")
+    ] = Grid.small,
     measure: Annotated[
         bool, typer.Option("--measure", help="Measure fusion x remat on real training instead.")
     ] = False,
@@ -89,7 +96,10 @@ def coupling(
         typer.Option("--jobs", "-j", help="Grid: worker processes planning scenarios (default: the CPUs)."),
     ] = None,
     device: Annotated[
-        str | None, typer.Option("--device", help="--measure: auto, cpu or cuda (default: auto).")
+        Device | None,
+        typer.Option(
+            "--device", "-d", help="--measure: where to train \\[default: auto].", show_default=False
+        ),
     ] = None,
     model: Annotated[
         str | None,
@@ -100,7 +110,10 @@ def coupling(
         ),
     ] = None,
     batch: Annotated[
-        int | None, typer.Option("--batch", "-b", help="--measure: sequences per step [8].")
+        int | None,
+        typer.Option(
+            "--global-batch", "--batch", "-b", help="--measure: sequences per optimizer step \\[default: 8]."
+        ),
     ] = None,
     seq: Annotated[
         int | None, typer.Option("--seq", "-s", help="--measure: sequence length [128 on cpu, 1024 on cuda].")
@@ -130,18 +143,15 @@ def coupling(
     ] = None,
 ) -> None:
     """Measure how strongly fusion, remat, parallelism and precision couple, and give the verdict."""
-    from coplan.experiments.coupling import GRIDS
-
-    if grid not in GRIDS:
-        raise SpecError("--grid", None, f"must be one of {', '.join(GRIDS)}, got {grid!r}")
-    values = (device, model, batch, seq, steps, profile, budget_fraction, repeats)
+    check_output("--html", html)
+    values = (device and device.value, model, batch, seq, steps, profile, budget_fraction, repeats)
     given = dict(zip(MEASURE_ONLY, values, strict=True))
     if not measure:
         extra = [k for k, v in given.items() if v is not None]
         if extra:
             raise SpecError(extra[0], None, "applies only with --measure")
         workers = positive("--jobs", jobs, optional=True) or os.cpu_count() or 1
-        _simulated(grid, json, html, workers)
+        _simulated(grid.value, json, html, workers)
     else:
         if jobs is not None:
             raise SpecError(

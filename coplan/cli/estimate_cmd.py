@@ -12,7 +12,19 @@ from rich import box
 from rich.table import Table
 
 from coplan.cli.common import human_bytes, positive, print_json, stdout
-from coplan.cli.graph_cmd import JsonOpt, SeqOpt
+from coplan.cli.options import (
+    DEFAULT_CLUSTER,
+    DEFAULT_GPUS,
+    DEFAULT_MODEL,
+    ClusterOpt,
+    GlobalBatchOpt,
+    GpusOpt,
+    JsonOpt,
+    MicrobatchOpt,
+    ModelOpt,
+    SeqOpt,
+    default_global_batch,
+)
 
 if TYPE_CHECKING:
     from coplan.cost import CostModel
@@ -61,29 +73,17 @@ class LossFusion(enum.StrEnum):  # coplan.cost.config.LOSS_FUSIONS
 
 
 def estimate(
-    model: Annotated[
-        str, typer.Option("--model", "-m", help="Model preset name or a spec JSON file.")
-    ] = "gpt2-124m",
-    cluster: Annotated[
-        str,
-        typer.Option(
-            "--cluster", "-c", help="Cluster or device preset, or a JSON file (e.g. a calibrated profile)."
-        ),
-    ] = "dgx-h100",
-    gpus: Annotated[
-        int | None, typer.Option("--gpus", "-g", help="Devices to use \\[default: the cluster's].")
-    ] = None,
+    model: ModelOpt = DEFAULT_MODEL,
+    cluster: ClusterOpt = DEFAULT_CLUSTER,
+    gpus: GpusOpt = DEFAULT_GPUS,
     tp: Annotated[int, typer.Option("--tp", help="Tensor-parallel degree.")] = 1,
     pp: Annotated[int, typer.Option("--pp", help="Pipeline-parallel degree.")] = 1,
     dp: Annotated[
         int | None, typer.Option("--dp", help="Data-parallel degree \\[default: N / (tp x pp)].")
     ] = None,
     vpp: Annotated[int, typer.Option("--vpp", help="Model chunks per pipeline rank (interleaved 1F1B).")] = 1,
-    microbatch: Annotated[int, typer.Option("--microbatch", "-b", help="Sequences per microbatch.")] = 1,
-    global_batch: Annotated[
-        int | None,
-        typer.Option("--global-batch", help="Sequences per optimizer step \\[default: microbatch x dp]."),
-    ] = None,
+    microbatch: MicrobatchOpt = 1,
+    global_batch: GlobalBatchOpt = None,
     seq: SeqOpt = None,
     recompute: Annotated[
         Recompute, typer.Option("--recompute", help="Activation recomputation.")
@@ -242,7 +242,7 @@ def estimate(
     from coplan.hardware import load_cluster
     from coplan.models.spec import load_model_spec
 
-    positive("--gpus", gpus, optional=True)
+    positive("--gpus", gpus)
     for name, value in (("--tp", tp), ("--pp", pp), ("--vpp", vpp), ("--microbatch", microbatch)):
         positive(name, value)
     positive("--dp", dp, optional=True)
@@ -281,7 +281,7 @@ def estimate(
         dp=dp,
         vpp=vpp,
         microbatch=microbatch,
-        global_batch=global_batch if global_batch is not None else microbatch * dp,
+        global_batch=global_batch if global_batch is not None else default_global_batch(microbatch * dp),
         seq=seq,
         sequence_parallel=sequence_parallel,
         recompute=recompute.value,
@@ -363,14 +363,16 @@ def _ub_cfg(path: Path | None) -> tuple[tuple[str, str, int, int, bool], ...]:
     """``--tp-overlap-cfg FILE``: a YAML or JSON mapping of userbuffers slots, checked."""
     from coplan.cost import ConfigError
     from coplan.cost.tp_overlap import read_ub_cfg
+    from coplan.errors import SpecError
+    from coplan.fileio import read_text
 
     if path is None:
         return ()
     where = f"--tp-overlap-cfg {path}"
     try:
-        text = path.read_text()
-    except OSError as exc:
-        raise ConfigError("tp_overlap_cfg", f"{where}: {exc.strerror or exc}") from None
+        text = read_text(path, where)
+    except SpecError as exc:
+        raise ConfigError("tp_overlap_cfg", str(exc)) from None
     try:
         data = _parse(text, path.suffix == ".json")
     except ValueError as exc:

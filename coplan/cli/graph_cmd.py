@@ -12,6 +12,7 @@ from rich.console import Console
 from rich.table import Table
 
 from coplan.cli.common import exact, human_bytes, human_count, human_flops, positive, print_json, stdout
+from coplan.cli.options import DEFAULT_GLOBAL_BATCH, DEFAULT_MODEL, GlobalBatchOpt, JsonOpt, ModelOpt, SeqOpt
 from coplan.errors import CoplanError
 
 if TYPE_CHECKING:
@@ -26,16 +27,6 @@ class Impl(enum.StrEnum):
     builtin = "builtin"  # trace coplan's own PyTorch model of the spec
     hf = "hf"  # trace the Hugging Face transformers model of the spec
     synthetic = "synthetic"  # build the IR directly from the spec, no tracing
-
-
-ModelOpt = Annotated[
-    str, typer.Option("--model", "-m", help="Model preset name (e.g. gpt2-124m) or a spec JSON file.")
-]
-BatchOpt = Annotated[int, typer.Option("--batch", "-b", help="Microbatch size (sequences per step).")]
-SeqOpt = Annotated[
-    int | None, typer.Option("--seq", "-s", help="Sequence length \\[default: the model's seq_len].")
-]
-JsonOpt = Annotated[bool, typer.Option("--json", help="Print one JSON object instead of tables.")]
 
 
 def load_graph(model: str, batch: int, seq: int | None, impl: Impl = Impl.builtin) -> tuple[Graph, float]:
@@ -69,14 +60,17 @@ def _build(spec: ModelSpec, batch: int, seq: int | None, impl: Impl) -> Graph:
 
 
 def graph(
-    model: ModelOpt,
-    batch: BatchOpt = 1,
+    model: ModelOpt = DEFAULT_MODEL,
+    batch: GlobalBatchOpt = None,
     seq: SeqOpt = None,
     impl: Annotated[Impl, typer.Option("--impl", help="How to obtain the graph.")] = Impl.builtin,
     json: JsonOpt = False,
 ) -> None:
-    """Capture one training step (forward, backward, optimizer) of a model and summarise its graph."""
-    g, wall = load_graph(model, batch, seq, impl)
+    """Capture one training step (forward, backward, optimizer) of a model and summarise its graph.
+
+    The step is one device's, without gradient accumulation: all ``--batch`` sequences in one pass.
+    """
+    g, wall = load_graph(model, DEFAULT_GLOBAL_BATCH if batch is None else batch, seq, impl)
     from coplan.ir.summary import summarize
 
     summary = summarize(g)

@@ -6,6 +6,7 @@ memory budget: the least-memory plan found is reported with the reason).
 
 from __future__ import annotations
 
+import math
 import sys
 import time
 from pathlib import Path
@@ -15,15 +16,28 @@ import typer
 from rich import box
 from rich.table import Table
 
-from coplan.cli.common import human_bytes, positive, print_json, stdout
-from coplan.cli.graph_cmd import JsonOpt, SeqOpt
+from coplan.cli.common import human_bytes, human_rate, positive, print_json, stdout
+from coplan.cli.options import (
+    DEFAULT_CLUSTER,
+    DEFAULT_GPUS,
+    DEFAULT_MODEL,
+    BudgetOpt,
+    ClusterOpt,
+    GlobalBatchOpt,
+    GpusOpt,
+    HtmlOpt,
+    JsonOpt,
+    ModelOpt,
+    SeqOpt,
+    Strategy,
+    default_global_batch,
+)
 from coplan.errors import CoplanError, SpecError
+from coplan.fileio import check_output, write_text
 
 if TYPE_CHECKING:
     from coplan.plan.context import PlanContext
     from coplan.search.result import StrategyResult
-
-DEFAULT_GLOBAL_BATCH = 32
 
 
 class Infeasible(CoplanError):
@@ -32,22 +46,6 @@ class Infeasible(CoplanError):
     exit_code = 3
 
 
-ModelOpt = Annotated[str, typer.Option("--model", "-m", help="Model preset name or a spec JSON file.")]
-ClusterOpt = Annotated[
-    str, typer.Option("--cluster", "-c", help="Cluster or device preset, or a JSON file (e.g. calibrated).")
-]
-GpusOpt = Annotated[int, typer.Option("--gpus", "-g", help="Number of devices to plan for.")]
-BatchOpt = Annotated[
-    int | None,
-    typer.Option("--global-batch", help=f"Sequences per optimizer step \\[default: {DEFAULT_GLOBAL_BATCH}]."),
-]
-BudgetOpt = Annotated[
-    float | None,
-    typer.Option(
-        "--memory-budget-gb",
-        help="Memory per GPU the plan may use, GiB \\[default: capacity x 0.95 - 1 GiB reserve].",
-    ),
-]
 OrderOpt = Annotated[
     str | None,
     typer.Option("--order", help="Pass order for 'sequential', e.g. remat,fusion,parallel,precision."),
@@ -59,6 +57,38 @@ ToleranceOpt = Annotated[
         help="Relative error allowed per op when lowering numerically sensitive ops below fp32 [0: never].",
     ),
 ]
+DtypesOpt = Annotated[
+    str | None,
+    typer.Option(
+        "--dtypes",
+        help="Compute dtypes the search may use, comma-separated (e.g. bf16,fp32) "
+        "\\[default: every dtype the devices run natively].",
+        show_default=False,
+    ),
+]
+OutOpt = Annotated[
+    Path | None,
+    typer.Option("--out", "-o", help="Write the chosen plan as JSON here (coplan run --plan reads it)."),
+]
+
+
+def check_job(
+    gpus: int,
+    global_batch: int | None,
+    seq: int | None,
+    budget_gb: float | None,
+    tolerance: float,
+) -> None:
+    """The job's numbers, checked before anything is loaded (a model can take seconds)."""
+    positive("--gpus", gpus)
+    positive("--global-batch", global_batch, optional=True)
+    positive("--seq", seq, optional=True)
+    if budget_gb is not None and not (budget_gb > 0 and math.isfinite(budget_gb)):
+        raise SpecError(
+            "--memory-budget-gb", None, f"must be a positive, finite number of GiB, got {budget_gb!r}"
+        )
+    if not (tolerance >= 0 and math.isfinite(tolerance)):
+        raise SpecError("--tolerance", None, f"must be a finite number >= 0, got {tolerance!r}")
 
 
 def make_context(
@@ -75,18 +105,13 @@ def make_context(
     from coplan.models.spec import load_model_spec
     from coplan.plan import GiB, Numerics, PlanContext
 
-    positive("--gpus", gpus)
-    batch = positive("--global-batch", global_batch, optional=True) or DEFAULT_GLOBAL_BATCH
-    if budget_gb is not None and not budget_gb > 0:
-        raise SpecError("--memory-budget-gb", None, f"must be a positive number of GiB, got {budget_gb!r}")
-    if not tolerance >= 0:
-        raise SpecError("--tolerance", None, f"must be >= 0, got {tolerance!r}")
+    check_job(gpus, global_batch, seq, budget_gb, tolerance)
     spec = load_model_spec(model)
     hw = load_cluster(cluster, gpus)
     return PlanContext(
         CostModel(spec=spec),
         hw,
-        global_batch=batch,
+        global_batch=global_batch or default_global_batch(gpus),
         seq=spec.resolve_seq(seq),
         budget_bytes=budget_gb * GiB if budget_gb is not None else None,
         numerics=Numerics(tolerance),
@@ -218,43 +243,139 @@ def _entry(r: StrategyResult) -> dict[str, Any]:
     } | {k: d[k] for k in ("evaluations", "violations", "notes", "passes")}
 
 
+def _mfu(r: StrategyResult) -> str:
+    return f"{r.estimate.mfu:.1%}"
+
+
+def _figures(ctx: PlanContext, results: dict[str, StrategyResult], title: str) -> Table:
+    """One row per strategy; short headers with their units so the table fits 80 columns."""
+    base = results.get("sequential")
+    table = Table(box=box.SIMPLE_HEAD, title=title, title_justify="left", pad_edge=False, padding=(0, 1))
+    for col in ("strategy", "step ms", "tokens/s", "MFU", "peak", "fits", "gain", "plan s"):
+        table.add_column(col, justify="left" if col == "strategy" else "right", no_wrap=True)
+    for n, r in results.items():
+        e = r.estimate
+        gain = (
+            f"{base.step_time_s / e.step_time_s:.3f}x" if base is not None and r.fits and base.fits else "-"
+        )
+        table.add_row(
+            n,
+            f"{e.step_time_s * 1e3:.2f}",
+            human_rate(e.tokens_per_s),
+            _mfu(r),
+            human_bytes(e.memory.peak_bytes),
+            "yes" if r.fits else "[red]no[/red]",
+            gain,
+            f"{r.plan_time_s:.2f}",
+        )
+    return table
+
+
+def _decisions(ctx: PlanContext, results: dict[str, StrategyResult]) -> Table:
+    """What each strategy decided, one labelled line per decision (legible at any width);
+    strategies that decided the same as an earlier one say so instead of repeating it."""
+    from coplan.plan import plan_summary
+
+    grid = Table.grid(padding=(0, 2))
+    grid.add_column(no_wrap=True, style="bold")
+    grid.add_column(overflow="fold")
+    seen: dict[str, str] = {}
+    for n, r in results.items():
+        if r.plan.fingerprint in seen:
+            grid.add_row(n, f"the same plan as {seen[r.plan.fingerprint]}")
+            continue
+        seen[r.plan.fingerprint] = n
+        s = plan_summary(r.plan, r.estimate, ctx.index)
+        grid.add_row(n, s["parallel"])
+        grid.add_row("", s["remat"])
+        grid.add_row("", f"{s.get('kernels', '')}; {s['fusion']}".lstrip("; "))
+        grid.add_row("", s["precision"])
+    return grid
+
+
+def _footer(console: Any) -> None:
+    console.print(
+        "[dim]step ms: one optimizer step; MFU: model FLOPs per second per GPU over the device's "
+        "16-bit dense peak; peak: memory of the most loaded GPU; gain: throughput over 'sequential'[/dim]",
+        soft_wrap=False,
+    )
+
+
+def _how_to_run(console: Any, ctx: PlanContext, out: Path | None) -> None:
+    target = str(out) if out is not None else "plan.json"
+    first = "" if out is not None else f"coplan plan ... --out {target} && "
+    console.print(
+        f"to train under this plan: {first}coplan run --model {ctx.model_name} --plan {target} "
+        f"--nproc {ctx.gpus} --steps 10",
+        soft_wrap=False,
+    )
+
+
+def _write_outputs(
+    ctx: PlanContext,
+    results: dict[str, StrategyResult],
+    chosen: StrategyResult,
+    out: Path | None,
+    html: Path | None,
+) -> list[str]:
+    """Write ``--out`` and ``--html`` (paths checked before the search); what was written, in words."""
+    written = []
+    if out is not None:
+        write_text(out, chosen.plan.to_json() + "\n", "--out")
+        written.append(f"plan written to {out}")
+    if html is not None:
+        from coplan.cli.report import write_html
+
+        write_html(html, ctx, results)
+        written.append(f"report written to {html}")
+    return written
+
+
+def _strategy_names(strategies: str) -> list[str]:
+    names = [s.strip() for s in strategies.split(",") if s.strip()]
+    known = [s.value for s in Strategy]
+    bad = [n for n in names if n not in known]
+    if not names or bad:
+        raise SpecError(
+            "--strategies",
+            None,
+            f"unknown strategy {bad[0]!r}; choose from {', '.join(known)}"
+            if bad
+            else f"name at least one of {', '.join(known)}",
+        )
+    return names
+
+
 def plan(
-    model: ModelOpt = "gpt2-124m",
-    cluster: ClusterOpt = "dgx-h100",
-    gpus: GpusOpt = 1,
-    global_batch: BatchOpt = None,
+    model: ModelOpt = DEFAULT_MODEL,
+    cluster: ClusterOpt = DEFAULT_CLUSTER,
+    gpus: GpusOpt = DEFAULT_GPUS,
+    global_batch: GlobalBatchOpt = None,
     seq: SeqOpt = None,
     memory_budget_gb: BudgetOpt = None,
-    strategy: Annotated[
-        str,
-        typer.Option(
-            "--strategy", help="sequential, sequential-best, iterated, hierarchical, joint, exhaustive."
-        ),
-    ] = "joint",
+    strategy: Annotated[Strategy, typer.Option("--strategy", help="The planning strategy.")] = Strategy.joint,
     order: OrderOpt = None,
     tolerance: ToleranceOpt = 0.0,
-    dtypes: Annotated[
-        str | None,
-        typer.Option(
-            "--dtypes",
-            help="Compute dtypes the search may use, comma-separated (e.g. bf16,fp32) "
-            "\\[default: every dtype the devices run natively].",
-        ),
-    ] = None,
-    out: Annotated[Path | None, typer.Option("--out", "-o", help="Write the plan as JSON here.")] = None,
+    dtypes: DtypesOpt = None,
+    out: OutOpt = None,
+    html: HtmlOpt = None,
     json: JsonOpt = False,
 ) -> None:
     """Plan fusion, recomputation, parallelism and precision of a training job."""
     from coplan.plan import plan_summary
 
+    name = strategy.value
+    steps, kinds = _order(order), _dtypes(dtypes)
+    check_output("--out", out)
+    check_output("--html", html)
     ctx = make_context(model, cluster, gpus, global_batch, seq, memory_budget_gb, tolerance)
-    names = [strategy]
-    if strategy == "joint":
+    names = [name]
+    if name == "joint":
         names = ["sequential", "hierarchical", "joint"]  # warm starts for joint
-    results = run_all(ctx, names, _order(order), _dtypes(dtypes))
-    r = results[strategy]
-    if out is not None:
-        out.write_text(r.plan.to_json() + "\n", encoding="utf-8")
+    results = run_all(ctx, names, steps, kinds)
+    r = results[name]
+    # an infeasible answer writes nothing: a plan that does not fit is not one to run
+    written = _write_outputs(ctx, results, r, out, html) if r.fits else []
     if json:
         body = {
             "model": ctx.model_name,
@@ -263,7 +384,7 @@ def plan(
             "global_batch": ctx.global_batch,
             "seq": ctx.seq,
             "budget_bytes": ctx.budget,
-            "strategy": strategy,
+            "strategy": name,
             **_entry(r),
         }
         if not r.fits:
@@ -271,71 +392,77 @@ def plan(
         print_json(body)
     else:
         console = stdout()
-        console.print(
-            _header(ctx),
-            soft_wrap=True,
-        )
+        console.print(_header(ctx), soft_wrap=False)
         table = Table(
             box=box.SIMPLE,
             show_header=False,
-            title=f"plan ({strategy}, {r.plan_time_s:.2f} s, {r.evaluations:,} plans priced)",
+            title=f"plan ({name}, {r.plan_time_s:.2f} s, {r.evaluations:,} plans priced)",
+            title_justify="left",
+            pad_edge=False,
         )
-        table.add_column("")
-        table.add_column("")
+        table.add_column("", no_wrap=True)
+        table.add_column("", overflow="fold")
         e = r.estimate
         table.add_row("step time", f"{e.step_time_s * 1e3:.2f} ms")
         table.add_row("tokens/s", f"{e.tokens_per_s:,.0f}")
-        table.add_row("MFU", f"{e.mfu:.1%}")
+        table.add_row("MFU", f"{_mfu(r)} of the 16-bit dense peak")
         table.add_row("peak memory", f"{human_bytes(e.memory.peak_bytes)} (stage {e.memory.stage})")
         for k, v in plan_summary(r.plan, e, ctx.index).items():
             table.add_row(k, v)
         table.add_row("fingerprint", r.plan.fingerprint)
         console.print(table)
         seq_r = results.get("sequential")
-        if seq_r is not None and strategy != "sequential" and seq_r.fits and r.fits:
+        if seq_r is not None and name != "sequential" and seq_r.fits and r.fits:
             console.print(
                 f"production passes in sequence (fusion -> remat -> parallel -> precision): "
-                f"{seq_r.step_time_s * 1e3:.2f} ms; {strategy} is "
+                f"{seq_r.step_time_s * 1e3:.2f} ms; {name} is "
                 f"{seq_r.step_time_s / r.step_time_s:.3f}x their throughput",
-                soft_wrap=True,
+                soft_wrap=False,
             )
         for note in r.notes:
-            console.print(f"[dim]{note}[/dim]", soft_wrap=True)
-        if out is not None:
-            console.print(f"plan written to {out}")
+            console.print(f"[dim]{note}[/dim]", soft_wrap=False)
+        for line in written:
+            console.print(line, soft_wrap=False)
+        if r.fits:
+            _how_to_run(console, ctx, out)
     if not r.fits:
         raise Infeasible(_why_infeasible(ctx, r))
 
 
 def compare(
-    model: ModelOpt = "gpt2-124m",
-    cluster: ClusterOpt = "dgx-h100",
-    gpus: GpusOpt = 1,
-    global_batch: BatchOpt = None,
+    model: ModelOpt = DEFAULT_MODEL,
+    cluster: ClusterOpt = DEFAULT_CLUSTER,
+    gpus: GpusOpt = DEFAULT_GPUS,
+    global_batch: GlobalBatchOpt = None,
     seq: SeqOpt = None,
     memory_budget_gb: BudgetOpt = None,
     strategies: Annotated[
-        str, typer.Option("--strategies", help="Comma-separated strategies to compare.")
+        str,
+        typer.Option(
+            "--strategies",
+            help=f"Comma-separated strategies to compare, of: {', '.join(s.value for s in Strategy)}.",
+        ),
     ] = "sequential,sequential-best,iterated,hierarchical,joint",
     order: OrderOpt = None,
     tolerance: ToleranceOpt = 0.0,
-    json: JsonOpt = False,
-    html: Annotated[
-        Path | None, typer.Option("--html", help="Write an HTML report with a memory-vs-time plot.")
+    dtypes: DtypesOpt = None,
+    out: Annotated[
+        Path | None,
+        typer.Option("--out", "-o", help="Write the fastest fitting strategy's plan as JSON here."),
     ] = None,
+    html: HtmlOpt = None,
+    json: JsonOpt = False,
 ) -> None:
     """Compare planning strategies on one job, all priced by the same cost model."""
-    from coplan.plan import plan_summary
-
-    names = [s.strip() for s in strategies.split(",") if s.strip()]
-    if not names:
-        raise SpecError("--strategies", None, "name at least one strategy")
+    names = _strategy_names(strategies)
+    steps, kinds = _order(order), _dtypes(dtypes)
+    check_output("--out", out)
+    check_output("--html", html)
     ctx = make_context(model, cluster, gpus, global_batch, seq, memory_budget_gb, tolerance)
-    results = run_all(ctx, names, _order(order))
-    if html is not None:
-        from coplan.cli.report import write_html
-
-        write_html(html, ctx, results)
+    results = run_all(ctx, names, steps, kinds)
+    fitting = [r for r in results.values() if r.fits]
+    best = min(fitting, key=lambda r: r.step_time_s) if fitting else None
+    written = _write_outputs(ctx, results, best, out, html) if best is not None else []
     if json:
         print_json(
             {
@@ -350,43 +477,15 @@ def compare(
         )
     else:
         console = stdout()
-        console.print(
-            _header(ctx),
-            soft_wrap=True,
-        )
-        base = results.get("sequential")
-        table = Table(box=box.SIMPLE_HEAD, title="predicted by the coplan cost model")
-        for col in ("strategy", "step ms", "tokens/s", "MFU", "peak", "fits", "vs sequential", "plan s"):
-            table.add_column(col, justify="left" if col == "strategy" else "right", no_wrap=col == "strategy")
-        decided = Table(box=box.SIMPLE_HEAD, title="what each strategy decided")
-        for col in ("strategy", "parallel", "recompute", "kernels", "precision"):
-            decided.add_column(col, overflow="fold")
-        for n, r in results.items():
-            e = r.estimate
-            gain = (
-                f"{base.step_time_s / e.step_time_s:.3f}x"
-                if base is not None and r.fits and base.fits
-                else "-"
-            )
-            table.add_row(
-                n,
-                f"{e.step_time_s * 1e3:.2f}",
-                f"{e.tokens_per_s:,.0f}",
-                f"{e.mfu:.1%}",
-                human_bytes(e.memory.peak_bytes),
-                "yes" if r.fits else "[red]no[/red]",
-                gain,
-                f"{r.plan_time_s:.2f}",
-            )
-            s = plan_summary(r.plan, e, ctx.index)
-            decided.add_row(
-                n, s["parallel"], s["remat"], f"{s.get('kernels', '')}; {s['fusion']}", s["precision"]
-            )
-        console.print(table)
-        console.print(decided)
-        if html is not None:
-            console.print(f"report written to {html}")
-    if not any(r.fits for r in results.values()):
+        console.print(_header(ctx), soft_wrap=False)
+        console.print(_figures(ctx, results, "predicted by the coplan cost model"))
+        _footer(console)
+        console.print()
+        console.print("[bold]what each strategy decided[/bold]")
+        console.print(_decisions(ctx, results))
+        for line in written:
+            console.print(line, soft_wrap=False)
+    if best is None:
         raise Infeasible(
             _why_infeasible(ctx, min(results.values(), key=lambda r: r.estimate.memory.peak_bytes))
         )

@@ -2,7 +2,7 @@
 
     coplan run --model M --plan plan.json --steps N [--nproc K] [--batch B] [--seq S] [--json]
 
-``--batch`` is the global batch (sequences per optimizer step) and ``--seq`` the sequence length;
+``--batch`` (``--global-batch``) is sequences per optimizer step and ``--seq`` the sequence length;
 both default to the plan's and must match it (a plan is made for one job). A plan made for another
 model, world size (``--nproc``), batch or sequence length is refused: one line, exit 2.
 ``--record runs.jsonl`` appends the run for ``coplan calibrate --runs``.
@@ -10,6 +10,7 @@ model, world size (``--nproc``), batch or sequence length is refused: one line, 
 
 from __future__ import annotations
 
+import enum
 import json as jsonlib
 import math
 from pathlib import Path
@@ -20,12 +21,24 @@ from rich import box
 from rich.table import Table
 
 from coplan.cli.common import human_bytes, positive, print_json, stdout
-from coplan.cli.graph_cmd import JsonOpt
+from coplan.cli.options import Device, JsonOpt
 from coplan.errors import SpecError
+from coplan.fileio import append_text, check_output
 
 if TYPE_CHECKING:
     from coplan.hardware.cluster import ClusterSpec
     from coplan.plan.types import Plan
+
+
+class Mode(enum.StrEnum):  # coplan.apply.train.MODES
+    plan = "plan"
+    compile = "compile"
+    eager = "eager"
+
+
+class HostAllocator(enum.StrEnum):  # coplan.hardware.allocator.HOST_ALLOCATORS
+    pinned = "pinned"
+    default = "default"
 
 
 def _cluster(name: str | None, plan: Plan, device: str) -> ClusterSpec:
@@ -50,14 +63,20 @@ def run(
     nproc: Annotated[int, typer.Option("--nproc", help="Processes (devices) to train on.")] = 1,
     batch: Annotated[
         int | None,
-        typer.Option("--batch", "-b", help="Global batch, sequences per step \\[default: the plan's]."),
+        typer.Option(
+            "--global-batch",
+            "--batch",
+            "-b",
+            help="Sequences per optimizer step, all processes together \\[default: the plan's].",
+            show_default=False,
+        ),
     ] = None,
     seq: Annotated[
-        int | None, typer.Option("--seq", "-s", help="Sequence length \\[default: the plan's].")
+        int | None, typer.Option("--seq", "-s", help="Tokens per sequence \\[default: the plan's].")
     ] = None,
     device: Annotated[
-        str, typer.Option("--device", help="auto, cpu or cuda (NCCL between processes).")
-    ] = "auto",
+        Device, typer.Option("--device", "-d", help="Where to train (cuda: NCCL between processes).")
+    ] = Device.auto,
     cluster: Annotated[
         str | None,
         typer.Option(
@@ -68,21 +87,21 @@ def run(
         int, typer.Option("--threads", help="Torch threads per process \\[default: cores / processes].")
     ] = 0,
     mode: Annotated[
-        str,
+        Mode,
         typer.Option(
             "--mode",
             help="plan (apply it), or a baseline with the plan's layout and batch: compile "
             "(torch.compile defaults) or eager; 16-bit plans' baselines run under autocast.",
         ),
-    ] = "plan",
+    ] = Mode.plan,
     host_allocator: Annotated[
-        str,
+        HostAllocator,
         typer.Option(
             "--host-allocator",
             help="pinned (on a CPU, hold glibc malloc's mmap threshold at 32 MiB and heap trimming "
             "off, so steps do not page-fault their tensors in again) or default.",
         ),
-    ] = "pinned",
+    ] = HostAllocator.pinned,
     record: Annotated[
         Path | None,
         typer.Option("--record", help="Append this run to a JSONL file for coplan calibrate --runs."),
@@ -100,7 +119,8 @@ def run(
     positive("--seq", seq, optional=True)
     if threads < 0:
         raise SpecError("--threads", None, f"must be >= 0, got {threads}")
-    dev = resolve_device(device)
+    check_output("--record", record)
+    dev = resolve_device(device.value)
     spec = load_model_spec(model)
     p = Plan.load(str(plan))
     req = RunRequest(
@@ -113,8 +133,8 @@ def run(
         cluster=_cluster(cluster, p, dev),
         device=dev,
         threads=threads,
-        mode=mode,
-        host_allocator=host_allocator,
+        mode=mode.value,
+        host_allocator=host_allocator.value,
     )
     out = run_plan(req)
     if record is not None:
@@ -141,8 +161,7 @@ def append_record(path: Path, req: Any, out: dict[str, Any]) -> None:
         "device_name": out["run"].get("device_name", req.device),
         "cluster_spec": req.cluster.to_dict(),
     }
-    with path.open("a", encoding="utf-8") as fh:
-        fh.write(jsonlib.dumps(_jsonable(line)) + "\n")
+    append_text(path, jsonlib.dumps(_jsonable(line)) + "\n")
 
 
 def _jsonable(x: Any) -> Any:

@@ -22,6 +22,7 @@ from types import MappingProxyType
 from typing import Any, TypeVar
 
 from coplan.errors import SpecError
+from coplan.fileio import looks_like_file, read_text
 from coplan.hardware._fields import kind
 from coplan.hardware.cluster import ClusterSpec
 from coplan.hardware.device import DeviceSpec
@@ -38,16 +39,7 @@ def suggest(name: str, candidates: Iterable[str]) -> str:
 
 def _read_json(file: Traversable | Path, label: str) -> object:
     """Parse one JSON file; every failure is a one-line ``SpecError`` naming ``label``."""
-    try:
-        text = file.read_text(encoding="utf-8")
-    except FileNotFoundError:
-        raise SpecError(label, None, "file not found") from None
-    except IsADirectoryError:
-        raise SpecError(label, None, "is a directory, not a JSON file") from None
-    except UnicodeDecodeError as err:
-        raise SpecError(label, None, f"not UTF-8 text ({err.reason} at byte {err.start})") from None
-    except OSError as err:
-        raise SpecError(label, None, f"cannot read: {err.strerror or err}") from None
+    text = read_text(file, label) if isinstance(file, Path) else file.read_text(encoding="utf-8")
     try:
         return json.loads(text)
     except json.JSONDecodeError as err:
@@ -122,7 +114,7 @@ def _is_path_like(text: str) -> bool:
 
 def _use_file(text: str, names: Mapping[str, object]) -> bool:
     """A path-looking argument is a file; a bare word is a preset unless only a file has that name."""
-    return _is_path_like(text) or (text not in names and Path(text).expanduser().is_file())
+    return _is_path_like(text) or (text not in names and looks_like_file(os.path.expanduser(text)))
 
 
 def _load_file(text: str) -> DeviceSpec | ClusterSpec:

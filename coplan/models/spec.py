@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from coplan.errors import SpecError
+from coplan.fileio import looks_like_file, read_text
 
 #: "relu2" is squared ReLU, relu(x)^2 (Primer; Nemotron-4), on an ungated MLP like "gelu".
 ACTIVATIONS = ("gelu", "swiglu", "relu2")
@@ -305,17 +306,13 @@ def load_model_spec(name_or_path: str) -> ModelSpec:
     if name_or_path in PRESETS:
         return PRESETS[name_or_path]
     path = Path(name_or_path)
-    if path.suffix.lower() == ".json" or path.exists():
-        if not path.is_file():
-            raise SpecError(name_or_path, None, "model spec file not found")
+    if name_or_path.lower().endswith(".json") or looks_like_file(name_or_path):
         try:
-            data = json.loads(path.read_text())
+            data = json.loads(read_text(path, name_or_path))
         except json.JSONDecodeError as e:
             raise SpecError(
                 name_or_path, None, f"invalid JSON at line {e.lineno}, column {e.colno}: {e.msg}"
             ) from None
-        except (OSError, UnicodeDecodeError) as e:
-            raise SpecError(name_or_path, None, f"cannot read: {e}") from None
         if isinstance(data, dict) and "name" not in data:
             data = {**data, "name": path.stem}
         return ModelSpec.from_dict(data, source=name_or_path)

@@ -345,11 +345,12 @@ class Plan:
 
     @classmethod
     def load(cls, path: str) -> Plan:
+        from coplan.fileio import read_text
+
         try:
-            with open(path, encoding="utf-8") as fh:
-                data = json.load(fh)
-        except FileNotFoundError:
-            raise PlanError(None, "no such file", path) from None
+            data = json.loads(read_text(path))
+        except SpecError as e:
+            raise PlanError(None, e.reason, path) from None
         except json.JSONDecodeError as e:
             raise PlanError(None, f"not valid JSON (line {e.lineno}: {e.msg})", path) from None
         return cls.from_dict(data, source=path)

@@ -17,6 +17,7 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
+from coplan.errors import CoplanError
 from coplan.passes.base import DEFAULT_ORDER, PassRecord, choose, run_passes, score
 from coplan.plan.checker import check
 from coplan.plan.context import PlanContext
@@ -167,24 +168,30 @@ def bound_search(
     return best, explored
 
 
+class SearchTooLarge(CoplanError, ValueError):
+    """A strategy asked to enumerate more plans than it may: a refusal (exit 2), not a crash."""
+
+
 @strategy("exhaustive")
 def exhaustive(ctx: PlanContext, opts: Options) -> tuple[Plan, list[PassRecord], list[str]]:
     from coplan.passes.remat import saved_names, with_remat
 
     names = saved_names(ctx)
-    subsets: list[frozenset[str] | None] = [
-        frozenset(c) for r in range(len(names) + 1) for c in itertools.combinations(names, r)
-    ]
-    if "remat" in opts.space.fixed:
-        subsets = [None]  # the base plan's recompute set, already applied by ``space.plans``
+    fixed_remat = "remat" in opts.space.fixed
     base = opts.base if opts.base is not None else ctx.default_plan()
     combos = opts.space.plans(ctx, base)
-    total = len(combos) * len(subsets)
+    # counted before anything is enumerated: 2^n recompute sets of a real model do not fit in memory
+    total = len(combos) * (1 if fixed_remat else 2 ** len(names))
     if total > opts.max_evaluations:
-        raise ValueError(
+        raise SearchTooLarge(
             f"exhaustive search would price {total:,} plans "
-            f"(limit {opts.max_evaluations:,}); use a smaller problem"
+            f"(limit {opts.max_evaluations:,}); use a smaller problem or another strategy"
         )
+    subsets: list[frozenset[str] | None] = (
+        [None]  # the base plan's recompute set, already applied by ``space.plans``
+        if fixed_remat
+        else [frozenset(c) for r in range(len(names) + 1) for c in itertools.combinations(names, r)]
+    )
     best: Plan | None = None
     best_key = (3, 0.0)
     for i, p0 in enumerate(combos):

@@ -37,7 +37,8 @@ from typing import Any
 
 import numpy as np
 
-from coplan.errors import CoplanError
+from coplan.errors import CoplanError, SpecError
+from coplan.fileio import read_text
 from coplan.hardware.cluster import ClusterSpec, InterconnectLevel
 from coplan.hardware.device import DeviceSpec
 
@@ -109,12 +110,10 @@ def read_runs(path: str | Path) -> tuple[list[RunRecord], list[str]]:
     """The usable records of a JSONL file and notes on the lines skipped (a run without a measured
     step time). ``RunsError`` names the file and line of anything malformed."""
     p = Path(path)
-    if not p.is_file():
-        raise RunsError(f"--runs {p}: no such file")
     try:
-        text = p.read_text(encoding="utf-8")
-    except (OSError, UnicodeDecodeError) as e:
-        raise RunsError(f"--runs {p}: cannot read it ({e})") from None
+        text = read_text(p, f"--runs {p}")
+    except SpecError as e:
+        raise RunsError(str(e)) from None
     records: list[RunRecord] = []
     notes: list[str] = []
     for i, raw in enumerate(text.splitlines(), start=1):

@@ -1,0 +1,93 @@
+"""The options the commands share: one flag, one meaning, one default job, fixed choices listed.
+
+Vocabulary (every command):
+- ``--global-batch`` / ``--batch`` / ``-b``: sequences per optimizer step, over all GPUs;
+- ``--microbatch``: sequences per microbatch (one forward/backward of one pipeline stage);
+- ``--seq`` / ``-s``: tokens per sequence; ``--gpus`` / ``-g``: devices in the job;
+- sizes read and printed in GiB (2^30 bytes), with the unit shown.
+
+The default job is the same everywhere: GPT-2 124M on one H100 of a DGX, 32 sequences per step.
+Choices are Typer enums so ``--help`` lists them and a wrong one is refused before any work; the
+enums repeat the library's registries (imported lazily, as the library takes seconds to import),
+and a test holds each to its registry.
+"""
+
+from __future__ import annotations
+
+import enum
+import math
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+DEFAULT_MODEL = "gpt2-124m"
+DEFAULT_CLUSTER = "dgx-h100"
+DEFAULT_GPUS = 1
+#: Sequences per optimizer step of the default job. With more data-parallel replicas than that,
+#: the default rounds up to a multiple of the replicas so every replica gets whole microbatches.
+DEFAULT_GLOBAL_BATCH = 32
+
+
+def default_global_batch(unit: int) -> int:
+    """The default job's global batch for ``unit`` sequences per round (microbatch x data-parallel
+    replicas): the smallest multiple of ``unit`` of at least ``DEFAULT_GLOBAL_BATCH``."""
+    return unit * max(1, math.ceil(DEFAULT_GLOBAL_BATCH / unit))
+
+
+class Strategy(enum.StrEnum):  # coplan.search.STRATEGIES
+    sequential = "sequential"
+    sequential_best = "sequential-best"
+    iterated = "iterated"
+    hierarchical = "hierarchical"
+    joint = "joint"
+    exhaustive = "exhaustive"
+
+
+class Device(enum.StrEnum):
+    auto = "auto"
+    cpu = "cpu"
+    cuda = "cuda"
+
+
+ModelOpt = Annotated[
+    str, typer.Option("--model", "-m", help="Model preset (e.g. gpt2-124m, llama2-7b) or a spec JSON file.")
+]
+ClusterOpt = Annotated[
+    str,
+    typer.Option(
+        "--cluster",
+        "-c",
+        help="Cluster or device preset (coplan hardware), or a JSON file (e.g. calibrated).",
+    ),
+]
+GpusOpt = Annotated[int, typer.Option("--gpus", "-g", help="Devices in the job.")]
+GlobalBatchOpt = Annotated[
+    int | None,
+    typer.Option(
+        "--global-batch",
+        "--batch",
+        "-b",
+        help=f"Sequences per optimizer step, all GPUs together \\[default: {DEFAULT_GLOBAL_BATCH}, "
+        "rounded up to a multiple of the data-parallel replicas].",
+        show_default=False,
+    ),
+]
+MicrobatchOpt = Annotated[
+    int, typer.Option("--microbatch", help="Sequences per microbatch (one forward and backward).")
+]
+SeqOpt = Annotated[
+    int | None, typer.Option("--seq", "-s", help="Tokens per sequence \\[default: the model's seq_len].")
+]
+JsonOpt = Annotated[bool, typer.Option("--json", help="Print one JSON object instead of tables.")]
+HtmlOpt = Annotated[
+    Path | None, typer.Option("--html", help="Write a self-contained interactive HTML report here.")
+]
+BudgetOpt = Annotated[
+    float | None,
+    typer.Option(
+        "--memory-budget-gb",
+        help="Memory per GPU the plan may use, GiB \\[default: capacity x 0.95 - 1 GiB reserve].",
+        show_default=False,
+    ),
+]
