@@ -234,7 +234,7 @@ def test_published_runs_table_matches_the_results() -> None:
     rows = [r for r in _results("published.json")["rows"] if r["cluster"].startswith(bench.SCOPE)]
     page = _doc("cost-model.md")
     missing = [line for line in _table_lines(bench.markdown_table(rows)) if line not in page]
-    assert not missing, "docs/cost-model.md's table by source differs from published.json: " + "\n".join(missing)
+    assert not missing, "docs/cost-model.md's table differs from published.json: " + "\n".join(missing)
 
 
 def test_planner_table_matches_the_results() -> None:
@@ -294,7 +294,8 @@ def test_headline_figures_match_the_results() -> None:
 
     coupling = _results("coupling.json")
     page = _doc("coupling.md")
-    figures = [f"{coupling['pairs'][p]['max_joint_over_sequential']:.3f}" for p in ("remat+parallel", "parallel+precision")]
+    pairs = ("remat+parallel", "parallel+precision")
+    figures = [f"{coupling['pairs'][p]['max_joint_over_sequential']:.3f}" for p in pairs]
     _quoted("README.md", readme, [*figures, f"{len(coupling['scenarios'])} scenarios"])
     _quoted("docs/coupling.md", page, [*figures, f"{coupling['plans_checked']} plans checked"])
     assert coupling["verdict"] == "validated" and "**validated**" in readme
