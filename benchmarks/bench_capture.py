@@ -1,4 +1,4 @@
-"""Capture and synthetic-build benchmarks (issue 2). Prints a Markdown table for the README.
+"""Capture and synthetic-build benchmarks. Prints the Markdown table of docs/graphs.md.
 
     python benchmarks/bench_capture.py [--repeat 3]
 

@@ -5,17 +5,17 @@
     # on the GPU machine: run them (JSON per part to --out)
     python benchmarks/bench_gpu.py apply --out DIR      # joint plan vs torch.compile and eager
     python benchmarks/bench_gpu.py corners --out DIR    # fusion x remat: 2 x 4 corners
-    # here: the markdown tables of the README from the JSON the GPU runs wrote
+    # here: the markdown tables of docs/applying-plans.md from the JSON the GPU runs wrote
     python benchmarks/bench_gpu.py table DIR
 
-``apply`` (issue 5): at a memory-tight global batch (``BATCH`` sequences of ``SEQ`` tokens, where
+``apply`` (applying a plan): at a memory-tight global batch (``BATCH`` sequences of ``SEQ`` tokens, where
 the planner must split the batch into microbatches to fit 75 GiB), the joint plan (bf16: the
 runner emulates fp8, so fp8 plans would not be faster on real hardware; ``--dtypes bf16``) against
 ``torch.compile`` with Inductor's defaults and eager PyTorch, both under bf16 autocast with the
 plan's microbatching. Measured: tokens/s, peak memory, saved activations; the gradient check
 against eager fp32; predicted next to measured.
 
-``corners`` (issue 6, measured mode): GPT-2 124M at ``CORNER_BATCH`` sequences under compiled
+``corners`` (the coupling study's measured mode): GPT-2 124M at ``CORNER_BATCH`` sequences under compiled
 (greedy fusion through Inductor, constrained to the plan's groups) or eager kernels x
 recomputation none, full, selective and planned (the planner's recompute set for those kernels
 under a budget of 75% of the unrecomputed plan's peak: ``search.joint.optimise_remat``), all bf16,

@@ -12,13 +12,13 @@ userbuffers settings its recipe tunes (``ub_cfg``, slot -> method, num_sm, num_s
 set_sm_margin; absent: TE's defaults), and the step time its
 source measured. The same device presets price every run (one
 profile per device, nothing fitted per run). Prints a table and the mean and worst absolute error
-(Megatron-Core stacks, all and on the A100/H100 clusters the issue's target names, and newer GPUs
+(Megatron-Core stacks, all and on the A100/H100 clusters the accuracy target names, and newer GPUs
 apart; other stacks; the runs added after the model and priced unchanged; all);
 ``--json`` writes the rows. ``--contract`` prices each run as `coplan estimate` would from its
 contract flags alone (parallel layout, batch, sequence, recompute, ZeRO, dtype, flash attention;
 the model without dropout; overlaps, loss kernels and gradient precision at the CLI's defaults):
-what a user, or a check, who knows only those gets. ``--markdown`` ends with the README's table
-by source.
+what a user, or a check, who knows only those gets. ``--markdown`` ends with the table by source
+of docs/cost-model.md.
 """
 
 from __future__ import annotations
@@ -37,11 +37,11 @@ from coplan.models.spec import ModelSpec
 
 DATA = Path(__file__).parent / "data" / "published_runs.json"
 
-#: Cluster presets of the GPUs the issue's published-run target names (A100 and H100).
+#: Cluster presets of the GPUs the published-run accuracy target names (A100 and H100).
 SCOPE = ("dgx-a100", "dgx-h100")
 
 
-#: The README's table by source: (run id prefix, description), in the order shown.
+#: docs/cost-model.md's table by source: (run id prefix, description), in the order shown.
 SOURCES = (
     ("narayanan21", "Narayanan et al. 2021, Table 1 (Megatron-LM, fp16)"),
     ("megatron21", "Megatron-LM README, GPT-3 175B (Jan 2021)"),
@@ -165,7 +165,7 @@ def main() -> None:
         action="store_true",
         help="price each run from `coplan estimate`'s contract flags alone (CLI defaults for the rest)",
     )
-    ap.add_argument("--markdown", action="store_true", help="end with the README's table by source")
+    ap.add_argument("--markdown", action="store_true", help="end with docs/cost-model.md's table by source")
     args = ap.parse_args()
     runs = json.loads(args.runs.read_text())["runs"]
     rows = [run_one(r, args.contract) for r in runs]
@@ -178,7 +178,7 @@ def main() -> None:
         )
     summary = {}
     # coplan prices Megatron-LM's schedule and kernels; runs of other stacks are reported apart
-    # the issue's accuracy target is stated for A100 and H100 clusters; newer GPUs are shown apart
+    # the accuracy target is stated for A100 and H100 clusters; newer GPUs are shown apart
     scoped = [r for r in rows if r["cluster"].startswith(SCOPE)]
     for label, subset in (
         ("megatron-lm", [r for r in rows if r["stack"] == "megatron-lm"]),
@@ -212,7 +212,7 @@ def main() -> None:
 
 
 def markdown_table(rows: list[dict]) -> str:
-    """The README's table by source (``SOURCES``), one line per source and GPU; a run of a source
+    """The table by source of docs/cost-model.md (``SOURCES``), one line per source and GPU; a run of a source
     not listed is an error (the table would silently leave it out)."""
     groups: dict[tuple[int, str], list[dict]] = {}
     for r in rows:

@@ -13,7 +13,7 @@
    the collective runs.
 
 Each record carries the measured seconds and what coplan's H100 preset predicts for the same case,
-so the next session can read the gap directly. Needs CUDA and Triton (shipped with PyTorch's CUDA
+so the gap can be read directly. Needs CUDA and Triton (shipped with PyTorch's CUDA
 wheels).
 """
 

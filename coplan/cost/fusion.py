@@ -1,7 +1,7 @@
 """Default fusion groups: which ops of a graph run as one kernel.
 
 A fusion plan is a partition of the graph's ops into groups; each group is priced as one kernel
-(one launch; memory traffic only for the tensors that cross its boundary). Issue-4's fusion pass
+(one launch; memory traffic only for the tensors that cross its boundary). The planner's fusion pass
 searches this space; the cost model needs a default that matches what production stacks launch.
 """
 

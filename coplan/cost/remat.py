@@ -3,7 +3,7 @@
 Dropping a saved tensor means re-running its producer in backward; the producer's inputs must then
 exist, so any input that is neither kept for backward nor a parameter, buffer or batch input is
 recomputed too (transitively), while inputs produced by another block (the residual stream) are
-kept. This is the closure Checkmate-style solvers price; issue-4's remat pass chooses the sets.
+kept. This is the closure Checkmate-style solvers price; the planner's remat pass chooses the sets.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Experiments run on coplan's own planner and cost model (``coplan coupling``: issue 6, claim 1).
+"""Experiments run on coplan's own planner and cost model (``coplan coupling``).
 
 - ``coupling``: how strongly fusion, remat, parallelism and precision couple, on a grid of
   scenarios, from the cost model (every plan priced by it and checked by the plan checker);

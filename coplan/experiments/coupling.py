@@ -1,6 +1,6 @@
 """How strongly fusion, remat, parallelism and precision couple, from coplan's cost model.
 
-The claim under test (issue 6, claim 1): optimising two decision spaces jointly yields more than
+The claim under test: optimising two decision spaces jointly yields more than
 5% throughput over optimising them one after the other; it is killed if the coupling stays below
 5% in every scenario. For every scenario of a grid (model x cluster x global batch x memory
 budget) and every pair of spaces A, B this module plans, from the same default plan:
@@ -19,7 +19,7 @@ set by a CP-SAT knapsack with local search) restricted to A by ``SearchSpace.fix
 decisions are taken from the base plan as they are. Sequential and joint therefore search the
 same options with the same machinery and the difference between them is the interaction of the
 decisions, not a difference of search spaces (the production passes of ``coplan compare`` never
-choose fp8 or GEMM epilogues, which the README shows is most of joint's gain there). The joint
+choose fp8 or GEMM epilogues, which docs/planner.md shows is most of joint's gain there). The joint
 search of a pair is warm-started with both sequential plans, so ``joint >= sequential`` holds by
 construction (its space contains them); ``joint_from_warm_start`` says when the joint plan is
 one of the sequential plans (the search found nothing strictly better: ties keep the warm

@@ -5,7 +5,7 @@ it on free, and gives the top of the heap back to the OS once more than its trim
 free there. Both thresholds move: each freed mapped block raises the mmap threshold to its size
 (up to 32 MiB on 64-bit), and the trim threshold to twice that. So whether a training step
 page-faults its tensors in again depends on what the process allocated before. Measured in fresh
-processes (session 9, eight of each, alternating; README "Applying a plan"), a bf16 training step of
+processes (eight of each, alternating; docs/applying-plans.md), a bf16 training step of
 the CPU benchmark's gpt-a at batch 8 x 128 faulted 15-20 MB a step with glibc's defaults and took
 29.1 ms (median), and faulted nothing with the thresholds held: 23.8 ms.
 

@@ -358,7 +358,7 @@ def test_gemm_dims_of_the_attention_output_projection_gradient():
         raise AssertionError("no input-gradient GEMM of the attention output projection")
 
 
-# --- dropout, Megatron's loss kernels, stack flags (issue 3) ----------------------------------------
+# --- dropout, Megatron's loss kernels, stack flags ------------------------------------------------
 
 GPT_DROP = ModelSpec(**{**GPT.to_dict(), "hidden_dropout": 0.1, "attention_dropout": 0.1})
 

@@ -1,4 +1,4 @@
-"""``coplan coupling`` (issue 6): the JSON contract, the arithmetic of gains and interactions,
+"""``coplan coupling``: the JSON contract, the arithmetic of gains and interactions,
 every plan checked, joint never below sequential where its space contains the sequential plan,
 infeasible scenarios as answers, the CLI's exit codes and the HTML report; the measured mode's
 analysis on synthetic figures and its plans (training itself only in the slow tier).

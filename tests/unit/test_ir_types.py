@@ -337,7 +337,7 @@ def test_graph_views() -> None:
     assert [op.id for op in blocked.block_ops(1)] == [1, 3]
 
 
-# --- dropout in the synthetic IR (issue 3) ---------------------------------------------------------
+# --- dropout in the synthetic IR -----------------------------------------------------------------
 
 
 def _gpt(**kw: Any) -> Any:

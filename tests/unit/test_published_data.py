@@ -1,6 +1,6 @@
 """The published-runs data (benchmarks/data/published_runs.json) stays usable: every run is complete,
 cites where its number comes from, and prices through the same path as the benchmark. The accuracy
-targets themselves are the benchmark's (README); here only a gross-breakage guard."""
+targets themselves are the benchmark's (docs/cost-model.md); here only a gross-breakage guard."""
 
 from __future__ import annotations
 

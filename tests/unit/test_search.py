@@ -285,7 +285,7 @@ def _joint_matches_exhaustive(ctx: PlanContext, where: float) -> None:
 
 
 # derandomized: joint's remat local search is not exact (about 1 in 10,000 small problems needs a
-# two-for-two or two-for-three move it does not try; session 14's CI-tier run drew one, 2.4%
+# two-for-two or two-for-three move it does not try; one such draw was 2.4%
 # behind), so the default tier runs a fixed draw and the slow tier below keeps drawing new ones
 @settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.too_slow], derandomize=True)
 @given(problems())
