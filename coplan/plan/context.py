@@ -11,6 +11,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from functools import cached_property
+from typing import NamedTuple
 
 from coplan.cost import ConfigError, CostModel, Estimate, TrainingConfig
 from coplan.cost.config import Stack, userbuffers_overlap
@@ -123,8 +124,8 @@ class PlanContext:
     budget_bytes: float | None = None
     numerics: Numerics = field(default_factory=Numerics)
     stack: Stack = field(default_factory=Stack)
-    _priced: dict[object, Estimate] = field(default_factory=dict, repr=False)
-    _configs: dict[object, TrainingConfig] = field(default_factory=dict, repr=False)
+    _priced: dict[Decisions, Estimate] = field(default_factory=dict, repr=False)
+    _configs: dict[Decisions, TrainingConfig] = field(default_factory=dict, repr=False)
     _expanded: dict[FusionPlan, tuple[tuple[int, ...], ...]] = field(default_factory=dict, repr=False)
     _dtypes: dict[object, tuple[tuple[int, str], ...]] = field(default_factory=dict, repr=False)
     evaluations: int = 0
@@ -303,9 +304,23 @@ class PlanContext:
         return f"{binary_bytes(self.budget)} per GPU"
 
 
-def _decisions(plan: Plan) -> tuple[object, ...]:
-    """What pricing depends on (not the plan's identity fields, which the checker compares)."""
-    return (plan.parallel, plan.fusion, plan.remat, plan.precision, plan.flash_attention)
+class Decisions(NamedTuple):
+    """What pricing depends on (not the plan's identity fields, which the checker compares): the
+    key of every priced plan, and what a report says of a plan it plots."""
+
+    parallel: ParallelPlan
+    fusion: FusionPlan
+    remat: RematPlan
+    precision: PrecisionPlan
+    flash_attention: bool
+
+    @classmethod
+    def of(cls, plan: Plan) -> Decisions:
+        return cls(plan.parallel, plan.fusion, plan.remat, plan.precision, plan.flash_attention)
+
+
+def _decisions(plan: Plan) -> Decisions:
+    return Decisions.of(plan)
 
 
 def plan_summary(
@@ -353,4 +368,13 @@ def _listed(names: list[str], shown: int = 4) -> str:
     return ", ".join(names[:shown]) + (f" (+{more} more)" if more > 0 else "")
 
 
-__all__ = ["BlockIndex", "GiB", "Numerics", "PlanContext", "binary_bytes", "default_budget", "plan_summary"]
+__all__ = [
+    "BlockIndex",
+    "Decisions",
+    "GiB",
+    "Numerics",
+    "PlanContext",
+    "binary_bytes",
+    "default_budget",
+    "plan_summary",
+]

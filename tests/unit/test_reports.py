@@ -5,8 +5,8 @@ the coupling heat map's text stays readable on every cell. Both HTML files open 
 from __future__ import annotations
 
 import json
+import math
 import re
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -136,3 +136,140 @@ def test_labels_of_a_captured_graph() -> None:
 )
 def test_block_spans(blocks: tuple[int, ...], total: int, want: str) -> None:
     assert _span(blocks, total) == want
+
+
+# --- the compare report ------------------------------------------------------------------------------
+
+GIB = 2**30
+
+
+def figures(doc: str) -> dict[str, tuple[list[dict[str, Any]], dict[str, Any]]]:
+    """Every plotly figure embedded in ``doc``: element id -> (traces, layout)."""
+    dec = json.JSONDecoder()
+    out = {}
+    for m in re.finditer(r'Plotly\.newPlot\(\s*"([^"]+)",\s*', doc):
+        data, end = dec.raw_decode(doc, m.end())
+        sep = re.match(r"\s*,\s*", doc[end:])
+        assert sep is not None
+        layout, _ = dec.raw_decode(doc, end + sep.end())
+        out[m.group(1)] = (data, layout)
+    return out
+
+
+def assert_offline(doc: str) -> None:
+    """Self-contained: plotly.js is in the page, no script is loaded from the network."""
+    assert re.search(r"<script[^>]*\bsrc\s*=", doc) is None
+    assert "plotly.js v" in doc and "Plotly.newPlot" in doc
+
+
+@pytest.fixture(scope="module")
+def squeezed_compare(tmp_path_factory: pytest.TempPathFactory) -> tuple[PlanContext, dict[str, Any], str]:
+    """gpt2-124m on one H100 under a budget most layouts exceed (their peaks reach several times
+    it), sequential and joint; the report written as ``coplan compare --html`` writes it."""
+    from coplan.cli.report import write_html
+    from coplan.cost import CostModel
+    from coplan.hardware import load_cluster
+    from coplan.models.spec import load_model_spec
+    from coplan.search import Options, run_strategy
+
+    spec = load_model_spec("gpt2-124m")
+    ctx = PlanContext(
+        CostModel(spec=spec), load_cluster("dgx-h100", 1), global_batch=32, seq=1024, budget_bytes=12 * GIB
+    )
+    seq = run_strategy("sequential", ctx, Options())
+    results = {"sequential": seq, "joint": run_strategy("joint", ctx, Options(warm=[seq.plan]))}
+    path = tmp_path_factory.mktemp("compare") / "report.html"
+    write_html(path, ctx, results)
+    return ctx, results, path.read_text(encoding="utf-8")
+
+
+def test_compare_html_is_self_contained(squeezed_compare: tuple[PlanContext, dict[str, Any], str]) -> None:
+    _, _, doc = squeezed_compare
+    assert_offline(doc)
+    assert "<img" not in doc
+
+
+def test_compare_plot_marks_the_budget_and_each_chosen_plan(
+    squeezed_compare: tuple[PlanContext, dict[str, Any], str],
+) -> None:
+    from coplan.cli.report import PLOT_ID
+
+    ctx, results, doc = squeezed_compare
+    data, _ = figures(doc)[PLOT_ID]
+    budget = [t for t in data if t["name"].startswith("memory budget")]
+    assert len(budget) == 1 and budget[0]["mode"] == "lines"
+    assert budget[0]["y"] == pytest.approx([ctx.budget / GIB] * 2)
+    chosen = [t for t in data if t.get("legendgroup") == "chosen"]
+    assert [t["name"].split(":")[0] for t in chosen] == list(results)
+    for t, r in zip(chosen, results.values(), strict=True):
+        assert t["x"] == pytest.approx([r.step_time_s * 1e3]) and len(t["y"]) == 1
+        assert t["y"] == pytest.approx([r.estimate.memory.peak_bytes / GIB])
+    assert len({t["marker"]["symbol"] for t in chosen}) == len(chosen)  # told apart in the legend
+
+
+def test_compare_plot_zooms_on_the_budget_not_the_outliers(
+    squeezed_compare: tuple[PlanContext, dict[str, Any], str],
+) -> None:
+    from coplan.cli.report import PLOT_ID
+
+    ctx, results, doc = squeezed_compare
+    data, layout = figures(doc)[PLOT_ID]
+    cloud = [t for t in data if t["name"].startswith("plans priced")]
+    over = [y for t in cloud if "over budget" in t["name"] for y in t["y"]]
+    highest = max(over)
+    assert highest > 2 * ctx.budget / GIB, "the job must price plans far over its budget"
+    lo, hi = layout["yaxis"]["range"]
+    assert lo <= min(y for t in cloud for y in t["y"])
+    assert ctx.budget / GIB < hi < min(1.5 * ctx.budget / GIB, highest)
+    x0, x1 = layout["xaxis"]["range"]  # log10 of ms
+    for r in results.values():
+        assert x0 < math.log10(r.step_time_s * 1e3) < x1
+        assert r.estimate.memory.peak_bytes / GIB < hi
+    above = sum(y > hi for y in over)
+    assert above > 0
+    assert any(f"{above:,} plans lie above" in a["text"] for a in layout["annotations"])
+    over_trace = next(t for t in cloud if "over budget" in t["name"])
+    fit_trace = next(t for t in cloud if "that fit" in t["name"])
+    assert over_trace["marker"]["opacity"] < fit_trace["marker"]["opacity"]  # drawn pale
+
+
+def test_compare_hover_says_which_plan_a_point_is(
+    squeezed_compare: tuple[PlanContext, dict[str, Any], str],
+) -> None:
+    from coplan.cli.report import PLOT_ID
+
+    _ctx, results, doc = squeezed_compare
+    data, _ = figures(doc)[PLOT_ID]
+    chosen = [t for t in data if t.get("legendgroup") == "chosen"]
+    for t, (name, r) in zip(chosen, results.items(), strict=True):
+        (text,) = t["hovertext"]
+        p = r.plan.parallel
+        assert f"chosen by {name}" in text and r.plan.fingerprint in text
+        assert f"TP{p.tp} PP{p.pp} DP{p.dp}" in text and f"microbatch: {p.microbatch}" in text
+        assert f"precision: {r.plan.precision.compute}" in text
+        assert f"{r.step_time_s * 1e3:.2f} ms" in text
+        assert f"{r.estimate.memory.peak_bytes / GIB:.2f} GiB" in text
+        for n in r.plan.remat.all_names:
+            assert not _mentions(text, n)
+    considered = sum(len(r.considered) for r in results.values())
+    cloud = [t for t in data if t["name"].startswith("plans priced")]
+    assert sum(len(t["hovertext"]) for t in cloud) == sum(len(t["x"]) for t in cloud) == considered
+    for t in cloud:
+        for x, y, text in zip(t["x"], t["y"], t["hovertext"], strict=True):
+            for field in ("layout: TP", "microbatch: ", "recompute: ", "precision: ", "priced by: "):
+                assert field in text
+            assert f"step time: {x:.2f} ms" in text and f"peak: {y:.2f} GiB" in text
+
+
+def test_compare_table_names_modules_not_op_ids(
+    squeezed_compare: tuple[PlanContext, dict[str, Any], str],
+) -> None:
+    _ctx, results, doc = squeezed_compare
+    table = doc[doc.rindex("<table>") :]
+    assert all(name in table for name in results)
+    named = [n for r in results.values() for n, _ in r.plan.precision.ops]
+    named += [n for r in results.values() for n in r.plan.remat.all_names]
+    assert named, "the plans must name ops or tensors for this to test anything"
+    for n in named:
+        assert not _mentions(table, n)
+    assert "[*]" in table
