@@ -7,6 +7,8 @@ from __future__ import annotations
 import json
 import math
 import re
+from itertools import pairwise
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -273,3 +275,86 @@ def test_compare_table_names_modules_not_op_ids(
     for n in named:
         assert not _mentions(table, n)
     assert "[*]" in table
+
+
+# --- the coupling report's heat maps ---------------------------------------------------------------
+
+STUDY = Path(__file__).resolve().parents[2] / "benchmarks" / "results" / "coupling.json"
+
+
+def _channels(colour: str) -> tuple[float, ...]:
+    if colour.startswith("#"):
+        return tuple(int(colour[i : i + 2], 16) for i in (1, 3, 5))
+    return tuple(float(v) for v in re.findall(r"[\d.]+", colour)[:3])
+
+
+def _wcag_luminance(rgb: tuple[float, ...]) -> float:
+    def lin(c: float) -> float:
+        c /= 255
+        return c / 12.92 if c <= 0.03928 else ((c + 0.055) / 1.055) ** 2.4
+
+    r, g, b = (lin(c) for c in rgb)
+    return 0.2126 * r + 0.7152 * g + 0.0722 * b
+
+
+def _ratio(a: tuple[float, ...], b: tuple[float, ...]) -> float:
+    hi, lo = sorted((_wcag_luminance(a), _wcag_luminance(b)), reverse=True)
+    return (hi + 0.05) / (lo + 0.05)
+
+
+def _cell_colour(trace: dict[str, Any], layout: dict[str, Any], v: float | None) -> tuple[float, ...]:
+    """The colour plotly.js paints a heat-map cell: the scale interpolated in RGB between its
+    stops at the value's place in [zmin, zmax]; a cell without a value shows the plot area."""
+    if v is None:
+        return _channels(layout["plot_bgcolor"])
+    t = min(max((v - trace["zmin"]) / (trace["zmax"] - trace["zmin"]), 0.0), 1.0)
+    stops = [(float(p), _channels(c)) for p, c in trace["colorscale"]]
+    for (p0, c0), (p1, c1) in pairwise(stops):
+        if p0 <= t <= p1:
+            f = (t - p0) / (p1 - p0) if p1 > p0 else 0.0
+            return tuple(a + (b - a) * f for a, b in zip(c0, c1, strict=True))
+    raise AssertionError(f"{t} outside the colour scale")
+
+
+def _study(negative: bool) -> dict[str, Any]:
+    data = json.loads(STUDY.read_text(encoding="utf-8"))
+    if negative:  # a coupling below zero: the scale turns diverging
+        data["pairs"]["fusion+remat"]["mean_joint_over_sequential"] = 0.9
+        sc = data["scenarios"][0]
+        sc["pairs"]["fusion+remat"]["joint_over_sequential"] = 0.93
+    return data
+
+
+@pytest.mark.parametrize("negative", [False, True])
+def test_heat_map_text_contrasts_with_every_cell(negative: bool, tmp_path: Path) -> None:
+    from coplan.experiments.coupling_report import write_html
+
+    path = tmp_path / "coupling.html"
+    write_html(path, _study(negative), None)
+    doc = path.read_text(encoding="utf-8")
+    assert_offline(doc)
+    maps = {fid: f for fid, f in figures(doc).items() if any(t["type"] == "heatmap" for t in f[0])}
+    assert set(maps) == {"coupling-matrix", "coupling-scenarios"}
+    for data, layout in maps.values():
+        (trace,) = [t for t in data if t["type"] == "heatmap"]
+        z = trace["z"]
+        assert (min(v for row in z for v in row if v is not None) < 0) == negative
+        cells = {(x, y): z[r][c] for r, y in enumerate(trace["y"]) for c, x in enumerate(trace["x"])}
+        notes = {(a["x"], a["y"]): a for a in layout["annotations"]}
+        assert notes.keys() == cells.keys()  # every cell says its figure
+        lightness = set()
+        for key, v in cells.items():
+            cell = _cell_colour(trace, layout, v)
+            text = _channels(notes[key]["font"]["color"])
+            assert _ratio(cell, text) >= 4.5, (key, v, cell, text)
+            lightness.add(text)
+        assert len(lightness) == 2  # dark cells and light cells both occur: the text colour follows them
+
+
+def test_text_colour_reads_on_any_colour() -> None:
+    from coplan.experiments.coupling_report import DIVERGING, SEQUENTIAL, colour_at, text_colour
+
+    for scale in (SEQUENTIAL, DIVERGING):
+        for i in range(201):
+            cell = colour_at(scale, i / 200)
+            assert _ratio(cell, _channels(text_colour(cell))) >= 4.5
