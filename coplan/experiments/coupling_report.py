@@ -1,17 +1,15 @@
 """Tables and the HTML report of ``coplan coupling``, drawn from the JSON object the study prints
 (``coupling.to_json`` / ``coupling_measure.to_json``), so a saved result renders the same way.
 
-The HTML report is one self-contained file (figures are PNGs embedded as base64, no scripts, no
-network): a heat map of the pair matrix, a heat map of the coupling in every scenario, the
-coupling against model size and against GPU count, and the tables.
+The HTML report is one self-contained file (interactive plotly figures, plotly.js embedded once,
+nothing loaded from the network): a heat map of the pair matrix, a heat map of the coupling in
+every scenario, the coupling against model size and against GPU count, and the tables. Heat map
+cells carry their figures in black or white, whichever contrasts more with the cell's colour.
 """
 
 from __future__ import annotations
 
-import base64
 import html as _html
-import io
-import math
 from collections.abc import Sequence
 from typing import Any
 
@@ -274,32 +272,133 @@ def print_measured(console: Console, data: dict[str, Any]) -> None:
 
 # --- HTML ----------------------------------------------------------------------------------------
 
+#: coupling (joint over sequential - 1, %): white to dark red; where some coupling is negative, a
+#: diverging scale (blue below zero, red above) centred on zero
+SEQUENTIAL = (
+    "#fff5f0",
+    "#fee0d2",
+    "#fcbba1",
+    "#fc9272",
+    "#fb6a4a",
+    "#ef3b2c",
+    "#cb181d",
+    "#a50f15",
+    "#67000d",
+)
+DIVERGING = (
+    "#053061",
+    "#2166ac",
+    "#4393c3",
+    "#92c5de",
+    "#d1e5f0",
+    "#f7f7f7",
+    "#fddbc7",
+    "#f4a582",
+    "#d6604d",
+    "#b2182b",
+    "#67001f",
+)
+#: cells without a figure (the diagonal's single-space gains, undefined couplings)
+EMPTY = "#e4e4e4"
+_CONFIG = {"displaylogo": False, "responsive": True}
 
-def _png(fig: Any) -> str:
-    import matplotlib.pyplot as plt
 
-    buf = io.BytesIO()
-    fig.tight_layout()
-    fig.savefig(buf, format="png")
-    plt.close(fig)
-    return base64.b64encode(buf.getvalue()).decode()
+def _rgb(colour: str) -> tuple[float, float, float]:
+    h = colour.lstrip("#")
+    return (int(h[0:2], 16), int(h[2:4], 16), int(h[4:6], 16))
 
 
-def _pyplot() -> Any:
-    import matplotlib
+def colour_at(scale: Sequence[str], t: float) -> tuple[float, float, float]:
+    """The colour at ``t`` in [0, 1] of evenly spaced stops, interpolated in RGB as plotly.js
+    draws a heat map's cells."""
+    t = min(max(t, 0.0), 1.0) * (len(scale) - 1)
+    i = min(int(t), len(scale) - 2)
+    a, b = _rgb(scale[i]), _rgb(scale[i + 1])
+    f = t - i
+    return (a[0] + (b[0] - a[0]) * f, a[1] + (b[1] - a[1]) * f, a[2] + (b[2] - a[2]) * f)
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
 
-    return plt
+def luminance(rgb: tuple[float, float, float]) -> float:
+    """Relative luminance (WCAG 2): the sRGB channels linearised and weighted."""
+    lin = [c / 255 / 12.92 if c / 255 <= 0.04045 else ((c / 255 + 0.055) / 1.055) ** 2.4 for c in rgb]
+    return 0.2126 * lin[0] + 0.7152 * lin[1] + 0.0722 * lin[2]
 
 
-def heat_map(data: dict[str, Any]) -> str:
+def contrast(a: tuple[float, float, float], b: tuple[float, float, float]) -> float:
+    """WCAG contrast ratio of two colours, 1 to 21 (4.5 is the minimum for body text)."""
+    la, lb = sorted((luminance(a), luminance(b)), reverse=True)
+    return (la + 0.05) / (lb + 0.05)
+
+
+def text_colour(cell: tuple[float, float, float]) -> str:
+    """Black or white, whichever contrasts more with ``cell`` (one of them always reaches 4.5)."""
+    return "#000000" if contrast(cell, (0, 0, 0)) >= contrast(cell, (255, 255, 255)) else "#ffffff"
+
+
+def _heat(
+    z: list[list[float | None]],
+    text: list[list[str]],
+    xs: Sequence[str],
+    ys: Sequence[str],
+    title: str,
+    height: int,
+    font: int,
+) -> Any:
+    """A heat map of ``z`` (None: no figure) with ``text`` written on every cell in black or
+    white by the cell's luminance."""
+    import plotly.graph_objects as go
+
+    vals = [v for row in z for v in row if v is not None]
+    top = max([abs(v) for v in vals] + [THRESHOLD * 100 - 100])
+    scale, lo, hi = (DIVERGING, -top, top) if any(v < 0 for v in vals) else (SEQUENTIAL, 0.0, top)
+    stops = [[i / (len(scale) - 1), c] for i, c in enumerate(scale)]
+    fig = go.Figure(
+        go.Heatmap(
+            z=z,
+            x=list(xs),
+            y=list(ys),
+            zmin=lo,
+            zmax=hi,
+            colorscale=stops,
+            colorbar={"title": {"text": "%"}},
+            xgap=2,
+            ygap=2,
+            hoverongaps=False,
+            hovertemplate="%{y} / %{x}: %{z:+.1f}%<extra></extra>",
+        )
+    )
+    notes = []
+    for r, y in enumerate(ys):
+        for c, x in enumerate(xs):
+            v = z[r][c]
+            cell = _rgb(EMPTY) if v is None else colour_at(scale, (v - lo) / (hi - lo))
+            notes.append(
+                {
+                    "x": x,
+                    "y": y,
+                    "text": _html.escape(text[r][c]).replace("\n", "<br>"),
+                    "showarrow": False,
+                    "font": {"color": text_colour(cell), "size": font},
+                }
+            )
+    fig.update_layout(
+        title={"text": title, "font": {"size": 14}},
+        annotations=notes,
+        plot_bgcolor=EMPTY,
+        paper_bgcolor="#ffffff",
+        height=height,
+        xaxis={"side": "bottom", "showgrid": False, "type": "category"},
+        yaxis={"autorange": "reversed", "showgrid": False, "type": "category"},
+        margin={"l": 10, "r": 10, "t": 70, "b": 10},
+    )
+    return fig
+
+
+def heat_map(data: dict[str, Any]) -> Any:
     """The space x space matrix: above the diagonal the largest coupling over the grid, below it
     the mean (joint over sequential - 1, in %); the diagonal is the mean single-space gain."""
-    plt = _pyplot()
     n = len(SPACES)
-    grid = [[math.nan] * n for _ in range(n)]
+    grid: list[list[float | None]] = [[None] * n for _ in range(n)]
     text = [[""] * n for _ in range(n)]
     for name in PAIR_NAMES:
         a, b = name.split("+")
@@ -307,7 +406,7 @@ def heat_map(data: dict[str, Any]) -> str:
         p = data["pairs"][name]
         for (r, c), key in (((i, j), "max_joint_over_sequential"), ((j, i), "mean_joint_over_sequential")):
             v = p[key]
-            grid[r][c] = (v - 1) * 100 if v is not None else math.nan
+            grid[r][c] = (v - 1) * 100 if v is not None else None
             text[r][c] = pct(v) + ("\nmax" if key.startswith("max") else "\nmean")
     for k, s in enumerate(SPACES):
         gains = [
@@ -320,53 +419,53 @@ def heat_map(data: dict[str, Any]) -> str:
         ]
         mean = sum(gains) / len(gains) if gains else None
         text[k][k] = f"{s} alone\n{gain(mean)} mean"
-    fig, ax = plt.subplots(figsize=(6.4, 5.4), dpi=110)
-    vmax = max([abs(v) for row in grid for v in row if not math.isnan(v)] + [THRESHOLD * 100 - 100])
-    im = ax.imshow(grid, cmap="Reds", vmin=0, vmax=vmax)
-    for r in range(n):
-        for c in range(n):
-            ax.text(c, r, text[r][c], ha="center", va="center", fontsize=8)
-    ax.set_xticks(range(n), SPACES)
-    ax.set_yticks(range(n), SPACES)
-    ax.set_title("joint / sequential - 1 (%)\nmax over scenarios above the diagonal, mean below", fontsize=10)
-    fig.colorbar(im, ax=ax, label="%")
-    return _png(fig)
+    return _heat(
+        grid,
+        text,
+        SPACES,
+        SPACES,
+        "joint / sequential - 1 (%): max over scenarios above the diagonal, mean below",
+        520,
+        13,
+    )
 
 
-def scenario_map(data: dict[str, Any]) -> str:
+def scenario_map(data: dict[str, Any]) -> Any:
     """Joint over sequential in every scenario (rows) and pair (columns); grey: not defined."""
-    plt = _pyplot()
     cols = (*PAIR_NAMES, "all four")
     scs = data["scenarios"]
-    vals = []
+    z: list[list[float | None]] = []
+    text = []
     for sc in scs:
         entries = [sc["pairs"][n] for n in PAIR_NAMES] + [sc["all4"]]
-        vals.append(
-            [
-                (e["joint_over_sequential"] - 1) * 100 if e["joint_over_sequential"] else math.nan
-                for e in entries
-            ]
+        z.append(
+            [(e["joint_over_sequential"] - 1) * 100 if e["joint_over_sequential"] else None for e in entries]
         )
-    fig, ax = plt.subplots(figsize=(9, 1.2 + 0.26 * len(scs)), dpi=100)
-    cmap = plt.get_cmap("Reds").with_extremes(bad="#ddd")
-    vmax = max([v for row in vals for v in row if not math.isnan(v)] + [THRESHOLD * 100 - 100])
-    im = ax.imshow(vals, cmap=cmap, vmin=0, vmax=vmax, aspect="auto")
-    for r, sc in enumerate(scs):
-        entries = [sc["pairs"][n] for n in PAIR_NAMES] + [sc["all4"]]
-        for c, e in enumerate(entries):
-            ax.text(c, r, _cell(e), ha="center", va="center", fontsize=6)
-    ax.set_xticks(range(len(cols)), cols, rotation=30, ha="right", fontsize=8)
-    ax.set_yticks(range(len(scs)), [sc["id"] for sc in scs], fontsize=6)
-    ax.set_title("joint over sequential - 1 (%) per scenario")
-    fig.colorbar(im, ax=ax, label="%")
-    return _png(fig)
+        text.append([_cell(e) for e in entries])
+    return _heat(
+        z,
+        text,
+        cols,
+        [sc["id"] for sc in scs],
+        "joint over sequential - 1 (%) per scenario",
+        160 + 24 * len(scs),
+        11,
+    )
 
 
-def scale_plot(data: dict[str, Any], key: str, label: str, log: bool) -> str:
+def scale_plot(data: dict[str, Any], key: str, label: str, log: bool) -> Any:
     """Coupling against one scale axis: per pair, the mean and max over the other axes."""
-    plt = _pyplot()
-    fig, axes = plt.subplots(1, 2, figsize=(11, 4), dpi=100, sharey=True)
-    for name in (*PAIR_NAMES, "all four"):
+    import plotly.graph_objects as go
+    from plotly.subplots import make_subplots
+
+    fig = make_subplots(
+        rows=1,
+        cols=2,
+        shared_yaxes=True,
+        subplot_titles=("mean over the other axes", "max over the other axes"),
+    )
+    colours = ("#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd", "#8c564b", "#000000")
+    for i, name in enumerate((*PAIR_NAMES, "all four")):
         pts: dict[float, list[float]] = {}
         for sc in data["scenarios"]:
             e = sc["all4"] if name == "all four" else sc["pairs"][name]
@@ -375,24 +474,38 @@ def scale_plot(data: dict[str, Any], key: str, label: str, log: bool) -> str:
         xs = sorted(pts)
         if not xs:
             continue
-        style = "k--" if name == "all four" else "-"
-        axes[0].plot(xs, [sum(pts[x]) / len(pts[x]) for x in xs], style, marker="o", label=name)
-        axes[1].plot(xs, [max(pts[x]) for x in xs], style, marker="o", label=name)
-    from matplotlib.ticker import NullFormatter
-
+        line = {"color": colours[i % len(colours)], "dash": "dash" if name == "all four" else "solid"}
+        for col, ys in ((1, [sum(pts[x]) / len(pts[x]) for x in xs]), (2, [max(pts[x]) for x in xs])):
+            fig.add_trace(
+                go.Scatter(
+                    x=xs,
+                    y=ys,
+                    mode="lines+markers",
+                    name=name,
+                    line=line,
+                    legendgroup=name,
+                    showlegend=col == 1,
+                    hovertemplate=f"{name}<br>{label} %{{x:.3g}}: %{{y:+.1f}}%<extra></extra>",
+                ),
+                row=1,
+                col=col,
+            )
     xs_all = sorted({float(sc[key]) for sc in data["scenarios"]})
-    for ax, what in zip(axes, ("mean", "max"), strict=True):
-        if log:
-            ax.set_xscale("log")
-            ax.xaxis.set_minor_formatter(NullFormatter())
-        ax.set_xticks(xs_all, [f"{x:.3g}" for x in xs_all])
-        ax.axhline((THRESHOLD - 1) * 100, color="red", linestyle=":", linewidth=1, label="claim threshold")
-        ax.set_xlabel(label)
-        ax.set_title(f"{what} over the other axes")
-        ax.grid(True, alpha=0.3)
-    axes[0].set_ylabel("joint over sequential - 1 (%)")
-    axes[1].legend(fontsize=7)
-    return _png(fig)
+    fig.update_xaxes(
+        title_text=label,
+        type="log" if log else "linear",
+        tickvals=xs_all,
+        ticktext=[f"{x:.3g}" for x in xs_all],
+    )
+    fig.update_yaxes(title_text="joint over sequential - 1 (%)", row=1, col=1)
+    fig.add_hline(
+        y=(THRESHOLD - 1) * 100,
+        line={"color": "#c0392b", "dash": "dot", "width": 1},
+        annotation_text="claim threshold",
+        annotation_position="top left",
+    )
+    fig.update_layout(template="plotly_white", height=420, margin={"t": 60})
+    return fig
 
 
 def _table(head: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
@@ -401,11 +514,27 @@ def _table(head: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
     return f"<table><tr>{h}</tr>{body}</table>"
 
 
-def _img(b64: str, alt: str) -> str:
-    return f'<p><img alt="{_html.escape(alt)}" src="data:image/png;base64,{b64}"></p>'
+class _Plots:
+    """Figures as page elements; the first carries plotly.js itself (no network), the others
+    use it."""
+
+    def __init__(self) -> None:
+        self.embedded = False
+
+    def __call__(self, fig: Any, div_id: str, label: str) -> str:
+        body = fig.to_html(full_html=False, include_plotlyjs=not self.embedded, div_id=div_id, config=_CONFIG)
+        self.embedded = True
+        return f'<div class="plot" role="img" aria-label="{_html.escape(label)}">{body}</div>'
 
 
 def study_html(data: dict[str, Any]) -> str:
+    plot = _Plots()  # in the page's order: the first figure brings plotly.js
+    matrix = plot(heat_map(data), "coupling-matrix", "heat map of the coupling matrix")
+    by_size = plot(
+        scale_plot(data, "params", "model parameters", True), "coupling-size", "coupling against model size"
+    )
+    by_gpus = plot(scale_plot(data, "gpus", "GPUs", True), "coupling-gpus", "coupling against GPU count")
+    per_scenario = plot(scenario_map(data), "coupling-scenarios", "coupling per scenario")
     scen_rows = [
         [sc["id"], f"{sc['params'] / 1e9:.2f}B", str(sc["gpus"]), "yes" if sc["baseline_fits"] else "no"]
         + [_cell(sc["pairs"][n]) for n in PAIR_NAMES]
@@ -422,14 +551,14 @@ over the default plan ({_html.escape(defaults)}). Sequential: one space optimise
 first kept (better of the two orders); joint: both optimised together with the same search.</p>
 {lines}
 <h3>Heat map of the matrix</h3>
-{_img(heat_map(data), "heat map of the coupling matrix")}
+{matrix}
 {_table(MATRIX_HEAD, matrix_rows(data))}
 <p>{_html.escape(all4_line(data))}</p>
 <h3>Coupling against scale</h3>
-{_img(scale_plot(data, "params", "model parameters", True), "coupling against model size")}
-{_img(scale_plot(data, "gpus", "GPUs", True), "coupling against GPU count")}
+{by_size}
+{by_gpus}
 <h3>Every scenario</h3>
-{_img(scenario_map(data), "coupling per scenario")}
+{per_scenario}
 {_table(("scenario", "params", "GPUs", "default fits", *PAIR_NAMES, "all four", "s"), scen_rows)}
 """
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from functools import cached_property
+from typing import NamedTuple
 
 from coplan.cost import ConfigError, CostModel, Estimate, TrainingConfig
 from coplan.cost.config import Stack, userbuffers_overlap
@@ -18,6 +19,7 @@ from coplan.cost.parts import GraphProfile
 from coplan.hardware.cluster import ClusterSpec
 from coplan.ir.fingerprint import fingerprint as graph_fingerprint
 from coplan.ir.types import Graph, Op
+from coplan.plan.labels import Labels
 from coplan.plan.types import FusionPlan, ParallelPlan, Plan, PlanError, PrecisionPlan, RematPlan
 
 GiB = 1024**3
@@ -83,6 +85,14 @@ class BlockIndex:
         self.saved_names: dict[int, tuple[str, ...]] = {
             t.blocks[0]: tuple(n for _, n, _ in t.saved_items) for t in profile.templates
         }
+        self._labels: Labels | None = None
+
+    @property
+    def labels(self) -> Labels:
+        """Module-path labels of the names plans use (built on first use: only reports need them)."""
+        if self._labels is None:
+            self._labels = Labels(self.graph, self.block_ops, self.outside, self.ref_of)
+        return self._labels
 
     def expand(self, names: tuple[str, ...]) -> list[tuple[int, ...]]:
         """Op-id groups of every block for one group of reference names (one per block, or one
@@ -114,8 +124,8 @@ class PlanContext:
     budget_bytes: float | None = None
     numerics: Numerics = field(default_factory=Numerics)
     stack: Stack = field(default_factory=Stack)
-    _priced: dict[object, Estimate] = field(default_factory=dict, repr=False)
-    _configs: dict[object, TrainingConfig] = field(default_factory=dict, repr=False)
+    _priced: dict[Decisions, Estimate] = field(default_factory=dict, repr=False)
+    _configs: dict[Decisions, TrainingConfig] = field(default_factory=dict, repr=False)
     _expanded: dict[FusionPlan, tuple[tuple[int, ...], ...]] = field(default_factory=dict, repr=False)
     _dtypes: dict[object, tuple[tuple[int, str], ...]] = field(default_factory=dict, repr=False)
     evaluations: int = 0
@@ -294,21 +304,39 @@ class PlanContext:
         return f"{binary_bytes(self.budget)} per GPU"
 
 
-def _decisions(plan: Plan) -> tuple[object, ...]:
-    """What pricing depends on (not the plan's identity fields, which the checker compares)."""
-    return (plan.parallel, plan.fusion, plan.remat, plan.precision, plan.flash_attention)
+class Decisions(NamedTuple):
+    """What pricing depends on (not the plan's identity fields, which the checker compares): the
+    key of every priced plan, and what a report says of a plan it plots."""
+
+    parallel: ParallelPlan
+    fusion: FusionPlan
+    remat: RematPlan
+    precision: PrecisionPlan
+    flash_attention: bool
+
+    @classmethod
+    def of(cls, plan: Plan) -> Decisions:
+        return cls(plan.parallel, plan.fusion, plan.remat, plan.precision, plan.flash_attention)
+
+
+def _decisions(plan: Plan) -> Decisions:
+    return Decisions.of(plan)
 
 
 def plan_summary(
     plan: Plan, est: Estimate | None = None, index: BlockIndex | None = None
 ) -> Mapping[str, str]:
-    """What a plan decided, in words (for tables and reports)."""
+    """What a plan decided, in words (for tables and reports). With the job's ``index``, ops and
+    tensors are named by where they are in the model (``h[*].ln_1``), not by their IR names."""
     p, f, r, c = plan.parallel, plan.fusion, plan.remat, plan.precision
-    rec = sorted(r.all_names)
-    short = ", ".join(n.split(".", 2)[-1] for n in rec[:4]) + (" ..." if len(rec) > 4 else "")
+    labels = index.labels if index is not None else None
+    if labels is not None:
+        rec = [labels.tensor(n) for n in labels.tensors_in_order(r.all_names)]
+    else:
+        rec = [n.split(".", 2)[-1] for n in sorted(r.all_names)]
     out = {
         "parallel": p.describe(),
-        "remat": "nothing recomputed" if not rec else f"recompute {len(rec)}: {short}",
+        "remat": "nothing recomputed" if not rec else f"recompute {len(rec)}: {_listed(rec)}",
         **(
             {"remat per stage": " / ".join(str(len(x)) for x in r.per_stage) + " tensors"}
             if r.per_stage is not None
@@ -326,11 +354,27 @@ def plan_summary(
     }
     if est is not None:
         out["kernels"] = f"{est.kernels_per_step:,} kernels/step"
-    if index is not None and c.ops:
-        fp32 = [n for n, d in c.ops if d == "fp32"]
-        if fp32:
-            out["precision"] += f"; fp32: {', '.join(n.split('.', 2)[-1] for n in fp32[:4])}"
+    if labels is not None and c.ops:
+        dtypes = dict(c.ops)
+        for dtype in sorted(set(dtypes.values()), key=lambda d: d != "fp32"):
+            names = [labels.op(n) for n in labels.ops_in_order(n for n, d in dtypes.items() if d == dtype)]
+            out["precision"] += f"; {dtype}: {_listed(names)}"
     return out
 
 
-__all__ = ["BlockIndex", "GiB", "Numerics", "PlanContext", "binary_bytes", "default_budget", "plan_summary"]
+def _listed(names: list[str], shown: int = 4) -> str:
+    """The first ``shown`` names and how many more there are."""
+    more = len(names) - shown
+    return ", ".join(names[:shown]) + (f" (+{more} more)" if more > 0 else "")
+
+
+__all__ = [
+    "BlockIndex",
+    "Decisions",
+    "GiB",
+    "Numerics",
+    "PlanContext",
+    "binary_bytes",
+    "default_budget",
+    "plan_summary",
+]

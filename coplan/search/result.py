@@ -8,16 +8,19 @@ from typing import Any
 from coplan.cost import Estimate
 from coplan.passes.base import PassRecord
 from coplan.plan.checker import Violation
+from coplan.plan.context import Decisions
 from coplan.plan.types import Plan
 
 
 @dataclass(frozen=True, slots=True)
 class Point:
-    """One plan a strategy priced: for the memory-vs-time plot."""
+    """One plan a strategy priced: for the memory-vs-time plot, whose hover text says from
+    ``decisions`` which plan a point is (None where a caller did not keep them)."""
 
     step_time_s: float
     peak_bytes: float
     fits: bool
+    decisions: Decisions | None = None
 
 
 @dataclass(frozen=True, slots=True)

@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from coplan.errors import CoplanError
 from coplan.passes.base import DEFAULT_ORDER, PassRecord, choose, run_passes, score
 from coplan.plan.checker import check
-from coplan.plan.context import PlanContext
+from coplan.plan.context import Decisions, PlanContext
 from coplan.plan.types import Plan
 from coplan.search.result import Point, StrategyResult
 from coplan.search.space import Progress, SearchSpace
@@ -68,8 +68,8 @@ def run_strategy(name: str, ctx: PlanContext, opts: Options | None = None) -> St
     dt = time.perf_counter() - t0
     est = ctx.price(plan)
     violations = tuple(check(plan, ctx))
-    new = [e for k, e in ctx._priced.items() if k not in before] or [est]
-    points = tuple(Point(e.step_time_s, e.memory.peak_bytes, ctx.fits(e)) for e in new)
+    new = [(k, e) for k, e in ctx._priced.items() if k not in before] or [(Decisions.of(plan), est)]
+    points = tuple(Point(e.step_time_s, e.memory.peak_bytes, ctx.fits(e), k) for k, e in new)
     return StrategyResult(
         strategy=name,
         plan=plan,

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import re
 import subprocess
 import sys
 from collections.abc import Callable
@@ -228,7 +229,8 @@ def test_compare_json_contract(cli: Cli, tmp_path: Path) -> None:
     joint = data["strategies"]["joint"]["step_time_s"]
     assert all(joint <= e["step_time_s"] * (1 + 1e-9) for e in data["strategies"].values() if e["fits"])
     text = report.read_text()
-    assert "<img" in text and "joint" in text
+    assert "Plotly.newPlot" in text and "chosen by joint" in text
+    assert re.search(r"<script[^>]*\bsrc\s*=", text) is None  # plotly.js is embedded: opens offline
 
 
 @needs_hardware
