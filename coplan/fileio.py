@@ -113,6 +113,7 @@ def write_text(path: Path, text: str, option: str = "--out") -> None:
         fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent or ".")
         with os.fdopen(fd, "w", encoding="utf-8") as fh:
             fh.write(text)
+        os.chmod(tmp, _mode(path))
         os.replace(tmp, path)
         tmp = None
     except OSError as err:
@@ -121,6 +122,17 @@ def write_text(path: Path, text: str, option: str = "--out") -> None:
         if tmp is not None:
             with contextlib.suppress(OSError):
                 os.unlink(tmp)
+
+
+def _mode(path: Path) -> int:
+    """The permissions the result should have: the replaced file's, else what ``open`` would give
+    (mkstemp makes its file private)."""
+    try:
+        return path.stat().st_mode & 0o777
+    except OSError:
+        mask = os.umask(0)
+        os.umask(mask)
+        return 0o666 & ~mask
 
 
 def append_text(path: Path, text: str, option: str = "--record") -> None:

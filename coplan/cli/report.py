@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from coplan.cli.common import human_bytes
+from coplan.fileio import write_text
 from coplan.plan.context import Decisions, GiB
 
 if TYPE_CHECKING:
@@ -292,4 +293,4 @@ every block of the model.</p>
 <table><tr>{head}</tr>{"".join(rows)}</table>
 </body></html>
 """
-    path.write_text(doc, encoding="utf-8")
+    write_text(path, doc, "--html")

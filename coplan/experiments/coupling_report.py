@@ -18,6 +18,7 @@ from rich.console import Console
 from rich.table import Table
 
 from coplan.experiments.coupling import PAIR_NAMES, SPACES, THRESHOLD
+from coplan.fileio import write_text
 
 _CSS = (
     "body{font-family:sans-serif;margin:2em;max-width:1200px}table{border-collapse:collapse;margin:1em 0}"
@@ -645,4 +646,4 @@ def write_html(path: Any, study: dict[str, Any] | None, measured: dict[str, Any]
 """
     from pathlib import Path
 
-    Path(path).write_text(doc, encoding="utf-8")
+    write_text(Path(path), doc, "--html")
