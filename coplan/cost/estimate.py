@@ -173,7 +173,16 @@ class StageEstimate:
 
 @dataclass(frozen=True, slots=True)
 class Estimate:
-    """What one configuration costs. ``breakdown_s`` sums to ``step_time_s``."""
+    """What one configuration costs. ``breakdown_s`` sums to ``step_time_s``.
+
+    ``model_tflops_per_gpu`` counts the step's matrix FLOPs with causal attention at half its full
+    score matrix (``coplan.cost.parts.CAUSAL_FRACTION``), as the attention kernels are priced.
+    ``mfu`` takes them against the 16-bit dense peak of the devices (``peak_flops_16bit``, bf16 or
+    fp16 where a device lacks bf16), whatever the training dtype, so MFUs of bf16 and fp8 runs
+    compare; ``mfu_dtype_peak`` against the peak of the precision the devices' matrix units run the
+    dtype in (``peak_flops``, in ``peak_dtype``: fp8's on an H100, bf16's for fp8 on an A100). On a
+    mixed cluster each is the lowest device's peak.
+    """
 
     step_time_s: float
     tokens_per_s: float
@@ -188,6 +197,10 @@ class Estimate:
     peak_flops: float
     launch_overhead_s: float
     kernels_per_step: int
+    mfu_dtype_peak: float
+    peak_flops_16bit: float
+    peak_dtype: str
+    peak_dtype_16bit: str
     notes: tuple[str, ...] = field(default=())
 
     @property
@@ -200,12 +213,16 @@ class Estimate:
             "tokens_per_s": self.tokens_per_s,
             "model_tflops_per_gpu": self.model_tflops_per_gpu,
             "mfu": self.mfu,
+            "peak_flops_16bit_per_gpu": self.peak_flops_16bit,
+            "peak_dtype_16bit": self.peak_dtype_16bit,
+            "mfu_dtype_peak": self.mfu_dtype_peak,
+            "peak_flops_per_gpu": self.peak_flops,
+            "peak_dtype": self.peak_dtype,
             "fits": self.fits,
             "memory": self.memory.to_dict(),
             "breakdown_s": dict(self.breakdown_s),
             "launch_overhead_s": self.launch_overhead_s,
             "kernels_per_step": self.kernels_per_step,
-            "peak_flops_per_gpu": self.peak_flops,
             "cluster": self.cluster,
             "gpus": self.gpus,
             "config": self.config.to_dict(),
@@ -484,14 +501,17 @@ def estimate(profile: GraphProfile, cluster: ClusterSpec, config: TrainingConfig
     tokens = config.global_batch * seq
     model_flops = profile.model_flops * config.global_batch / profile.batch
     per_gpu = model_flops / step / config.gpus
-    # MFU against the peak of the precision each device really runs (fp8 on an A100: bf16's)
-    peak = min(dev.peak(matmul_dtype(dev, config.dtype)) for dev in cluster.devices)
+    # MFU against the 16-bit dense peak, and beside it against the peak of the precision each device
+    # really runs (fp8 on an A100: bf16's); the slowest device's, which sets the pace of a mixed one
+    peak16, dtype16 = _lowest_peak(cluster, "bf16")
+    peak, dtype_run = _lowest_peak(cluster, config.dtype)
     loaded = max(stages, key=lambda st: st.memory.peak_bytes / st.memory.capacity_bytes)
     return Estimate(
         step_time_s=step,
         tokens_per_s=tokens / step,
         model_tflops_per_gpu=per_gpu / 1e12,
-        mfu=per_gpu / peak,
+        mfu=per_gpu / peak16,
+        mfu_dtype_peak=per_gpu / peak,
         memory=loaded.memory,
         breakdown_s=breakdown,
         stages=tuple(stages),
@@ -499,10 +519,20 @@ def estimate(profile: GraphProfile, cluster: ClusterSpec, config: TrainingConfig
         cluster=cluster.name,
         gpus=config.gpus,
         peak_flops=peak,
+        peak_flops_16bit=peak16,
+        peak_dtype=dtype_run,
+        peak_dtype_16bit=dtype16,
         launch_overhead_s=launch_total / p,
         kernels_per_step=kernels_total,
         notes=precision_notes(cluster.devices, config.dtype, config.fp8_params),
     )
+
+
+def _lowest_peak(cluster: ClusterSpec, dtype: str) -> tuple[float, str]:
+    """The lowest dense matrix peak among ``cluster``'s devices for ``dtype`` as each runs it
+    (``matmul_dtype``: bf16 on a device without bf16 is fp16), and that precision."""
+    runs = [matmul_dtype(dev, dtype) for dev in cluster.devices]
+    return min((dev.peak(d), d) for dev, d in zip(cluster.devices, runs, strict=True))
 
 
 # --- per-part pricing ------------------------------------------------------------------------------

@@ -35,7 +35,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from coplan.cost.config import ConfigError, TrainingConfig
-from coplan.cost.parts import TP, Kernel, Vec, vdot
+from coplan.cost.parts import CAUSAL_FRACTION, TP, Kernel, Vec, vdot
 from coplan.hardware.device import VECTOR_FAMILIES, DeviceSpec
 from coplan.hardware.tiling import AttentionTiling
 
@@ -304,16 +304,18 @@ def _attention(k: Kernel, r: Rates, s: Scale) -> float:
             # a tiled kernel (a CPU's): its FLOPs at the measured rate plus a fixed cost per tile,
             # which carries what the shape derating would (small tiles, per-call overhead)
             tile_s = r.attn_bwd_tile_s if backward else r.attn_tile_s
-            compute = 0.5 * k.mm_flops / div / rate + bh / div * r.attn_tiling.tiles(sq, sk) * tile_s
+            tiles = bh / div * r.attn_tiling.tiles(sq, sk)
+            compute = CAUSAL_FRACTION * k.mm_flops / div / rate + tiles * tile_s
         else:
             # a causal flash kernel skips the blocks above the diagonal: half the counted FLOPs
+            # (``CAUSAL_FRACTION``, which model FLOPs count too)
             shape = shape_factor((sq, sk), r.half_dim) * shape_factor((d,), r.attn_head_half)
             half = r.attn_bwd_par_half if backward else r.attn_par_half
             if half > 0:
                 # one thread block per 128-row query tile of each local (batch, head): few tiles
                 # leave SMs idle in the last, unequal (causal) wave
                 shape *= shape_factor((bh / div * math.ceil(sq / ATTN_TILE_ROWS),), half)
-            compute = 0.5 * k.mm_flops / div / (rate * shape)
+            compute = CAUSAL_FRACTION * k.mm_flops / div / (rate * shape)
         if k.dropout:
             compute *= 1.0 + r.attn_dropout
         return max(compute, memory) + first_touch(k, r, s) + r.launch_s
@@ -328,6 +330,8 @@ def _attention(k: Kernel, r: Rates, s: Scale) -> float:
     # GEMM time and score traffic is within ~10% of the measured fp16 kernels (a per-GEMM roofline
     # max() is 30-40% too fast: small-K batched GEMMs run below both roofs), and dropout measured
     # +3.3 ms forward / +2.5 ms backward against the +2.8 / +2.8 ms priced here (b16 a24 s2048).
+    # These kernels compute the whole score matrix and mask it: all the counted FLOPs are paid,
+    # though model FLOPs (MFU) count only the causal share, the useful work.
     compute = k.mm_flops / div / (r.mm_flops * shape_factor((sq, sk, d), r.half_dim))
     passes = 4 if k.phase.value == "forward" else 7
     per_elem = s.act_bytes * passes

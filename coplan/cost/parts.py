@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from coplan.ir.types import Graph, Phase
+from coplan.ir.types import Graph, Op, OpKind, Phase
 
 # Element-vector layout: index = precision class * 2 + shard class.
 ACT, F32, FIX = 0, 1, 2  # activation precision; always fp32; fixed width (already in bytes)
@@ -19,6 +19,26 @@ REPL, TP = 0, 1
 NV = 6
 Vec = tuple[float, float, float, float, float, float]
 ZERO: Vec = (0.0, 0.0, 0.0, 0.0, 0.0, 0.0)
+
+#: The share of an attention op's FLOPs a causal step computes. The IR counts attention as
+#: ``torch.utils.flop_counter`` does, the full q x k score matrix (4 * b * h * s_q * s_k * d forward);
+#: under a causal mask a flash kernel skips the tiles above the diagonal, so the cost model prices,
+#: and model FLOPs (MFU) count, half of it: s^2/2 scores per (batch, head), not s(s+1)/2, the
+#: diagonal's s/2 being below any tile. Every attention the cost model sees is causal (decoder-only
+#: models, ``is_causal=True``).
+CAUSAL_FRACTION = 0.5
+
+
+def model_flops(ops: Sequence[Op]) -> float:
+    """Matrix FLOPs of the forward and backward ops among ``ops``, attention at its causal share:
+    the work a step needs, whatever its kernels spend (MFU's numerator)."""
+    return float(
+        sum(
+            op.flops * (CAUSAL_FRACTION if op.kind is OpKind.ATTENTION else 1.0)
+            for op in ops
+            if op.phase is not Phase.OPTIMIZER
+        )
+    )
 
 
 def vadd(a: Sequence[float], b: Sequence[float]) -> Vec:
@@ -99,7 +119,7 @@ class Part:
     flash_saved: Vec = ZERO  # kept only for the fused attention's backward (its output, logsumexp)
     fp8_saved: Vec = ZERO  # change of the saved vector when the block's GEMMs run in fp8 (``fp8.py``)
     fp8_gemms: tuple[QuantGemm, ...] = ()  # the block's linear layers, as fp8 quantises them (``fp8.py``)
-    model_flops: float = 0.0  # matrix FLOPs of forward + backward (what MFU counts)
+    model_flops: float = 0.0  # matrix FLOPs of forward + backward, attention causal (what MFU counts)
     op_ids: tuple[int, ...] = ()
     saved_items: tuple[tuple[int, str, Vec], ...] = ()  # (tensor id, name, vector) kept with no recompute
     # the head under Megatron's loss kernels (``loss.py``): (loss fusion, forward kernels, backward
@@ -148,7 +168,7 @@ class GraphProfile:
     vocab: int
     hidden: int
     heads: int
-    model_flops: float  # forward + backward matrix FLOPs of one microbatch, whole model
+    model_flops: float  # forward + backward matrix FLOPs of one microbatch, whole model (``Part``)
 
     def template_of(self, block: int) -> Part:
         for t in self.templates:

@@ -38,6 +38,7 @@ from coplan.cost.parts import (
     Part,
     Precision,
     Vec,
+    model_flops,
     vadd,
 )
 from coplan.hardware.device import VECTOR_FAMILIES
@@ -471,7 +472,7 @@ class _Ctx:
             boundary=boundary,
             scores=scores,
             scores_dropout=scores_dropout,
-            model_flops=float(sum(op.flops for op in ops if op.phase is not Phase.OPTIMIZER)),
+            model_flops=model_flops(ops),
             op_ids=tuple(op.id for op in ops),
             saved_items=(items := self.saved_items(ops)),
             fp8_saved=fp8_saved_delta(self.g, items) if blocks else ZERO,

@@ -5,8 +5,9 @@ Vocabulary (fixed across coplan):
   and shares its storage (``alias_of``);
 - ``nbytes`` is the size of that value, ``storage_bytes`` the size of the buffer it lives in
   (views have ``nbytes`` of their extent but no storage of their own);
-- ``flops`` are matrix-unit FLOPs (matmul, attention: what ``torch.utils.flop_counter`` counts and
-  what MFU uses); ``vector_flops`` are the elementwise and reduction arithmetic of an op;
+- ``flops`` are matrix-unit FLOPs (matmul, attention: what ``torch.utils.flop_counter`` counts, the
+  full score matrix for attention; MFU counts a causal attention's half, ``coplan.cost.parts``);
+  ``vector_flops`` are the elementwise and reduction arithmetic of an op;
 - bytes are bytes (not GiB), per step, for the whole (unsharded) model.
 """
 

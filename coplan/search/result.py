@@ -55,6 +55,7 @@ class StrategyResult:
             "step_time_s": e.step_time_s,
             "tokens_per_s": e.tokens_per_s,
             "mfu": e.mfu,
+            "mfu_dtype_peak": e.mfu_dtype_peak,
             "peak_bytes": e.memory.peak_bytes,
             "fits": self.fits,
             "plan_time_s": self.plan_time_s,
