@@ -419,6 +419,8 @@ def _stage_layers(text: str | None) -> tuple[int, ...] | None:
 
 def render(est: Estimate, title: str) -> None:
     """The estimate as Rich tables: headline figures, time breakdown, memory of the loaded GPU."""
+    from coplan.cli.plan_cmd import mfu_words
+
     console = stdout()
     c = est.config
     console.print(f"[bold]{title}[/bold]", soft_wrap=True)
@@ -450,7 +452,7 @@ def render(est: Estimate, title: str) -> None:
     head.add_row("step time", f"{est.step_time_s:.4g} s")
     head.add_row("tokens/s", f"{est.tokens_per_s:,.0f}")
     head.add_row("model TFLOP/s per GPU", f"{est.model_tflops_per_gpu:.1f}")
-    head.add_row("MFU", f"{est.mfu:.1%}")
+    head.add_row("MFU", mfu_words(est))
     fits = "[green]yes[/green]" if est.fits else "[red]no[/red]"
     head.add_row(
         "fits in memory",

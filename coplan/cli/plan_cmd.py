@@ -247,6 +247,15 @@ def _mfu(r: StrategyResult) -> str:
     return f"{r.estimate.mfu:.1%}"
 
 
+def mfu_words(e: Any) -> str:
+    """MFU against the 16-bit dense peak, labelled, with the dtype's own peak beside it where that
+    differs (fp8 on Hopper)."""
+    text = f"{e.mfu:.1%} of the {e.peak_dtype_16bit} dense peak"
+    if e.peak_dtype != e.peak_dtype_16bit:
+        text += f" ({e.mfu_dtype_peak:.1%} of the {e.peak_dtype} peak)"
+    return text
+
+
 def _figures(ctx: PlanContext, results: dict[str, StrategyResult], title: str) -> Table:
     """One row per strategy; short headers with their units so the table fits 80 columns."""
     base = results.get("sequential")
@@ -296,7 +305,8 @@ def _decisions(ctx: PlanContext, results: dict[str, StrategyResult]) -> Table:
 def _footer(console: Any) -> None:
     console.print(
         "[dim]step ms: one optimizer step; MFU: model FLOPs per second per GPU over the device's "
-        "16-bit dense peak; peak: memory of the most loaded GPU; gain: throughput over 'sequential'[/dim]",
+        "16-bit dense peak (causal attention counted at half); peak: memory of the most loaded GPU; "
+        "gain: throughput over 'sequential'[/dim]",
         soft_wrap=False,
     )
 
@@ -405,7 +415,7 @@ def plan(
         e = r.estimate
         table.add_row("step time", f"{e.step_time_s * 1e3:.2f} ms")
         table.add_row("tokens/s", f"{e.tokens_per_s:,.0f}")
-        table.add_row("MFU", f"{_mfu(r)} of the 16-bit dense peak")
+        table.add_row("MFU", mfu_words(e))
         table.add_row("peak memory", f"{human_bytes(e.memory.peak_bytes)} (stage {e.memory.stage})")
         for k, v in plan_summary(r.plan, e, ctx.index).items():
             table.add_row(k, v)
