@@ -12,7 +12,7 @@ from rich import box
 from rich.console import Console
 from rich.table import Table
 
-from coplan.cli.common import human_bytes, positive, print_json, stdout
+from coplan.cli.common import human_bytes, interruptible, positive, print_json, stdout
 from coplan.errors import SpecError
 
 if TYPE_CHECKING:
@@ -81,7 +81,7 @@ def calibrate(
     device = device or "cpu"
     positive("--procs", procs, optional=True)
     path = out if out is not None else Path(f"coplan-profile-{device}.json")
-    with _LazyProgress() as bar:
+    with interruptible("calibration stopped; no profile written"), _LazyProgress() as bar:
         cal = run(device, procs=procs, quick=quick, progress=bar.update)
     written = write_profile(cal, path)
     if json:

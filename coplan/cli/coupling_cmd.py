@@ -23,9 +23,9 @@ from typing import Annotated, Any
 
 import typer
 
-from coplan.cli.common import positive, print_json, stdout
+from coplan.cli.common import interruptible, positive, print_json, stdout
 from coplan.cli.graph_cmd import JsonOpt
-from coplan.errors import SpecError
+from coplan.errors import Interrupted, SpecError
 
 
 class _Bar:
@@ -160,18 +160,24 @@ def _simulated(grid: str, json: bool, html: Path | None, jobs: int) -> None:
         result = study.run_study(grid, progress=bar, jobs=jobs)
     finally:
         bar.close()
+    # interrupted: what finished is reported (marked partial), then one error line, exit 130
+    stopped = f"coupling ({grid} grid) stopped with {len(result.scenarios)} of {result.total} scenarios done"
+    if result.partial and not result.scenarios:
+        raise Interrupted(stopped)
     data = to_json(result)
     if html is not None:
         write_html(html, data, None)
     if json:
         print_json(data)
-        return
-    console = stdout()
-    print_study(console, data)
-    if data["invalid_plans"]:
-        console.print(f"[red]{data['invalid_plans']} plans failed the plan checker (a planner bug)[/red]")
-    if html is not None:
-        console.print(f"report written to {html}")
+    else:
+        console = stdout()
+        print_study(console, data)
+        if data["invalid_plans"]:
+            console.print(f"[red]{data['invalid_plans']} plans failed the plan checker (a planner bug)[/red]")
+        if html is not None:
+            console.print(f"report written to {html}")
+    if result.partial:
+        raise Interrupted(f"{stopped}; those are reported, marked partial")
 
 
 def _measured(given: dict[str, Any], json: bool, html: Path | None) -> None:
@@ -191,7 +197,8 @@ def _measured(given: dict[str, Any], json: bool, html: Path | None) -> None:
     bar = _Bar(f"coupling --measure ({cfg.device})")
     t0 = time.perf_counter()
     try:
-        data = run_measured(cfg, progress=bar)
+        with interruptible("coupling --measure stopped; nothing written"):
+            data = run_measured(cfg, progress=bar)
     finally:
         bar.close()
     data["seconds"] = time.perf_counter() - t0

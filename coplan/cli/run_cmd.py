@@ -19,7 +19,7 @@ import typer
 from rich import box
 from rich.table import Table
 
-from coplan.cli.common import human_bytes, positive, print_json, stdout
+from coplan.cli.common import human_bytes, interruptible, positive, print_json, stdout
 from coplan.cli.graph_cmd import JsonOpt
 from coplan.errors import SpecError
 
@@ -116,7 +116,8 @@ def run(
         mode=mode,
         host_allocator=host_allocator,
     )
-    out = run_plan(req)
+    with interruptible("training stopped; nothing recorded"):
+        out = run_plan(req)
     if record is not None:
         append_record(record, req, out)
     if json:
