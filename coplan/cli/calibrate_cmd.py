@@ -94,7 +94,8 @@ def calibrate(
 
 class _LazyProgress:
     """A Rich progress bar on stderr that starts only after ``PROGRESS_AFTER_S`` (so quick runs and
-    ``--json`` stdout stay clean) and disappears when done."""
+    ``--json`` stdout stay clean) and disappears when done; none where stderr is not a terminal
+    (a stopped bar leaves a newline there)."""
 
     def __init__(self) -> None:
         self.started = time.perf_counter()
@@ -110,7 +111,7 @@ class _LazyProgress:
 
     def update(self, label: str, done: int, total: int) -> None:
         if self.bar is None:
-            if time.perf_counter() - self.started < PROGRESS_AFTER_S:
+            if not sys.stderr.isatty() or time.perf_counter() - self.started < PROGRESS_AFTER_S:
                 return
             from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 

@@ -173,6 +173,15 @@ def test_calibrate_ranks_end_with_the_command(command: Command) -> None:
 
 @on_linux
 @pytest.mark.procs
+@pytest.mark.slow
+def test_calibrate_ctrl_c(command: Command, tmp_path: Path) -> None:
+    out, line = interrupted_cleanly(command("calibrate", "--quick", "--procs", "2", "--json"), 2)
+    assert out == "" and "calibration stopped; no profile written" in line
+    assert not list(tmp_path.glob("coplan-profile-*.json"))  # the command ran there
+
+
+@on_linux
+@pytest.mark.procs
 def test_calibrate_collective_ranks_end_with_their_parent(tmp_path: Path) -> None:
     # what `coplan calibrate --procs 2` runs last, driven alone (the command reaches it only after
     # a minute of microbenchmarks: ``test_calibrate_ranks_end_with_the_command``, slow tier)
@@ -305,8 +314,9 @@ def test_interrupted_study_keeps_what_finished(jobs: int) -> None:
     assert whole["partial"] is False and whole["verdict_detail"]["conclusive"] is True
 
 
+@pytest.mark.parametrize("json_out", [True, False], ids=["json", "tables"])
 def test_cli_prints_the_partial_grid(
-    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], json_out: bool
 ) -> None:
     real = C.run_study
 
@@ -315,11 +325,14 @@ def test_cli_prints_the_partial_grid(
 
     monkeypatch.setattr(C, "run_study", stopped)
     with pytest.raises(SystemExit) as exc:
-        main(["coupling", "--json", "--jobs", "1"])
+        main(["coupling", "--jobs", "1", *(["--json"] if json_out else [])])
     out, err = capsys.readouterr()
     assert exc.value.code == 130
-    data = json.loads(out)
-    assert data["partial"] is True and len(data["scenarios"]) == 1
+    if json_out:
+        data = json.loads(out)
+        assert data["partial"] is True and len(data["scenarios"]) == 1
+    else:
+        assert "partial: 1 of 3 scenarios finished" in out
     assert err.splitlines() == [
         "error: interrupted: coupling (small grid) stopped with 1 of 3 scenarios done; "
         "those are reported, marked partial"
