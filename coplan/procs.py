@@ -107,8 +107,8 @@ def watch(parent: int, poll_s: float = POLL_S) -> threading.Thread:
 @contextlib.contextmanager
 def _sigint_blocked() -> Iterator[None]:
     """SIGINT blocked in this thread while workers start: they inherit the mask (across fork and
-    exec) and unblock it only once it is ignored (``guard``); a Ctrl-C meanwhile stays pending
-    here and raises as soon as the block ends."""
+    exec) and unblock it only once it is ignored (``guard``). A Ctrl-C meanwhile still raises
+    here: when the block ends, or at once where another thread of this process takes it."""
     if not hasattr(signal, "pthread_sigmask"):
         yield
         return
@@ -134,6 +134,7 @@ def _sigint_ignored() -> Iterator[None]:
 
 def stop(procs: list[BaseProcess], grace_s: float = GRACE_S) -> None:
     """End ``procs``: SIGTERM, then SIGKILL those still alive after ``grace_s``; reap them all."""
+    procs = [p for p in procs if p.pid is not None]  # started
     with _sigint_ignored():
         for p in procs:
             if p.is_alive():
@@ -207,8 +208,8 @@ def spawn(fn: Callable[..., object], nprocs: int, args: tuple[Any, ...] = ()) ->
                     p = ctx.Process(
                         target=_rank, args=(os.getpid(), rank, payload, errors[rank]), name=f"rank{rank}"
                     )
+                    procs.append(p)  # before it starts: an interrupt inside ``start`` still ends it
                     p.start()
-                    procs.append(p)
             _join(procs, errors)
         except BaseException:
             stop(procs)

@@ -10,7 +10,8 @@ or with ``--json`` one object ``{"pairs": {P: {"single_a", "single_b", "sequenti
 With ``--measure``: fusion x remat trained for real (``coplan.experiments.coupling_measure``) on
 ``--device`` (auto: a GPU when one is visible, else this CPU), measured next to predicted; the
 options after ``--measure`` in ``--help`` apply to it only. ``--html`` writes a self-contained
-report of whichever study ran. Bad input: one line on stderr, exit 2.
+report of whichever study ran. Bad input: one line on stderr, exit 2. Ctrl-C stops the grid's
+workers; the scenarios that finished are reported (``"partial": true``), then one line, exit 130.
 """
 
 from __future__ import annotations
