@@ -34,3 +34,13 @@ class CaptureError(CoplanError):
     """A model that could not be traced into the IR."""
 
     exit_code = 1
+
+
+class Interrupted(CoplanError):
+    """A command stopped by Ctrl-C (SIGINT); the message says what was stopped and what was kept.
+    Exit code 130, the shell's for a command ended by SIGINT."""
+
+    exit_code = 130
+
+    def __init__(self, what: str) -> None:
+        super().__init__(f"interrupted: {what}")

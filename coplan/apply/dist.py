@@ -5,8 +5,8 @@ Applied in this order (torchtitan's): tensor parallelism (``apply_tp``), then da
 then ``torch.compile`` with the plan's backend (``coplan.apply.train``). The device mesh is
 ``(dp, tp)`` with the tensor axis fastest, Megatron's rank order.
 
-Processes are started by ``launch`` (``torch.multiprocessing`` with the spawn method, gloo on CPU
-and NCCL on CUDA), or by ``torchrun``, whose environment (``RANK``, ``WORLD_SIZE``, ...) is used
+Processes are started by ``launch`` (``coplan.procs.spawn``: the spawn method, gloo on CPU and
+NCCL on CUDA), or by ``torchrun``, whose environment (``RANK``, ``WORLD_SIZE``, ...) is used
 as it is. Pipeline parallelism (``pp > 1``, alone) is ``coplan.apply.pipeline``.
 """
 
@@ -252,12 +252,13 @@ def from_torchrun() -> tuple[int, int] | None:
 
 
 def launch(fn: Callable[..., object], nproc: int, args: tuple[Any, ...]) -> None:
-    """Run ``fn(rank, nproc, *args)`` in ``nproc`` spawned processes (rendezvous on localhost)."""
-    import torch.multiprocessing as mp
+    """Run ``fn(rank, nproc, *args)`` in ``nproc`` spawned processes (rendezvous on localhost),
+    which end with this one (``coplan.procs.spawn``); a failed rank raises ``WorkerFailed``."""
+    from coplan import procs
 
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     os.environ["MASTER_PORT"] = str(free_port())
-    mp.start_processes(_entry, args=(fn, nproc, args), nprocs=nproc, join=True, start_method="spawn")
+    procs.spawn(_entry, nproc, (fn, nproc, args))
 
 
 def _entry(rank: int, fn: Callable[..., object], nproc: int, args: tuple[Any, ...]) -> None:

@@ -13,7 +13,7 @@ from rich import box
 from rich.console import Console
 from rich.table import Table
 
-from coplan.cli.common import human_bytes, positive, print_json, stdout
+from coplan.cli.common import human_bytes, interruptible, positive, print_json, stdout
 from coplan.errors import SpecError
 from coplan.fileio import check_output
 
@@ -92,7 +92,7 @@ def calibrate(
     positive("--procs", procs, optional=True)
     path = out if out is not None else Path(f"coplan-profile-{what}.json")
     check_output("--out", path)
-    with _LazyProgress() as bar:
+    with interruptible("calibration stopped; no profile written"), _LazyProgress() as bar:
         cal = run(what, procs=procs, quick=quick, progress=bar.update)
     written = write_profile(cal, path)
     if json:
@@ -105,7 +105,8 @@ def calibrate(
 
 class _LazyProgress:
     """A Rich progress bar on stderr that starts only after ``PROGRESS_AFTER_S`` (so quick runs and
-    ``--json`` stdout stay clean) and disappears when done."""
+    ``--json`` stdout stay clean) and disappears when done; none where stderr is not a terminal
+    (a stopped bar leaves a newline there)."""
 
     def __init__(self) -> None:
         self.started = time.perf_counter()
@@ -121,7 +122,7 @@ class _LazyProgress:
 
     def update(self, label: str, done: int, total: int) -> None:
         if self.bar is None:
-            if time.perf_counter() - self.started < PROGRESS_AFTER_S:
+            if not sys.stderr.isatty() or time.perf_counter() - self.started < PROGRESS_AFTER_S:
                 return
             from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 

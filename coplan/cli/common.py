@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import json
 import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 from rich.console import Console
 
-from coplan.errors import SpecError
+from coplan.errors import Interrupted, SpecError
 
 
 def stdout() -> Console:
@@ -29,6 +31,16 @@ def positive(option: str, value: int | None, *, optional: bool = False) -> int |
     if value is None or isinstance(value, bool) or not isinstance(value, int) or value < 1:
         raise SpecError(option, None, f"must be a positive integer, got {value!r}")
     return value
+
+
+@contextmanager
+def interruptible(what: str) -> Iterator[None]:
+    """Ctrl-C inside becomes one line, ``error: interrupted: <what>``, and exit code 130
+    (``Interrupted``); the processes started inside end with it (``coplan.procs``)."""
+    try:
+        yield
+    except KeyboardInterrupt:
+        raise Interrupted(what) from None
 
 
 def one_line(text: str) -> str:

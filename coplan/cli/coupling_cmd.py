@@ -10,7 +10,8 @@ or with ``--json`` one object ``{"pairs": {P: {"single_a", "single_b", "sequenti
 With ``--measure``: fusion x remat trained for real (``coplan.experiments.coupling_measure``) on
 ``--device`` (auto: a GPU when one is visible, else this CPU), measured next to predicted; the
 options after ``--measure`` in ``--help`` apply to it only. ``--html`` writes a self-contained
-report of whichever study ran. Bad input: one line on stderr, exit 2.
+report of whichever study ran. Bad input: one line on stderr, exit 2. Ctrl-C stops the grid's
+workers; the scenarios that finished are reported (``"partial": true``), then one line, exit 130.
 """
 
 from __future__ import annotations
@@ -24,9 +25,9 @@ from typing import Annotated, Any
 
 import typer
 
-from coplan.cli.common import positive, print_json, stdout
+from coplan.cli.common import interruptible, positive, print_json, stdout
 from coplan.cli.options import Device, JsonOpt
-from coplan.errors import SpecError
+from coplan.errors import Interrupted, SpecError
 from coplan.fileio import check_output
 
 
@@ -170,18 +171,24 @@ def _simulated(grid: str, json: bool, html: Path | None, jobs: int) -> None:
         result = study.run_study(grid, progress=bar, jobs=jobs)
     finally:
         bar.close()
+    # interrupted: what finished is reported (marked partial), then one error line, exit 130
+    stopped = f"coupling ({grid} grid) stopped with {len(result.scenarios)} of {result.total} scenarios done"
+    if result.partial and not result.scenarios:
+        raise Interrupted(stopped)
     data = to_json(result)
     if html is not None:
         write_html(html, data, None)
     if json:
         print_json(data)
-        return
-    console = stdout()
-    print_study(console, data)
-    if data["invalid_plans"]:
-        console.print(f"[red]{data['invalid_plans']} plans failed the plan checker (a planner bug)[/red]")
-    if html is not None:
-        console.print(f"report written to {html}")
+    else:
+        console = stdout()
+        print_study(console, data)
+        if data["invalid_plans"]:
+            console.print(f"[red]{data['invalid_plans']} plans failed the plan checker (a planner bug)[/red]")
+        if html is not None:
+            console.print(f"report written to {html}")
+    if result.partial:
+        raise Interrupted(f"{stopped}; those are reported, marked partial")
 
 
 def _measured(given: dict[str, Any], json: bool, html: Path | None) -> None:
@@ -201,7 +208,8 @@ def _measured(given: dict[str, Any], json: bool, html: Path | None) -> None:
     bar = _Bar(f"coupling --measure ({cfg.device})")
     t0 = time.perf_counter()
     try:
-        data = run_measured(cfg, progress=bar)
+        with interruptible("coupling --measure stopped; nothing written"):
+            data = run_measured(cfg, progress=bar)
     finally:
         bar.close()
     data["seconds"] = time.perf_counter() - t0

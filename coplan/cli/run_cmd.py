@@ -20,7 +20,7 @@ import typer
 from rich import box
 from rich.table import Table
 
-from coplan.cli.common import human_bytes, positive, print_json, stdout
+from coplan.cli.common import human_bytes, interruptible, positive, print_json, stdout
 from coplan.cli.options import Device, JsonOpt
 from coplan.errors import SpecError
 from coplan.fileio import append_text, check_output
@@ -136,7 +136,8 @@ def run(
         mode=mode.value,
         host_allocator=host_allocator.value,
     )
-    out = run_plan(req)
+    with interruptible("training stopped; nothing recorded"):
+        out = run_plan(req)
     if record is not None:
         append_record(record, req, out)
     if json:

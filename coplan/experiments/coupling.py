@@ -73,6 +73,7 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from coplan import procs
 from coplan.errors import SpecError
 
 if TYPE_CHECKING:
@@ -549,6 +550,17 @@ class Study:
     defaults: Defaults
     scenarios: tuple[ScenarioResult, ...]
     seconds: float
+    #: scenarios the grid has (None: as many as ``scenarios``); more when the study was interrupted
+    total: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.total is not None and self.total < len(self.scenarios):
+            raise ValueError(f"total {self.total} < the {len(self.scenarios)} scenarios given")
+
+    @property
+    def partial(self) -> bool:
+        """Whether the study was stopped before every scenario of its grid was planned."""
+        return self.total is not None and len(self.scenarios) < self.total
 
 
 def _run_one(job: tuple[Scenario, Defaults, bool]) -> ScenarioResult:
@@ -567,35 +579,36 @@ def run_study(
     """Every scenario of a grid (by name, or given); results in grid order. Scenarios are
     independent, so ``jobs`` > 1 plans them in that many worker processes (each with its own
     contexts and memo: nothing is shared but the inputs and the results).
-    ``progress(done, total, label)`` is called as scenarios start (one process) or finish."""
+    ``progress(done, total, label)`` is called as scenarios start (one process) or finish.
+    Interrupted (Ctrl-C), it stops the workers and returns the scenarios that finished
+    (``Study.partial``)."""
     name = scenarios if isinstance(scenarios, str) else "custom"
     todo = grid(scenarios) if isinstance(scenarios, str) else tuple(scenarios)
     t0 = time.perf_counter()
     work = [(sc, defaults, warm_start) for sc in todo]
     jobs = max(1, min(jobs, len(todo)))
     out: list[ScenarioResult | None] = [None] * len(todo)
-    if jobs == 1:
-        for i, w in enumerate(work):
-            if progress:
-                progress(i, len(todo), w[0].id)
-            out[i] = _run_one(w)
-    else:
-        import multiprocessing
-        from concurrent.futures import ProcessPoolExecutor, as_completed
-
-        # fork where the platform has it: workers start without re-importing the caller's main
-        # module (spawn requires a ``__main__`` guard of every caller); they are forked when the
-        # pool starts, before the caller's progress bar (a thread) is first drawn
-        methods = multiprocessing.get_all_start_methods()
-        ctx = multiprocessing.get_context("fork" if "fork" in methods else "spawn")
-        with ProcessPoolExecutor(max_workers=jobs, mp_context=ctx) as pool:
-            futures = {pool.submit(_run_one, w): i for i, w in enumerate(work)}
-            for done, fut in enumerate(as_completed(futures)):
-                i = futures[fut]
-                out[i] = fut.result()
+    try:
+        if jobs == 1:
+            for i, w in enumerate(work):
                 if progress:
-                    progress(done + 1, len(todo), todo[i].id)
-    if progress:
-        progress(len(todo), len(todo), "done")
+                    progress(i, len(todo), w[0].id)
+                out[i] = _run_one(w)
+        else:
+            from concurrent.futures import as_completed
+
+            # forked when the pool starts, before the caller's progress bar (a thread) is first drawn
+            with procs.Pool(jobs) as pool:
+                futures = {pool.submit(_run_one, w): i for i, w in enumerate(work)}
+                for done, fut in enumerate(as_completed(futures)):
+                    i = futures[fut]
+                    out[i] = fut.result()
+                    if progress:
+                        progress(done + 1, len(todo), todo[i].id)
+    except KeyboardInterrupt:
+        pass  # the pool has ended its workers; what finished is kept
+    else:
+        if progress:
+            progress(len(todo), len(todo), "done")
     results = tuple(r for r in out if r is not None)
-    return Study(name, defaults, results, time.perf_counter() - t0)
+    return Study(name, defaults, results, time.perf_counter() - t0, len(todo))

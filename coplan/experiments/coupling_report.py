@@ -137,6 +137,12 @@ def verdict_lines(data: dict[str, Any]) -> list[str]:
             f"{len(v['feasibility_coupled'])} pair-scenarios, e.g. {v['feasibility_coupled'][0]['pair']} "
             f"in {v['feasibility_coupled'][0]['scenario']}"
         )
+    if data.get("partial"):
+        out.append(
+            f"partial: {len(data['scenarios'])} of {data['scenarios_total']} scenarios finished before the "
+            "study was stopped; "
+            + ("the verdict holds" if v.get("conclusive") else "the rest could still change the verdict")
+        )
     t = data["trends"]
     for axis, label in (("model_size", "model size"), ("gpus", "GPU count")):
         rho = t[axis]["rho"]

@@ -129,10 +129,10 @@ def all4_summary(results: Sequence[ScenarioResult]) -> dict[str, Any]:
 def spearman(xs: Sequence[float], ys: Sequence[float]) -> float | None:
     """Spearman's rank correlation (``apply.measure.spearman``), None where it is undefined: fewer
     than three points, or a constant side."""
-    from coplan.apply.measure import spearman as rank_correlation  # imports torch: only when asked
-
     if len(xs) < 3 or len(set(xs)) < 2 or len(set(ys)) < 2:
         return None
+    from coplan.apply.measure import spearman as rank_correlation  # imports torch: only when asked
+
     return rank_correlation(xs, ys)
 
 
@@ -232,9 +232,13 @@ def verdict(results: Sequence[ScenarioResult]) -> dict[str, Any]:
 
 
 def to_json(study: Study) -> dict[str, Any]:
-    """The object ``coplan coupling --json`` prints (the CLI contract's keys first)."""
+    """The object ``coplan coupling --json`` prints (the CLI contract's keys first). A study
+    stopped early (``partial``) is summarised over the scenarios that finished; its verdict is
+    ``conclusive`` only when it is ``validated`` (a pair found above the threshold stays there;
+    the unplanned scenarios could still validate a ``killed`` one)."""
     res = study.scenarios
     v = verdict(res)
+    v["conclusive"] = not study.partial or v["verdict"] == "validated"
     return {
         "pairs": {name: pair_summary(res, name) for name in PAIR_NAMES},
         "all4": all4_summary(res),
@@ -249,4 +253,6 @@ def to_json(study: Study) -> dict[str, Any]:
         "invalid_plans": sum(len(r.invalid_plans) for r in res),
         "seconds": study.seconds,
         "source": "coplan cost model (simulated); every plan checked by coplan.plan.checker",
+        "partial": study.partial,
+        "scenarios_total": len(res) if study.total is None else study.total,
     }

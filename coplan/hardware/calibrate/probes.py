@@ -526,12 +526,12 @@ def _collective_worker(
 def measure_collectives(
     dev: str, procs: int, plan: Plan, tick: Callable[[str], None]
 ) -> tuple[list[Measurement], str]:
-    import torch.multiprocessing as mp
+    from coplan.procs import spawn
 
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "collectives.json")
         args = (procs, dev, _free_port(), plan.collective_bytes, plan.target_s, plan.samples, out)
-        mp.spawn(_collective_worker, args=args, nprocs=procs, join=True)
+        spawn(_collective_worker, procs, args)
         data = json.loads(Path(out).read_text())
     tick(f"collectives over {procs} processes")
     ms = [
