@@ -1,0 +1,159 @@
+"""The other-stack runs (benchmarks/data/published_stack_runs.json: torchtitan, PyTorch FSDP, DeepSpeed, eager
+PyTorch) stay loadable and self-consistent: every run is complete and cited, its model loads as a ModelSpec,
+its cluster resolves, its layout adds up, and its eager/compiled pair points at the same job."""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import pytest
+
+from coplan.hardware import load_cluster
+from coplan.models.spec import ModelSpec
+
+ROOT = Path(__file__).resolve().parents[2]
+DATA = json.loads((ROOT / "benchmarks" / "data" / "published_stack_runs.json").read_text())
+RUNS = DATA["runs"]
+BY_ID = {r["id"]: r for r in RUNS}
+FIELDS = (
+    *("id", "stack", "source", "model", "cluster", "gpus", "tp", "pp", "vpp", "microbatch", "global_batch"),
+    *("seq", "recompute", "sequence_parallel", "zero", "dtype", "flash_attention", "stack_settings"),
+    *("measured", "assumptions"),
+)
+STACKS = ("torchtitan", "fsdp", "deepspeed", "eager")
+SETTINGS = (
+    "compile",
+    "float8",
+    "fsdp",
+    "sharding",
+    "reshard_after_forward",
+    "activation_checkpoint",
+    "async_tp",
+    "cpu_offload",
+    "mixed_precision",
+    "attention",
+    "fused_optimizer",
+    "sources",
+)
+AC = re.compile(r"none|full|selective-op|selective-layer:[1-9]\d*|selective-fraction:(0(\.\d+)?|1)")
+# what a pair may differ in: the compile flag and what it changes (the measurement, the citations)
+PAIR_FREE = {"id", "pair", "source", "measured", "stack_settings", "assumptions"}
+
+
+def test_about_and_ids() -> None:
+    assert DATA["about"]
+    ids = [r["id"] for r in RUNS]
+    assert len(ids) == len(set(ids))
+
+
+def test_each_stack_is_covered() -> None:
+    counts = {s: sum(r["stack"] == s for r in RUNS) for s in STACKS}
+    assert counts["torchtitan"] >= 10 and counts["fsdp"] >= 10 and counts["deepspeed"] >= 8, counts
+    assert counts["eager"] >= 1, counts
+    assert sum("pair" in r for r in RUNS) >= 8  # at least four eager/compiled pairs
+
+
+@pytest.mark.parametrize("run", RUNS, ids=[r["id"] for r in RUNS])
+def test_run_is_complete_and_cited(run: dict) -> None:
+    for field in FIELDS:
+        assert field in run, field
+    assert run["stack"] in STACKS
+    assert run["source"] and run["assumptions"]
+    measured = run["measured"]
+    assert measured["step_time_s"] > 0 and measured["published_as"] and measured["derivation"]
+    if "peak_memory_bytes" in measured:
+        assert measured["memory_kind"] in ("reserved", "allocated", "active", "nvidia-smi")
+        assert 2**30 < measured["peak_memory_bytes"] < 200 * 2**30
+    settings = run["stack_settings"]
+    for key in SETTINGS:
+        assert key in settings, key
+    assert settings["sources"], "every run cites where its stack settings come from"
+    for key in settings["sources"]:
+        assert key in settings, f"a source for a setting the run does not state: {key}"
+    assert isinstance(settings["compile"], bool)
+    assert settings["float8"] in (None, "tensorwise", "rowwise", "rowwise_with_gw_hp")
+    assert (settings["float8"] is not None) == (run["dtype"] == "fp8")
+    assert settings["fsdp"] in (None, "fsdp1", "fsdp2")
+    assert AC.fullmatch(settings["activation_checkpoint"]), settings["activation_checkpoint"]
+    assert run["recompute"] in ("none", "full", "partial")
+    if settings["activation_checkpoint"] in ("none", "full"):
+        assert run["recompute"] == settings["activation_checkpoint"]
+    assert run["zero"] in (0, 1, 2, 3)
+    if settings["fsdp"] == "fsdp2":
+        assert run["zero"] == 3
+    assert not re.search(r"\bsessions?\b", json.dumps(run), re.IGNORECASE)
+
+
+@pytest.mark.parametrize("run", RUNS, ids=[r["id"] for r in RUNS])
+def test_model_cluster_and_layout_resolve(run: dict) -> None:
+    model = ModelSpec.from_dict(run["model"], source=run["id"])
+    assert model.resolve_seq(run["seq"]) == run["seq"]
+    cluster = load_cluster(run["cluster"], run["gpus"])
+    assert cluster.num_devices == run["gpus"]
+    tp, pp = run["tp"], run["pp"]
+    assert run["gpus"] % (tp * pp) == 0
+    dp = run["gpus"] // (tp * pp)
+    assert tp * pp * dp == run["gpus"]
+    assert run["global_batch"] % (run["microbatch"] * dp) == 0
+    assert model.n_heads % tp == 0 and model.kv_heads % min(tp, model.kv_heads) == 0
+    if "stage_layers" in run:
+        assert len(run["stage_layers"]) == pp and sum(run["stage_layers"]) == model.n_layers
+    else:
+        assert model.n_layers % (pp * run["vpp"]) == 0
+    if "attention" in run:
+        assert run["flash_attention"] and run["attention"]["source"]
+        assert all(d.prices_attention(run["attention"]["kernel"]) for d in cluster.devices)
+
+
+PAIRS = [r for r in RUNS if "pair" in r]
+
+
+@pytest.mark.parametrize("run", PAIRS, ids=[r["id"] for r in PAIRS])
+def test_pairs_are_the_same_job_eager_and_compiled(run: dict) -> None:
+    other = BY_ID[run["pair"]]
+    assert other["pair"] == run["id"]
+    assert run["stack_settings"]["compile"] != other["stack_settings"]["compile"]
+    for key in set(run) | set(other):
+        if key not in PAIR_FREE and key != "variant_of":
+            assert run.get(key) == other.get(key), key
+    for key in ("float8", "fsdp", "sharding", "activation_checkpoint", "async_tp", "mixed_precision"):
+        assert run["stack_settings"][key] == other["stack_settings"][key], key
+
+
+VARIANTS = [r for r in RUNS if "variant_of" in r]
+
+
+@pytest.mark.parametrize("run", VARIANTS, ids=[r["id"] for r in VARIANTS])
+def test_variants_point_at_runs_of_the_same_model(run: dict) -> None:
+    other = BY_ID[run["variant_of"]]
+    assert other["id"] != run["id"] and other["model"] == run["model"] and other["gpus"] == run["gpus"]
+
+
+def test_stated_parameter_counts_match_the_model_fields() -> None:
+    # runs that quote a source's parameter count check the model fields against it
+    checked = 0
+    for run in RUNS:
+        found = re.search(r"param_count for these fields is ([\d,]+)", run["assumptions"])
+        if found:
+            count = int(found.group(1).replace(",", ""))
+            assert ModelSpec.from_dict(run["model"]).param_count() == count, run["id"]
+            checked += 1
+    assert checked >= 6
+
+
+def test_token_throughput_derivations_reproduce_the_step_time() -> None:
+    # 'step_time = global_batch*seq / (tokens/s per GPU * GPUs) = B*S / (T*G)' restated from the run's fields
+    pattern = re.compile(r"= (\d+)\*(\d+) / \(([\d.]+)\*(\d+)\)")
+    checked = 0
+    for run in RUNS:
+        found = pattern.search(run["measured"]["derivation"])
+        if not found:
+            continue
+        batch, seq, tps, gpus = (float(x) for x in found.groups())
+        assert (batch, seq, gpus) == (run["global_batch"], run["seq"], run["gpus"]), run["id"]
+        step = batch * seq / (tps * gpus)
+        assert run["measured"]["step_time_s"] == pytest.approx(step, rel=1e-3), run["id"]
+        checked += 1
+    assert checked >= 40
