@@ -254,7 +254,7 @@ def test_invalid_json_reports_position(tmp_path: Path) -> None:
 
 
 def test_missing_file() -> None:
-    with pytest.raises(SpecError, match="file not found"):
+    with pytest.raises(SpecError, match="no such file"):
         load_cluster("does/not/exist.json")
 
 

@@ -149,7 +149,7 @@ def test_a_nemo_yaml_is_read(tmp_path, cli):
         ("c.json", '{"fc2_fprop": {"method": "pipeline", "num_splits": 0}}', "fc2_fprop: num_splits"),
         ("d.json", '{"fc2_fprop": {"method": "pipeline", "color": 1}}', "fc2_fprop: unknown key 'color'"),
         ("e.json", "{not json", "not valid JSON"),
-        ("missing.json", None, "No such file"),
+        ("missing.json", None, "no such file"),
     ],
 )
 def test_bad_overlap_settings_exit_2_with_one_line(tmp_path, cli, name, text, needle):
