@@ -27,12 +27,12 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
 
-from bench_published import run_config  # noqa: E402
+from bench_published import run_config
 
-from coplan.cost import CostModel, Estimate, load_stack  # noqa: E402
-from coplan.cost.checkpoint import layer_fraction, selective_op_names  # noqa: E402
-from coplan.hardware import load_cluster  # noqa: E402
-from coplan.models.spec import ModelSpec  # noqa: E402
+from coplan.cost import CostModel, Estimate, load_stack
+from coplan.cost.checkpoint import layer_fraction, selective_op_names
+from coplan.hardware import load_cluster
+from coplan.models.spec import ModelSpec
 
 DATA = Path(__file__).parent / "data" / "published_stack_runs.json"
 OUT = Path(__file__).parent / "results" / "published_stacks.json"
@@ -93,7 +93,12 @@ def main() -> None:
     rows = []
     for run in runs:
         measured = run["measured"]
-        row = {"id": run["id"], "stack": run["stack"], "preset": stack_of(run), "measured_s": measured["step_time_s"]}
+        row = {
+            "id": run["id"],
+            "stack": run["stack"],
+            "preset": stack_of(run),
+            "measured_s": measured["step_time_s"],
+        }
         for label, stack in (("baseline", "megatron"), ("priced", stack_of(run))):
             start = time.perf_counter()
             step, peak, fits = price(run, stack)
@@ -101,7 +106,9 @@ def main() -> None:
                 "predicted_s": step,
                 "error": step / measured["step_time_s"] - 1,
                 "peak_bytes": peak,
-                "memory_error": peak / measured["peak_memory_bytes"] - 1 if measured.get("peak_memory_bytes") else None,
+                "memory_error": peak / measured["peak_memory_bytes"] - 1
+                if measured.get("peak_memory_bytes")
+                else None,
                 "fits": fits,
                 "wall_s": time.perf_counter() - start,
             }
@@ -109,7 +116,10 @@ def main() -> None:
         row["pair"] = run.get("pair")
         rows.append(row)
     by_id = {r["id"]: r for r in rows}
-    print(f"{'stack':<11}{'n':>3} | {'baseline: mean abs  signed  worst':>34} | {'preset: mean abs  signed  worst':>32}")
+    print(
+        f"{'stack':<11}{'n':>3} | {'baseline: mean abs  signed  worst':>34} | "
+        f"{'preset: mean abs  signed  worst':>32}"
+    )
     summary: dict[str, dict] = {}
     for stack in [*dict.fromkeys(r["stack"] for r in rows), "all"]:
         sel = [r for r in rows if stack in ("all", r["stack"])]
@@ -124,7 +134,8 @@ def main() -> None:
         summary[stack] = s
         b, p = s["baseline"], s["priced"]
         print(
-            f"{stack:<11}{len(sel):>3} | {b['mean_abs']:>17.1%} {b['mean_signed']:>+7.1%} {b['worst']:>+6.1%} "
+            f"{stack:<11}{len(sel):>3} | {b['mean_abs']:>17.1%} {b['mean_signed']:>+7.1%} "
+            f"{b['worst']:>+6.1%} "
             f"| {p['mean_abs']:>15.1%} {p['mean_signed']:>+7.1%} {p['worst']:>+6.1%}"
         )
     print("\neager / compile pairs: step-time ratio eager/compiled, measured vs predicted (points)")
@@ -140,12 +151,15 @@ def main() -> None:
         pairs.append(out)
         print(
             f"  {r['id']:<48} measured {meas:.3f}  baseline {out['baseline']:.3f} "
-            f"({100 * (out['baseline'] - meas):+.1f})  preset {out['priced']:.3f} ({100 * (out['priced'] - meas):+.1f})"
+            f"({100 * (out['baseline'] - meas):+.1f})  preset {out['priced']:.3f} "
+            f"({100 * (out['priced'] - meas):+.1f})"
         )
     mem = [r for r in rows if r["priced"]["memory_error"] is not None]
-    print(f"\npeak memory where published ({len(mem)} runs): mean abs error baseline "
-          f"{statistics.fmean(abs(r['baseline']['memory_error']) for r in mem):.1%}, preset "
-          f"{statistics.fmean(abs(r['priced']['memory_error']) for r in mem):.1%}")
+    print(
+        f"\npeak memory where published ({len(mem)} runs): mean abs error baseline "
+        f"{statistics.fmean(abs(r['baseline']['memory_error']) for r in mem):.1%}, preset "
+        f"{statistics.fmean(abs(r['priced']['memory_error']) for r in mem):.1%}"
+    )
     for label in ("baseline", "priced"):
         bad = [r["id"] for r in rows if not r[label]["fits"]]
         print(f"runs that ran, priced as not fitting ({label}): {len(bad)} {bad}")

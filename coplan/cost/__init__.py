@@ -19,9 +19,9 @@ __all__ = [
     "TrainingConfig",
     "check_against",
     "estimate",
-    "production_overlaps",
     "load_stack",
     "load_stack_file",
+    "production_overlaps",
     "profile_graph",
     "stack_names",
 ]

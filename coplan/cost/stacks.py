@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass, fields, replace
-from functools import lru_cache
+from functools import cache
 from importlib import resources
 from pathlib import Path
 from typing import Any
@@ -123,7 +123,9 @@ class StackSpec:
         srcs = tuple((str(k), str(v)) for k, v in dict(self.sources).items())
         for k, v in srcs:
             if k not in SETTINGS:
-                raise StackError(src, "sources", f"cites {k!r}, which is not a setting ({', '.join(SETTINGS)})")
+                raise StackError(
+                    src, "sources", f"cites {k!r}, which is not a setting ({', '.join(SETTINGS)})"
+                )
             if not v.strip():
                 raise StackError(src, "sources", f"the citation of {k!r} is empty")
         object.__setattr__(self, "sources", srcs)
@@ -188,27 +190,28 @@ def stack_from_dict(data: object, source: str) -> StackSpec:
     kw = dict(data)
     if "checkpointing" in kw and isinstance(kw["checkpointing"], list):
         kw["checkpointing"] = tuple(kw["checkpointing"])
-    if "sources" in kw:
-        if not isinstance(kw["sources"], dict):
-            raise StackError(source, "sources", "must map settings to citations")
-        kw["sources"] = tuple(kw["sources"].items())
-        missing = sorted(k for k in data if k in SETTINGS and k not in data["sources"])
-        if missing:
-            raise StackError(source, "sources", f"no citation for {missing[0]!r}")
+    cited = kw.get("sources", {})
+    if not isinstance(cited, dict):
+        raise StackError(source, "sources", "must map settings to citations")
+    # every setting a file gives says where it comes from, as the presets' do
+    missing = sorted(k for k in data if k in SETTINGS and k not in cited)
+    if missing:
+        raise StackError(source, "sources", f"no citation for {missing[0]!r}")
+    kw["sources"] = tuple(cited.items())
     try:
         return StackSpec(**kw)
     except TypeError as exc:
         raise StackError(source, None, str(exc)) from None
 
 
-@lru_cache(maxsize=None)
+@cache
 def stack_names() -> tuple[str, ...]:
     """The packaged presets, sorted."""
     root = resources.files("coplan.cost") / "stacks"
     return tuple(sorted(p.name[:-5] for p in root.iterdir() if p.name.endswith(".json")))
 
 
-@lru_cache(maxsize=None)
+@cache
 def load_stack(name: str) -> StackSpec:
     """The packaged preset ``name``."""
     if name not in stack_names():

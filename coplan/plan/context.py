@@ -15,8 +15,8 @@ from typing import NamedTuple
 
 from coplan.cost import ConfigError, CostModel, Estimate, TrainingConfig
 from coplan.cost.config import userbuffers_overlap
-from coplan.cost.stacks import StackSpec, load_stack
 from coplan.cost.parts import GraphProfile
+from coplan.cost.stacks import StackSpec, load_stack
 from coplan.hardware.cluster import ClusterSpec
 from coplan.ir.fingerprint import fingerprint as graph_fingerprint
 from coplan.ir.types import Graph, Op
