@@ -10,7 +10,7 @@ Megatron's selective) and with the preset of its stack (``torchtitan``, ``fsdp``
 ``stack_settings.activation_checkpoint``: ``selective-op`` is torchtitan's per-op policy as a
 recompute set (``coplan.cost.checkpoint``); ``selective-layer:N`` / ``selective-fraction:p``
 checkpoint a share of the blocks fully, priced as that share of a fully checkpointed step and the
-rest of an unchekpointed one (blocks are priced independently). Prints per stack the mean
+rest of an uncheckpointed one (blocks are priced independently). Prints per stack the mean
 absolute, mean signed and worst step-time error, the eager/compile pair ratios, the peak-memory
 error where published, and the runs that ran but are priced as not fitting; writes the rows to
 ``benchmarks/results/published_stacks.json``.
