@@ -13,7 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 from coplan.apply.dist import supported
-from coplan.cost import CostModel, Stack
+from coplan.cost import CostModel, StackSpec
 from coplan.errors import SpecError
 from coplan.hardware.cluster import ClusterSpec, InterconnectLevel, NodeGroup
 from coplan.hardware.device import DeviceSpec
@@ -56,10 +56,10 @@ def make_context(
     spec: ModelSpec, cluster: ClusterSpec, global_batch: int, seq: int, device: str = "cpu"
 ) -> PlanContext:
     """The planning problem of a run on ``device``, priced as coplan's runner executes plans
-    (``Stack.runner``: pipeline stages keep their outputs, ZeRO >= 1 is FSDP2 per block, and on a
+    (``StackSpec.runner``: pipeline stages keep their outputs, ZeRO >= 1 is FSDP2 per block, and on a
     CPU collectives do not overlap compute)."""
     return PlanContext(
-        CostModel(spec=spec), cluster, global_batch=global_batch, seq=seq, stack=Stack.runner(device)
+        CostModel(spec=spec), cluster, global_batch=global_batch, seq=seq, stack=StackSpec.runner(device)
     )
 
 

@@ -66,6 +66,18 @@ class AttentionKernel(enum.StrEnum):  # coplan.cost.config.ATTENTION_KERNEL_CHOI
     flash3 = "flash3"
 
 
+class StackName(enum.StrEnum):  # coplan.cost.stacks.stack_names()
+    coplan = "coplan"
+    deepspeed = "deepspeed"
+    eager = "eager"
+    eager_compile = "eager-compile"
+    fsdp = "fsdp"
+    fsdp_compile = "fsdp-compile"
+    megatron = "megatron"
+    torchtitan = "torchtitan"
+    torchtitan_compile = "torchtitan-compile"
+
+
 class LossFusion(enum.StrEnum):  # coplan.cost.config.LOSS_FUSIONS
     none = "none"
     native = "native"
@@ -233,6 +245,21 @@ def estimate(
             show_default=False,
         ),
     ] = 0,
+    stack: Annotated[
+        StackName | None,
+        typer.Option(
+            "--stack",
+            help="The training stack that runs the step (its kernels, attention kernel, sharding and "
+            "overlaps; docs/stacks.md) \\[default: megatron].",
+            show_default=False,
+        ),
+    ] = None,
+    stack_file: Annotated[
+        Path | None,
+        typer.Option(
+            "--stack-file", help="A stack read from a JSON file of a preset's shape (docs/stacks.md)."
+        ),
+    ] = None,
     json: JsonOpt = False,
 ) -> None:
     """Predict step time, per-GPU memory and MFU of one training configuration."""
@@ -252,6 +279,14 @@ def estimate(
         raise ConfigError("kernels", f"--kernels must be 0 or more, got {kernels}")
     if zero not in (0, 1, 2, 3):
         raise ConfigError("zero", f"--zero must be 0, 1, 2 or 3, got {zero}")
+    if stack is not None and stack_file is not None:
+        raise ConfigError("stack", "give --stack or --stack-file, not both")
+    from coplan.cost.stacks import load_stack, load_stack_file
+
+    if stack_file is not None:
+        the_stack = load_stack_file(stack_file)
+    else:
+        the_stack = load_stack(stack.value if stack is not None else "megatron")
     spec = load_model_spec(model)
     # the run's dropout, where it differs from the model's (Megatron's GPT runs use 0.1); the spec
     # checks the values, and its error names the flag that set them
@@ -272,7 +307,7 @@ def estimate(
     # what the user left unsaid, a production Megatron-Core stack decides (``production_overlaps``)
     auto = production_overlaps(hw.devices, tp, sequence_parallel, zero)
     if tp_comm_overlap is None:
-        tp_comm_overlap = auto["tp_comm_overlap"]
+        tp_comm_overlap = auto["tp_comm_overlap"] and the_stack.tp_comm_overlap
     if overlap_param_gather is None:
         overlap_param_gather = auto["overlap_param_gather"]
     config = TrainingConfig(
@@ -303,6 +338,8 @@ def estimate(
         dp_bucket_params=dp_bucket_params,
         dp_bucket_scope=dp_bucket_scope.value,
     )
+    # what the stack decides: its kernels, attention kernel and sharding units (``StackSpec.configure``)
+    config = the_stack.configure(config)
     cm = CostModel(spec=spec)
     est = cm.estimate(hw, config)
     listed = _kernels(cm, hw, est, kernels) if kernels else None
@@ -310,6 +347,7 @@ def estimate(
         out = est.to_dict()
         out["model"] = spec.name
         out["seq"] = spec.resolve_seq(seq)
+        out["stack"] = the_stack.name
         if listed is not None:
             out["kernels"] = {"stage": listed[0], "rows": [row.to_dict() for row in listed[1]]}
         print_json(out)

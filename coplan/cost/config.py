@@ -25,6 +25,10 @@ DTYPES: tuple[str, ...] = ("fp32", "tf32", "bf16", "fp16", "fp8")
 #: Dtypes a single op may be given (``TrainingConfig.op_dtypes``).
 OP_DTYPES: tuple[str, ...] = ("fp32", "bf16", "fp16", "fp8")
 FUSION_MODES: tuple[str, ...] = ("megatron", "none")
+#: The kernels a stack launches for each op (``TrainingConfig.kernels``, ``coplan.cost.stacks``):
+#: Megatron-LM / Transformer Engine's fused kernels, eager PyTorch's decompositions
+#: (``coplan.cost.eager``), torch.compile's Inductor-generated kernels.
+KERNEL_SETS: tuple[str, ...] = ("megatron", "eager", "inductor")
 #: Megatron's cross-entropy kernels (``--cross-entropy-loss-fusion``, ``--cross-entropy-fusion-impl``):
 #: unfused (the default), jit-fused ("native"), Transformer Engine's ("te"); see ``cost/loss.py``.
 LOSS_FUSIONS: tuple[str, ...] = ("none", "native", "te")
@@ -104,6 +108,10 @@ class TrainingConfig:
             0's first chunk, and only with ``overlap_grad_reduce``), ``"all"`` (every stage and
             chunk: PyTorch DDP), ``"padded"`` (every layer opens whole buckets: Apex's distributed
             Adam as NeMo drives it) or ``"none"`` (one collective per chunk); ``coplan.cost.buckets``.
+        kernels: the kernels the stack launches around the model's math (``KERNEL_SETS``):
+            ``"megatron"`` prices the fusion groups as they are; ``"eager"`` also runs each
+            Python-level op as eager PyTorch decomposes it (RMSNorm's fp32 upcast, RoPE's complex
+            product: ``coplan.cost.eager``); ``"inductor"`` prices torch.compile's fused kernels.
         attention_kernel: the fused-attention kernel (``ATTENTION_KERNEL_CHOICES``): ``"auto"``, what
             the device's profile describes, or one the stack forces (``"flash2"``: Transformer
             Engine with ``NVTE_FUSED_ATTN=0`` on Hopper, or PyTorch's SDPA flash backend).
@@ -151,6 +159,7 @@ class TrainingConfig:
     dp_bucket_params: int | None = None
     dp_bucket_scope: str = "megatron-core"
     attention_kernel: str = "auto"
+    kernels: str = "megatron"
 
     def __post_init__(self) -> None:
         for name in ("tp", "pp", "dp", "vpp", "microbatch", "global_batch"):
@@ -216,6 +225,8 @@ class TrainingConfig:
                 "attention_kernel",
                 f"must be one of {', '.join(ATTENTION_KERNEL_CHOICES)}, got {self.attention_kernel!r}",
             )
+        if self.kernels not in KERNEL_SETS:
+            raise ConfigError("kernels", f"must be one of {', '.join(KERNEL_SETS)}, got {self.kernels!r}")
         if self.fp8_params and self.dtype != "fp8":
             raise ConfigError("fp8_params", f"needs dtype fp8, got {self.dtype!r}")
         if self.vpp > 1 and self.pp == 1:
@@ -322,6 +333,7 @@ class TrainingConfig:
             "dp_bucket_params": self.bucket_params,
             "dp_bucket_scope": self.dp_bucket_scope,
             "attention_kernel": self.attention_kernel,
+            **({"kernels": self.kernels} if self.kernels != "megatron" else {}),
         }
 
 
@@ -388,41 +400,4 @@ def check_against(
             "vpp",
             f"interleaved pipelining needs microbatches ({config.num_microbatches}) "
             f"divisible by pp ({config.pp})",
-        )
-
-
-@dataclass(frozen=True, slots=True)
-class Stack:
-    """How the training stack that runs a plan behaves, where stacks differ and the plan does not
-    say (the ``TrainingConfig`` fields of the same names). The default is Megatron-LM's, which
-    the published runs use; ``coplan run`` prices its own (``Stack.runner``)."""
-
-    pipeline_keeps_outputs: bool = False
-    fsdp_units: bool = False
-    overlap: bool = True
-    # Transformer Engine's userbuffers overlap of TP collectives where a production Megatron-Core
-    # stack turns it on (``production_overlaps``: SP, TP > 1, Hopper or newer)
-    tp_comm_overlap: bool = True
-    # data-parallel gradient buckets (``coplan.cost.buckets``): Megatron-Core's by default
-    dp_bucket_params: int | None = None
-    dp_bucket_scope: str = "megatron-core"
-    # the fused-attention kernel the stack runs, priced where the cluster's devices have rates
-    # for it (``DeviceSpec.prices_attention``), else the devices' own (``"auto"``)
-    attention_kernel: str = "auto"
-
-    @classmethod
-    def runner(cls, device: str) -> Stack:
-        """coplan's runner: torch.distributed.pipelining keeps stage outputs, ZeRO >= 1 runs as
-        FSDP2 per block, TP collectives block (no userbuffers), ZeRO 0 runs PyTorch DDP (its
-        default 25 MiB buckets of the fp32 master gradients, every stage bucketed); on a CPU,
-        gloo's collectives run on the cores that compute, unhidden. On a GPU attention runs
-        PyTorch's SDPA, whose backend priority puts FlashAttention-2 first."""
-        return cls(
-            attention_kernel="auto" if device == "cpu" else "flash2",
-            pipeline_keeps_outputs=True,
-            fsdp_units=True,
-            overlap=device != "cpu",
-            tp_comm_overlap=False,
-            dp_bucket_params=DDP_BUCKET_BYTES // 4,
-            dp_bucket_scope="all",
         )

@@ -28,6 +28,7 @@ from typing import Any, cast
 from coplan.cost.buckets import StageBuckets, queued_exposure, serial_time
 from coplan.cost.comm import Group, p2p_time
 from coplan.cost.config import TrainingConfig
+from coplan.cost.eager import eager_kernels, shard_class
 from coplan.cost.fp8 import fp8_cost, runs_fp8
 from coplan.cost.fusion import readers
 from coplan.cost.kernels import (
@@ -602,6 +603,13 @@ class _Priced:
             if name == cost.c.loss_fusion:  # Megatron's own loss kernels (``loss.py``)
                 self.saved, self.points = vadd(self.saved, delta), points
         fwd, bwd = run_kernels(part, cost.c.loss_fusion, cost.c.activation_fusion)
+        if cost.c.kernels == "eager":
+            # eager PyTorch's decompositions of the ops a model writes in Python (``eager.py``)
+            key = ("eager", cost.c.loss_fusion, cost.c.activation_fusion)
+            got = part.cache.get(key)
+            if got is None:
+                got = part.cache[key] = eager_kernels(cost.profile.graph, fwd, bwd, shard_class)
+            fwd, bwd = got  # type: ignore[misc]
         self.fwd_kernels = fwd
         self.fwd_times = [cost.time(k) for k in fwd]
         self.forward = sum(self.fwd_times)

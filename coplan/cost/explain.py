@@ -13,6 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from coplan.cost.config import TrainingConfig
+from coplan.cost.eager import eager_kernels, shard_class
 from coplan.cost.fp8 import fp8_cost, runs_fp8
 from coplan.cost.kernels import Rates, Scale, kernel_time, local_dims
 from coplan.cost.parts import GraphProfile, Kernel, Part, part_dtype, run_kernels, vdot
@@ -78,6 +79,8 @@ def kernel_costs(
     for part, n in stage_parts(profile, config, stage):
         base = part_dtype(part, config.dtype)
         fwd, bwd = run_kernels(part, config.loss_fusion, config.activation_fusion)
+        if config.kernels == "eager":  # eager PyTorch's decompositions (``eager.py``), as priced
+            fwd, bwd = eager_kernels(g, fwd, bwd, shard_class)
         for k in (*fwd, *bwd):
             if k.kind == "free":
                 continue

@@ -14,8 +14,9 @@ from functools import cached_property
 from typing import NamedTuple
 
 from coplan.cost import ConfigError, CostModel, Estimate, TrainingConfig
-from coplan.cost.config import Stack, userbuffers_overlap
+from coplan.cost.config import userbuffers_overlap
 from coplan.cost.parts import GraphProfile
+from coplan.cost.stacks import StackSpec, load_stack
 from coplan.hardware.cluster import ClusterSpec
 from coplan.ir.fingerprint import fingerprint as graph_fingerprint
 from coplan.ir.types import Graph, Op
@@ -123,7 +124,7 @@ class PlanContext:
     seq: int
     budget_bytes: float | None = None
     numerics: Numerics = field(default_factory=Numerics)
-    stack: Stack = field(default_factory=Stack)
+    stack: StackSpec = field(default_factory=lambda: load_stack("megatron"))
     _priced: dict[Decisions, Estimate] = field(default_factory=dict, repr=False)
     _configs: dict[Decisions, TrainingConfig] = field(default_factory=dict, repr=False)
     _expanded: dict[FusionPlan, tuple[tuple[int, ...], ...]] = field(default_factory=dict, repr=False)

@@ -737,11 +737,11 @@ def test_memory_violation_reads_in_units_that_fit_the_model():
     ],
 )
 def test_plans_price_tp_overlap_as_the_stack_that_runs_them(cluster, sp, runner, want):
-    from coplan.cost import Stack
+    from coplan.cost import StackSpec
 
     ctx = make_ctx(cluster=cluster)
     if runner:
-        ctx = dataclasses.replace(ctx, stack=Stack.runner("cuda"))
+        ctx = dataclasses.replace(ctx, stack=StackSpec.runner("cuda"))
     plan = BASE.with_(cluster=f"{cluster}[2]", parallel=ParallelPlan(tp=2, sequence_parallel=sp))
     assert ctx.config_of(plan).tp_comm_overlap is want
 
@@ -756,11 +756,11 @@ def test_plans_price_tp_overlap_as_the_stack_that_runs_them(cluster, sp, runner,
     ],
 )
 def test_plans_price_the_attention_kernel_of_the_stack_that_runs_them(cluster, runner, want):
-    from coplan.cost import Stack
+    from coplan.cost import StackSpec
 
     ctx = make_ctx(cluster=cluster)
     if runner:
-        ctx = dataclasses.replace(ctx, stack=Stack.runner("cuda"))
+        ctx = dataclasses.replace(ctx, stack=StackSpec.runner("cuda"))
     plan = BASE.with_(cluster=f"{cluster}[2]", parallel=ParallelPlan(dp=2))
     assert ctx.config_of(plan).attention_kernel == want
     ctx.price(plan)  # every choice prices

@@ -1,0 +1,173 @@
+"""Cost model against published runs of PyTorch-native, DeepSpeed and eager stacks, each priced
+with its stack's preset (``coplan/cost/stacks/*.json``) beside the Megatron-priced baseline.
+
+    python benchmarks/bench_stacks.py [--runs RUNS.json] [--json OUT]
+
+Each run of ``benchmarks/data/published_stack_runs.json`` is priced twice: as ``megatron`` (the
+cost model before stacks were named: Megatron + Transformer Engine kernels, per-op checkpointing as
+Megatron's selective) and with the preset of its stack (``torchtitan``, ``fsdp``, ``deepspeed``,
+``eager``; the ``-compile`` preset where ``stack_settings.compile``). Checkpointing follows
+``stack_settings.activation_checkpoint``: ``selective-op`` is torchtitan's per-op policy as a
+recompute set (``coplan.cost.checkpoint``); ``selective-layer:N`` / ``selective-fraction:p``
+checkpoint a share of the blocks fully, priced as that share of a fully checkpointed step and the
+rest of an uncheckpointed one (blocks are priced independently). Prints per stack the mean
+absolute, mean signed and worst step-time error, the eager/compile pair ratios, the peak-memory
+error where published, and the runs that ran but are priced as not fitting; writes the rows to
+``benchmarks/results/published_stacks.json``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).parent))
+
+from bench_published import run_config
+
+from coplan.cost import CostModel, Estimate, load_stack
+from coplan.cost.checkpoint import layer_fraction, selective_op_names
+from coplan.hardware import load_cluster
+from coplan.models.spec import ModelSpec
+
+DATA = Path(__file__).parent / "data" / "published_stack_runs.json"
+OUT = Path(__file__).parent / "results" / "published_stacks.json"
+
+
+def stack_of(run: dict) -> str:
+    """The preset a run is priced with."""
+    name = run["stack"]
+    return f"{name}-compile" if run["stack_settings"].get("compile") else name
+
+
+def _base(run: dict) -> dict:
+    r = dict(run)
+    r.setdefault("vpp", 1)
+    r.setdefault("sequence_parallel", False)
+    r.setdefault("flash_attention", True)
+    return r
+
+
+def price(run: dict, stack: str) -> tuple[float, float, bool]:
+    """(step seconds, peak bytes, fits) of ``run`` under preset ``stack``."""
+    r = _base(run)
+    spec = ModelSpec(**{k: v for k, v in r["model"].items() if v is not None})
+    cluster = load_cluster(r["cluster"], r["gpus"])
+    model = CostModel(spec=spec)
+    if stack == "megatron":
+        if r["recompute"] == "partial":
+            r["recompute"] = "selective"
+        est = model.estimate(cluster, run_config(r))
+        return est.step_time_s, est.memory.peak_bytes, est.fits
+    policy = r["stack_settings"].get("activation_checkpoint", r["recompute"])
+    frac = layer_fraction(policy)
+    r["recompute"] = "none" if policy == "selective-op" or frac is not None else r["recompute"]
+    config = load_stack(stack).configure(run_config(r))
+    if policy == "selective-op":
+        graph = model.profile(config.microbatch, model.seq_of(config), config.fusion).graph
+        config = config.with_(recompute=selective_op_names(graph))
+    if frac is None:
+        est = model.estimate(cluster, config)
+        return est.step_time_s, est.memory.peak_bytes, est.fits
+    none, full = model.estimate(cluster, config), model.estimate(cluster, config.with_(recompute="full"))
+    return _mix(none, full, frac)
+
+
+def _mix(none: Estimate, full: Estimate, frac: float) -> tuple[float, float, bool]:
+    step = frac * full.step_time_s + (1 - frac) * none.step_time_s
+    peak = frac * full.memory.peak_bytes + (1 - frac) * none.memory.peak_bytes
+    cap = none.memory.capacity_bytes
+    return step, peak, peak <= cap
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--runs", type=Path, default=DATA)
+    ap.add_argument("--json", type=Path, default=OUT)
+    args = ap.parse_args()
+    runs = json.loads(args.runs.read_text())["runs"]
+    rows = []
+    for run in runs:
+        measured = run["measured"]
+        row = {
+            "id": run["id"],
+            "stack": run["stack"],
+            "preset": stack_of(run),
+            "measured_s": measured["step_time_s"],
+        }
+        for label, stack in (("baseline", "megatron"), ("priced", stack_of(run))):
+            start = time.perf_counter()
+            step, peak, fits = price(run, stack)
+            row[label] = {
+                "predicted_s": step,
+                "error": step / measured["step_time_s"] - 1,
+                "peak_bytes": peak,
+                "memory_error": peak / measured["peak_memory_bytes"] - 1
+                if measured.get("peak_memory_bytes")
+                else None,
+                "fits": fits,
+                "wall_s": time.perf_counter() - start,
+            }
+        row["memory_kind"] = measured.get("memory_kind")
+        row["pair"] = run.get("pair")
+        rows.append(row)
+    by_id = {r["id"]: r for r in rows}
+    print(
+        f"{'stack':<11}{'n':>3} | {'baseline: mean abs  signed  worst':>34} | "
+        f"{'preset: mean abs  signed  worst':>32}"
+    )
+    summary: dict[str, dict] = {}
+    for stack in [*dict.fromkeys(r["stack"] for r in rows), "all"]:
+        sel = [r for r in rows if stack in ("all", r["stack"])]
+        s = {}
+        for label in ("baseline", "priced"):
+            e = [r[label]["error"] for r in sel]
+            s[label] = {
+                "mean_abs": statistics.fmean(abs(x) for x in e),
+                "mean_signed": statistics.fmean(e),
+                "worst": max(e, key=abs),
+            }
+        summary[stack] = s
+        b, p = s["baseline"], s["priced"]
+        print(
+            f"{stack:<11}{len(sel):>3} | {b['mean_abs']:>17.1%} {b['mean_signed']:>+7.1%} "
+            f"{b['worst']:>+6.1%} "
+            f"| {p['mean_abs']:>15.1%} {p['mean_signed']:>+7.1%} {p['worst']:>+6.1%}"
+        )
+    print("\neager / compile pairs: step-time ratio eager/compiled, measured vs predicted (points)")
+    pairs = []
+    for r in rows:
+        other = by_id.get(r["pair"] or "")
+        if other is None or "compile" in r["preset"]:
+            continue
+        meas = r["measured_s"] / other["measured_s"]
+        out = {"eager": r["id"], "compiled": other["id"], "measured": meas}
+        for label in ("baseline", "priced"):
+            out[label] = r[label]["predicted_s"] / other[label]["predicted_s"]
+        pairs.append(out)
+        print(
+            f"  {r['id']:<48} measured {meas:.3f}  baseline {out['baseline']:.3f} "
+            f"({100 * (out['baseline'] - meas):+.1f})  preset {out['priced']:.3f} "
+            f"({100 * (out['priced'] - meas):+.1f})"
+        )
+    mem = [r for r in rows if r["priced"]["memory_error"] is not None]
+    print(
+        f"\npeak memory where published ({len(mem)} runs): mean abs error baseline "
+        f"{statistics.fmean(abs(r['baseline']['memory_error']) for r in mem):.1%}, preset "
+        f"{statistics.fmean(abs(r['priced']['memory_error']) for r in mem):.1%}"
+    )
+    for label in ("baseline", "priced"):
+        bad = [r["id"] for r in rows if not r[label]["fits"]]
+        print(f"runs that ran, priced as not fitting ({label}): {len(bad)} {bad}")
+    walls = [r["priced"]["wall_s"] for r in rows]
+    print(f"estimate wall (with the graph built): median {statistics.median(walls) * 1e3:.0f} ms")
+    args.json.parent.mkdir(parents=True, exist_ok=True)
+    args.json.write_text(json.dumps({"summary": summary, "pairs": pairs, "runs": rows}, indent=1) + "\n")
+
+
+if __name__ == "__main__":
+    main()

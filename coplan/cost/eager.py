@@ -1,0 +1,131 @@
+"""What eager PyTorch launches for the ops a model writes in Python, beyond the IR's one kernel.
+
+The IR states an RMSNorm, a rotary embedding or a cross-entropy as one op (and one gradient op),
+which is what a fused kernel runs. A model that writes them in Python (torchtitan's and fms's Llama,
+Meta's reference ``llama/model.py``) runs each ATen op of their bodies as a kernel of its own, and
+autograd runs each op's derivative formula (``tools/autograd/derivatives.yaml``). Each plan below
+lists those kernels: per big kernel the elements it reads plus writes, 16-bit (activation dtype)
+and fp32, per element of the op's main tensor, and the count of token-sized kernels (row
+statistics), which cost a launch. The IR's own kernel for the op is replaced by the plan's.
+
+- ``rms_norm`` (forward): ``x.float()`` (read 16-bit, write fp32), ``pow(2)`` (fp32 read, write),
+  ``mean(-1)`` (fp32 read), ``+ eps`` and ``rsqrt`` (token-sized), ``x * rstd`` (fp32 read, write),
+  ``.type_as(x)`` (fp32 read, 16-bit write), ``* weight`` (16-bit read, write): 6 big kernels,
+  2 small.
+- ``rms_norm`` (backward): ``* weight``'s gradients (``g * w``: 16-bit read, write; ``g * y``:
+  two 16-bit reads, one write, then the sum over tokens: one read), ``type_as``'s (16-bit read,
+  fp32 write), ``x * rstd``'s (``g * rstd``: fp32 read, write; ``g * x``: two reads, one write; the
+  sum over the row: one read), ``mean``'s (expand / n: fp32 write), ``pow``'s (``pow_backward``:
+  ``x.pow(1)``, ``* 2``, ``* g``: 2 + 2 + 3 fp32), the two gradients of ``x.float()`` summed
+  (3 fp32) and ``float``'s (fp32 read, 16-bit write): 13 big kernels, 2 small.
+- ``rope`` (forward, per q and k tensor): ``xq.float()`` (16-bit read, fp32 write), the complex
+  product with ``freqs_cis`` (fp32 read, write), ``type_as`` (fp32 read, 16-bit write); backward
+  the same three in reverse (the product with the conjugate).
+- ``log_softmax`` on the logits (forward): ``logits.float()`` before it (16-bit read, fp32 write);
+  its gradient casts back (fp32 read, 16-bit write). The IR prices the fp32 ``log_softmax`` itself.
+
+LayerNorm (``F.layer_norm``), SDPA, GEMMs and SiLU/GeLU are single ATen kernels either way.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+from coplan.cost.parts import ACT, F32, FIX, NV, REPL, TP, Kernel, Vec
+from coplan.ir.types import Graph, Op
+
+#: (big kernels as (16-bit elements, fp32 elements) read + written per element, small kernels),
+#: forward and backward, per IR op target; see the module docstring for each.
+PLANS: dict[str, tuple[tuple[tuple[float, float], ...], int]] = {
+    "rms_norm": (((1, 1), (0, 2), (0, 1), (0, 2), (1, 1), (2, 0)), 2),
+    "norm_bwd:rms_norm": (
+        (
+            (2, 0),
+            (3, 0),
+            (1, 0),
+            (1, 1),
+            (0, 2),
+            (0, 3),
+            (0, 1),
+            (0, 1),
+            (0, 2),
+            (0, 2),
+            (0, 3),
+            (0, 3),
+            (1, 1),
+        ),
+        2,
+    ),
+    "rope": (((1, 1), (0, 2), (1, 1)), 0),
+    "rope_bwd": (((1, 1), (0, 2), (1, 1)), 0),
+    "log_softmax": (((1, 1),), 0),
+    "log_softmax_bwd": (((1, 1),), 0),
+}
+
+
+def plan_key(graph: Graph, op: Op) -> str:
+    """The ``PLANS`` key of ``op`` ("" where eager PyTorch runs it as the IR's one kernel)."""
+    if op.target == "norm_bwd" and op.forward_op is not None:
+        fwd = graph.ops[op.forward_op]
+        return "norm_bwd:rms_norm" if fwd.target == "rms_norm" else ""
+    return op.target if op.target in PLANS else ""
+
+
+def _vec(act: float, f32: float, shard: int) -> Vec:
+    out = [0.0] * NV
+    out[ACT * 2 + shard] = act
+    out[F32 * 2 + shard] = f32
+    return tuple(out)  # type: ignore[return-value]
+
+
+def _main_tensors(graph: Graph, op: Op) -> list[float]:
+    """Elements of each tensor the plan runs over: q and k for RoPE (each its own kernels), the
+    input for a norm and its gradient, the logits for the loss."""
+    if op.target in ("rope", "rope_bwd"):
+        return [float(graph.tensors[t].numel) for t in op.outputs if graph.tensors[t].shape]
+    src = op.inputs[0] if op.target in ("rms_norm", "log_softmax") else op.outputs[0]
+    return [float(graph.tensors[src].numel)] if op.inputs else []
+
+
+def op_kernels(graph: Graph, op: Op, shard: int, rows: float) -> list[Kernel]:
+    """The kernels eager PyTorch launches for ``op`` (a ``PLANS`` op), ``rows`` the tokens of
+    its row statistics."""
+    big, small = PLANS[plan_key(graph, op)]
+    out: list[Kernel] = []
+    for n in _main_tensors(graph, op):
+        for a, f in big:
+            out.append(Kernel(op.phase, "vector", shard, 0.0, n, _vec(a * n, f * n, shard), ops=(op.id,)))
+    tok = [0.0] * NV
+    tok[FIX * 2 + shard] = 8 * rows
+    out += [Kernel(op.phase, "vector", shard, 0.0, rows, tuple(tok), ops=(op.id,)) for _ in range(small)]  # type: ignore[arg-type]
+    return out
+
+
+def eager_kernels(
+    graph: Graph, fwd: Sequence[Kernel], bwd: Sequence[Kernel], shard_of: Callable[[Op], int]
+) -> tuple[tuple[Kernel, ...], tuple[Kernel, ...]]:
+    """``(fwd, bwd)`` with each single-op kernel of a ``PLANS`` op replaced by its eager kernels."""
+
+    def swap(kernels: Sequence[Kernel]) -> tuple[Kernel, ...]:
+        out: list[Kernel] = []
+        for k in kernels:
+            real = [graph.ops[i] for i in k.ops if graph.ops[i].kind.name != "VIEW"]
+            if len(real) != 1 or not plan_key(graph, real[0]):
+                out.append(k)
+                continue
+            op = real[0]
+            main = graph.tensors[op.inputs[0]] if op.inputs else None
+            rows = float(main.numel // main.shape[-1]) if main is not None and main.shape else 0.0
+            out.extend(op_kernels(graph, op, shard_of(op), rows))
+        return tuple(out)
+
+    return swap(fwd), swap(bwd)
+
+
+def shard_class(op: Op) -> int:
+    """Norms and the loss run on replicated activations (sequence parallelism divides them);
+    RoPE on the heads, which tensor parallelism divides."""
+    return TP if op.target.startswith("rope") or op.target.startswith("log_softmax") else REPL
+
+
+__all__ = ["PLANS", "eager_kernels", "op_kernels", "plan_key", "shard_class"]

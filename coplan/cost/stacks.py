@@ -1,0 +1,250 @@
+"""Training stacks as data: what the software around a model's math does, preset by name.
+
+A plan says *what* a step computes (layout, batch, recompute, precision). The stack that runs it
+decides the rest: which kernels each op launches, the attention kernel, how parameters and
+gradients are sharded and communicated, which checkpointing policies exist, what the allocator
+reserves and the host's part. ``StackSpec`` names those settings; each cites where it comes from
+(``sources``). Presets live in ``coplan/cost/stacks/*.json`` (``megatron``, the default, prices
+exactly what the cost model priced before stacks were named); ``--stack-file`` reads one of the
+same shape.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, fields, replace
+from functools import cache
+from importlib import resources
+from pathlib import Path
+from typing import Any
+
+from coplan.cost.buckets import BUCKET_SCOPES
+from coplan.cost.config import ATTENTION_KERNEL_CHOICES, DDP_BUCKET_BYTES, KERNEL_SETS, TrainingConfig
+from coplan.errors import SpecError
+
+#: How parameters, gradients and optimizer states are sharded and communicated:
+#: ``megatron-distopt`` (Megatron's distributed optimizer: one bucketed reduce-scatter per step, one
+#: all-gather after the update), ``fsdp1`` (PyTorch FSDP with flat parameters per wrapped unit),
+#: ``fsdp2`` (per-parameter DTensor sharding, ``fully_shard`` per block), ``deepspeed-zero``
+#: (DeepSpeed's ZeRO stages 1-3), ``ddp`` (replicated, bucketed all-reduce).
+SHARDINGS: tuple[str, ...] = ("megatron-distopt", "fsdp1", "fsdp2", "deepspeed-zero", "ddp")
+#: Activation-checkpointing policies a stack may offer: ``none``, ``full`` (each block), Megatron's
+#: ``selective`` (the attention core), torchtitan's per-op ``selective-op`` (save matmul outputs but
+#: every second one, and attention's; recompute the rest) and ``selective-layer`` (every N-th block
+#: fully checkpointed).
+CHECKPOINT_POLICIES: tuple[str, ...] = ("none", "full", "selective", "selective-op", "selective-layer")
+#: The settings a stack file may give, besides ``name``, ``about`` and ``sources``.
+SETTINGS: tuple[str, ...] = (
+    "kernels",
+    "attention_kernel",
+    "sharding",
+    "fsdp_units",
+    "pipeline_keeps_outputs",
+    "overlap",
+    "tp_comm_overlap",
+    "dp_bucket_params",
+    "dp_bucket_scope",
+    "checkpointing",
+    "reserved_fraction",
+)
+
+
+class StackError(SpecError):
+    """A stack preset or file that cannot be read (exit code 2)."""
+
+    def __init__(self, source: str, field: str | None, message: str) -> None:
+        super().__init__(source, field, message)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class StackSpec:
+    """A training stack, validated on construction.
+
+    Attributes:
+        name: the preset's name (or the file's ``name``).
+        kernels: the kernels each op launches (``KERNEL_SETS``): ``megatron`` (Megatron-LM /
+            Transformer Engine fused kernels), ``eager`` (eager PyTorch: each op of a module's
+            Python as PyTorch decomposes it, ``coplan.cost.eager``), ``inductor`` (torch.compile:
+            pointwise chains fused into the kernels around them).
+        attention_kernel: the fused-attention kernel the stack runs (``"auto"``: the device's own).
+        sharding: how state is sharded and communicated (``SHARDINGS``).
+        fsdp_units: ZeRO 1/2 run as per-block units (all-gather in forward, reduce-scatter after
+            each block's backward) rather than once per step.
+        pipeline_keeps_outputs: a pipeline stage keeps the output it sent for its backward.
+        overlap: collectives run on their own stream behind compute (prefetch, bucketed overlap).
+        tp_comm_overlap: Transformer Engine's userbuffers overlap of TP collectives where a
+            production Megatron-Core stack turns it on.
+        dp_bucket_params / dp_bucket_scope: gradient buckets (``coplan.cost.buckets``).
+        checkpointing: the activation-checkpointing policies the stack offers.
+        reserved_fraction: the caching allocator's reserved bytes beyond the allocated peak, as a
+            fraction of it (what ``torch.cuda.max_memory_reserved`` reports over
+            ``max_memory_allocated``); 0 prices the allocated peak.
+        sources: (setting, citation) for each setting the preset gives.
+    """
+
+    name: str
+    kernels: str = "megatron"
+    attention_kernel: str = "auto"
+    sharding: str = "megatron-distopt"
+    fsdp_units: bool = False
+    pipeline_keeps_outputs: bool = False
+    overlap: bool = True
+    tp_comm_overlap: bool = True
+    dp_bucket_params: int | None = None
+    dp_bucket_scope: str = "megatron-core"
+    checkpointing: tuple[str, ...] = ("none", "selective", "full")
+    reserved_fraction: float = 0.0
+    about: str = ""
+    sources: tuple[tuple[str, str], ...] = ()
+
+    def __post_init__(self) -> None:
+        src = f"stack {self.name!r}"
+        if not isinstance(self.name, str) or not self.name:
+            raise StackError("stack", "name", "must be a non-empty string")
+        _choice(src, "kernels", self.kernels, KERNEL_SETS)
+        _choice(src, "attention_kernel", self.attention_kernel, ATTENTION_KERNEL_CHOICES)
+        _choice(src, "sharding", self.sharding, SHARDINGS)
+        _choice(src, "dp_bucket_scope", self.dp_bucket_scope, BUCKET_SCOPES)
+        for flag in ("fsdp_units", "pipeline_keeps_outputs", "overlap", "tp_comm_overlap"):
+            if not isinstance(getattr(self, flag), bool):
+                raise StackError(src, flag, f"must be true or false, got {getattr(self, flag)!r}")
+        b = self.dp_bucket_params
+        if b is not None and (isinstance(b, bool) or not isinstance(b, int) or b < 1):
+            raise StackError(src, "dp_bucket_params", f"must be a positive integer or null, got {b!r}")
+        pol = tuple(self.checkpointing)
+        if not pol:
+            raise StackError(src, "checkpointing", "must name at least one policy")
+        for p in pol:
+            _choice(src, "checkpointing", p, CHECKPOINT_POLICIES)
+        object.__setattr__(self, "checkpointing", pol)
+        r = self.reserved_fraction
+        if isinstance(r, bool) or not isinstance(r, int | float) or not 0.0 <= r < 1.0:
+            raise StackError(src, "reserved_fraction", f"must be a number in [0, 1), got {r!r}")
+        srcs = tuple((str(k), str(v)) for k, v in dict(self.sources).items())
+        for k, v in srcs:
+            if k not in SETTINGS:
+                raise StackError(
+                    src, "sources", f"cites {k!r}, which is not a setting ({', '.join(SETTINGS)})"
+                )
+            if not v.strip():
+                raise StackError(src, "sources", f"the citation of {k!r} is empty")
+        object.__setattr__(self, "sources", srcs)
+
+    def source_of(self, setting: str) -> str:
+        """The citation of ``setting`` ("" where the preset leaves it at the default)."""
+        return dict(self.sources).get(setting, "")
+
+    def configure(self, config: TrainingConfig) -> TrainingConfig:
+        """``config`` with what this stack decides: its kernels (and the fusion groups they
+        imply), its attention kernel (where the config leaves it to the device) and its FSDP units."""
+        if self.kernels == "megatron" and not self.fsdp_units and self.attention_kernel == "auto":
+            return config  # Megatron's own: nothing to change
+        changes: dict[str, Any] = {"kernels": self.kernels}
+        if isinstance(config.fusion, str) and self.kernels != "megatron":
+            # eager PyTorch launches each op; Inductor fuses pointwise chains as Megatron's
+            # groups do (norms, activations, residual adds into their neighbours)
+            changes["fusion"] = "none" if self.kernels == "eager" else "megatron"
+        if config.attention_kernel == "auto":
+            changes["attention_kernel"] = self.attention_kernel
+        if self.fsdp_units:
+            changes["fsdp_units"] = True
+        return config.with_(**changes)
+
+    def runner_for(self, device: str) -> StackSpec:
+        """This stack on ``device``'s kind (``"cpu"`` or a GPU): on a CPU, gloo's collectives run
+        on the cores that compute (no overlap) and attention is the device's own kernel."""
+        if device != "cpu":
+            return self
+        return replace(self, overlap=False, attention_kernel="auto")
+
+    def to_dict(self) -> dict[str, Any]:
+        out: dict[str, Any] = {"name": self.name}
+        for f in SETTINGS:
+            v = getattr(self, f)
+            out[f] = list(v) if isinstance(v, tuple) else v
+        out["sources"] = dict(self.sources)
+        return out
+
+    @classmethod
+    def runner(cls, device: str) -> StackSpec:
+        """coplan's runner (the ``coplan`` preset) on ``device``."""
+        return load_stack("coplan").runner_for(device)
+
+
+def _choice(src: str, field: str, value: object, choices: tuple[str, ...]) -> None:
+    if value not in choices:
+        raise StackError(src, field, f"must be one of {', '.join(choices)}, got {value!r}")
+
+
+def stack_from_dict(data: object, source: str) -> StackSpec:
+    """A ``StackSpec`` from a parsed stack file: ``name``, the ``SETTINGS`` it gives, ``sources``
+    and an optional ``about``; anything else is an error."""
+    if not isinstance(data, dict):
+        raise StackError(source, None, "must be a JSON object")
+    known = {f.name for f in fields(StackSpec)}
+    unknown = sorted(set(data) - known)
+    if unknown:
+        raise StackError(source, unknown[0], f"unknown setting (known: {', '.join(sorted(known))})")
+    if "name" not in data:
+        raise StackError(source, "name", "is missing")
+    kw = dict(data)
+    if "checkpointing" in kw and isinstance(kw["checkpointing"], list):
+        kw["checkpointing"] = tuple(kw["checkpointing"])
+    cited = kw.get("sources", {})
+    if not isinstance(cited, dict):
+        raise StackError(source, "sources", "must map settings to citations")
+    # every setting a file gives says where it comes from, as the presets' do
+    missing = sorted(k for k in data if k in SETTINGS and k not in cited)
+    if missing:
+        raise StackError(source, "sources", f"no citation for {missing[0]!r}")
+    kw["sources"] = tuple(cited.items())
+    try:
+        return StackSpec(**kw)
+    except TypeError as exc:
+        raise StackError(source, None, str(exc)) from None
+
+
+@cache
+def stack_names() -> tuple[str, ...]:
+    """The packaged presets, sorted."""
+    root = resources.files("coplan.cost") / "stacks"
+    return tuple(sorted(p.name[:-5] for p in root.iterdir() if p.name.endswith(".json")))
+
+
+@cache
+def load_stack(name: str) -> StackSpec:
+    """The packaged preset ``name``."""
+    if name not in stack_names():
+        raise StackError("--stack", None, f"unknown stack {name!r} (choose from {', '.join(stack_names())})")
+    text = (resources.files("coplan.cost") / "stacks" / f"{name}.json").read_text()
+    return stack_from_dict(json.loads(text), f"stack preset {name}")
+
+
+def load_stack_file(path: Path) -> StackSpec:
+    """A stack read from a JSON file of a preset's shape."""
+    try:
+        text = Path(path).read_text()
+    except OSError as exc:
+        raise StackError(str(path), None, f"cannot read: {exc.strerror or exc}") from None
+    try:
+        data = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise StackError(str(path), None, f"not JSON: {exc.msg} (line {exc.lineno})") from None
+    return stack_from_dict(data, str(path))
+
+
+#: PyTorch DDP's default gradient bucket in fp32 master-gradient elements (``bucket_cap_mb`` 25).
+DDP_BUCKET_PARAMS = DDP_BUCKET_BYTES // 4
+
+__all__ = [
+    "CHECKPOINT_POLICIES",
+    "DDP_BUCKET_PARAMS",
+    "SETTINGS",
+    "SHARDINGS",
+    "StackError",
+    "StackSpec",
+    "load_stack",
+    "load_stack_file",
+    "stack_from_dict",
+    "stack_names",
+]

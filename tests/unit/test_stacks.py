@@ -1,0 +1,176 @@
+"""Stacks as data: presets, validation, eager decompositions and per-op checkpointing."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from coplan.capture.synthetic import build_graph
+from coplan.cost import CostModel, TrainingConfig, load_stack, load_stack_file, stack_names
+from coplan.cost.checkpoint import layer_fraction, selective_op_names
+from coplan.cost.eager import PLANS, eager_kernels, op_kernels, shard_class
+from coplan.cost.parts import ACT, F32, REPL, TP
+from coplan.cost.stacks import SETTINGS, StackError, StackSpec, stack_from_dict
+from coplan.hardware import load_cluster
+from coplan.models.spec import ModelSpec
+
+SPEC = ModelSpec(
+    name="tiny-llama",
+    n_layers=2,
+    d_model=256,
+    n_heads=4,
+    n_kv_heads=2,
+    ffn_hidden=512,
+    vocab_size=1000,
+    seq_len=64,
+    activation="swiglu",
+    norm="rmsnorm",
+    position="rope",
+    bias=False,
+)
+
+
+def test_every_preset_loads_and_cites_each_setting_it_gives() -> None:
+    names = stack_names()
+    for needed in ("megatron", "torchtitan", "fsdp", "deepspeed", "eager", "coplan"):
+        assert needed in names
+    for name in names:
+        s = load_stack(name)
+        assert s.name == name
+        for setting in SETTINGS:
+            assert s.source_of(setting), f"{name}: {setting} has no citation"
+
+
+def test_megatron_preset_changes_no_configuration() -> None:
+    config = TrainingConfig(dp=8, global_batch=16, zero=1, recompute="selective")
+    assert load_stack("megatron").configure(config) is config
+
+
+def test_megatron_preset_prices_exactly_as_before() -> None:
+    cm = CostModel(spec=SPEC)
+    cluster = load_cluster("dgx-h100", 8)
+    for config in (
+        TrainingConfig(dp=8, global_batch=16, zero=3, recompute="selective"),
+        TrainingConfig(tp=2, dp=4, global_batch=8, zero=1, sequence_parallel=True),
+    ):
+        before = cm.estimate(cluster, config)
+        after = cm.estimate(cluster, load_stack("megatron").configure(config))
+        assert after.step_time_s == before.step_time_s
+        assert after.memory.peak_bytes == before.memory.peak_bytes
+
+
+def test_runner_matches_coplan_preset_and_cpu_turns_overlap_off() -> None:
+    gpu, cpu = StackSpec.runner("cuda"), StackSpec.runner("cpu")
+    assert gpu == load_stack("coplan")
+    assert (gpu.overlap, gpu.attention_kernel) == (True, "flash2")
+    assert (cpu.overlap, cpu.attention_kernel) == (False, "auto")
+
+
+def test_eager_stack_runs_each_op_and_is_slower_than_compiled() -> None:
+    cm = CostModel(spec=SPEC)
+    cluster = load_cluster("dgx-h100", 1)
+    base = TrainingConfig(global_batch=4, microbatch=4)
+    eager = load_stack("torchtitan").configure(base)
+    compiled = load_stack("torchtitan-compile").configure(base)
+    assert (eager.kernels, eager.fusion, eager.attention_kernel) == ("eager", "none", "flash2")
+    assert (compiled.kernels, compiled.fusion) == ("inductor", "megatron")
+    assert cm.estimate(cluster, eager).step_time_s > cm.estimate(cluster, compiled).step_time_s
+
+
+@pytest.mark.parametrize(
+    ("data", "field"),
+    [
+        ({"name": "x", "kernels": "cuda-graphs", "sources": {"kernels": "a"}}, "kernels"),
+        ({"name": "x", "kernels": "eager"}, None),
+        ({"name": "x", "bogus": 1}, "bogus"),
+        ({"name": "x", "reserved_fraction": 1.5, "sources": {"reserved_fraction": "a"}}, "reserved_fraction"),
+        ({"name": "x", "checkpointing": ["sometimes"], "sources": {"checkpointing": "a"}}, "checkpointing"),
+        ({"kernels": "eager"}, "name"),
+    ],
+)
+def test_bad_stack_files_are_refused(data: dict, field: str | None) -> None:
+    with pytest.raises(StackError) as info:
+        stack_from_dict(data, "f.json")
+    if field is not None:
+        assert info.value.field == field
+
+
+def test_stack_file_round_trip(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    path = tmp_path / "mine.json"
+    data = load_stack("fsdp").to_dict() | {"name": "mine"}
+    path.write_text(json.dumps(data))
+    got = load_stack_file(path)
+    assert got.name == "mine" and got.kernels == "eager" and got.sharding == "fsdp1"
+    path.write_text("{not json")
+    with pytest.raises(StackError):
+        load_stack_file(path)
+
+
+def _op(graph, target):  # type: ignore[no-untyped-def]
+    return next(op for op in graph.ops if op.target == target and op.block == 0)
+
+
+def test_eager_rms_norm_decomposition_counts() -> None:
+    g = build_graph(SPEC, 2, 64)
+    norm = _op(g, "rms_norm")
+    n = float(g.tensors[norm.inputs[0]].numel)
+    rows = n / SPEC.d_model
+    fwd = op_kernels(g, norm, REPL, rows)
+    assert len(fwd) == 6 + 2  # float, pow, mean, mul, type_as, weight mul; eps add, rsqrt
+    big = [k for k in fwd if k.vec_flops == n]
+    assert sum(k.bytes[ACT * 2 + REPL] for k in big) == 4 * n
+    assert sum(k.bytes[F32 * 2 + REPL] for k in big) == 7 * n
+    bwd_op = next(op for op in g.ops if op.target == "norm_bwd" and op.forward_op == norm.id)
+    bwd = op_kernels(g, bwd_op, REPL, rows)
+    assert len(bwd) == 13 + 2
+    assert sum(k.bytes[ACT * 2 + REPL] for k in bwd) == 8 * n
+    assert sum(k.bytes[F32 * 2 + REPL] for k in bwd) == 19 * n
+
+
+def test_eager_rope_runs_three_kernels_per_tensor_each_way() -> None:
+    g = build_graph(SPEC, 1, 64)
+    rope = _op(g, "rope")
+    ks = op_kernels(g, rope, shard_class(rope), 64.0)
+    q, k = (float(g.tensors[t].numel) for t in rope.outputs)
+    assert len(ks) == 2 * len(PLANS["rope"][0]) == 6
+    assert sum(x.bytes[F32 * 2 + TP] for x in ks) == 4 * (q + k)
+
+
+def test_eager_kernels_replace_only_planned_single_op_kernels() -> None:
+    cm = CostModel(spec=SPEC)
+    prof = cm.profile(1, 64, "none")
+    block = prof.templates[0]
+    fwd, bwd = eager_kernels(prof.graph, block.forward, block.backward, shard_class)
+    norms = sum(1 for op in prof.graph.ops if op.block == 0 and op.target == "rms_norm")
+    ropes = sum(1 for op in prof.graph.ops if op.block == 0 and op.target == "rope")
+    # each norm: 1 kernel -> 8; each rope: 1 -> 6 (q and k)
+    assert len(fwd) == len(block.forward) + 7 * norms + 5 * ropes
+    assert len(bwd) > len(block.backward)
+
+
+def test_selective_op_policy_keeps_odd_matmuls_and_attention() -> None:
+    g = build_graph(SPEC, 1, 64)
+    names = selective_op_names(g)
+    # calls: c_attn 1-3 (kept), attn.c_proj 4 (recomputed), c_gate 5 (kept), c_fc 6 (recomputed)
+    # attn.c_proj.out is not saved at all (the residual add needs no input for its gradient)
+    assert "h.0.mlp.c_fc.out" in names
+    assert "h.0.attn.c_attn.out" not in names and "h.0.mlp.c_gate.out" not in names
+    assert "h.0.attn.out" not in names
+    assert "h.0.ln_1.out" in names
+    est = CostModel(spec=SPEC).estimate(
+        load_cluster("dgx-h100", 1), TrainingConfig(global_batch=1, recompute=names)
+    )
+    assert est.breakdown_s["recompute"] > 0
+
+
+def test_layer_fractions() -> None:
+    assert layer_fraction("selective-layer:2") == 0.5
+    assert layer_fraction("selective-fraction:0.4") == 0.4
+    assert layer_fraction("full") is None
+
+
+def test_cli_stack_choices_match_the_presets() -> None:
+    from coplan.cli.estimate_cmd import StackName
+
+    assert tuple(sorted(s.value for s in StackName)) == stack_names()
