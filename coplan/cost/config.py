@@ -16,6 +16,13 @@ from coplan.cost.buckets import BUCKET_SCOPES, default_bucket_params
 from coplan.cost.tp_overlap import ub_slots
 from coplan.errors import SpecError
 from coplan.hardware.device import ATTENTION_KERNELS
+from coplan.limits import (
+    MAX_DEVICES,
+    MAX_GLOBAL_BATCH,
+    MAX_LAYERS,
+    MAX_SEQ,
+    bounded_int,
+)
 
 if TYPE_CHECKING:
     from coplan.hardware.device import DeviceSpec
@@ -153,14 +160,19 @@ class TrainingConfig:
     attention_kernel: str = "auto"
 
     def __post_init__(self) -> None:
-        for name in ("tp", "pp", "dp", "vpp", "microbatch", "global_batch"):
-            v = getattr(self, name)
-            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-                raise ConfigError(name, f"must be a positive integer, got {v!r}")
-        if self.seq is not None and (
-            isinstance(self.seq, bool) or not isinstance(self.seq, int) or self.seq < 1
+        for name, bound in (
+            ("tp", MAX_DEVICES),
+            ("pp", MAX_DEVICES),
+            ("dp", MAX_DEVICES),
+            ("vpp", MAX_LAYERS),
+            ("microbatch", MAX_GLOBAL_BATCH),
+            ("global_batch", MAX_GLOBAL_BATCH),
         ):
-            raise ConfigError("seq", f"must be a positive integer, got {self.seq!r}")
+            why = bounded_int(getattr(self, name), bound)
+            if why is not None:
+                raise ConfigError(name, why)
+        if self.seq is not None and (why := bounded_int(self.seq, MAX_SEQ)) is not None:
+            raise ConfigError("seq", why)
         object.__setattr__(self, "recompute", _recompute_mode("recompute", self.recompute))
         if self.recompute_per_stage is not None:
             modes = tuple(_recompute_mode("recompute_per_stage", r) for r in self.recompute_per_stage)
