@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from functools import cached_property
 
 from coplan.cost import ConfigError, CostModel, Estimate, TrainingConfig
-from coplan.cost.config import Stack, userbuffers_overlap
+from coplan.cost.config import OpGroups, Stack, userbuffers_overlap
 from coplan.cost.parts import GraphProfile
 from coplan.errors import SpecError
 from coplan.hardware.cluster import ClusterSpec
@@ -233,7 +233,7 @@ class PlanContext:
                 grouped.append(ids)
                 covered.update(ids)
         singles = [(op.id,) for op in idx.graph.ops if op.id not in covered]
-        return tuple(grouped) + tuple(singles)
+        return OpGroups((*grouped, *singles))
 
     def expand_dtypes(self, precision: PrecisionPlan) -> tuple[tuple[int, str], ...]:
         """The plan's per-op dtypes as (op id, dtype) for every block (memoised)."""
