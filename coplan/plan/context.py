@@ -137,7 +137,7 @@ class PlanContext:
             self.budget_bytes = default_budget(cap)
             return
         budget = self.budget_bytes
-        if isinstance(budget, bool) or not isinstance(budget, int | float) or not math.isfinite(budget):
+        if isinstance(budget, bool) or not isinstance(budget, int | float) or not _finite(budget):
             raise SpecError("memory budget", None, f"must be a finite number of bytes, got {budget!r}")
         if budget <= 0:
             raise SpecError("memory budget", None, f"must be positive, got {binary_bytes(budget)} per GPU")
@@ -316,6 +316,13 @@ class PlanContext:
 
     def describe_budget(self) -> str:
         return f"{binary_bytes(self.budget)} per GPU"
+
+
+def _finite(x: float) -> bool:
+    try:
+        return math.isfinite(x)
+    except OverflowError:  # an integer beyond the float range
+        return False
 
 
 def _decisions(plan: Plan) -> tuple[object, ...]:
