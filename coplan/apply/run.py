@@ -4,8 +4,10 @@ ones), and put measured and predicted side by side (the object ``coplan run --js
 from __future__ import annotations
 
 import json
+import math
 import os
 import tempfile
+from collections.abc import Mapping
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -23,6 +25,35 @@ from coplan.plan.types import Plan, PlanError
 
 class RunError(CoplanError):
     """A run that failed in a worker process for a reason the user can act on."""
+
+
+class RunFailed(CoplanError):
+    """A run that trained to the end but whose numbers say it went wrong (``failure``): reported
+    after the run's output, with exit code 1 (a failed run, not bad input)."""
+
+    exit_code = 1
+
+
+def failure(out: Mapping[str, Any]) -> str | None:
+    """What went wrong in a finished run's report (``run_plan``'s object), in one line, or None:
+    a loss that is not a finite number at some step, or gradients that the eager fp32 check does not
+    match within its tolerance. A script must not take such a run for a good one (exit code 0)."""
+    problems = []
+    losses = list(out.get("loss") or [])
+    bad = [i for i, v in enumerate(losses) if not _finite(v)]
+    if bad:
+        problems.append(f"the loss is not finite at step {bad[0]} ({len(bad)} of {len(losses)} steps)")
+    check = out.get("grad_check") or {}
+    if not check.get("ok", False):
+        err, tol = check.get("max_rel_err"), check.get("tolerance")
+        shown = f"{err:.2e}" if isinstance(err, int | float) else "not computed"
+        limit = f" (tolerance {tol:.0e})" if isinstance(tol, int | float) else ""
+        problems.append(f"the gradient check failed: max relative error {shown}{limit}")
+    return "run failed: " + "; ".join(problems) if problems else None
+
+
+def _finite(value: object) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
 
 
 @dataclass(frozen=True, slots=True)

@@ -5,7 +5,8 @@
 ``--batch`` (``--global-batch``) is sequences per optimizer step and ``--seq`` the sequence length;
 both default to the plan's and must match it (a plan is made for one job). A plan made for another
 model, world size (``--nproc``), batch or sequence length is refused: one line, exit 2.
-``--record runs.jsonl`` appends the run for ``coplan calibrate --runs``.
+``--record runs.jsonl`` appends the run for ``coplan calibrate --runs``. A run whose loss is not
+finite or whose gradient check fails exits 1, after its output, with one ``error:`` line saying which.
 """
 
 from __future__ import annotations
@@ -109,7 +110,7 @@ def run(
     json: JsonOpt = False,
 ) -> None:
     """Train a few steps under a plan; report measured against predicted."""
-    from coplan.apply.run import RunRequest, resolve_device, run_plan
+    from coplan.apply.run import RunFailed, RunRequest, failure, resolve_device, run_plan
     from coplan.models.spec import load_model_spec
     from coplan.plan.types import Plan
 
@@ -144,6 +145,9 @@ def run(
         print_json(_jsonable(out))
     else:
         show(out)
+    why = failure(out)  # after the output, so a failed run's numbers are still shown and recorded
+    if why is not None:
+        raise RunFailed(why)
 
 
 def append_record(path: Path, req: Any, out: dict[str, Any]) -> None:

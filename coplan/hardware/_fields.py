@@ -15,6 +15,7 @@ from contextlib import contextmanager
 from typing import Any, NoReturn
 
 from coplan.errors import SpecError
+from coplan.limits import shown
 
 #: Matrix-unit dtypes a device may list in ``peak_flops``. fp8 covers both e4m3 and e5m2.
 DTYPES: tuple[str, ...] = ("fp32", "tf32", "bf16", "fp16", "fp8")
@@ -121,23 +122,30 @@ def check_number(
     JSON ``true`` would otherwise pass as 1."""
     if isinstance(value, bool) or not isinstance(value, int | float):
         raise FieldError(source, field, f"expected a number, got {kind(value)} {_shown(value)}")
-    number = float(value)
+    try:
+        number = float(value)
+    except OverflowError:  # an integer beyond the float range
+        number = math.inf
     if not math.isfinite(number):
-        raise FieldError(source, field, f"must be finite, got {value!r}")
+        got = repr(value) if isinstance(value, float) else shown(value)
+        raise FieldError(source, field, f"must be finite, got {got}")
     if number < minimum or (strict and number == minimum):
         relation = ">" if strict else ">="
         raise FieldError(source, field, f"must be {relation} {minimum:g}, got {value!r}")
     return number
 
 
-def check_int(source: str, field: str, value: object, *, minimum: int = 1) -> int:
-    """An integer >= minimum. A float with an integral value (``8e10`` in JSON) is accepted."""
+def check_int(source: str, field: str, value: object, *, minimum: int = 1, maximum: int | None = None) -> int:
+    """An integer >= minimum (and <= maximum, one of ``coplan.limits``' bounds, where given). A float
+    with an integral value (``8e10`` in JSON) is accepted."""
     if isinstance(value, float) and value.is_integer():
         value = int(value)
     if isinstance(value, bool) or not isinstance(value, int):
         raise FieldError(source, field, f"expected an integer, got {kind(value)} {_shown(value)}")
     if value < minimum:
-        raise FieldError(source, field, f"must be >= {minimum}, got {value}")
+        raise FieldError(source, field, f"must be >= {minimum}, got {shown(value)}")
+    if maximum is not None and value > maximum:
+        raise FieldError(source, field, f"must be at most {maximum:,} (coplan's bound), got {shown(value)}")
     return value
 
 
@@ -183,8 +191,8 @@ class Reader:
     def number(self, key: str, *, minimum: float = 0.0, strict: bool = True) -> float:
         return check_number(self.source, self.at(key), self.data[key], minimum=minimum, strict=strict)
 
-    def integer(self, key: str, *, minimum: int = 1) -> int:
-        return check_int(self.source, self.at(key), self.data[key], minimum=minimum)
+    def integer(self, key: str, *, minimum: int = 1, maximum: int | None = None) -> int:
+        return check_int(self.source, self.at(key), self.data[key], minimum=minimum, maximum=maximum)
 
     def numbers(self, key: str, *, minimum: float = 0.0, strict: bool = False) -> dict[str, float]:
         """A JSON object of numbers (value checks beyond type happen in the spec's __post_init__)."""

@@ -25,6 +25,7 @@ from coplan.hardware._fields import (
     kind,
 )
 from coplan.hardware.device import DeviceSpec
+from coplan.limits import MAX_DEVICES, MAX_DEVICES_PER_NODE, bounded_int
 
 TOPOLOGIES: tuple[str, ...] = ("switch", "ring", "torus", "fully-connected", "tree")
 SCOPES: tuple[str, ...] = ("node", "cluster")
@@ -112,8 +113,8 @@ class NodeGroup:
         src = "node group"
         if not isinstance(self.device, DeviceSpec):
             fail(src, "device", f"expected a DeviceSpec, got {type(self.device).__name__}")
-        check_int(src, "devices_per_node", self.devices_per_node)
-        check_int(src, "nodes", self.nodes)
+        check_int(src, "devices_per_node", self.devices_per_node, maximum=MAX_DEVICES_PER_NODE)
+        check_int(src, "nodes", self.nodes, maximum=MAX_DEVICES)
         if not isinstance(self.intra_node, InterconnectLevel):
             fail(src, "intra_node", f"expected an InterconnectLevel, got {type(self.intra_node).__name__}")
         if self.intra_node.scope != "node":
@@ -146,7 +147,8 @@ class NodeGroup:
         r = Reader(data, source, path)
         r.check_keys(("device", "devices_per_node", "nodes", "intra_node"))
         device = _device_ref(r, devices)
-        per_node, nodes = r.integer("devices_per_node"), r.integer("nodes")
+        per_node = r.integer("devices_per_node", maximum=MAX_DEVICES_PER_NODE)
+        nodes = r.integer("nodes", maximum=MAX_DEVICES)
         intra = InterconnectLevel.from_dict(r.data["intra_node"], source, path=r.at("intra_node"))
         with anchored(source, path):
             return cls(device, per_node, nodes, intra)
@@ -192,6 +194,9 @@ class ClusterSpec:
         for i, group in enumerate(self.groups):
             if not isinstance(group, NodeGroup):
                 fail(src, f"groups[{i}]", f"expected a NodeGroup, got {type(group).__name__}")
+        if self.num_devices > MAX_DEVICES:
+            reason = f"{self.num_devices:,} devices in all; coplan's bound is {MAX_DEVICES:,}"
+            fail(src, "groups", reason)
         if self.inter_node is None:
             if self.num_nodes > 1:
                 fail(src, "inter_node", f"required: the cluster has {self.num_nodes} nodes")
@@ -237,8 +242,9 @@ class ClusterSpec:
         devices per node and gives N / devices-per-node full nodes.
         """
         src = f"cluster {self.name!r}"
-        if isinstance(gpus, bool) or not isinstance(gpus, int) or gpus < 1:
-            raise SpecError(src, "gpus", f"must be a positive integer, got {gpus!r}")
+        why = bounded_int(gpus, MAX_DEVICES)
+        if why is not None:
+            raise SpecError(src, "gpus", why)
         first = self.groups[0]
         if not self.is_homogeneous:
             raise SpecError(src, None, f"cannot resize to {gpus} devices: {self._mix_reason()}")

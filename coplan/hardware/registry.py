@@ -26,6 +26,7 @@ from coplan.fileio import looks_like_file, read_text
 from coplan.hardware._fields import kind
 from coplan.hardware.cluster import ClusterSpec
 from coplan.hardware.device import DeviceSpec
+from coplan.limits import MAX_DEVICES, bounded_int
 
 _T = TypeVar("_T")
 _HINT = "run `coplan hardware` to list presets, or pass a path to a JSON file"
@@ -45,6 +46,8 @@ def _read_json(file: Traversable | Path, label: str) -> object:
     except json.JSONDecodeError as err:
         where = f"line {err.lineno}, column {err.colno}"
         raise SpecError(label, None, f"invalid JSON at {where}: {err.msg}") from None
+    except ValueError as err:  # an integer of more digits than Python converts
+        raise SpecError(label, None, f"invalid JSON: {err}") from None
 
 
 def _preset_table(filename: str, build: Callable[[dict[str, Any], str, str], _T]) -> Mapping[str, _T]:
@@ -157,8 +160,8 @@ def load_cluster(name_or_path: str, gpus: int | None = None) -> ClusterSpec:
     ``h100-sxm`` with 16 GPUs is two DGX H100 nodes), or, when no preset uses it, one node of
     ``gpus`` devices on PCIe (``cluster.PCIE_GEN4_X16``).
     """
-    if gpus is not None and (isinstance(gpus, bool) or not isinstance(gpus, int) or gpus < 1):
-        raise SpecError("gpus", None, f"must be a positive integer, got {gpus!r}")
+    if gpus is not None and (why := bounded_int(gpus, MAX_DEVICES)) is not None:
+        raise SpecError("gpus", None, why)
     clusters, devices, aliases = _cluster_table(), _device_table(), _alias_table()
     known = {**devices, **clusters}
     spec: DeviceSpec | ClusterSpec

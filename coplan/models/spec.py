@@ -14,6 +14,17 @@ from typing import Any
 
 from coplan.errors import SpecError
 from coplan.fileio import looks_like_file, read_text
+from coplan.limits import (
+    MAX_CAPACITY_FACTOR,
+    MAX_D_MODEL,
+    MAX_EXPERTS,
+    MAX_FFN_HIDDEN,
+    MAX_LAYERS,
+    MAX_SEQ,
+    MAX_VOCAB,
+    bounded_int,
+    shown,
+)
 
 #: "relu2" is squared ReLU, relu(x)^2 (Primer; Nemotron-4), on an ungated MLP like "gelu".
 ACTIVATIONS = ("gelu", "swiglu", "relu2")
@@ -52,17 +63,20 @@ class ModelSpec:
 
     def __post_init__(self) -> None:
         src = f"model '{self.name}'"
-        for f in ("n_layers", "d_model", "n_heads", "vocab_size", "seq_len"):
-            v = getattr(self, f)
-            if not isinstance(v, int) or isinstance(v, bool) or v <= 0:
-                raise SpecError(src, f, f"must be a positive integer, got {v!r}")
+        for f, bound in (
+            ("n_layers", MAX_LAYERS),
+            ("d_model", MAX_D_MODEL),
+            ("n_heads", MAX_D_MODEL),
+            ("vocab_size", MAX_VOCAB),
+            ("seq_len", MAX_SEQ),
+        ):
+            _size(src, f, getattr(self, f), bound)
         if self.d_model % self.n_heads:
             raise SpecError(src, "n_heads", f"{self.n_heads} does not divide d_model={self.d_model}")
-        if self.ffn_hidden is not None and (not isinstance(self.ffn_hidden, int) or self.ffn_hidden <= 0):
-            raise SpecError(src, "ffn_hidden", f"must be a positive integer, got {self.ffn_hidden!r}")
+        if self.ffn_hidden is not None:
+            _size(src, "ffn_hidden", self.ffn_hidden, MAX_FFN_HIDDEN)
         if self.n_kv_heads is not None:
-            if not isinstance(self.n_kv_heads, int) or self.n_kv_heads <= 0:
-                raise SpecError(src, "n_kv_heads", f"must be a positive integer, got {self.n_kv_heads!r}")
+            _size(src, "n_kv_heads", self.n_kv_heads, MAX_D_MODEL)
             if self.n_heads % self.n_kv_heads:
                 raise SpecError(
                     src, "n_kv_heads", f"{self.n_kv_heads} does not divide n_heads={self.n_heads}"
@@ -70,9 +84,12 @@ class ModelSpec:
         for f, allowed in (("activation", ACTIVATIONS), ("norm", NORMS), ("position", POSITIONS)):
             if getattr(self, f) not in allowed:
                 raise SpecError(src, f, f"must be one of {', '.join(allowed)}, got {getattr(self, f)!r}")
-        if not isinstance(self.n_experts, int) or self.n_experts < 0:
-            raise SpecError(src, "n_experts", f"must be a non-negative integer, got {self.n_experts!r}")
-        if self.is_moe and not (isinstance(self.top_k, int) and 1 <= self.top_k <= self.n_experts):
+        _size(src, "n_experts", self.n_experts, MAX_EXPERTS, minimum=0)
+        if self.is_moe and (
+            isinstance(self.top_k, bool)
+            or not isinstance(self.top_k, int)
+            or not 1 <= self.top_k <= self.n_experts
+        ):
             raise SpecError(
                 src, "top_k", f"must be between 1 and n_experts={self.n_experts}, got {self.top_k!r}"
             )
@@ -80,8 +97,16 @@ class ModelSpec:
             p = getattr(self, f)
             if isinstance(p, bool) or not isinstance(p, int | float) or not 0.0 <= p < 1.0:
                 raise SpecError(src, f, f"must be a probability in [0, 1), got {p!r}")
-        if self.capacity_factor <= 0:
-            raise SpecError(src, "capacity_factor", f"must be positive, got {self.capacity_factor!r}")
+        if _positive(src, "capacity_factor", self.capacity_factor) > MAX_CAPACITY_FACTOR:
+            raise SpecError(
+                src,
+                "capacity_factor",
+                f"must be at most {MAX_CAPACITY_FACTOR:,} (coplan's bound), got {self.capacity_factor!r}",
+            )
+        # an epsilon is added to a variance of order 1: 1 or more would swamp it
+        if _positive(src, "norm_eps", self.norm_eps) >= 1.0:
+            raise SpecError(src, "norm_eps", f"must be in (0, 1), got {self.norm_eps!r}")
+        _positive(src, "rope_theta", self.rope_theta)
         if self.position == "rope" and self.head_dim % 2:
             raise SpecError(src, "n_heads", f"rotary embeddings need an even head dim, got {self.head_dim}")
 
@@ -104,14 +129,18 @@ class ModelSpec:
         return self.n_experts > 1
 
     def resolve_seq(self, seq: int | None) -> int:
-        """The sequence length a step uses: ``seq``, or the model's context when None; longer than
-        the context (position table, rotary tables) is refused."""
-        s = seq or self.seq_len
-        if s > self.seq_len:
-            raise SpecError(
-                f"model '{self.name}'", "seq_len", f"sequence {s} exceeds the model's seq_len {self.seq_len}"
-            )
-        return s
+        """The sequence length a step uses: ``seq``, or the model's context when None. Anything but
+        a positive integer (0 included: it does not mean "the default") is refused, and so is a
+        sequence longer than the context (position table, rotary tables)."""
+        if seq is None:
+            return self.seq_len
+        src = f"model '{self.name}'"
+        why = bounded_int(seq, MAX_SEQ)
+        if why is not None:
+            raise SpecError(src, "seq", why)
+        if seq > self.seq_len:
+            raise SpecError(src, "seq_len", f"sequence {seq} exceeds the model's seq_len {self.seq_len}")
+        return seq
 
     def expert_capacity(self, tokens: int) -> int:
         """Tokens each expert processes for a microbatch of ``tokens`` tokens (static shape)."""
@@ -172,6 +201,29 @@ def _check_type(source: str, key: str, type_name: str, value: Any) -> None:
         raise SpecError(source, key, f"must be true or false, got {value!r}")
     if type_name == "str" and not isinstance(value, str):
         raise SpecError(source, key, f"must be a string, got {value!r}")
+
+
+def _size(src: str, field: str, value: object, maximum: int, minimum: int = 1) -> None:
+    why = bounded_int(value, maximum, minimum)
+    if why is not None:
+        raise SpecError(src, field, why)
+
+
+def _positive(src: str, field: str, value: object) -> float:
+    """``value`` as a positive finite float. NaN and infinity are refused here because they would
+    otherwise pass every comparison-based check and reach the model as NaN losses."""
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise SpecError(src, field, f"must be a number, got {value!r}")
+    try:
+        number = float(value)
+    except OverflowError:  # an integer beyond the float range
+        number = math.inf
+    if not math.isfinite(number):
+        got = repr(value) if isinstance(value, float) else shown(value)
+        raise SpecError(src, field, f"must be a finite number, got {got}")
+    if number <= 0:
+        raise SpecError(src, field, f"must be positive, got {value!r}")
+    return number
 
 
 def _gpt2(name: str, n_layers: int, d_model: int, n_heads: int) -> ModelSpec:
@@ -313,6 +365,8 @@ def load_model_spec(name_or_path: str) -> ModelSpec:
             raise SpecError(
                 name_or_path, None, f"invalid JSON at line {e.lineno}, column {e.colno}: {e.msg}"
             ) from None
+        except ValueError as e:  # an integer of more digits than Python converts
+            raise SpecError(name_or_path, None, f"invalid JSON: {e}") from None
         if isinstance(data, dict) and "name" not in data:
             data = {**data, "name": path.stem}
         return ModelSpec.from_dict(data, source=name_or_path)

@@ -8,6 +8,7 @@ layers) and the job (TP x PP x DP = GPUs, microbatch x DP divides the global bat
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterator
 
 from coplan.ir.types import Graph
@@ -20,7 +21,10 @@ VPP_CHOICES = (1, 2, 4)
 
 
 def _divisors(n: int) -> list[int]:
-    return [d for d in range(1, n + 1) if n % d == 0]
+    """The divisors of ``n``, ascending, found in O(sqrt n): GPU counts and per-rank batches reach
+    ``coplan.limits``' bounds (2^18, 2^20), where trying every number below ``n`` would not do."""
+    small = [d for d in range(1, math.isqrt(n) + 1) if n % d == 0]
+    return small + [n // d for d in reversed(small) if d * d != n]
 
 
 def _model_shape(ctx: PlanContext) -> tuple[int, int, int | None]:
@@ -48,7 +52,7 @@ def candidates(ctx: PlanContext, *, zero: tuple[int, ...] = (0, 1, 2, 3)) -> Ite
             if g % dp:
                 continue
             per_rank = g // dp
-            mbs = [m for m in _divisors(per_rank) if m <= MAX_MICROBATCH]
+            mbs = [m for m in range(1, min(per_rank, MAX_MICROBATCH) + 1) if per_rank % m == 0]
             if captured:  # a captured graph is priced only at the microbatch it was captured with
                 mbs = [m for m in mbs if m == ctx.model.graph.meta.batch]  # type: ignore[union-attr]
             for vpp in VPP_CHOICES if pp > 1 else (1,):

@@ -8,18 +8,21 @@ it, so every strategy is measured by the same cost model.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from functools import cached_property
 from typing import NamedTuple
 
 from coplan.cost import ConfigError, CostModel, Estimate, TrainingConfig
-from coplan.cost.config import userbuffers_overlap
+from coplan.cost.config import OpGroups, userbuffers_overlap
 from coplan.cost.parts import GraphProfile
 from coplan.cost.stacks import StackSpec, load_stack
+from coplan.errors import SpecError
 from coplan.hardware.cluster import ClusterSpec
 from coplan.ir.fingerprint import fingerprint as graph_fingerprint
 from coplan.ir.types import Graph, Op
+from coplan.limits import MAX_GLOBAL_BATCH, MAX_SEQ, bounded_int
 from coplan.plan.labels import Labels
 from coplan.plan.types import FusionPlan, ParallelPlan, Plan, PlanError, PrecisionPlan, RematPlan
 
@@ -132,9 +135,30 @@ class PlanContext:
     evaluations: int = 0
 
     def __post_init__(self) -> None:
+        for name, value, bound in (
+            ("global_batch", self.global_batch, MAX_GLOBAL_BATCH),
+            ("seq", self.seq, MAX_SEQ),
+        ):
+            why = bounded_int(value, bound)
+            if why is not None:
+                raise SpecError("job", name, why)
+        small = min(self.cluster.devices, key=lambda d: d.memory_bytes)
+        cap = small.memory_bytes
         if self.budget_bytes is None:
-            cap = min(d.memory_bytes for d in self.cluster.devices)
             self.budget_bytes = default_budget(cap)
+            return
+        budget = self.budget_bytes
+        if isinstance(budget, bool) or not isinstance(budget, int | float) or not _finite(budget):
+            raise SpecError("memory budget", None, f"must be a finite number of bytes, got {budget!r}")
+        if budget <= 0:
+            raise SpecError("memory budget", None, f"must be positive, got {binary_bytes(budget)} per GPU")
+        # a budget beyond the memory the device has would let plans "fit" that cannot run
+        if budget > cap:
+            raise SpecError(
+                "memory budget",
+                None,
+                f"{binary_bytes(budget)} per GPU exceeds the {binary_bytes(cap)} of {small.name}",
+            )
 
     # --- the problem ---------------------------------------------------------------------------
 
@@ -220,7 +244,7 @@ class PlanContext:
                 grouped.append(ids)
                 covered.update(ids)
         singles = [(op.id,) for op in idx.graph.ops if op.id not in covered]
-        return tuple(grouped) + tuple(singles)
+        return OpGroups((*grouped, *singles))
 
     def expand_dtypes(self, precision: PrecisionPlan) -> tuple[tuple[int, str], ...]:
         """The plan's per-op dtypes as (op id, dtype) for every block (memoised)."""
@@ -303,6 +327,13 @@ class PlanContext:
 
     def describe_budget(self) -> str:
         return f"{binary_bytes(self.budget)} per GPU"
+
+
+def _finite(x: float) -> bool:
+    try:
+        return math.isfinite(x)
+    except OverflowError:  # an integer beyond the float range
+        return False
 
 
 class Decisions(NamedTuple):

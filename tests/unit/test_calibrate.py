@@ -5,8 +5,10 @@ from __future__ import annotations
 
 import json
 import math
+from collections.abc import Callable, Sequence
 from dataclasses import replace
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -15,7 +17,17 @@ import torch
 from coplan.cli import main
 from coplan.cost.kernels import Rates, Scale, kernel_time
 from coplan.hardware import device_presets, load_cluster
-from coplan.hardware.calibrate import Measurement, Params, calibrate, predict, preset_for_gpu, to_device
+from coplan.hardware.calibrate import (
+    MAX_RESIDUAL,
+    Measurement,
+    NoisyCalibration,
+    Params,
+    calibrate,
+    check_residuals,
+    predict,
+    preset_for_gpu,
+    to_device,
+)
 from coplan.hardware.calibrate.fit import (
     _kernel,
     fit,
@@ -293,38 +305,131 @@ def _check_sane(path: Path) -> None:
     assert load_cluster(str(path), 1).num_devices == 1
 
 
+#: A CPU that times every probe exactly as the cost model with TRUTH's rates prices it: the cpu
+#: preset's peaks (so the profile keeps its data sheet), PyTorch's attention tiling with a cost per
+#: tile, and a fixed cost per GEMM call, the terms a CPU calibration fits.
+CPU_TRUTH = replace(
+    TRUTH,
+    peaks=dict(device_presets()["cpu"].peak_flops),
+    attn_tiling=TORCH_CPU_FLASH,
+    attn_tile_s={"forward.fp32": 4e-6, "backward.fp32": 9e-6, "forward.bf16": 3e-6, "backward.bf16": 6e-5},
+    mm_call_s={"fp32": 4e-6, "bf16": 1.5e-5},
+    fit_calls=True,
+)
+
+
+def _machine(p: Params, noise: Callable[[int], float] = lambda i: 1.0) -> Callable[..., list[Measurement]]:
+    """``run_probes`` on a machine that is the cost model with rates ``p``, each probe's time
+    multiplied by ``noise(i)``: the real probes are built, their timings are injected."""
+
+    def run_probes(
+        probes: Sequence[Any], clock: object, passes: int, tick: Callable[[str], None], between: Any = None
+    ) -> list[Measurement]:
+        for probe in probes:
+            tick(probe.template.name)
+        return [
+            replace(pr.template, seconds=predict(pr.template, p) * noise(i)) for i, pr in enumerate(probes)
+        ]
+
+    return run_probes
+
+
 def test_quick_cpu_calibration_writes_a_loadable_profile(
-    capsys: pytest.CaptureFixture[str], tmp_path: Path
+    capsys: pytest.CaptureFixture[str], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    """The quick CPU calibration end to end on injected timings: the profile written recovers the
+    machine's rates, loads, and the fit leaves no residual."""
+    monkeypatch.setattr("coplan.hardware.calibrate.run_probes", _machine(CPU_TRUTH))
     out = tmp_path / "profile.json"
-    code, stdout, _ = _run(
+    code, stdout, err = _run(
         capsys, "calibrate", "--device", "cpu", "--quick", "--procs", "1", "--out", str(out), "--json"
     )
-    assert code == 0
+    assert code == 0, err
     data = json.loads(stdout)  # the whole of stdout is one JSON document
     assert data["out"] == str(out)
     kinds = {m["kind"] for m in data["measurements"]}
     assert kinds == {"launch", "host_op", "vector", "first_touch", "matmul", "attention"}
     assert all(m["seconds"] > 0 and m["fitted_s"] > 0 for m in data["measurements"])
+    assert all(v < 1e-3 for v in data["residuals"].values()), data["residuals"]
     assert json.loads(out.read_text())["groups"] == data["groups"]  # the file is the cluster spec alone
     _check_sane(out)
+    d = load_cluster(str(out)).device
+    assert d.kernel_launch_s == pytest.approx(CPU_TRUTH.launch_s, rel=1e-3)
+    assert d.host_op_s == pytest.approx(CPU_TRUTH.host_op_s, rel=1e-3)
+    for dtype in ("fp32", "bf16"):
+        rates = Rates.of(d, dtype)
+        assert rates.mm_flops == pytest.approx(CPU_TRUTH.mm_flops[dtype], rel=1e-3)
+        assert rates.mm_call_s == pytest.approx(CPU_TRUTH.mm_call_s[dtype], rel=1e-2)
+
+
+def test_table_output_names_every_microbenchmark(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr("coplan.hardware.calibrate.run_probes", _machine(CPU_TRUTH))
+    out = tmp_path / "p.json"
+    code, stdout, err = _run(capsys, "calibrate", "--quick", "--procs", "1", "--out", str(out))
+    assert code == 0, err
+    assert "mm nt" in stdout and "layer_norm" in stdout and "fit residuals" in stdout
+    assert f"wrote {out}" in stdout
+
+
+def test_noisy_timings_are_refused_and_nothing_is_written(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Timings a busy machine would give (every other probe 5x slower) leave residuals far above
+    MAX_RESIDUAL: one line naming them, exit 1, and no profile on disk."""
+    monkeypatch.setattr(
+        "coplan.hardware.calibrate.run_probes", _machine(CPU_TRUTH, lambda i: 5.0 if i % 2 else 1.0)
+    )
+    out = tmp_path / "p.json"
+    code, stdout, err = _run(capsys, "calibrate", "--quick", "--procs", "1", "--out", str(out), "--json")
+    assert code == 1 and stdout == ""
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: "), err
+    assert "residual" in lines[0] and f"{MAX_RESIDUAL:.0%} bound" in lines[0], err
+    assert not out.exists()
+
+
+def test_residual_bound_names_each_kind_over_it_and_nan() -> None:
+    check_residuals({"matmul": 0.05, "vector": MAX_RESIDUAL})  # at the bound: kept
+    with pytest.raises(NoisyCalibration, match=r"vector 453%") as exc:
+        check_residuals({"matmul": 0.05, "vector": 4.53})
+    assert "matmul" not in str(exc.value) and exc.value.exit_code == 1
+    with pytest.raises(NoisyCalibration, match="attention nan"):
+        check_residuals({"attention": math.nan})
+
+
+def test_calibrate_help_states_the_residual_bound(capsys: pytest.CaptureFixture[str]) -> None:
+    code, stdout, _ = _run(capsys, "calibrate", "--help")
+    assert code == 0 and f"above {MAX_RESIDUAL:.0%}" in " ".join(stdout.split())
+
+
+def test_a_live_quick_calibration_writes_a_profile_or_refuses_in_one_line(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    """Real timings on this machine: a loadable profile, or (when the machine is too busy to
+    measure) the one-line residual refusal with nothing written, never a bad profile."""
+    out = tmp_path / "live.json"
+    code, stdout, err = _run(
+        capsys, "calibrate", "--device", "cpu", "--quick", "--procs", "1", "--out", str(out), "--json"
+    )
+    if code == 0:
+        data = json.loads(stdout)
+        assert all(v <= MAX_RESIDUAL for v in data["residuals"].values())
+        assert load_cluster(str(out)).device.name == "cpu-calibrated"
+    else:
+        assert code == 1 and not out.exists(), err
+        assert len(err.strip().splitlines()) == 1 and "residual" in err
 
 
 @pytest.mark.slow
 def test_quick_calibration_with_collectives_measures_a_link(tmp_path: Path) -> None:
-    cal = calibrate("cpu", procs=2, quick=True)
+    # the link's presence is the point here, not the fit's precision on a shared machine
+    cal = calibrate("cpu", procs=2, quick=True, max_residual=None)
     assert cal.cluster.num_devices == 2
     link = cal.cluster.groups[0].intra_node
     assert link.name == "gloo-measured" and 1e6 < link.bandwidth < 1e12 and 0 < link.latency_s < 0.1
     assert any(m.kind == "collective" for m in cal.measurements)
-
-
-def test_table_output_names_every_microbenchmark(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
-    out = tmp_path / "p.json"
-    code, stdout, _ = _run(capsys, "calibrate", "--quick", "--procs", "1", "--out", str(out))
-    assert code == 0
-    assert "mm nt" in stdout and "layer_norm" in stdout and "fit residuals" in stdout
-    assert f"wrote {out}" in stdout
 
 
 # --- bad input ---------------------------------------------------------------------------------------

@@ -71,8 +71,35 @@ MIN_PROCS = 2
 Progress = Callable[[str, int, int], None]
 
 
+#: The largest root-mean-square relative residual of the fit (``Calibration.residuals``, per kind
+#: of microbenchmark) that a calibration may leave and still be written. On a quiet machine the
+#: fits leave 3-7% on GEMMs, 10-13% on attention and 20-25% on vector work (the widest: one rate
+#: per family stands for many kernels); a machine whose cores other processes take mid-measurement
+#: has left several hundred percent, and a profile fitted to such timings prices every plan wrongly.
+#: 50% is twice the worst quiet residual: noise above it is the machine, not the model.
+MAX_RESIDUAL = 0.5
+
+
 class CalibrationError(CoplanError):
     """A calibration that cannot run on this machine (exit code 2)."""
+
+
+class NoisyCalibration(CalibrationError):
+    """Timings too noisy to fit (``MAX_RESIDUAL``): exit code 1, a failed measurement rather than
+    bad input; nothing is written."""
+
+    exit_code = 1
+
+
+def check_residuals(residuals: dict[str, float], bound: float = MAX_RESIDUAL) -> None:
+    """Raise ``NoisyCalibration`` naming every kind whose rms residual exceeds ``bound`` (or is NaN)."""
+    over = {k: v for k, v in residuals.items() if not v <= bound}
+    if over:
+        worst = ", ".join(f"{k} {v:.0%}" for k, v in over.items())
+        raise NoisyCalibration(
+            f"the fit leaves rms residuals of {worst}, above the {bound:.0%} bound: the timings are too "
+            "noisy to trust (is the machine busy?); no profile written, run it again on a quiet machine"
+        )
 
 
 @dataclass(frozen=True, slots=True)
@@ -293,10 +320,12 @@ def calibrate(
     quick: bool = False,
     progress: Progress | None = None,
     between_passes: Callable[[int], None] | None = None,
+    max_residual: float | None = MAX_RESIDUAL,
 ) -> Calibration:
     """Measure ``device`` ("cpu" or "cuda") and fit a profile. ``procs`` processes (default 2 on
     cpu, the GPU count on cuda, at least 2 to measure a link; 1 skips collectives).
-    ``between_passes(i)`` runs after the ``i``-th pass over the microbenchmarks (see ``run_probes``)."""
+    ``between_passes(i)`` runs after the ``i``-th pass over the microbenchmarks (see ``run_probes``).
+    A fit whose residuals exceed ``max_residual`` raises ``NoisyCalibration`` (None: no check)."""
     _check_device(device)
     if procs is None:
         procs = 2 if device == "cpu" else torch.cuda.device_count()
@@ -354,6 +383,8 @@ def calibrate(
     params = fit(ms, _start_params(base, dtypes, TORCH_CPU_FLASH if cpu else None, fit_calls=cpu))
     fitted = tuple(replace(m, fitted=predict(m, params)) for m in ms)
     residuals = rms_residuals(fitted)
+    if max_residual is not None:
+        check_residuals(residuals, max_residual)
     took = time.perf_counter() - started - elsewhere
     when = datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
     res_text = ", ".join(f"{k} {v:.1%}" for k, v in residuals.items())
@@ -403,11 +434,14 @@ def write_profile(cal: Calibration, path: str | Path) -> Path:
 __all__ = [
     "DEVICES",
     "KINDS",
+    "MAX_RESIDUAL",
     "Calibration",
     "CalibrationError",
     "Measurement",
+    "NoisyCalibration",
     "Params",
     "calibrate",
+    "check_residuals",
     "fit",
     "predict",
     "write_profile",
