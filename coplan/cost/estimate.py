@@ -69,7 +69,7 @@ from coplan.cost.stages import (
     static_bytes,
 )
 from coplan.cost.tp_overlap import block_overlap, ub_slots, with_rows
-from coplan.cost.zero import zero3_exposed, zero3_transient
+from coplan.cost.zero import fsdp_transient, zero3_exposed, zero3_transient
 from coplan.hardware.cluster import ClusterSpec
 from coplan.hardware.device import DeviceSpec
 from coplan.ir.types import Phase
@@ -313,7 +313,7 @@ def estimate(profile: GraphProfile, cluster: ClusterSpec, config: TrainingConfig
                     # first (the chunk's input is kept by the schedule), (n/v - 1)/2 on average
                     recompute += n * max(0.0, n / v - 1) / 2 * pc.forward
                 tp_comm += n * pc.tp_comm(part, mode)
-                sv = _saved(profile, part, mode)
+                sv = _saved(profile, part, mode, per_op=config.kernels != "megatron")
                 if runs_fp8(config.dtype, device) and mode in ("none", "selective"):
                     sv = vadd(sv, part.fp8_saved)  # GEMM inputs kept in fp8 (``fp8.py``)
                 saved = vadd(saved, tuple(x * n for x in sv))
@@ -376,7 +376,13 @@ def estimate(profile: GraphProfile, cluster: ClusterSpec, config: TrainingConfig
             hide = fwd + bwd + recompute if config.overlap_zero else 0.0
             gathers = 2 if config.zero == 3 else 1
             zero_comm = zero3_exposed(dp_group, p_local, units, param_bytes, grad_bytes, hide, gathers)
-            transient += zero3_transient(p_local, units, param_bytes, grad_bytes)
+            if config.fsdp_units:
+                # FSDP's units: one per block and the root (embedding, final norm, head), which
+                # stays gathered from the start of forward to the end of backward
+                root = p_local - block_local
+                transient += fsdp_transient(block_local, root, units, param_bytes, grad_bytes)
+            else:
+                transient += zero3_transient(p_local, units, param_bytes, grad_bytes)
         # data-parallel gradient reduction, once per step, bucket by bucket (``buckets.py``)
         dp_comm = param_gather = 0.0
         if d > 1 and not config.gathers_per_unit:
@@ -726,11 +732,30 @@ class _Priced:
         return max(vdot(pt, w) for pt in self.points)
 
 
-def _saved(profile: GraphProfile, part: Part, mode: str | frozenset[str]) -> Vec:
+def _saved(profile: GraphProfile, part: Part, mode: str | frozenset[str], per_op: bool = False) -> Vec:
+    """What ``part`` keeps for backward under ``mode``. A recompute set drops its tensors from the
+    saved set; ``per_op`` (a PyTorch stack: eager autograd, or Inductor) starts from the tensors
+    each op saves (``saved_items``), since a per-op checkpoint policy keeps exactly the tensors it
+    tags and Inductor's partitioner honours the tags (torch/_functorch/partitioners.py at v2.13.0
+    cf30153c4c: ``MUST_SAVE`` nodes are saved, ``must_recompute`` ones never), where a fused
+    graph's own saved set would merge them."""
     if isinstance(mode, str):
         return part.saved[mode]
     _, dropped = _recompute_closure(profile, part, mode)
-    return tuple(a - b for a, b in zip(part.saved["none"], dropped, strict=True))  # type: ignore[return-value]
+    base = _item_total(part) if per_op else part.saved["none"]
+    return tuple(a - b for a, b in zip(base, dropped, strict=True))  # type: ignore[return-value]
+
+
+def _item_total(part: Part) -> Vec:
+    """The sum of the tensors ``part``'s ops save for backward, one by one."""
+    got = part.cache.get("item_total")
+    if got is None:
+        vec = [0.0] * NV
+        for _, _, v in part.saved_items:
+            for i, x in enumerate(v):
+                vec[i] += x
+        got = part.cache["item_total"] = tuple(vec)
+    return got  # type: ignore[return-value]
 
 
 def _fused_ids(profile: GraphProfile, part: Part, names: frozenset[str]) -> frozenset[int]:

@@ -51,6 +51,22 @@ def zero3_exposed(
     return edges + max(0.0, total - edges - compute)
 
 
+def fsdp_transient(
+    block_params: float, root_params: float, units: int, param_bytes: float, grad_bytes: float
+) -> float:
+    """Bytes PyTorch FSDP holds beyond the shards at the peak, with the blocks as units and the rest
+    of the model (embedding, final norm, head) as the root unit: the root's gathered parameters,
+    all-gathered at the start of forward and kept until its post-backward at the end of backward
+    (torch/distributed/fsdp/_fully_shard/_fsdp_state.py ``_lazy_init`` at v2.13.0 cf30153c4c:
+    "For the root, do not reshard after forward"; FSDP1 keeps its root unsharded after forward
+    too), the block computed and the one prefetched
+    (FSDP2 prefetches one unit, FSDP1's ``limit_all_gathers`` allows two in flight) in the
+    parameter dtype, and one block's unsharded gradients in the reduce dtype before their
+    reduce-scatter."""
+    per_unit = block_params / max(1, units)
+    return root_params * param_bytes + per_unit * (2 * param_bytes + grad_bytes)
+
+
 def zero3_transient(p_local: float, units: int, param_bytes: float, grad_bytes: float) -> float:
     """Bytes ZeRO-3 holds beyond the shards: two gathered units and one unit of unsharded
     gradients."""
