@@ -112,6 +112,9 @@ class TrainingConfig:
             ``"megatron"`` prices the fusion groups as they are; ``"eager"`` also runs each
             Python-level op as eager PyTorch decomposes it (RMSNorm's fp32 upcast, RoPE's complex
             product: ``coplan.cost.eager``); ``"inductor"`` prices torch.compile's fused kernels.
+        eager_loss: the model's loss side (the IR's ``post`` part: final norm, output projection
+            and loss) runs eager PyTorch, op by op, beside blocks that run the configured kernels:
+            torch.compile applied to each block (torchtitan) or to the model without its loss.
         attention_kernel: the fused-attention kernel (``ATTENTION_KERNEL_CHOICES``): ``"auto"``, what
             the device's profile describes, or one the stack forces (``"flash2"``: Transformer
             Engine with ``NVTE_FUSED_ATTN=0`` on Hopper, or PyTorch's SDPA flash backend).
@@ -160,6 +163,7 @@ class TrainingConfig:
     dp_bucket_scope: str = "megatron-core"
     attention_kernel: str = "auto"
     kernels: str = "megatron"
+    eager_loss: bool = False
 
     def __post_init__(self) -> None:
         for name in ("tp", "pp", "dp", "vpp", "microbatch", "global_batch"):
@@ -227,6 +231,8 @@ class TrainingConfig:
             )
         if self.kernels not in KERNEL_SETS:
             raise ConfigError("kernels", f"must be one of {', '.join(KERNEL_SETS)}, got {self.kernels!r}")
+        if not isinstance(self.eager_loss, bool):
+            raise ConfigError("eager_loss", f"must be true or false, got {self.eager_loss!r}")
         if self.fp8_params and self.dtype != "fp8":
             raise ConfigError("fp8_params", f"needs dtype fp8, got {self.dtype!r}")
         if self.vpp > 1 and self.pp == 1:
@@ -334,6 +340,7 @@ class TrainingConfig:
             "dp_bucket_scope": self.dp_bucket_scope,
             "attention_kernel": self.attention_kernel,
             **({"kernels": self.kernels} if self.kernels != "megatron" else {}),
+            **({"eager_loss": True} if self.eager_loss else {}),
         }
 
 

@@ -609,7 +609,7 @@ class _Priced:
             if name == cost.c.loss_fusion:  # Megatron's own loss kernels (``loss.py``)
                 self.saved, self.points = vadd(self.saved, delta), points
         fwd, bwd = run_kernels(part, cost.c.loss_fusion, cost.c.activation_fusion)
-        if cost.c.kernels == "eager":
+        if cost.c.kernels == "eager" or (cost.c.eager_loss and part is cost.profile.post):
             # eager PyTorch's decompositions of the ops a model writes in Python (``eager.py``)
             key = ("eager", cost.c.loss_fusion, cost.c.activation_fusion)
             got = part.cache.get(key)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 
 import pytest
 
@@ -213,3 +214,21 @@ def test_fsdp_holds_the_root_unit_gathered_beside_two_blocks_and_one_gradient() 
     got = fsdp.memory.transient_bytes - zero3.memory.transient_bytes
     want = fsdp_transient(blocks, root, 2, 2, 4) - zero3_transient(blocks + root, 2, 2, 4)
     assert got == pytest.approx(want)
+
+
+def test_an_eager_loss_beside_compiled_blocks_prices_the_loss_side_as_eager() -> None:
+    cm = CostModel(spec=SPEC)
+    cluster = load_cluster("dgx-h100", 1)
+    base = TrainingConfig(global_batch=2, microbatch=2, seq=64)
+    compiled = load_stack("torchtitan-compile").configure(base)
+    assert not compiled.eager_loss
+    split = replace(load_stack("torchtitan-compile"), eager_loss=True).configure(base)
+    assert split.eager_loss and split.fusion == compiled.fusion
+    eager = load_stack("torchtitan").configure(base)
+    est = {c: cm.estimate(cluster, cfg) for c, cfg in (("c", compiled), ("s", split), ("e", eager))}
+    # the loss side's unfused kernels (and the logits' fp32 copy) hold more at the peak
+    assert est["s"].memory.peak_bytes > est["c"].memory.peak_bytes
+    # the blocks stay compiled: the step stays below the all-eager one
+    assert est["s"].kernels_per_step < est["e"].kernels_per_step
+    # a stack that compiles nothing ignores the flag
+    assert not replace(load_stack("torchtitan"), eager_loss=True).configure(base).eager_loss
