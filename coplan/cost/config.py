@@ -112,6 +112,9 @@ class TrainingConfig:
             ``"megatron"`` prices the fusion groups as they are; ``"eager"`` also runs each
             Python-level op as eager PyTorch decomposes it (RMSNorm's fp32 upcast, RoPE's complex
             product: ``coplan.cost.eager``); ``"inductor"`` prices torch.compile's fused kernels.
+        fsdp_shard: FSDP's sharding group (``fsdp_units``): ``None`` shards over every data-parallel
+            rank; ``n`` shards parameters, gradients and optimizer states within groups of ``n``
+            ranks and replicates them across the groups (HYBRID_SHARD / HSDP).
         eager_loss: the model's loss side (the IR's ``post`` part: final norm, output projection
             and loss) runs eager PyTorch, op by op, beside blocks that run the configured kernels:
             torch.compile applied to each block (torchtitan) or to the model without its loss.
@@ -164,6 +167,7 @@ class TrainingConfig:
     attention_kernel: str = "auto"
     kernels: str = "megatron"
     eager_loss: bool = False
+    fsdp_shard: int | None = None
 
     def __post_init__(self) -> None:
         for name in ("tp", "pp", "dp", "vpp", "microbatch", "global_batch"):
@@ -231,6 +235,9 @@ class TrainingConfig:
             )
         if self.kernels not in KERNEL_SETS:
             raise ConfigError("kernels", f"must be one of {', '.join(KERNEL_SETS)}, got {self.kernels!r}")
+        n = self.fsdp_shard
+        if n is not None and (isinstance(n, bool) or not isinstance(n, int) or n < 1 or self.dp % n):
+            raise ConfigError("fsdp_shard", f"must be a positive divisor of dp ({self.dp}), got {n!r}")
         if not isinstance(self.eager_loss, bool):
             raise ConfigError("eager_loss", f"must be true or false, got {self.eager_loss!r}")
         if self.fp8_params and self.dtype != "fp8":
@@ -274,6 +281,12 @@ class TrainingConfig:
     def num_microbatches(self) -> int:
         """Microbatches per pipeline per step (gradient-accumulation steps)."""
         return self.global_batch // (self.microbatch * self.dp)
+
+    @property
+    def shard_ranks(self) -> int:
+        """The ranks ZeRO / FSDP shards the model states over: every data-parallel rank, or FSDP's
+        hybrid sharding group."""
+        return self.dp if self.fsdp_shard is None else self.fsdp_shard
 
     @property
     def gathers_per_unit(self) -> bool:
@@ -341,6 +354,7 @@ class TrainingConfig:
             "attention_kernel": self.attention_kernel,
             **({"kernels": self.kernels} if self.kernels != "megatron" else {}),
             **({"eager_loss": True} if self.eager_loss else {}),
+            **({"fsdp_shard": self.fsdp_shard} if self.fsdp_shard is not None else {}),
         }
 
 

@@ -69,7 +69,7 @@ from coplan.cost.stages import (
     static_bytes,
 )
 from coplan.cost.tp_overlap import block_overlap, ub_slots, with_rows
-from coplan.cost.zero import fsdp_transient, zero3_exposed, zero3_transient
+from coplan.cost.zero import fsdp_schedule, fsdp_transient, zero3_exposed, zero3_transient
 from coplan.hardware.cluster import ClusterSpec
 from coplan.hardware.device import DeviceSpec
 from coplan.ir.types import Phase
@@ -375,7 +375,12 @@ def estimate(profile: GraphProfile, cluster: ClusterSpec, config: TrainingConfig
             units = max(1, per_stage_layers[s])
             hide = fwd + bwd + recompute if config.overlap_zero else 0.0
             gathers = 2 if config.zero == 3 else 1
-            zero_comm = zero3_exposed(dp_group, p_local, units, param_bytes, grad_bytes, hide, gathers)
+            if config.fsdp_units and config.overlap_zero:
+                root = p_local - block_local
+                fsdp = (block_local, root, units, param_bytes, grad_bytes, fwd, bwd + recompute, gathers)
+                zero_comm = _fsdp_comm(cluster, config, net, *fsdp)
+            else:
+                zero_comm = zero3_exposed(dp_group, p_local, units, param_bytes, grad_bytes, hide, gathers)
             if config.fsdp_units:
                 # FSDP's units: one per block and the root (embedding, final norm, head), which
                 # stays gathered from the start of forward to the end of backward
@@ -428,7 +433,7 @@ def estimate(profile: GraphProfile, cluster: ClusterSpec, config: TrainingConfig
                     param_gather = max(0.0, param_gather - s * ahead)
                 else:
                     param_gather = serial_time(bk, gather, param_bytes)
-        opt_div = d if config.zero >= 1 else 1
+        opt_div = config.shard_ranks if config.zero >= 1 else 1
         opt /= opt_div
         # memory
         held = in_flight(s, p, v, m)
@@ -450,7 +455,7 @@ def estimate(profile: GraphProfile, cluster: ClusterSpec, config: TrainingConfig
                 act_stored += inp * chunk_in_flight(s, p, v, m, v - 1)
         if p > 1:
             act_stored += boundary_held(profile, mine, rec, config, s, p, v, m, ab, t, boundary_elems)
-        static = static_bytes(p_local, config, d)
+        static = static_bytes(p_local, config, config.shard_ranks)
         if not config.gathers_per_unit and not config.fp8_params:
             # TE's fp8 weight copies, kept through the step beside the 16-bit weights (under ZeRO-3 a
             # layer's gathered weights, and their casts, are transient instead; with fp8 primary
@@ -730,6 +735,39 @@ class _Priced:
     def transient(self, part: Part) -> float:
         w = self.cost.s.weights
         return max(vdot(pt, w) for pt in self.points)
+
+
+def _fsdp_comm(
+    cluster: ClusterSpec,
+    config: TrainingConfig,
+    net: float,
+    blocks: float,
+    root: float,
+    units: int,
+    param_bytes: float,
+    grad_bytes: float,
+    fwd: float,
+    bwd: float,
+    gathers: int,
+) -> float:
+    """Seconds of one microbatch's FSDP collectives that compute does not hide, as the per-unit
+    schedule runs them (``zero.fsdp_schedule``): the blocks' units, and the root unit's all-gather
+    before the first block (the root is not resharded after forward) and its reduce-scatter after
+    the last. With a sharding group smaller than the data-parallel ranks (HYBRID_SHARD) the
+    collectives stay in the group and each unit's gradient shard is all-reduced across the
+    replicas."""
+    shard = config.shard_ranks
+    group = Group.of(cluster, shard, config.tp, net)
+    replicas = Group.of(cluster, config.dp // shard, config.tp * shard, net)
+    per_unit = blocks / units
+    gather = group.all_gather(per_unit * param_bytes)
+    scatter = group.reduce_scatter(per_unit * grad_bytes)
+    edges = group.all_gather(root * param_bytes) + group.reduce_scatter(root * grad_bytes)
+    repl = 0.0
+    if replicas.size > 1:
+        repl = replicas.all_reduce(per_unit * grad_bytes / shard)
+        edges += replicas.all_reduce(root * grad_bytes / shard)
+    return edges + fsdp_schedule(units, gather, scatter, fwd, bwd, gathers, repl)
 
 
 def _saved(profile: GraphProfile, part: Part, mode: str | frozenset[str], per_op: bool = False) -> Vec:

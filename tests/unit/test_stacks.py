@@ -10,6 +10,7 @@ import pytest
 from coplan.capture.synthetic import build_graph
 from coplan.cost import CostModel, TrainingConfig, load_stack, load_stack_file, stack_names
 from coplan.cost.checkpoint import layer_fraction, selective_op_names
+from coplan.cost.config import ConfigError
 from coplan.cost.eager import PLANS, eager_kernels, op_kernels, shard_class
 from coplan.cost.parts import ACT, F32, REPL, TP
 from coplan.cost.stacks import SETTINGS, StackError, StackSpec, stack_from_dict
@@ -232,3 +233,35 @@ def test_an_eager_loss_beside_compiled_blocks_prices_the_loss_side_as_eager() ->
     assert est["s"].kernels_per_step < est["e"].kernels_per_step
     # a stack that compiles nothing ignores the flag
     assert not replace(load_stack("torchtitan"), eager_loss=True).configure(base).eager_loss
+
+
+def test_fsdp_schedule_shows_what_the_neighbouring_unit_cannot_hide() -> None:
+    from coplan.cost.zero import fsdp_schedule
+
+    # 3 units, all-gather and reduce-scatter 1 s each, 2 s of forward and 4 s of backward per
+    # unit. Forward: gather 0 [0, 1], unit 0 [1, 3] (gather 1 [1, 2]), unit 1 [3, 5] (gather 2
+    # [3, 4]), unit 2 [5, 7]. Backward: gather 2 [7, 8], unit 2 [8, 12] (gather 1 [8, 9], its
+    # reduce-scatter [12, 13]), unit 1 [12, 16] (gather 0 [13, 14], scatter [16, 17]), unit 0
+    # [16, 20], scatter [20, 21]: 21 s for 18 s of compute
+    assert fsdp_schedule(3, 1.0, 1.0, 6.0, 12.0) == pytest.approx(3.0)
+    # collectives outlasting compute: forward communication cannot hide behind the backward.
+    # Forward gathers [0, 3], [3, 6], [6, 9]; units [3, 5], [6, 8], [9, 11]. Backward gather
+    # [11, 14]; unit 2 [14, 18] (gather [14, 17], scatter [18, 21]); unit 1 [18, 22] (gather
+    # [21, 24], scatter [24, 27]); unit 0 [24, 28], scatter [28, 31]
+    assert fsdp_schedule(3, 3.0, 3.0, 6.0, 12.0) == pytest.approx(31.0 - 18.0)
+    # without resharding after forward nothing is gathered in backward
+    assert fsdp_schedule(3, 1.0, 1.0, 6.0, 12.0, gathers=1) == pytest.approx(2.0)
+    # HYBRID_SHARD: each unit's all-reduce across replicas follows its reduce-scatter on its own
+    # stream; the last one shows: [21, 23]
+    assert fsdp_schedule(3, 1.0, 1.0, 6.0, 12.0, replicate=2.0) == pytest.approx(5.0)
+
+
+def test_hybrid_shard_keeps_the_collectives_in_the_node_and_shards_within_it() -> None:
+    cm = CostModel(spec=SPEC)
+    cluster = load_cluster("dgx-h100", 32)
+    config = load_stack("fsdp").configure(TrainingConfig(dp=32, global_batch=32, zero=3))
+    full, hybrid = cm.estimate(cluster, config), cm.estimate(cluster, config.with_(fsdp_shard=8))
+    assert hybrid.memory.optimizer_bytes == pytest.approx(full.memory.optimizer_bytes * 4)
+    assert hybrid.stages[0].zero_comm_s != full.stages[0].zero_comm_s
+    with pytest.raises(ConfigError):
+        config.with_(fsdp_shard=5)
