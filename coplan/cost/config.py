@@ -31,7 +31,7 @@ FUSION_MODES: tuple[str, ...] = ("megatron", "none")
 KERNEL_SETS: tuple[str, ...] = ("megatron", "eager", "inductor")
 #: Megatron's cross-entropy kernels (``--cross-entropy-loss-fusion``, ``--cross-entropy-fusion-impl``):
 #: unfused (the default), jit-fused ("native"), Transformer Engine's ("te"); see ``cost/loss.py``.
-LOSS_FUSIONS: tuple[str, ...] = ("none", "native", "te")
+LOSS_FUSIONS: tuple[str, ...] = ("none", "native", "te", "inductor")
 #: Fused-attention kernels a configuration may ask for: ``"auto"`` prices the one each device's
 #: profile describes (what Transformer Engine selects there: cuDNN's on Hopper, FlashAttention-2 on
 #: Ampere); a kernel name prices that kernel where the device has rates for it
@@ -92,8 +92,9 @@ class TrainingConfig:
         recompute_fused: names of pointwise forward ops of block 0 that a recompute set re-runs
             inside the backward kernel reading their output (Inductor's partitioner does this):
             their arithmetic is paid, but no launch, no memory traffic and no stored copy.
-        loss_fusion: which of Megatron's cross-entropy kernels the loss runs as under
-            ``fusion="megatron"`` (``LOSS_FUSIONS``; other fusion plans price the IR's loss ops).
+        loss_fusion: which cross-entropy kernels the loss runs as under ``fusion="megatron"``
+            (``LOSS_FUSIONS``: Megatron's, or Inductor's for a compiled loss; other fusion plans
+            price the IR's loss ops).
         pipeline_keeps_outputs: a pipeline stage keeps the output it sent for its backward
             (torch.distributed.pipelining, which backpropagates through it) instead of freeing it
             after the send (Megatron-LM's ``deallocate_pipeline_outputs``).

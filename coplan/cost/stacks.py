@@ -155,6 +155,9 @@ class StackSpec:
             changes["fsdp_units"] = True
         if self.eager_loss and self.kernels == "inductor":
             changes["eager_loss"] = True
+        elif self.kernels == "inductor" and config.loss_fusion == "none":
+            # a compiled loss runs as Inductor generates it, not as Megatron's cross-entropy
+            changes["loss_fusion"] = "inductor"
         return config.with_(**changes)
 
     def runner_for(self, device: str) -> StackSpec:

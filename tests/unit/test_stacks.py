@@ -265,3 +265,24 @@ def test_hybrid_shard_keeps_the_collectives_in_the_node_and_shards_within_it() -
     assert hybrid.stages[0].zero_comm_s != full.stages[0].zero_comm_s
     with pytest.raises(ConfigError):
         config.with_(fsdp_shard=5)
+
+
+def test_a_compiled_loss_runs_as_inductor_generates_it() -> None:
+    from coplan.cost.loss import _PLANS
+
+    # one read of the 16-bit logits forward, one read and one 16-bit write backward
+    assert _PLANS["inductor"] == (((1, 0),), 0, ((2, 0),), 0)
+    cm = CostModel(spec=SPEC)
+    cluster = load_cluster("dgx-h100", 1)
+    base = TrainingConfig(global_batch=2, microbatch=2, seq=64)
+    compiled = load_stack("torchtitan-compile").configure(base)
+    assert compiled.loss_fusion == "inductor"
+    megatron_ce = cm.estimate(cluster, compiled.with_(loss_fusion="none"))
+    inductor_ce = cm.estimate(cluster, compiled)
+    # Megatron's cross-entropy keeps the fp32 softmax and runs six passes; Inductor's keeps the
+    # 16-bit logits and runs one each way
+    assert inductor_ce.memory.activations_bytes < megatron_ce.memory.activations_bytes
+    assert inductor_ce.kernels_per_step < megatron_ce.kernels_per_step
+    # an eager loss stays the IR's own; Megatron's preset keeps its default
+    assert replace(load_stack("torchtitan-compile"), eager_loss=True).configure(base).loss_fusion == "none"
+    assert load_stack("megatron").configure(base).loss_fusion == "none"
