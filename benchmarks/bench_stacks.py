@@ -6,7 +6,8 @@ with its stack's preset (``coplan/cost/stacks/*.json``) beside the Megatron-pric
 Each run of ``benchmarks/data/published_stack_runs.json`` is priced twice: as ``megatron`` (the
 cost model before stacks were named: Megatron + Transformer Engine kernels, per-op checkpointing as
 Megatron's selective) and with the preset of its stack (``torchtitan``, ``fsdp``, ``deepspeed``,
-``eager``; the ``-compile`` preset where ``stack_settings.compile``). Checkpointing follows
+``eager``; the ``-compile`` preset where ``stack_settings.compile``, its loss eager where
+``stack_settings.loss_compiled`` is false; HYBRID_SHARD shards within a node). Checkpointing follows
 ``stack_settings.activation_checkpoint``: ``selective-op`` is torchtitan's per-op policy as a
 recompute set (``coplan.cost.checkpoint``); ``selective-layer:N`` / ``selective-fraction:p``
 checkpoint a share of the blocks fully, priced as that share of a fully checkpointed step and the
@@ -23,6 +24,7 @@ import json
 import statistics
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
@@ -66,7 +68,14 @@ def price(run: dict, stack: str) -> tuple[float, float, bool]:
     policy = r["stack_settings"].get("activation_checkpoint", r["recompute"])
     frac = layer_fraction(policy)
     r["recompute"] = "none" if policy == "selective-op" or frac is not None else r["recompute"]
-    config = load_stack(stack).configure(run_config(r))
+    spec_of_stack = load_stack(stack)
+    if "loss_compiled" in r["stack_settings"]:
+        # the run's own version of the stack says whether torch.compile covered the loss
+        spec_of_stack = replace(spec_of_stack, eager_loss=not r["stack_settings"]["loss_compiled"])
+    config = spec_of_stack.configure(run_config(r))
+    if r["stack_settings"].get("sharding") == "HYBRID_SHARD":
+        # sharded within a node, replicated across nodes
+        config = config.with_(fsdp_shard=cluster.groups[0].devices_per_node)
     if policy == "selective-op":
         graph = model.profile(config.microbatch, model.seq_of(config), config.fusion).graph
         config = config.with_(recompute=selective_op_names(graph))

@@ -82,6 +82,7 @@ class LossFusion(enum.StrEnum):  # coplan.cost.config.LOSS_FUSIONS
     none = "none"
     native = "native"
     te = "te"
+    inductor = "inductor"
 
 
 def estimate(

@@ -38,7 +38,7 @@ FUSION_MODES: tuple[str, ...] = ("megatron", "none")
 KERNEL_SETS: tuple[str, ...] = ("megatron", "eager", "inductor")
 #: Megatron's cross-entropy kernels (``--cross-entropy-loss-fusion``, ``--cross-entropy-fusion-impl``):
 #: unfused (the default), jit-fused ("native"), Transformer Engine's ("te"); see ``cost/loss.py``.
-LOSS_FUSIONS: tuple[str, ...] = ("none", "native", "te")
+LOSS_FUSIONS: tuple[str, ...] = ("none", "native", "te", "inductor")
 #: Fused-attention kernels a configuration may ask for: ``"auto"`` prices the one each device's
 #: profile describes (what Transformer Engine selects there: cuDNN's on Hopper, FlashAttention-2 on
 #: Ampere); a kernel name prices that kernel where the device has rates for it
@@ -108,8 +108,9 @@ class TrainingConfig:
         recompute_fused: names of pointwise forward ops of block 0 that a recompute set re-runs
             inside the backward kernel reading their output (Inductor's partitioner does this):
             their arithmetic is paid, but no launch, no memory traffic and no stored copy.
-        loss_fusion: which of Megatron's cross-entropy kernels the loss runs as under
-            ``fusion="megatron"`` (``LOSS_FUSIONS``; other fusion plans price the IR's loss ops).
+        loss_fusion: which cross-entropy kernels the loss runs as under ``fusion="megatron"``
+            (``LOSS_FUSIONS``: Megatron's, or Inductor's for a compiled loss; other fusion plans
+            price the IR's loss ops).
         pipeline_keeps_outputs: a pipeline stage keeps the output it sent for its backward
             (torch.distributed.pipelining, which backpropagates through it) instead of freeing it
             after the send (Megatron-LM's ``deallocate_pipeline_outputs``).
@@ -128,6 +129,12 @@ class TrainingConfig:
             ``"megatron"`` prices the fusion groups as they are; ``"eager"`` also runs each
             Python-level op as eager PyTorch decomposes it (RMSNorm's fp32 upcast, RoPE's complex
             product: ``coplan.cost.eager``); ``"inductor"`` prices torch.compile's fused kernels.
+        fsdp_shard: FSDP's sharding group (``fsdp_units``): ``None`` shards over every data-parallel
+            rank; ``n`` shards parameters, gradients and optimizer states within groups of ``n``
+            ranks and replicates them across the groups (HYBRID_SHARD / HSDP).
+        eager_loss: the model's loss side (the IR's ``post`` part: final norm, output projection
+            and loss) runs eager PyTorch, op by op, beside blocks that run the configured kernels:
+            torch.compile applied to each block (torchtitan) or to the model without its loss.
         attention_kernel: the fused-attention kernel (``ATTENTION_KERNEL_CHOICES``): ``"auto"``, what
             the device's profile describes, or one the stack forces (``"flash2"``: Transformer
             Engine with ``NVTE_FUSED_ATTN=0`` on Hopper, or PyTorch's SDPA flash backend).
@@ -176,6 +183,8 @@ class TrainingConfig:
     dp_bucket_scope: str = "megatron-core"
     attention_kernel: str = "auto"
     kernels: str = "megatron"
+    eager_loss: bool = False
+    fsdp_shard: int | None = None
 
     def __post_init__(self) -> None:
         for name, bound in (
@@ -248,6 +257,11 @@ class TrainingConfig:
             )
         if self.kernels not in KERNEL_SETS:
             raise ConfigError("kernels", f"must be one of {', '.join(KERNEL_SETS)}, got {self.kernels!r}")
+        n = self.fsdp_shard
+        if n is not None and (isinstance(n, bool) or not isinstance(n, int) or n < 1 or self.dp % n):
+            raise ConfigError("fsdp_shard", f"must be a positive divisor of dp ({self.dp}), got {n!r}")
+        if not isinstance(self.eager_loss, bool):
+            raise ConfigError("eager_loss", f"must be true or false, got {self.eager_loss!r}")
         if self.fp8_params and self.dtype != "fp8":
             raise ConfigError("fp8_params", f"needs dtype fp8, got {self.dtype!r}")
         if self.vpp > 1 and self.pp == 1:
@@ -289,6 +303,12 @@ class TrainingConfig:
     def num_microbatches(self) -> int:
         """Microbatches per pipeline per step (gradient-accumulation steps)."""
         return self.global_batch // (self.microbatch * self.dp)
+
+    @property
+    def shard_ranks(self) -> int:
+        """The ranks ZeRO / FSDP shards the model states over: every data-parallel rank, or FSDP's
+        hybrid sharding group."""
+        return self.dp if self.fsdp_shard is None else self.fsdp_shard
 
     @property
     def gathers_per_unit(self) -> bool:
@@ -355,6 +375,8 @@ class TrainingConfig:
             "dp_bucket_scope": self.dp_bucket_scope,
             "attention_kernel": self.attention_kernel,
             **({"kernels": self.kernels} if self.kernels != "megatron" else {}),
+            **({"eager_loss": True} if self.eager_loss else {}),
+            **({"fsdp_shard": self.fsdp_shard} if self.fsdp_shard is not None else {}),
         }
 
 

@@ -69,7 +69,7 @@ from coplan.cost.stages import (
     static_bytes,
 )
 from coplan.cost.tp_overlap import block_overlap, ub_slots, with_rows
-from coplan.cost.zero import zero3_exposed, zero3_transient
+from coplan.cost.zero import fsdp_schedule, fsdp_transient, zero3_exposed, zero3_transient
 from coplan.hardware.cluster import ClusterSpec
 from coplan.hardware.device import DeviceSpec
 from coplan.ir.types import Phase
@@ -313,7 +313,7 @@ def estimate(profile: GraphProfile, cluster: ClusterSpec, config: TrainingConfig
                     # first (the chunk's input is kept by the schedule), (n/v - 1)/2 on average
                     recompute += n * max(0.0, n / v - 1) / 2 * pc.forward
                 tp_comm += n * pc.tp_comm(part, mode)
-                sv = _saved(profile, part, mode)
+                sv = _saved(profile, part, mode, per_op=config.kernels != "megatron")
                 if runs_fp8(config.dtype, device) and mode in ("none", "selective"):
                     sv = vadd(sv, part.fp8_saved)  # GEMM inputs kept in fp8 (``fp8.py``)
                 saved = vadd(saved, tuple(x * n for x in sv))
@@ -375,8 +375,19 @@ def estimate(profile: GraphProfile, cluster: ClusterSpec, config: TrainingConfig
             units = max(1, per_stage_layers[s])
             hide = fwd + bwd + recompute if config.overlap_zero else 0.0
             gathers = 2 if config.zero == 3 else 1
-            zero_comm = zero3_exposed(dp_group, p_local, units, param_bytes, grad_bytes, hide, gathers)
-            transient += zero3_transient(p_local, units, param_bytes, grad_bytes)
+            if config.fsdp_units and config.overlap_zero:
+                root = p_local - block_local
+                fsdp = (block_local, root, units, param_bytes, grad_bytes, fwd, bwd + recompute, gathers)
+                zero_comm = _fsdp_comm(cluster, config, net, *fsdp)
+            else:
+                zero_comm = zero3_exposed(dp_group, p_local, units, param_bytes, grad_bytes, hide, gathers)
+            if config.fsdp_units:
+                # FSDP's units: one per block and the root (embedding, final norm, head), which
+                # stays gathered from the start of forward to the end of backward
+                root = p_local - block_local
+                transient += fsdp_transient(block_local, root, units, param_bytes, grad_bytes)
+            else:
+                transient += zero3_transient(p_local, units, param_bytes, grad_bytes)
         # data-parallel gradient reduction, once per step, bucket by bucket (``buckets.py``)
         dp_comm = param_gather = 0.0
         if d > 1 and not config.gathers_per_unit:
@@ -422,7 +433,7 @@ def estimate(profile: GraphProfile, cluster: ClusterSpec, config: TrainingConfig
                     param_gather = max(0.0, param_gather - s * ahead)
                 else:
                     param_gather = serial_time(bk, gather, param_bytes)
-        opt_div = d if config.zero >= 1 else 1
+        opt_div = config.shard_ranks if config.zero >= 1 else 1
         opt /= opt_div
         # memory
         held = in_flight(s, p, v, m)
@@ -444,7 +455,7 @@ def estimate(profile: GraphProfile, cluster: ClusterSpec, config: TrainingConfig
                 act_stored += inp * chunk_in_flight(s, p, v, m, v - 1)
         if p > 1:
             act_stored += boundary_held(profile, mine, rec, config, s, p, v, m, ab, t, boundary_elems)
-        static = static_bytes(p_local, config, d)
+        static = static_bytes(p_local, config, config.shard_ranks)
         if not config.gathers_per_unit and not config.fp8_params:
             # TE's fp8 weight copies, kept through the step beside the 16-bit weights (under ZeRO-3 a
             # layer's gathered weights, and their casts, are transient instead; with fp8 primary
@@ -603,7 +614,7 @@ class _Priced:
             if name == cost.c.loss_fusion:  # Megatron's own loss kernels (``loss.py``)
                 self.saved, self.points = vadd(self.saved, delta), points
         fwd, bwd = run_kernels(part, cost.c.loss_fusion, cost.c.activation_fusion)
-        if cost.c.kernels == "eager":
+        if cost.c.kernels == "eager" or (cost.c.eager_loss and part is cost.profile.post):
             # eager PyTorch's decompositions of the ops a model writes in Python (``eager.py``)
             key = ("eager", cost.c.loss_fusion, cost.c.activation_fusion)
             got = part.cache.get(key)
@@ -726,11 +737,63 @@ class _Priced:
         return max(vdot(pt, w) for pt in self.points)
 
 
-def _saved(profile: GraphProfile, part: Part, mode: str | frozenset[str]) -> Vec:
+def _fsdp_comm(
+    cluster: ClusterSpec,
+    config: TrainingConfig,
+    net: float,
+    blocks: float,
+    root: float,
+    units: int,
+    param_bytes: float,
+    grad_bytes: float,
+    fwd: float,
+    bwd: float,
+    gathers: int,
+) -> float:
+    """Seconds of one microbatch's FSDP collectives that compute does not hide, as the per-unit
+    schedule runs them (``zero.fsdp_schedule``): the blocks' units, and the root unit's all-gather
+    before the first block (the root is not resharded after forward) and its reduce-scatter after
+    the last. With a sharding group smaller than the data-parallel ranks (HYBRID_SHARD) the
+    collectives stay in the group and each unit's gradient shard is all-reduced across the
+    replicas."""
+    shard = config.shard_ranks
+    group = Group.of(cluster, shard, config.tp, net)
+    replicas = Group.of(cluster, config.dp // shard, config.tp * shard, net)
+    per_unit = blocks / units
+    gather = group.all_gather(per_unit * param_bytes)
+    scatter = group.reduce_scatter(per_unit * grad_bytes)
+    edges = group.all_gather(root * param_bytes) + group.reduce_scatter(root * grad_bytes)
+    repl = 0.0
+    if replicas.size > 1:
+        repl = replicas.all_reduce(per_unit * grad_bytes / shard)
+        edges += replicas.all_reduce(root * grad_bytes / shard)
+    return edges + fsdp_schedule(units, gather, scatter, fwd, bwd, gathers, repl)
+
+
+def _saved(profile: GraphProfile, part: Part, mode: str | frozenset[str], per_op: bool = False) -> Vec:
+    """What ``part`` keeps for backward under ``mode``. A recompute set drops its tensors from the
+    saved set; ``per_op`` (a PyTorch stack: eager autograd, or Inductor) starts from the tensors
+    each op saves (``saved_items``), since a per-op checkpoint policy keeps exactly the tensors it
+    tags and Inductor's partitioner honours the tags (torch/_functorch/partitioners.py at v2.13.0
+    cf30153c4c: ``MUST_SAVE`` nodes are saved, ``must_recompute`` ones never), where a fused
+    graph's own saved set would merge them."""
     if isinstance(mode, str):
         return part.saved[mode]
     _, dropped = _recompute_closure(profile, part, mode)
-    return tuple(a - b for a, b in zip(part.saved["none"], dropped, strict=True))  # type: ignore[return-value]
+    base = _item_total(part) if per_op else part.saved["none"]
+    return tuple(a - b for a, b in zip(base, dropped, strict=True))  # type: ignore[return-value]
+
+
+def _item_total(part: Part) -> Vec:
+    """The sum of the tensors ``part``'s ops save for backward, one by one."""
+    got = part.cache.get("item_total")
+    if got is None:
+        vec = [0.0] * NV
+        for _, _, v in part.saved_items:
+            for i, x in enumerate(v):
+                vec[i] += x
+        got = part.cache["item_total"] = tuple(vec)
+    return got  # type: ignore[return-value]
 
 
 def _fused_ids(profile: GraphProfile, part: Part, names: frozenset[str]) -> frozenset[int]:

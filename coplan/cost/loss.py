@@ -20,6 +20,13 @@ kernels are replaced by the ones Megatron runs, chosen by ``TrainingConfig.loss_
   cross_entropy.py): an online-softmax pass reading the 16-bit logits, a second pass reading them
   and writing the gradient in place (16 bits); backward scales that gradient (read, write). It keeps
   the 16-bit gradient, not an fp32 softmax.
+- ``"inductor"``: torch.compile's kernels for PyTorch's ``cross_entropy`` (``log_softmax`` +
+  ``nll_loss``), which Inductor generates as one online-softmax reduction over the 16-bit logits
+  forward and one kernel backward reading them and writing the 16-bit gradient (the kernels of a
+  compiled GPT-2 step profiled on an H100, benchmarks/results/gpu/profile_compile.txt:
+  ``triton_red_fused__log_softmax_mm_prepare_softmax_online``,
+  ``triton_red_fused__log_softmax__log_softmax_backward_data__to_copy``). It keeps the 16-bit
+  logits for the backward, not an fp32 softmax.
 
 Token-sized work (per-token maxima, sums, losses) is priced by its launches only: its bytes are a
 vocabulary-size fraction of the logits'.
@@ -41,6 +48,7 @@ _PLANS: dict[str, tuple[tuple[tuple[float, float], ...], int, tuple[tuple[float,
     "none": (((1, 1), (0, 1), (0, 2), (0, 2), (0, 1), (0, 2)), 12, ((0, 2), (1, 1)), 6),
     "native": (((1, 1), (0, 2), (0, 2)), 4, ((1, 1),), 2),
     "te": (((1, 0), (2, 0)), 2, ((2, 0),), 0),
+    "inductor": (((1, 0),), 0, ((2, 0),), 0),
 }
 
 
@@ -78,6 +86,7 @@ def megatron_loss(graph: Graph, ops: Sequence[Op], impl: str) -> tuple[list[Kern
         out += [Kernel(phase, "vector", TP, 0.0, tokens, _vec(0.0, 0.0, 8 * tokens)) for _ in range(small)]
         return out
 
-    # "te" keeps the 16-bit gradient in place of the IR's fp32 log-probabilities
-    saved = _vec(logits, -logits) if impl == "te" else ZERO
+    # "te" keeps the 16-bit gradient, "inductor" the 16-bit logits, in place of the IR's fp32
+    # log-probabilities
+    saved = _vec(logits, -logits) if impl in ("te", "inductor") else ZERO
     return kernels(Phase.FORWARD, fwd_plan, fwd_small), kernels(Phase.BACKWARD, bwd_plan, bwd_small), saved

@@ -8,7 +8,7 @@ builds a handful of graphs.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from coplan.capture.synthetic import build_graph
 from coplan.cost.config import ConfigError, TrainingConfig, check_against
@@ -88,7 +88,12 @@ class CostModel:
 
     def estimate(self, cluster: ClusterSpec, config: TrainingConfig) -> Estimate:
         self.check(cluster, config)
-        prof = self.profile(
-            config.microbatch, self.seq_of(config), config.fusion, (config.dtype, config.op_dtypes)
-        )
+        seq, precision = self.seq_of(config), (config.dtype, config.op_dtypes)
+        prof = self.profile(config.microbatch, seq, config.fusion, precision)
+        if config.eager_loss and prof.fusion != "none":
+            # the blocks' kernels as configured, the loss side as eager PyTorch runs it: the same
+            # graph profiled unfused lends its ``post`` part (same ops, same ids)
+            eager = self.profile(config.microbatch, seq, "none", precision)
+            if len(eager.graph.ops) == len(prof.graph.ops):
+                prof = replace(prof, post=eager.post)
         return estimate(prof, cluster, config)

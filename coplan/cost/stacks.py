@@ -36,6 +36,7 @@ CHECKPOINT_POLICIES: tuple[str, ...] = ("none", "full", "selective", "selective-
 #: The settings a stack file may give, besides ``name``, ``about`` and ``sources``.
 SETTINGS: tuple[str, ...] = (
     "kernels",
+    "eager_loss",
     "attention_kernel",
     "sharding",
     "fsdp_units",
@@ -66,6 +67,9 @@ class StackSpec:
             Transformer Engine fused kernels), ``eager`` (eager PyTorch: each op of a module's
             Python as PyTorch decomposes it, ``coplan.cost.eager``), ``inductor`` (torch.compile:
             pointwise chains fused into the kernels around them).
+        eager_loss: under compiled kernels, the loss side of the model (final norm, output
+            projection, loss) still runs eager: torch.compile wraps each block, or the model
+            without the loss computed outside it.
         attention_kernel: the fused-attention kernel the stack runs (``"auto"``: the device's own).
         sharding: how state is sharded and communicated (``SHARDINGS``).
         fsdp_units: ZeRO 1/2 run as per-block units (all-gather in forward, reduce-scatter after
@@ -84,6 +88,7 @@ class StackSpec:
 
     name: str
     kernels: str = "megatron"
+    eager_loss: bool = False
     attention_kernel: str = "auto"
     sharding: str = "megatron-distopt"
     fsdp_units: bool = False
@@ -105,7 +110,7 @@ class StackSpec:
         _choice(src, "attention_kernel", self.attention_kernel, ATTENTION_KERNEL_CHOICES)
         _choice(src, "sharding", self.sharding, SHARDINGS)
         _choice(src, "dp_bucket_scope", self.dp_bucket_scope, BUCKET_SCOPES)
-        for flag in ("fsdp_units", "pipeline_keeps_outputs", "overlap", "tp_comm_overlap"):
+        for flag in ("eager_loss", "fsdp_units", "pipeline_keeps_outputs", "overlap", "tp_comm_overlap"):
             if not isinstance(getattr(self, flag), bool):
                 raise StackError(src, flag, f"must be true or false, got {getattr(self, flag)!r}")
         b = self.dp_bucket_params
@@ -148,6 +153,11 @@ class StackSpec:
             changes["attention_kernel"] = self.attention_kernel
         if self.fsdp_units:
             changes["fsdp_units"] = True
+        if self.eager_loss and self.kernels == "inductor":
+            changes["eager_loss"] = True
+        elif self.kernels == "inductor" and config.loss_fusion == "none":
+            # a compiled loss runs as Inductor generates it, not as Megatron's cross-entropy
+            changes["loss_fusion"] = "inductor"
         return config.with_(**changes)
 
     def runner_for(self, device: str) -> StackSpec:

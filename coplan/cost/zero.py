@@ -51,8 +51,83 @@ def zero3_exposed(
     return edges + max(0.0, total - edges - compute)
 
 
+def fsdp_transient(
+    block_params: float, root_params: float, units: int, param_bytes: float, grad_bytes: float
+) -> float:
+    """Bytes PyTorch FSDP holds beyond the shards at the peak, with the blocks as units and the rest
+    of the model (embedding, final norm, head) as the root unit: the root's gathered parameters,
+    all-gathered at the start of forward and kept until its post-backward at the end of backward
+    (torch/distributed/fsdp/_fully_shard/_fsdp_state.py ``_lazy_init`` at v2.13.0 cf30153c4c:
+    "For the root, do not reshard after forward"; FSDP1 keeps its root unsharded after forward
+    too), the block computed and the one prefetched
+    (FSDP2 prefetches one unit, FSDP1's ``limit_all_gathers`` allows two in flight) in the
+    parameter dtype, and one block's unsharded gradients in the reduce dtype before their
+    reduce-scatter."""
+    per_unit = block_params / max(1, units)
+    return root_params * param_bytes + per_unit * (2 * param_bytes + grad_bytes)
+
+
 def zero3_transient(p_local: float, units: int, param_bytes: float, grad_bytes: float) -> float:
     """Bytes ZeRO-3 holds beyond the shards: two gathered units and one unit of unsharded
     gradients."""
     per_unit = p_local / max(1, units)
     return per_unit * (2 * param_bytes + grad_bytes)
+
+
+def fsdp_schedule(
+    units: int,
+    gather: float,
+    scatter: float,
+    forward: float,
+    backward: float,
+    gathers: int = 2,
+    replicate: float = 0.0,
+) -> float:
+    """Seconds one microbatch of PyTorch FSDP takes beyond its compute, from the schedule itself:
+    ``units`` equal units, each all-gathering its parameters (``gather`` seconds) before its
+    forward (``forward / units`` seconds of compute) and, with ``gathers`` 2
+    (``reshard_after_forward``), again before its backward (``backward / units``), and
+    reduce-scattering its gradients (``scatter``) after its backward; with HYBRID_SHARD each
+    reduce-scatter is followed by an all-reduce of the shard across the replicas (``replicate``).
+
+    The collectives of one process group run one after another in the order they are issued
+    (ProcessGroupNCCL runs them on one NCCL stream per device); the all-reduce across replicas
+    runs on its own group's stream once its reduce-scatter is done. FSDP prefetches one unit:
+    unit ``i + 1``'s all-gather is issued when unit ``i`` starts computing (FSDP2's implicit
+    forward prefetch and its backward prefetch, torch/distributed/fsdp/_fully_shard/
+    _fsdp_param_group.py at v2.13.0; FSDP1's ``BACKWARD_PRE`` with ``limit_all_gathers``: at most
+    two units gathered), and a unit computes once its all-gather is done. In backward the order
+    on the group is the prefetched all-gather of unit ``i - 1``, then unit ``i``'s reduce-scatter
+    once its backward ends. So the first all-gather and the last reduce-scatter always show, and
+    a unit whose collectives outlast its neighbour's compute stalls the next one."""
+    if units <= 0:
+        return 0.0
+    f, b = forward / units, backward / units
+    comm = 0.0  # when the group's stream is free
+    # forward: the first unit's all-gather is issued at the start, each next one when the
+    # previous unit starts computing
+    done = comm = gather
+    compute_end = 0.0
+    for i in range(units):
+        start = max(compute_end, done)
+        if i + 1 < units:
+            done = comm = max(comm, start) + gather
+        compute_end = start + f
+    # backward, in reverse unit order
+    if gathers >= 2:
+        done = comm = max(comm, compute_end) + gather
+    else:
+        done = compute_end
+    repl = 0.0  # when the replicas' all-reduce stream is free
+    for i in range(units):
+        start = max(compute_end, done)
+        if gathers >= 2 and i + 1 < units:
+            done = comm = max(comm, start) + gather
+        compute_end = start + b
+        comm = max(comm, compute_end) + scatter
+        if replicate:
+            repl = max(repl, comm) + replicate
+        if gathers < 2:
+            done = compute_end
+    end = max(comm, repl, compute_end)
+    return end - (forward + backward)

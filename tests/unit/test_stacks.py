@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 
 import pytest
 
 from coplan.capture.synthetic import build_graph
 from coplan.cost import CostModel, TrainingConfig, load_stack, load_stack_file, stack_names
 from coplan.cost.checkpoint import layer_fraction, selective_op_names
+from coplan.cost.config import ConfigError
 from coplan.cost.eager import PLANS, eager_kernels, op_kernels, shard_class
 from coplan.cost.parts import ACT, F32, REPL, TP
 from coplan.cost.stacks import SETTINGS, StackError, StackSpec, stack_from_dict
@@ -174,3 +176,113 @@ def test_cli_stack_choices_match_the_presets() -> None:
     from coplan.cli.estimate_cmd import StackName
 
     assert tuple(sorted(s.value for s in StackName)) == stack_names()
+
+
+def test_per_op_checkpointing_keeps_the_same_tensors_eager_and_compiled() -> None:
+    # the policy tags each op; Inductor honours the tags, so a compiled block keeps what an eager
+    # one keeps (the fused graph's own, smaller saved set is not what the policy stores)
+    cm = CostModel(spec=SPEC)
+    cluster = load_cluster("dgx-h100", 1)
+    base = TrainingConfig(global_batch=2, microbatch=2, seq=64)
+    kept = {}
+    for stack in ("torchtitan", "torchtitan-compile"):
+        config = load_stack(stack).configure(base)
+        names = selective_op_names(cm.profile(2, 64, config.fusion).graph)
+        act = cm.estimate(cluster, config.with_(recompute=names)).memory.activations_bytes
+        # beyond each block's input (all full checkpointing keeps; the head is priced apart)
+        kept[stack] = act - cm.estimate(cluster, config.with_(recompute="full")).memory.activations_bytes
+        assert kept[stack] > 0
+    assert kept["torchtitan-compile"] == pytest.approx(kept["torchtitan"])
+
+
+def test_fsdp_holds_the_root_unit_gathered_beside_two_blocks_and_one_gradient() -> None:
+    from coplan.cost.zero import fsdp_transient, zero3_transient
+
+    block, root = 8e9, 1e9
+    # root in the parameter dtype, two of 32 blocks gathered, one block's fp32 gradients
+    assert fsdp_transient(block, root, 32, 2, 4) == pytest.approx(root * 2 + block / 32 * (2 * 2 + 4))
+    cm = CostModel(spec=SPEC)
+    cluster = load_cluster("dgx-h100", 8)
+    config = TrainingConfig(dp=8, global_batch=8, zero=3)
+    fsdp = cm.estimate(cluster, load_stack("torchtitan").configure(config))
+    zero3 = cm.estimate(cluster, config.with_(kernels="eager", fusion="none", attention_kernel="flash2"))
+    # the same step with ZeRO-3's even split into blocks: only the units' bytes differ
+    blocks = SPEC.n_layers * SPEC.block_params()
+    # every parameter the blocks do not own (the IR's embedding, final norm and head): the 16-bit
+    # weights' shard is 1/8 of them
+    root = fsdp.memory.params_bytes * 8 / 2 - blocks
+    assert root > 0
+    got = fsdp.memory.transient_bytes - zero3.memory.transient_bytes
+    want = fsdp_transient(blocks, root, 2, 2, 4) - zero3_transient(blocks + root, 2, 2, 4)
+    assert got == pytest.approx(want)
+
+
+def test_an_eager_loss_beside_compiled_blocks_prices_the_loss_side_as_eager() -> None:
+    cm = CostModel(spec=SPEC)
+    cluster = load_cluster("dgx-h100", 1)
+    base = TrainingConfig(global_batch=2, microbatch=2, seq=64)
+    compiled = load_stack("torchtitan-compile").configure(base)
+    assert not compiled.eager_loss
+    split = replace(load_stack("torchtitan-compile"), eager_loss=True).configure(base)
+    assert split.eager_loss and split.fusion == compiled.fusion
+    eager = load_stack("torchtitan").configure(base)
+    est = {c: cm.estimate(cluster, cfg) for c, cfg in (("c", compiled), ("s", split), ("e", eager))}
+    # the loss side's unfused kernels (and the logits' fp32 copy) hold more at the peak
+    assert est["s"].memory.peak_bytes > est["c"].memory.peak_bytes
+    # the blocks stay compiled: the step stays below the all-eager one
+    assert est["s"].kernels_per_step < est["e"].kernels_per_step
+    # a stack that compiles nothing ignores the flag
+    assert not replace(load_stack("torchtitan"), eager_loss=True).configure(base).eager_loss
+
+
+def test_fsdp_schedule_shows_what_the_neighbouring_unit_cannot_hide() -> None:
+    from coplan.cost.zero import fsdp_schedule
+
+    # 3 units, all-gather and reduce-scatter 1 s each, 2 s of forward and 4 s of backward per
+    # unit. Forward: gather 0 [0, 1], unit 0 [1, 3] (gather 1 [1, 2]), unit 1 [3, 5] (gather 2
+    # [3, 4]), unit 2 [5, 7]. Backward: gather 2 [7, 8], unit 2 [8, 12] (gather 1 [8, 9], its
+    # reduce-scatter [12, 13]), unit 1 [12, 16] (gather 0 [13, 14], scatter [16, 17]), unit 0
+    # [16, 20], scatter [20, 21]: 21 s for 18 s of compute
+    assert fsdp_schedule(3, 1.0, 1.0, 6.0, 12.0) == pytest.approx(3.0)
+    # collectives outlasting compute: forward communication cannot hide behind the backward.
+    # Forward gathers [0, 3], [3, 6], [6, 9]; units [3, 5], [6, 8], [9, 11]. Backward gather
+    # [11, 14]; unit 2 [14, 18] (gather [14, 17], scatter [18, 21]); unit 1 [18, 22] (gather
+    # [21, 24], scatter [24, 27]); unit 0 [24, 28], scatter [28, 31]
+    assert fsdp_schedule(3, 3.0, 3.0, 6.0, 12.0) == pytest.approx(31.0 - 18.0)
+    # without resharding after forward nothing is gathered in backward
+    assert fsdp_schedule(3, 1.0, 1.0, 6.0, 12.0, gathers=1) == pytest.approx(2.0)
+    # HYBRID_SHARD: each unit's all-reduce across replicas follows its reduce-scatter on its own
+    # stream; the last one shows: [21, 23]
+    assert fsdp_schedule(3, 1.0, 1.0, 6.0, 12.0, replicate=2.0) == pytest.approx(5.0)
+
+
+def test_hybrid_shard_keeps_the_collectives_in_the_node_and_shards_within_it() -> None:
+    cm = CostModel(spec=SPEC)
+    cluster = load_cluster("dgx-h100", 32)
+    config = load_stack("fsdp").configure(TrainingConfig(dp=32, global_batch=32, zero=3))
+    full, hybrid = cm.estimate(cluster, config), cm.estimate(cluster, config.with_(fsdp_shard=8))
+    assert hybrid.memory.optimizer_bytes == pytest.approx(full.memory.optimizer_bytes * 4)
+    assert hybrid.stages[0].zero_comm_s != full.stages[0].zero_comm_s
+    with pytest.raises(ConfigError):
+        config.with_(fsdp_shard=5)
+
+
+def test_a_compiled_loss_runs_as_inductor_generates_it() -> None:
+    from coplan.cost.loss import _PLANS
+
+    # one read of the 16-bit logits forward, one read and one 16-bit write backward
+    assert _PLANS["inductor"] == (((1, 0),), 0, ((2, 0),), 0)
+    cm = CostModel(spec=SPEC)
+    cluster = load_cluster("dgx-h100", 1)
+    base = TrainingConfig(global_batch=2, microbatch=2, seq=64)
+    compiled = load_stack("torchtitan-compile").configure(base)
+    assert compiled.loss_fusion == "inductor"
+    megatron_ce = cm.estimate(cluster, compiled.with_(loss_fusion="none"))
+    inductor_ce = cm.estimate(cluster, compiled)
+    # Megatron's cross-entropy keeps the fp32 softmax and runs six passes; Inductor's keeps the
+    # 16-bit logits and runs one each way
+    assert inductor_ce.memory.activations_bytes < megatron_ce.memory.activations_bytes
+    assert inductor_ce.kernels_per_step < megatron_ce.kernels_per_step
+    # an eager loss stays the IR's own; Megatron's preset keeps its default
+    assert replace(load_stack("torchtitan-compile"), eager_loss=True).configure(base).loss_fusion == "none"
+    assert load_stack("megatron").configure(base).loss_fusion == "none"
