@@ -23,7 +23,10 @@ from coplan.cli.options import (
     MicrobatchOpt,
     ModelOpt,
     SeqOpt,
+    StackFileOpt,
+    StackOpt,
     default_global_batch,
+    resolve_stack,
 )
 
 if TYPE_CHECKING:
@@ -64,18 +67,6 @@ class AttentionKernel(enum.StrEnum):  # coplan.cost.config.ATTENTION_KERNEL_CHOI
     cudnn = "cudnn"
     flash2 = "flash2"
     flash3 = "flash3"
-
-
-class StackName(enum.StrEnum):  # coplan.cost.stacks.stack_names()
-    coplan = "coplan"
-    deepspeed = "deepspeed"
-    eager = "eager"
-    eager_compile = "eager-compile"
-    fsdp = "fsdp"
-    fsdp_compile = "fsdp-compile"
-    megatron = "megatron"
-    torchtitan = "torchtitan"
-    torchtitan_compile = "torchtitan-compile"
 
 
 class LossFusion(enum.StrEnum):  # coplan.cost.config.LOSS_FUSIONS
@@ -246,21 +237,8 @@ def estimate(
             show_default=False,
         ),
     ] = 0,
-    stack: Annotated[
-        StackName | None,
-        typer.Option(
-            "--stack",
-            help="The training stack that runs the step (its kernels, attention kernel, sharding and "
-            "overlaps; docs/stacks.md) \\[default: megatron].",
-            show_default=False,
-        ),
-    ] = None,
-    stack_file: Annotated[
-        Path | None,
-        typer.Option(
-            "--stack-file", help="A stack read from a JSON file of a preset's shape (docs/stacks.md)."
-        ),
-    ] = None,
+    stack: StackOpt = None,
+    stack_file: StackFileOpt = None,
     json: JsonOpt = False,
 ) -> None:
     """Predict step time, per-GPU memory and MFU of one training configuration."""
@@ -280,14 +258,7 @@ def estimate(
         raise ConfigError("kernels", f"--kernels must be 0 or more, got {kernels}")
     if zero not in (0, 1, 2, 3):
         raise ConfigError("zero", f"--zero must be 0, 1, 2 or 3, got {zero}")
-    if stack is not None and stack_file is not None:
-        raise ConfigError("stack", "give --stack or --stack-file, not both")
-    from coplan.cost.stacks import load_stack, load_stack_file
-
-    if stack_file is not None:
-        the_stack = load_stack_file(stack_file)
-    else:
-        the_stack = load_stack(stack.value if stack is not None else "megatron")
+    the_stack = resolve_stack(stack, stack_file)
     spec = load_model_spec(model)
     # the run's dropout, where it differs from the model's (Megatron's GPT runs use 0.1); the spec
     # checks the values, and its error names the flag that set them

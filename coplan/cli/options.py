@@ -17,9 +17,14 @@ from __future__ import annotations
 import enum
 import math
 from pathlib import Path
-from typing import Annotated
+from typing import TYPE_CHECKING, Annotated
 
 import typer
+
+from coplan.errors import SpecError
+
+if TYPE_CHECKING:
+    from coplan.cost.stacks import StackSpec
 
 DEFAULT_MODEL = "gpt2-124m"
 DEFAULT_CLUSTER = "dgx-h100"
@@ -42,6 +47,18 @@ class Strategy(enum.StrEnum):  # coplan.search.STRATEGIES
     hierarchical = "hierarchical"
     joint = "joint"
     exhaustive = "exhaustive"
+
+
+class StackName(enum.StrEnum):  # coplan.cost.stacks.stack_names()
+    coplan = "coplan"
+    deepspeed = "deepspeed"
+    eager = "eager"
+    eager_compile = "eager-compile"
+    fsdp = "fsdp"
+    fsdp_compile = "fsdp-compile"
+    megatron = "megatron"
+    torchtitan = "torchtitan"
+    torchtitan_compile = "torchtitan-compile"
 
 
 class Device(enum.StrEnum):
@@ -91,3 +108,27 @@ BudgetOpt = Annotated[
         show_default=False,
     ),
 ]
+StackOpt = Annotated[
+    StackName | None,
+    typer.Option(
+        "--stack",
+        help="The training stack that runs the step (its kernels, attention kernel, sharding and "
+        "overlaps; docs/stacks.md) \\[default: megatron].",
+        show_default=False,
+    ),
+]
+StackFileOpt = Annotated[
+    Path | None,
+    typer.Option("--stack-file", help="A stack read from a JSON file of a preset's shape (docs/stacks.md)."),
+]
+
+
+def resolve_stack(stack: StackName | None, stack_file: Path | None) -> StackSpec:
+    """The stack ``--stack`` or ``--stack-file`` names (megatron when neither does)."""
+    from coplan.cost.stacks import load_stack, load_stack_file
+
+    if stack is not None and stack_file is not None:
+        raise SpecError("--stack", None, "give --stack or --stack-file, not both")
+    if stack_file is not None:
+        return load_stack_file(stack_file)
+    return load_stack(stack.value if stack is not None else "megatron")

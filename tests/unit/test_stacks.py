@@ -173,7 +173,7 @@ def test_layer_fractions() -> None:
 
 
 def test_cli_stack_choices_match_the_presets() -> None:
-    from coplan.cli.estimate_cmd import StackName
+    from coplan.cli.options import StackName
 
     assert tuple(sorted(s.value for s in StackName)) == stack_names()
 
