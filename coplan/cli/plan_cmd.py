@@ -259,7 +259,10 @@ def mfu_words(e: Any) -> str:
 def _figures(ctx: PlanContext, results: dict[str, StrategyResult], title: str) -> Table:
     """One row per strategy; short headers with their units so the table fits 80 columns."""
     base = results.get("sequential")
-    table = Table(box=box.SIMPLE_HEAD, title=title, title_justify="left", pad_edge=False, padding=(0, 1))
+    # collapsed padding: eight columns with 15-character strategy names fit 80 characters
+    table = Table(
+        box=box.SIMPLE_HEAD, title=title, title_justify="left", pad_edge=False, collapse_padding=True
+    )
     for col in ("strategy", "step ms", "tokens/s", "MFU", "peak", "fits", "gain", "plan s"):
         table.add_column(col, justify="left" if col == "strategy" else "right", no_wrap=True)
     for n, r in results.items():
