@@ -205,3 +205,14 @@ def test_default_global_batch_rounds_up_to_the_replicas() -> None:
     assert default_global_batch(1) == 32
     assert default_global_batch(64) == 64
     assert default_global_batch(24) == 48
+
+
+def test_compare_tables_fit_80_columns_without_cutting_numbers(
+    cli: Cli, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("COLUMNS", "80")
+    code, out, err = cli("compare", "-m", "llama-tiny", "--gpus", "2", "--memory-budget-gb", "1")
+    assert code == 0, err
+    assert "…" not in out  # Rich's ellipsis: a number or header cut short
+    assert max(len(line) for line in out.splitlines()) <= 80
+    assert "GiB" in out or "MiB" in out  # sizes carry their binary unit
