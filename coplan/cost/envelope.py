@@ -19,6 +19,7 @@ VPP and DP, plus 1 for each of a different dtype, ZeRO stage and device.
 
 from __future__ import annotations
 
+import heapq
 import json
 import math
 from dataclasses import dataclass
@@ -71,7 +72,8 @@ class _Run:
 class _Envelope:
     stacks: dict[str, dict[str, dict[str, Any]]]
     bounds: dict[str, Any]
-    runs: tuple[_Run, ...]
+    by_stack: dict[str, tuple[_Run, ...]]
+    validated_runs: tuple[_Run, ...]
     bar: float
     min_runs: int
 
@@ -93,7 +95,15 @@ def _load() -> _Envelope:
         )
         for r in data["runs"]
     )
-    return _Envelope(stacks, data["envelope"], runs, data["bar_mean_abs_error"], data["min_runs"])
+    by_stack = {s: tuple(r for r in runs if r.stack == s) for s in stacks}
+    return _Envelope(
+        stacks=stacks,
+        bounds=data["envelope"],
+        by_stack=by_stack,
+        validated_runs=tuple(r for r in runs if r.validated),
+        bar=data["bar_mean_abs_error"],
+        min_runs=data["min_runs"],
+    )
 
 
 def _count(n: float) -> str:
@@ -192,14 +202,12 @@ def _mfu_note(env: _Envelope, mfu: float, dtype: str) -> str | None:
 def _nearest(
     env: _Envelope, stack: str, point: tuple[float, ...], dtype: str, zero: int, device: str
 ) -> tuple[str, ...]:
-    pool = [r for r in env.runs if r.stack == stack] or [r for r in env.runs if r.validated]
+    pool = env.by_stack.get(stack) or env.validated_runs
     scored = []
     for r in pool:
-        d = math.sqrt(sum((a - b) ** 2 for a, b in zip(point, r.logs, strict=True)))
-        d += (r.dtype != dtype) + (r.zero != zero) + (r.device != device)
-        scored.append((d, r.id))
-    scored.sort()
-    return tuple(run_id for _, run_id in scored[:NEAREST])
+        dist = math.dist(point, r.logs)
+        scored.append((dist + (r.dtype != dtype) + (r.zero != zero) + (r.device != device), r.id))
+    return tuple(run_id for _, run_id in heapq.nsmallest(NEAREST, scored))
 
 
 def validated(estimate: Estimate, spec: ModelSpec, stack: str = "megatron") -> Validated:
