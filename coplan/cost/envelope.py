@@ -14,7 +14,8 @@ while a low MFU comes with small models or short sequences, which their own rang
 
 ``nearest`` names up to three published runs of the same stack (of the validated runs when the stack
 has none) by the distance ``sqrt(sum((log2 a - log2 b)^2))`` over GPUs, parameters, sequence, TP, PP,
-VPP and DP, plus 1 for each of a different dtype, ZeRO stage and device.
+VPP and DP (without parameters and sequence for a traced graph), plus 1 for each of a different dtype,
+ZeRO stage and device; ties go to the lower id.
 """
 
 from __future__ import annotations
@@ -35,6 +36,7 @@ from coplan.models.spec import ModelSpec
 _DEGREES: tuple[tuple[str, str], ...] = (("tp", "TP"), ("pp", "PP"), ("vpp", "VPP"), ("dp", "DP"))
 #: Log-scale coordinates of the nearest-run distance.
 _AXES: tuple[str, ...] = ("gpus", "params", "seq", "tp", "pp", "vpp", "dp")
+_LAYOUT_AXES: tuple[str, ...] = ("gpus", "tp", "pp", "vpp", "dp")
 NEAREST = 3
 
 
@@ -65,7 +67,8 @@ class _Run:
     dtype: str
     zero: int
     validated: bool
-    logs: tuple[float, ...]
+    logs: tuple[float, ...]  # over _AXES
+    layout_logs: tuple[float, ...]  # over _LAYOUT_AXES
 
 
 @dataclass(frozen=True, slots=True)
@@ -92,6 +95,7 @@ def _load() -> _Envelope:
             zero=r["zero"],
             validated=stacks[r["stack"]][r["device"]]["validated"],
             logs=tuple(math.log2(r[a]) for a in _AXES),
+            layout_logs=tuple(math.log2(r[a]) for a in _LAYOUT_AXES),
         )
         for r in data["runs"]
     )
@@ -200,35 +204,42 @@ def _mfu_note(env: _Envelope, mfu: float, dtype: str) -> str | None:
 
 
 def _nearest(
-    env: _Envelope, stack: str, point: tuple[float, ...], dtype: str, zero: int, device: str
+    env: _Envelope, stack: str, point: tuple[float, ...], dtype: str, zero: int, device: str, model: bool
 ) -> tuple[str, ...]:
     pool = env.by_stack.get(stack) or env.validated_runs
     scored = []
     for r in pool:
-        dist = math.dist(point, r.logs)
+        dist = math.dist(point, r.logs if model else r.layout_logs)
         scored.append((dist + (r.dtype != dtype) + (r.zero != zero) + (r.device != device), r.id))
     return tuple(run_id for _, run_id in heapq.nsmallest(NEAREST, scored))
 
 
-def validated(estimate: Estimate, spec: ModelSpec, stack: str = "megatron") -> Validated:
-    """``estimate`` (of ``spec`` under the ``stack`` preset's name) against the validated envelope."""
+def validated(estimate: Estimate, spec: ModelSpec | None, stack: str = "megatron") -> Validated:
+    """``estimate`` (of ``spec`` under the ``stack`` preset's name) against the validated envelope.
+
+    ``spec`` is None for a model known only as a traced graph (``CostModel.spec``): its size and
+    shape are not compared, it is marked extrapolated as such, and nearest runs go by layout alone.
+    """
     env = _load()
     cfg = estimate.config
-    seq = cfg.seq if cfg.seq is not None else spec.seq_len
-    params = spec.param_count()
     devices = sorted({s.device for s in estimate.stages})
-    values = {"gpus": estimate.gpus, "params": params, "seq": seq, "tp": cfg.tp, "pp": cfg.pp}
-    values |= {"vpp": cfg.vpp, "dp": cfg.dp}
+    values = {"gpus": estimate.gpus, "tp": cfg.tp, "pp": cfg.pp, "vpp": cfg.vpp, "dp": cfg.dp}
     notes: list[str] = []
     stack_note = _stack_note(env, stack)
     if stack_note:
         notes.append(stack_note)
     notes += _device_notes(env, stack, devices, cfg.dtype)
     notes += _layout_notes(env, values, cfg.zero)
-    notes += _model_notes(env, params, seq, spec.is_moe)
+    if spec is None:
+        notes.append("model: a traced graph, where the validated runs are transformer specs")
+    else:
+        values["params"] = spec.param_count()
+        values["seq"] = cfg.seq if cfg.seq is not None else spec.seq_len
+        notes += _model_notes(env, values["params"], values["seq"], spec.is_moe)
     mfu_note = _mfu_note(env, estimate.mfu, cfg.dtype)
     if mfu_note:
         notes.append(mfu_note)
-    point = tuple(math.log2(max(values[a], 1)) for a in _AXES)
-    nearest = _nearest(env, stack, point, cfg.dtype, cfg.zero, "+".join(devices))
+    axes = _AXES if spec is not None else _LAYOUT_AXES
+    point = tuple(math.log2(max(values[a], 1)) for a in axes)
+    nearest = _nearest(env, stack, point, cfg.dtype, cfg.zero, "+".join(devices), spec is not None)
     return Validated(inside=not notes, nearest=nearest, extrapolated=tuple(notes))

@@ -154,3 +154,11 @@ def test_validated_is_consistent() -> None:
         Validated(inside=True, nearest=(), extrapolated=("TP 16 > 8 (largest validated)",))
     with pytest.raises(SpecError):
         Validated(inside=True, nearest=("a", "b", "c", "d"), extrapolated=())
+
+
+def test_a_traced_graph_is_extrapolated_and_compared_by_layout(inside: tuple[Estimate, ModelSpec]) -> None:
+    est, _ = inside
+    v = validated(est, None)
+    assert not v.inside
+    assert v.extrapolated == ("model: a traced graph, where the validated runs are transformer specs",)
+    assert RUN in v.nearest
