@@ -9,7 +9,8 @@ where at least ``MIN_RUNS`` (10) of its runs there are priced within the accurac
 mean absolute step-time error at most 10%). The runs of those (stack, device) pairs bound the
 envelope: devices, dtypes per device, the largest TP / PP / VPP / DP / GPU count, each ZeRO stage
 with the largest GPU count it was run at, the highest predicted MFU (16-bit dense peak) per dtype,
-and the sequence and model-size ranges. Every run is kept, compactly, for the nearest-run search of
+the sequence and model-size ranges, the recompute modes and the kernels (fusion) they were priced
+with. Every run is kept, compactly, for the nearest-run search of
 ``coplan.cost.envelope``. ``--check`` exits 1 when the committed file differs from what this script
 builds (the unit tests check the same).
 """
@@ -20,9 +21,11 @@ import argparse
 import json
 import statistics
 import sys
+from dataclasses import fields
 from pathlib import Path
 from typing import Any
 
+from coplan.cost import TrainingConfig
 from coplan.hardware import load_cluster
 from coplan.models.spec import ModelSpec
 
@@ -43,6 +46,11 @@ def _device(cluster: str, gpus: int) -> str:
     return "+".join(devices)
 
 
+def _fusion_default() -> str:
+    """The kernels bench_published.py prices every run with: TrainingConfig's default fusion."""
+    return next(f.default for f in fields(TrainingConfig) if f.name == "fusion")
+
+
 def _run_row(run: dict, stack: str, mfu: float | None, error: float) -> dict[str, Any]:
     model = {k: v for k, v in run["model"].items() if v is not None}
     spec = ModelSpec(**model)
@@ -60,6 +68,7 @@ def _run_row(run: dict, stack: str, mfu: float | None, error: float) -> dict[str
         "vpp": run["vpp"],
         "dp": run["gpus"] // (run["tp"] * run["pp"]),
         "zero": run["zero"],
+        "recompute": run["recompute"],
         "mfu": None if mfu is None else round(mfu, 4),
         "error": round(error, 4),
     }
@@ -137,6 +146,8 @@ def build() -> dict[str, Any]:
             "seq": [min(r["seq"] for r in inside), max(r["seq"] for r in inside)],
             "params": [min(r["params"] for r in inside), max(r["params"] for r in inside)],
             "moe": any(r["moe"] for r in inside),
+            "recompute": sorted({r["recompute"] for r in inside}),
+            "fusion": [_fusion_default()],
             "runs": len(inside),
         },
         "runs": rows,

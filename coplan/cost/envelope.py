@@ -6,7 +6,8 @@ of its published runs there are priced within a mean absolute step-time error of
 bar); today that is the ``megatron`` stack on A100 80GB and H100. Those runs bound each dimension:
 the devices and the dtypes run on each, the largest TP / PP / VPP / DP / GPU count, the ZeRO stages
 with the largest GPU count each reached, the highest MFU the model predicts for them per dtype
-(``Estimate.mfu``: the 16-bit dense peak), and the sequence and model-size ranges. A configuration
+(``Estimate.mfu``: the 16-bit dense peak), the sequence and model-size ranges, the recompute modes
+and the kernels (Megatron's fusion) the runs were priced with. A configuration
 beyond any bound is extrapolated, and ``validated`` says which part.
 
 Only MFU *above* the validated maximum is flagged: an optimistic price is what a search exploits,
@@ -28,6 +29,7 @@ from functools import cache
 from importlib import resources
 from typing import Any
 
+from coplan.cost.config import TrainingConfig
 from coplan.cost.results import Estimate
 from coplan.errors import SpecError
 from coplan.models.spec import ModelSpec
@@ -194,6 +196,27 @@ def _model_notes(env: _Envelope, params: int, seq: int, moe: bool) -> list[str]:
     return notes
 
 
+def _kernel_notes(env: _Envelope, cfg: TrainingConfig) -> list[str]:
+    """The kernels and recomputation the step is priced with, against those of the validated runs:
+    planned fusion groups and per-tensor recompute sets are priced by paths no published run checked."""
+    notes = []
+    kinds = env.bounds["fusion"]
+    if not isinstance(cfg.fusion, str):
+        notes.append(
+            f"fusion: {len(cfg.fusion)} planned kernel groups (validated runs: {'/'.join(kinds)} kernels)"
+        )
+    elif cfg.fusion not in kinds:
+        notes.append(f"fusion {cfg.fusion}: validated runs are priced with {'/'.join(kinds)} kernels")
+    modes = env.bounds["recompute"]
+    chosen = cfg.recompute_per_stage if cfg.recompute_per_stage is not None else (cfg.recompute,)
+    sets = [m for m in chosen if not isinstance(m, str)]
+    if sets:
+        notes.append(f"recompute: chosen tensor sets (validated runs recompute {'/'.join(modes)})")
+    for mode in sorted({m for m in chosen if isinstance(m, str) and m not in modes}):
+        notes.append(f"recompute {mode}: validated runs recompute {'/'.join(modes)}")
+    return notes
+
+
 def _mfu_note(env: _Envelope, mfu: float, dtype: str) -> str | None:
     tops = env.bounds["mfu_max"]
     top = tops.get(dtype, max(tops.values()))
@@ -230,6 +253,7 @@ def validated(estimate: Estimate, spec: ModelSpec | None, stack: str = "megatron
         notes.append(stack_note)
     notes += _device_notes(env, stack, devices, cfg.dtype)
     notes += _layout_notes(env, values, cfg.zero)
+    notes += _kernel_notes(env, cfg)
     if spec is None:
         notes.append("model: a traced graph, where the validated runs are transformer specs")
     else:

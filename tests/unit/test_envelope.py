@@ -162,3 +162,11 @@ def test_a_traced_graph_is_extrapolated_and_compared_by_layout(inside: tuple[Est
     assert not v.inside
     assert v.extrapolated == ("model: a traced graph, where the validated runs are transformer specs",)
     assert RUN in v.nearest
+
+
+def test_planned_fusion_and_recompute_sets_are_extrapolated(inside: tuple[Estimate, ModelSpec]) -> None:
+    est, spec = inside
+    cfg = replace(est.config, fusion=((0, 1), (2,)), recompute=frozenset({"attn.softmax"}))
+    v = validated(replace(est, config=cfg), spec)
+    assert any(m.startswith("fusion: 2 planned kernel groups") for m in v.extrapolated), v.extrapolated
+    assert any(m.startswith("recompute: chosen tensor sets") for m in v.extrapolated), v.extrapolated
