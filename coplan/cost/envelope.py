@@ -1,0 +1,269 @@
+"""Whether a priced configuration lies inside what the cost model was validated on.
+
+The envelope is data (``envelope.json`` beside this module, built by ``benchmarks/build_envelope.py``
+from the published runs and their priced errors): a stack is validated on a device where at least 10
+of its published runs there are priced within a mean absolute step-time error of 10% (the accuracy
+bar); today that is the ``megatron`` stack on A100 80GB and H100. Those runs bound each dimension:
+the devices and the dtypes run on each, the largest TP / PP / VPP / DP / GPU count, the ZeRO stages
+with the largest GPU count each reached, the highest MFU the model predicts for them per dtype
+(``Estimate.mfu``: the 16-bit dense peak), the sequence and model-size ranges, the recompute modes
+and the kernels (Megatron's fusion) the runs were priced with. A configuration
+beyond any bound is extrapolated, and ``validated`` says which part.
+
+Only MFU *above* the validated maximum is flagged: an optimistic price is what a search exploits,
+while a low MFU comes with small models or short sequences, which their own ranges flag.
+
+``nearest`` names up to three published runs of the same stack (of the validated runs when the stack
+has none) by the distance ``sqrt(sum((log2 a - log2 b)^2))`` over GPUs, parameters, sequence, TP, PP,
+VPP and DP (without parameters and sequence for a traced graph), plus 1 for each of a different dtype,
+ZeRO stage and device; ties go to the lower id.
+"""
+
+from __future__ import annotations
+
+import heapq
+import json
+import math
+from dataclasses import dataclass
+from functools import cache
+from importlib import resources
+from typing import Any
+
+from coplan.cost.config import TrainingConfig
+from coplan.cost.results import Estimate
+from coplan.errors import SpecError
+from coplan.models.spec import ModelSpec
+
+#: The layout degrees the envelope bounds, as the messages name them.
+_DEGREES: tuple[tuple[str, str], ...] = (("tp", "TP"), ("pp", "PP"), ("vpp", "VPP"), ("dp", "DP"))
+#: Log-scale coordinates of the nearest-run distance.
+_AXES: tuple[str, ...] = ("gpus", "params", "seq", "tp", "pp", "vpp", "dp")
+_LAYOUT_AXES: tuple[str, ...] = ("gpus", "tp", "pp", "vpp", "dp")
+NEAREST = 3
+
+
+@dataclass(frozen=True, slots=True)
+class Validated:
+    """A configuration against the validated envelope: ``inside`` when nothing is ``extrapolated``
+    (human-readable, one line per dimension outside); ``nearest``: ids of the closest published runs."""
+
+    inside: bool
+    nearest: tuple[str, ...]
+    extrapolated: tuple[str, ...]
+
+    def __post_init__(self) -> None:
+        if self.inside != (not self.extrapolated):
+            raise SpecError("validated", "inside", "must be true exactly when nothing is extrapolated")
+        if len(self.nearest) > NEAREST:
+            raise SpecError("validated", "nearest", f"at most {NEAREST} runs, got {len(self.nearest)}")
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"inside": self.inside, "nearest": list(self.nearest), "extrapolated": list(self.extrapolated)}
+
+
+@dataclass(frozen=True, slots=True)
+class _Run:
+    id: str
+    stack: str
+    device: str
+    dtype: str
+    zero: int
+    validated: bool
+    logs: tuple[float, ...]  # over _AXES
+    layout_logs: tuple[float, ...]  # over _LAYOUT_AXES
+
+
+@dataclass(frozen=True, slots=True)
+class _Envelope:
+    stacks: dict[str, dict[str, dict[str, Any]]]
+    bounds: dict[str, Any]
+    by_stack: dict[str, tuple[_Run, ...]]
+    validated_runs: tuple[_Run, ...]
+    bar: float
+    min_runs: int
+
+
+@cache
+def _load() -> _Envelope:
+    """The packaged envelope, read once per process."""
+    data = json.loads(resources.files("coplan.cost").joinpath("envelope.json").read_text())
+    stacks = data["stacks"]
+    runs = tuple(
+        _Run(
+            id=r["id"],
+            stack=r["stack"],
+            device=r["device"],
+            dtype=r["dtype"],
+            zero=r["zero"],
+            validated=stacks[r["stack"]][r["device"]]["validated"],
+            logs=tuple(math.log2(r[a]) for a in _AXES),
+            layout_logs=tuple(math.log2(r[a]) for a in _LAYOUT_AXES),
+        )
+        for r in data["runs"]
+    )
+    by_stack = {s: tuple(r for r in runs if r.stack == s) for s in stacks}
+    return _Envelope(
+        stacks=stacks,
+        bounds=data["envelope"],
+        by_stack=by_stack,
+        validated_runs=tuple(r for r in runs if r.validated),
+        bar=data["bar_mean_abs_error"],
+        min_runs=data["min_runs"],
+    )
+
+
+def _count(n: float) -> str:
+    """A parameter count as people write it (1.7B, 530B, 1.2T)."""
+    for unit, scale in (("T", 1e12), ("B", 1e9), ("M", 1e6)):
+        if n >= scale:
+            return f"{n / scale:.3g}{unit}"
+    return f"{n:,.0f}"
+
+
+def _stack_note(env: _Envelope, stack: str) -> str | None:
+    if stack in env.bounds["stacks"]:
+        return None
+    pairs = env.stacks.get(stack)
+    if not pairs:
+        return f"stack {stack}: no published runs validate it"
+    errs = [e for p in pairs.values() for e in p["error_range"]]
+    n = sum(p["runs"] for p in pairs.values())
+    lo, hi = min(errs), max(errs)
+    if hi < 0:
+        how = f"priced {-hi:.0%}-{-lo:.0%} fast"
+    elif lo > 0:
+        how = f"priced {lo:.0%}-{hi:.0%} slow"
+    else:
+        how = f"priced {lo:+.0%} to {hi:+.0%}"
+    return f"stack {stack}: {how} on its {n} published runs (not validated)"
+
+
+def _device_notes(env: _Envelope, stack: str, devices: list[str], dtype: str) -> list[str]:
+    notes = []
+    known = env.bounds["devices"]
+    for device in devices:
+        if device not in known:
+            note = f"device {device} outside {'/'.join(known)}"
+            pair = env.stacks.get(stack, {}).get(device)
+            if pair is not None:
+                why = (
+                    f"mean error {pair['mean_abs_error']:.0%}"
+                    if pair["mean_abs_error"] > env.bar
+                    else f"fewer than {env.min_runs} runs"
+                )
+                note += f" ({pair['runs']} published {stack} runs on it, {why})"
+            notes.append(note)
+        elif dtype not in env.bounds["dtypes"][device]:
+            on = [d for d, kinds in env.bounds["dtypes"].items() if dtype in kinds]
+            where = (
+                f"validated {dtype} runs are on {'/'.join(on)}" if on else f"no validated run uses {dtype}"
+            )
+            notes.append(f"{dtype} on {device}: {where}")
+    return notes
+
+
+def _layout_notes(env: _Envelope, values: dict[str, int], zero: int) -> list[str]:
+    notes = []
+    top = env.bounds["max"]
+    for key, label in _DEGREES:
+        if values[key] > top[key]:
+            notes.append(f"{label} {values[key]:,} > {top[key]:,} (largest validated)")
+    gpus = values["gpus"]
+    if gpus > top["gpus"]:
+        notes.append(f"{gpus:,} GPUs > {top['gpus']:,} (largest validated)")
+    reach = env.bounds["zero"].get(str(zero))
+    if reach is None:
+        notes.append(f"ZeRO-{zero}: no validated run uses it")
+    elif gpus > reach:
+        notes.append(f"ZeRO-{zero} at {gpus:,} GPUs: validated runs reach ZeRO-{zero} only up to {reach:,}")
+    return notes
+
+
+def _model_notes(env: _Envelope, params: int, seq: int, moe: bool) -> list[str]:
+    notes = []
+    lo, hi = env.bounds["params"]
+    if params < lo:
+        notes.append(f"model {_count(params)} parameters below the smallest validated ({_count(lo)})")
+    elif params > hi:
+        notes.append(f"model {_count(params)} parameters above the largest validated ({_count(hi)})")
+    slo, shi = env.bounds["seq"]
+    if seq < slo:
+        notes.append(f"sequence {seq:,} below the shortest validated ({slo:,})")
+    elif seq > shi:
+        notes.append(f"sequence {seq:,} above the longest validated ({shi:,})")
+    if moe and not env.bounds["moe"]:
+        notes.append("mixture of experts: the validated runs are all dense")
+    return notes
+
+
+def _kernel_notes(env: _Envelope, cfg: TrainingConfig) -> list[str]:
+    """The kernels and recomputation the step is priced with, against those of the validated runs:
+    planned fusion groups and per-tensor recompute sets are priced by paths no published run checked."""
+    notes = []
+    kinds = env.bounds["fusion"]
+    if not isinstance(cfg.fusion, str):
+        notes.append(
+            f"fusion: {len(cfg.fusion)} planned kernel groups (validated runs: {'/'.join(kinds)} kernels)"
+        )
+    elif cfg.fusion not in kinds:
+        notes.append(f"fusion {cfg.fusion}: validated runs are priced with {'/'.join(kinds)} kernels")
+    modes = env.bounds["recompute"]
+    chosen = cfg.recompute_per_stage if cfg.recompute_per_stage is not None else (cfg.recompute,)
+    sets = [m for m in chosen if not isinstance(m, str)]
+    if sets:
+        notes.append(f"recompute: chosen tensor sets (validated runs recompute {'/'.join(modes)})")
+    for mode in sorted({m for m in chosen if isinstance(m, str) and m not in modes}):
+        notes.append(f"recompute {mode}: validated runs recompute {'/'.join(modes)}")
+    return notes
+
+
+def _mfu_note(env: _Envelope, mfu: float, dtype: str) -> str | None:
+    tops = env.bounds["mfu_max"]
+    top = tops.get(dtype, max(tops.values()))
+    if mfu <= top:
+        return None
+    which = f"validated {dtype} runs" if dtype in tops else "validated runs"
+    return f"MFU {mfu:.2f} above the {top:.2f} the {which} reach"
+
+
+def _nearest(
+    env: _Envelope, stack: str, point: tuple[float, ...], dtype: str, zero: int, device: str, model: bool
+) -> tuple[str, ...]:
+    pool = env.by_stack.get(stack) or env.validated_runs
+    scored = []
+    for r in pool:
+        dist = math.dist(point, r.logs if model else r.layout_logs)
+        scored.append((dist + (r.dtype != dtype) + (r.zero != zero) + (r.device != device), r.id))
+    return tuple(run_id for _, run_id in heapq.nsmallest(NEAREST, scored))
+
+
+def validated(estimate: Estimate, spec: ModelSpec | None, stack: str = "megatron") -> Validated:
+    """``estimate`` (of ``spec`` under the ``stack`` preset's name) against the validated envelope.
+
+    ``spec`` is None for a model known only as a traced graph (``CostModel.spec``): its size and
+    shape are not compared, it is marked extrapolated as such, and nearest runs go by layout alone.
+    """
+    env = _load()
+    cfg = estimate.config
+    devices = sorted({s.device for s in estimate.stages})
+    values = {"gpus": estimate.gpus, "tp": cfg.tp, "pp": cfg.pp, "vpp": cfg.vpp, "dp": cfg.dp}
+    notes: list[str] = []
+    stack_note = _stack_note(env, stack)
+    if stack_note:
+        notes.append(stack_note)
+    notes += _device_notes(env, stack, devices, cfg.dtype)
+    notes += _layout_notes(env, values, cfg.zero)
+    notes += _kernel_notes(env, cfg)
+    if spec is None:
+        notes.append("model: a traced graph, where the validated runs are transformer specs")
+    else:
+        values["params"] = spec.param_count()
+        values["seq"] = cfg.seq if cfg.seq is not None else spec.seq_len
+        notes += _model_notes(env, values["params"], values["seq"], spec.is_moe)
+    mfu_note = _mfu_note(env, estimate.mfu, cfg.dtype)
+    if mfu_note:
+        notes.append(mfu_note)
+    axes = _AXES if spec is not None else _LAYOUT_AXES
+    point = tuple(math.log2(max(values[a], 1)) for a in axes)
+    nearest = _nearest(env, stack, point, cfg.dtype, cfg.zero, "+".join(devices), spec is not None)
+    return Validated(inside=not notes, nearest=nearest, extrapolated=tuple(notes))

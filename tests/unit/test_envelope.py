@@ -1,0 +1,172 @@
+"""The validated envelope: the packaged file is what its script builds, a published run's own
+configuration lies inside it, and each dimension beyond it is named as extrapolated."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+from dataclasses import replace
+from pathlib import Path
+from types import ModuleType
+
+import pytest
+
+from coplan.cost import CostModel
+from coplan.cost.envelope import Validated, _load, validated
+from coplan.cost.results import Estimate
+from coplan.errors import SpecError
+from coplan.hardware import load_cluster
+from coplan.models.spec import ModelSpec
+
+ROOT = Path(__file__).resolve().parents[2]
+RUNS = {
+    r["id"]: r for r in json.loads((ROOT / "benchmarks" / "data" / "published_runs.json").read_text())["runs"]
+}
+#: A validated Megatron run (A100 80GB, fp16, TP 2, 64 GPUs) that prices in a fraction of a second.
+RUN = "narayanan21-gpt-3.6b"
+
+
+def _script(name: str) -> ModuleType:  # benchmarks/ is not a package: load the script by path
+    spec = importlib.util.spec_from_file_location(name, ROOT / "benchmarks" / f"{name}.py")
+    assert spec is not None and spec.loader is not None
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def _priced(run: dict, cluster: str | None = None, **config: object) -> tuple[Estimate, ModelSpec]:
+    """The run as bench_published.py prices it, with ``config`` fields (and the cluster) replaced."""
+    bench = _script("bench_published")
+    spec = ModelSpec(**{k: v for k, v in run["model"].items() if v is not None})
+    cfg = replace(bench.run_config(run), **config)
+    gpus = cfg.tp * cfg.pp * cfg.dp
+    return CostModel(spec=spec).estimate(load_cluster(cluster or run["cluster"], gpus), cfg), spec
+
+
+@pytest.fixture(scope="module")
+def inside() -> tuple[Estimate, ModelSpec]:
+    return _priced(RUNS[RUN])
+
+
+def test_the_packaged_envelope_is_what_the_script_builds() -> None:
+    build = _script("build_envelope")
+    assert (ROOT / "coplan" / "cost" / "envelope.json").read_text() == build.render(build.build())
+
+
+def test_the_envelope_holds_only_stacks_and_devices_within_the_bar() -> None:
+    env = _load()
+    for stack, pairs in env.stacks.items():
+        for device, pair in pairs.items():
+            ok = pair["mean_abs_error"] <= env.bar and pair["runs"] >= env.min_runs
+            assert pair["validated"] == ok, (stack, device)
+            if ok:
+                assert stack in env.bounds["stacks"] and device in env.bounds["devices"]
+
+
+def test_a_published_runs_own_configuration_is_inside(inside: tuple[Estimate, ModelSpec]) -> None:
+    v = validated(*inside)
+    assert v.inside and v.extrapolated == ()
+    assert RUN in v.nearest and len(v.nearest) <= 3
+    assert v.to_dict() == {"inside": True, "nearest": list(v.nearest), "extrapolated": []}
+    assert json.loads(json.dumps(v.to_dict())) == v.to_dict()
+
+
+def test_every_validated_megatron_run_is_inside_on_its_layout_and_model() -> None:
+    """The layout, scale and model dimensions alone: each validated run's recorded values are inside
+    (its MFU comes from the estimate, checked on RUN above)."""
+    env = _load()
+    rows = json.loads((ROOT / "coplan" / "cost" / "envelope.json").read_text())["runs"]
+    for row in rows:
+        if env.stacks[row["stack"]][row["device"]]["validated"]:
+            assert row["stack"] in env.bounds["stacks"]
+            assert row["dtype"] in env.bounds["dtypes"][row["device"]]
+            assert row["gpus"] <= env.bounds["zero"][str(row["zero"])]
+            for key in ("tp", "pp", "vpp", "dp", "gpus"):
+                assert row[key] <= env.bounds["max"][key]
+            assert env.bounds["seq"][0] <= row["seq"] <= env.bounds["seq"][1]
+            assert row["mfu"] <= env.bounds["mfu_max"][row["dtype"]]
+
+
+def test_zero3_at_4096_gpus_is_extrapolated() -> None:
+    est, spec = _priced(RUNS[RUN], tp=1, dp=4096, zero=3, global_batch=4096, microbatch=1)
+    v = validated(est, spec)
+    assert not v.inside
+    reach = _load().bounds["zero"]["3"]
+    assert any(m.startswith("ZeRO-3 at 4,096 GPUs") and f"up to {reach:,}" in m for m in v.extrapolated)
+
+
+def test_tp_16_is_extrapolated() -> None:
+    est, spec = _priced(RUNS[RUN], tp=16, dp=4)
+    v = validated(est, spec)
+    assert not v.inside
+    assert any(m.startswith("TP 16 > ") for m in v.extrapolated), v.extrapolated
+
+
+def test_a_b200_is_extrapolated() -> None:
+    est, spec = _priced(RUNS[RUN], cluster="dgx-b200")
+    v = validated(est, spec)
+    assert not v.inside
+    assert any(m.startswith("device b200 outside") for m in v.extrapolated), v.extrapolated
+
+
+def test_fp8_on_an_a100_is_extrapolated(inside: tuple[Estimate, ModelSpec]) -> None:
+    est, spec = inside
+    v = validated(replace(est, config=replace(est.config, dtype="fp8")), spec)
+    assert any(m.startswith("fp8 on a100-sxm-80gb") for m in v.extrapolated), v.extrapolated
+
+
+def test_the_torchtitan_stack_is_extrapolated(inside: tuple[Estimate, ModelSpec]) -> None:
+    v = validated(*inside, stack="torchtitan")
+    assert not v.inside
+    assert any(m.startswith("stack torchtitan: priced") for m in v.extrapolated), v.extrapolated
+    # its nearest runs are the stack's own published runs
+    ids = {r.id for r in _load().by_stack["torchtitan"]}
+    assert v.nearest and set(v.nearest) <= ids
+    unknown = validated(*inside, stack="my-stack")
+    assert "stack my-stack: no published runs validate it" in unknown.extrapolated
+
+
+def test_mfu_above_the_range_is_extrapolated(inside: tuple[Estimate, ModelSpec]) -> None:
+    est, spec = inside
+    top = _load().bounds["mfu_max"][est.config.dtype]
+    v = validated(replace(est, mfu=top + 0.05), spec)
+    assert not v.inside
+    assert any(m.startswith("MFU ") and "above" in m for m in v.extrapolated), v.extrapolated
+
+
+def test_a_model_beyond_the_size_range_is_extrapolated(inside: tuple[Estimate, ModelSpec]) -> None:
+    est, spec = inside
+    small = replace(spec, n_layers=2, d_model=256, n_heads=4, vocab_size=1000)
+    v = validated(est, small)
+    assert any(m.startswith("model ") and "below the smallest" in m for m in v.extrapolated)
+
+
+def test_the_envelope_is_read_once(inside: tuple[Estimate, ModelSpec]) -> None:
+    validated(*inside)
+    misses = _load.cache_info().misses
+    for _ in range(5):
+        validated(*inside)
+    assert _load.cache_info().misses == misses
+
+
+def test_validated_is_consistent() -> None:
+    with pytest.raises(SpecError):
+        Validated(inside=True, nearest=(), extrapolated=("TP 16 > 8 (largest validated)",))
+    with pytest.raises(SpecError):
+        Validated(inside=True, nearest=("a", "b", "c", "d"), extrapolated=())
+
+
+def test_a_traced_graph_is_extrapolated_and_compared_by_layout(inside: tuple[Estimate, ModelSpec]) -> None:
+    est, _ = inside
+    v = validated(est, None)
+    assert not v.inside
+    assert v.extrapolated == ("model: a traced graph, where the validated runs are transformer specs",)
+    assert RUN in v.nearest
+
+
+def test_planned_fusion_and_recompute_sets_are_extrapolated(inside: tuple[Estimate, ModelSpec]) -> None:
+    est, spec = inside
+    cfg = replace(est.config, fusion=((0, 1), (2,)), recompute=frozenset({"attn.softmax"}))
+    v = validated(replace(est, config=cfg), spec)
+    assert any(m.startswith("fusion: 2 planned kernel groups") for m in v.extrapolated), v.extrapolated
+    assert any(m.startswith("recompute: chosen tensor sets") for m in v.extrapolated), v.extrapolated
