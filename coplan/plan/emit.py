@@ -351,7 +351,9 @@ def _nodes(plan: Plan) -> tuple[int, int]:
     except SpecError:
         per_node = _DEFAULT_PER_NODE
     per_node = max(1, min(per_node, plan.gpus))
-    return -(-plan.gpus // per_node), per_node
+    nodes = -(-plan.gpus // per_node)
+    # torchrun starts the same number of processes on every node
+    return nodes, (plan.gpus // nodes if plan.gpus % nodes == 0 else per_node)
 
 
 # --- torchtitan -----------------------------------------------------------------------------------
@@ -387,7 +389,13 @@ def _torchtitan(plan: Plan, spec: ModelSpec) -> Emitted:
         f"({spec.n_layers} layers, dim {spec.d_model}, {spec.n_heads} heads, {spec.kv_heads} KV heads, "
         f"FFN {spec.ffn}, vocabulary {spec.vocab_size:,})"
     ]
-    model: dict[str, Any] = {"name": "llama3", "flavor": spec.name}
+    # llama3 is torchtitan's dense decoder of this shape; llama4 its mixture-of-experts one
+    model: dict[str, Any] = {"name": "llama4" if spec.is_moe else "llama3", "flavor": spec.name}
+    if spec.is_moe:
+        notes.append(
+            f"experts: a llama4 flavor with {spec.n_experts} experts, top-{spec.top_k} routing; torchtitan's "
+            "MoE routes without a capacity limit"
+        )
     training: dict[str, Any] = {"global_batch_size": plan.global_batch, "seq_len": plan.seq}
     par: dict[str, Any] = {
         "data_parallel_replicate_degree": p.dp if p.zero == 0 else 1,

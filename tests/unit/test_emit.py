@@ -327,3 +327,26 @@ def test_unknown_target_names_the_choices() -> None:
         Emitted("nope", "text")
     with pytest.raises(SpecError):
         Emitted("coplan", "  ")
+
+
+def test_mixture_of_experts_and_an_unknown_cluster() -> None:
+    spec = load_model_spec("mixtral-8x7b")
+    plan = _plan(
+        spec,
+        12,
+        cluster="not-a-preset",
+        parallel=ParallelPlan(tp=2, dp=6, microbatch=1),
+        remat=RematPlan(recompute=frozenset({"h.0.mlp.silu"})),
+    )
+    out = emit(plan, spec, "megatron")
+    launch, a = _megatron(out)
+    assert (a.num_experts, a.moe_router_topk) == (spec.n_experts, spec.top_k)
+    assert a.moe_expert_capacity_factor == spec.capacity_factor
+    assert a.recompute_modules == ["moe"]
+    # torchrun starts as many processes on every node
+    nodes = int(launch[launch.index("--nnodes") + 1])
+    per_node = int(launch[launch.index("--nproc-per-node") + 1])
+    assert nodes * per_node == plan.gpus
+    titan = emit(plan, spec, "torchtitan")
+    assert _toml(titan)["model"]["name"] == "llama4"
+    assert any("experts" in n for n in titan.notes)
