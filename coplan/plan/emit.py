@@ -397,20 +397,26 @@ def _torchtitan(plan: Plan, spec: ModelSpec) -> Emitted:
             "MoE routes without a capacity limit"
         )
     training: dict[str, Any] = {"global_batch_size": plan.global_batch, "seq_len": plan.seq}
+    # torchtitan's DDP runs only as the sole parallelism (parallelize.py: "DDP has not supported
+    # > 1D parallelism"): replicas beside TP or PP are FSDP2 shards
+    shard = p.zero >= 1 or (p.dp > 1 and p.tp * p.pp > 1)
     par: dict[str, Any] = {
-        "data_parallel_replicate_degree": p.dp if p.zero == 0 else 1,
-        "data_parallel_shard_degree": p.dp if p.zero >= 1 else 1,
+        "data_parallel_replicate_degree": 1 if shard else p.dp,
+        "data_parallel_shard_degree": p.dp if shard else 1,
         "tensor_parallel_degree": p.tp,
         "pipeline_parallel_degree": p.pp,
         "context_parallel_degree": 1,
     }
-    if p.zero >= 1:
+    if shard:
         # FSDP2 keeps parameters gathered from forward to backward unless it reshards (ZeRO-3)
         par["fsdp_reshard_after_forward"] = "always" if p.zero == 3 else "never"
-        if p.zero == 1:
-            notes.append(
-                "ZeRO-1: torchtitan's FSDP2 shards gradients as well (ZeRO-2), which needs less memory"
-            )
+    if p.zero == 0 and shard:
+        notes.append(
+            "data parallelism without ZeRO: torchtitan runs DDP only without TP or PP, so the replicas "
+            "are FSDP2 shards here (ZeRO-2 memory, parameters gathered each step)"
+        )
+    elif p.zero == 1:
+        notes.append("ZeRO-1: torchtitan's FSDP2 shards gradients as well (ZeRO-2), which needs less memory")
     if p.pp > 1:
         # a pipeline splits each DP rank's batch into microbatches; otherwise torchtitan accumulates
         training["local_batch_size"] = plan.global_batch // p.dp
@@ -530,7 +536,7 @@ def _coplan(plan: Plan, spec: ModelSpec, plan_path: str, model: str) -> Emitted:
     if plan.gpus > 1:
         notes.append(
             "the snippet applies the plan to one process; coplan run also applies the layout "
-            f"(data and tensor parallelism across {plan.gpus} processes)"
+            f"({plan.parallel.describe()}) across {plan.gpus} processes"
         )
     cmd = ["coplan", "run", "--model", model, "--plan", plan_path, "--nproc", str(plan.gpus), "--steps", "10"]
     text = (
