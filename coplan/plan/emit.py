@@ -160,11 +160,12 @@ def _extra(r: _Remat, dropped: Iterable[str]) -> str:
 
 # --- Megatron-LM ----------------------------------------------------------------------------------
 
-#: coplan's block modules -> Megatron's --recompute-modules (those a dense GPT block has)
+#: Megatron's default --recompute-modules under selective granularity (the attention core)
 _MEGATRON_ATTENTION_CORE = "core_attn"
 
 
 def _megatron_module(rel: str, kind: OpKind, spec: ModelSpec) -> str | None:
+    """The --recompute-modules entry that drops the block tensor ``rel`` (None: no module does)."""
     if rel.startswith(("ln_1.", "ln_2.")):
         return "layernorm"
     if kind is OpKind.ATTENTION:
