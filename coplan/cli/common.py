@@ -6,11 +6,14 @@ import json
 import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from rich.console import Console
 
 from coplan.errors import Interrupted, SpecError
+
+if TYPE_CHECKING:
+    from coplan.cost.envelope import Validated
 
 
 def stdout() -> Console:
@@ -95,3 +98,24 @@ def human_rate(n: float) -> str:
 def exact(n: int) -> str:
     """``124439808`` -> ``"124,439,808"``."""
     return f"{n:,}"
+
+
+def mfu_words(e: Any) -> str:
+    """MFU against the 16-bit dense peak, labelled, with the dtype's own peak beside it where that
+    differs (fp8 on Hopper)."""
+    text = f"{e.mfu:.1%} of the {e.peak_dtype_16bit} dense peak"
+    if e.peak_dtype != e.peak_dtype_16bit:
+        text += f" ({e.mfu_dtype_peak:.1%} of the {e.peak_dtype} peak)"
+    return text
+
+
+def show_trust(console: Console, trust: Validated) -> None:
+    """Whether the configuration lies inside what the cost model was validated on, and if not, what
+    is extrapolated (one line each)."""
+    if trust.inside:
+        near = ", ".join(trust.nearest)
+        console.print(f"[green]inside the validated envelope[/green] (nearest published runs: {near})")
+        return
+    console.print("[yellow]extrapolated[/yellow] beyond the published runs the cost model was checked on:")
+    for what in trust.extrapolated:
+        console.print(f"  - {what}")

@@ -11,7 +11,7 @@ import typer
 from rich import box
 from rich.table import Table
 
-from coplan.cli.common import human_bytes, positive, print_json, stdout
+from coplan.cli.common import human_bytes, mfu_words, positive, print_json, show_trust, stdout
 from coplan.cli.options import (
     DEFAULT_CLUSTER,
     DEFAULT_GPUS,
@@ -315,8 +315,12 @@ def estimate(
     cm = CostModel(spec=spec)
     est = cm.estimate(hw, config)
     listed = _kernels(cm, hw, est, kernels) if kernels else None
+    from coplan.cost.envelope import validated
+
+    trust = validated(est, spec, the_stack.name)
     if json:
         out = est.to_dict()
+        out["validated"] = trust.to_dict()
         out["model"] = spec.name
         out["seq"] = spec.resolve_seq(seq)
         out["stack"] = the_stack.name
@@ -325,6 +329,7 @@ def estimate(
         print_json(out)
         return
     render(est, f"{spec.name} on {hw.summary()}")
+    show_trust(stdout(), trust)
     if listed is not None:
         render_kernels(est, *listed)
 
@@ -429,8 +434,6 @@ def _stage_layers(text: str | None) -> tuple[int, ...] | None:
 
 def render(est: Estimate, title: str) -> None:
     """The estimate as Rich tables: headline figures, time breakdown, memory of the loaded GPU."""
-    from coplan.cli.plan_cmd import mfu_words
-
     console = stdout()
     c = est.config
     console.print(f"[bold]{title}[/bold]", soft_wrap=True)

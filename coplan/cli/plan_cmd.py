@@ -6,6 +6,7 @@ memory budget: the least-memory plan found is reported with the reason).
 
 from __future__ import annotations
 
+import enum
 import math
 import sys
 import time
@@ -16,7 +17,7 @@ import typer
 from rich import box
 from rich.table import Table
 
-from coplan.cli.common import human_bytes, human_rate, positive, print_json, stdout
+from coplan.cli.common import human_bytes, human_rate, mfu_words, positive, print_json, show_trust, stdout
 from coplan.cli.options import (
     DEFAULT_CLUSTER,
     DEFAULT_GPUS,
@@ -29,14 +30,20 @@ from coplan.cli.options import (
     JsonOpt,
     ModelOpt,
     SeqOpt,
+    StackFileOpt,
+    StackOpt,
     Strategy,
     default_global_batch,
+    resolve_stack,
 )
 from coplan.errors import CoplanError, SpecError
 from coplan.fileio import check_output, write_text
 
 if TYPE_CHECKING:
+    from coplan.cost.envelope import Validated
+    from coplan.cost.stacks import StackSpec
     from coplan.plan.context import PlanContext
+    from coplan.plan.emit import Emitted
     from coplan.search.result import StrategyResult
 
 
@@ -99,8 +106,10 @@ def make_context(
     seq: int | None,
     budget_gb: float | None,
     tolerance: float,
+    stack: StackSpec | None = None,
 ) -> PlanContext:
     from coplan.cost import CostModel
+    from coplan.cost.stacks import load_stack
     from coplan.hardware import load_cluster
     from coplan.models.spec import load_model_spec
     from coplan.plan import GiB, Numerics, PlanContext
@@ -115,6 +124,7 @@ def make_context(
         seq=spec.resolve_seq(seq),
         budget_bytes=budget_gb * GiB if budget_gb is not None else None,
         numerics=Numerics(tolerance),
+        stack=stack if stack is not None else load_stack("megatron"),
     )
 
 
@@ -236,24 +246,34 @@ def _header(ctx: PlanContext) -> str:
     )
 
 
-def _entry(r: StrategyResult) -> dict[str, Any]:
+def _entry(ctx: PlanContext, r: StrategyResult) -> dict[str, Any]:
     d = r.to_dict()
-    return {
-        k: d[k] for k in ("step_time_s", "tokens_per_s", "mfu", "peak_bytes", "fits", "plan_time_s", "plan")
-    } | {k: d[k] for k in ("evaluations", "violations", "notes", "passes")}
+    keys = (
+        "step_time_s",
+        "tokens_per_s",
+        "mfu",
+        "mfu_dtype_peak",
+        "peak_bytes",
+        "fits",
+        "plan_time_s",
+        "plan",
+    )
+    return (
+        {k: d[k] for k in keys}
+        | {k: d[k] for k in ("evaluations", "violations", "notes", "passes")}
+        | {"validated": _trust(ctx, r).to_dict()}
+    )
+
+
+def _trust(ctx: PlanContext, r: StrategyResult) -> Validated:
+    """Whether the plan's configuration lies inside what the cost model was validated on."""
+    from coplan.cost.envelope import validated
+
+    return validated(r.estimate, ctx.model.spec, ctx.stack.name)
 
 
 def _mfu(r: StrategyResult) -> str:
     return f"{r.estimate.mfu:.1%}"
-
-
-def mfu_words(e: Any) -> str:
-    """MFU against the 16-bit dense peak, labelled, with the dtype's own peak beside it where that
-    differs (fp8 on Hopper)."""
-    text = f"{e.mfu:.1%} of the {e.peak_dtype_16bit} dense peak"
-    if e.peak_dtype != e.peak_dtype_16bit:
-        text += f" ({e.mfu_dtype_peak:.1%} of the {e.peak_dtype} peak)"
-    return text
 
 
 def _figures(ctx: PlanContext, results: dict[str, StrategyResult], title: str) -> Table:
@@ -271,7 +291,7 @@ def _figures(ctx: PlanContext, results: dict[str, StrategyResult], title: str) -
             f"{base.step_time_s / e.step_time_s:.3f}x" if base is not None and r.fits and base.fits else "-"
         )
         table.add_row(
-            n,
+            n if _trust(ctx, r).inside else f"{n} [yellow]*[/yellow]",
             f"{e.step_time_s * 1e3:.2f}",
             human_rate(e.tokens_per_s),
             _mfu(r),
@@ -309,7 +329,8 @@ def _footer(console: Any) -> None:
     console.print(
         "[dim]step ms: one optimizer step; MFU: model FLOPs per second per GPU over the device's "
         "16-bit dense peak (causal attention counted at half); peak: memory of the most loaded GPU; "
-        "gain: throughput over 'sequential'[/dim]",
+        "gain: throughput over 'sequential'; *: extrapolated beyond the published runs the cost "
+        "model was checked on (--json: validated)[/dim]",
         soft_wrap=False,
     )
 
@@ -344,6 +365,23 @@ def _write_outputs(
     return written
 
 
+class Emit(enum.StrEnum):  # coplan.plan.emit.TARGETS
+    megatron = "megatron"
+    torchtitan = "torchtitan"
+    coplan = "coplan"
+
+
+def _emit(ctx: PlanContext, r: StrategyResult, target: Emit, out: Path | None, model: str) -> Emitted:
+    from coplan.plan.emit import emit
+
+    spec = ctx.model.spec
+    if spec is None:  # pragma: no cover - the CLI always plans a spec
+        raise SpecError("--emit", None, "needs a model spec")
+    return emit(
+        r.plan, spec, target.value, plan_path=str(out) if out is not None else "plan.json", model=model
+    )
+
+
 def _strategy_names(strategies: str) -> list[str]:
     names = [s.strip() for s in strategies.split(",") if s.strip()]
     known = [s.value for s in Strategy]
@@ -372,6 +410,17 @@ def plan(
     dtypes: DtypesOpt = None,
     out: OutOpt = None,
     html: HtmlOpt = None,
+    stack: StackOpt = None,
+    stack_file: StackFileOpt = None,
+    emit: Annotated[
+        Emit | None,
+        typer.Option(
+            "--emit",
+            help="Also print what runs the plan: Megatron-LM arguments, a torchtitan TOML, or the coplan run "
+            "command and Python snippet.",
+            show_default=False,
+        ),
+    ] = None,
     json: JsonOpt = False,
 ) -> None:
     """Plan fusion, recomputation, parallelism and precision of a training job."""
@@ -381,7 +430,8 @@ def plan(
     steps, kinds = _order(order), _dtypes(dtypes)
     check_output("--out", out)
     check_output("--html", html)
-    ctx = make_context(model, cluster, gpus, global_batch, seq, memory_budget_gb, tolerance)
+    the_stack = resolve_stack(stack, stack_file)
+    ctx = make_context(model, cluster, gpus, global_batch, seq, memory_budget_gb, tolerance, the_stack)
     names = [name]
     if name == "joint":
         names = ["sequential", "hierarchical", "joint"]  # warm starts for joint
@@ -398,10 +448,14 @@ def plan(
             "seq": ctx.seq,
             "budget_bytes": ctx.budget,
             "strategy": name,
-            **_entry(r),
+            **_entry(ctx, r),
         }
         if not r.fits:
             body["reason"] = _why_infeasible(ctx, r)
+        body["stack"] = ctx.stack.name
+        if emit is not None and r.fits:
+            recipe = _emit(ctx, r, emit, out, model)
+            body["emit"] = {"target": recipe.target, "text": recipe.text, "notes": list(recipe.notes)}
         print_json(body)
     else:
         console = stdout()
@@ -424,6 +478,7 @@ def plan(
             table.add_row(k, v)
         table.add_row("fingerprint", r.plan.fingerprint)
         console.print(table)
+        show_trust(console, _trust(ctx, r))
         seq_r = results.get("sequential")
         if seq_r is not None and name != "sequential" and seq_r.fits and r.fits:
             console.print(
@@ -436,7 +491,13 @@ def plan(
             console.print(f"[dim]{note}[/dim]", soft_wrap=False)
         for line in written:
             console.print(line, soft_wrap=False)
-        if r.fits:
+        if r.fits and emit is not None:
+            recipe = _emit(ctx, r, emit, out, model)
+            console.print(f"\n[bold]to run it with {recipe.target}[/bold]:")
+            console.print(recipe.text, soft_wrap=True, markup=False, highlight=False)
+            for note in recipe.notes:
+                console.print(f"[dim]note: {note}[/dim]", soft_wrap=False)
+        elif r.fits:
             _how_to_run(console, ctx, out)
     if not r.fits:
         raise Infeasible(_why_infeasible(ctx, r))
@@ -464,6 +525,8 @@ def compare(
         typer.Option("--out", "-o", help="Write the fastest fitting strategy's plan as JSON here."),
     ] = None,
     html: HtmlOpt = None,
+    stack: StackOpt = None,
+    stack_file: StackFileOpt = None,
     json: JsonOpt = False,
 ) -> None:
     """Compare planning strategies on one job, all priced by the same cost model."""
@@ -471,7 +534,8 @@ def compare(
     steps, kinds = _order(order), _dtypes(dtypes)
     check_output("--out", out)
     check_output("--html", html)
-    ctx = make_context(model, cluster, gpus, global_batch, seq, memory_budget_gb, tolerance)
+    the_stack = resolve_stack(stack, stack_file)
+    ctx = make_context(model, cluster, gpus, global_batch, seq, memory_budget_gb, tolerance, the_stack)
     results = run_all(ctx, names, steps, kinds)
     fitting = [r for r in results.values() if r.fits]
     best = min(fitting, key=lambda r: r.step_time_s) if fitting else None
@@ -485,7 +549,8 @@ def compare(
                 "global_batch": ctx.global_batch,
                 "seq": ctx.seq,
                 "budget_bytes": ctx.budget,
-                "strategies": {n: _entry(r) for n, r in results.items()},
+                "stack": ctx.stack.name,
+                "strategies": {n: _entry(ctx, r) for n, r in results.items()},
             }
         )
     else:

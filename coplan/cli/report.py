@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from coplan.cli.common import human_bytes
+from coplan.cost.envelope import validated
 from coplan.fileio import write_text
 from coplan.plan.context import Decisions, GiB
 
@@ -167,10 +168,14 @@ def figure(ctx: PlanContext, results: dict[str, StrategyResult]) -> Any:
     for i, (name, r) in enumerate(results.items()):
         e = r.estimate
         same = first_with.setdefault(r.plan.fingerprint, name)
+        trust = validated(e, ctx.model.spec, ctx.stack.name)
         lines = [
             f"chosen by {name}" + (f" (the same plan as {same})" if same != name else ""),
             *describe(e.step_time_s, e.memory.peak_bytes, r.fits, budget, Decisions.of(r.plan), labels),
             f"plan {r.plan.fingerprint}",
+            "inside the validated envelope"
+            if trust.inside
+            else "EXTRAPOLATED: " + "; ".join(trust.extrapolated),
         ]
         fig.add_trace(
             go.Scatter(
@@ -178,7 +183,8 @@ def figure(ctx: PlanContext, results: dict[str, StrategyResult]) -> Any:
                 y=[e.memory.peak_bytes / GiB],
                 mode="markers",
                 name=f"{name}: {e.step_time_s * 1e3:.2f} ms, {e.memory.peak_bytes / GiB:.2f} GiB"
-                + ("" if r.fits else " (over budget)"),
+                + ("" if r.fits else " (over budget)")
+                + ("" if trust.inside else " (extrapolated)"),
                 marker={
                     "symbol": _SYMBOLS[i % len(_SYMBOLS)],
                     "color": _COLOURS[i % len(_COLOURS)],

@@ -1,0 +1,59 @@
+"""What `plan`, `compare` and `estimate` say beside their numbers: whether the configuration lies
+inside the validated envelope, which stack it was planned for, and the recipe that runs a plan."""
+
+from __future__ import annotations
+
+import json
+import tomllib
+from collections.abc import Callable
+from pathlib import Path
+
+Cli = Callable[..., tuple[int, str, str]]
+
+
+def test_estimate_json_says_whether_it_is_validated(cli: Cli) -> None:
+    base = ("estimate", "--model", "gpt3-175b", "--cluster", "dgx-a100-80gb", "--gpus", "1024", "--tp", "8")
+    base += ("--pp", "8", "--global-batch", "1536", "--seq", "2048", "--recompute", "selective", "--json")
+    code, out, err = cli(*base)
+    assert code == 0, err
+    inside = json.loads(out)["validated"]
+    assert set(inside) == {"inside", "nearest", "extrapolated"}
+    assert inside["inside"] and inside["nearest"] and not inside["extrapolated"]
+    code, out, err = cli(*base, "--stack", "torchtitan")
+    assert code == 0, err
+    outside = json.loads(out)
+    assert outside["stack"] == "torchtitan"
+    assert not outside["validated"]["inside"]
+    assert any("torchtitan" in what for what in outside["validated"]["extrapolated"])
+
+
+def test_plan_and_compare_json_carry_stack_and_trust(cli: Cli) -> None:
+    code, out, err = cli("plan", "-m", "gpt-tiny", "--strategy", "sequential", "--stack", "fsdp", "--json")
+    assert code == 0, err
+    body = json.loads(out)
+    assert body["stack"] == "fsdp" and body["validated"]["inside"] is False
+    code, out, err = cli("compare", "-m", "gpt-tiny", "--strategies", "sequential,joint", "--json")
+    assert code == 0, err
+    body = json.loads(out)
+    assert body["stack"] == "megatron"
+    for entry in body["strategies"].values():
+        assert {"validated", "mfu_dtype_peak"} <= set(entry)
+
+
+def test_plan_emits_a_recipe_per_target(cli: Cli, tmp_path: Path) -> None:
+    args = ("plan", "-m", "gpt2-124m", "--gpus", "8", "--global-batch", "64", "--strategy", "sequential")
+    code, out, err = cli(*args, "--emit", "torchtitan", "--json")
+    assert code == 0, err
+    body = json.loads(out)
+    toml = tomllib.loads(body["emit"]["text"])
+    par = body["plan"]["parallel"]
+    assert toml["parallelism"]["tensor_parallel_degree"] == par["tp"]
+    code, out, err = cli(*args, "--emit", "megatron")
+    assert code == 0, err
+    assert "--tensor-model-parallel-size" in out and "pretrain_gpt.py" in out
+    target = tmp_path / "plan.json"
+    code, out, err = cli(*args, "--emit", "coplan", "--out", str(target))
+    assert code == 0, err
+    assert target.is_file() and f"--plan {target}" in " ".join(out.split())
+    code, _, err = cli(*args, "--emit", "jax")
+    assert code == 2 and "'jax' is not one of" in err
