@@ -22,6 +22,7 @@ if TYPE_CHECKING:
 
     from coplan.hardware.calibrate import Calibration, Measurement
 
+
 class CalibrateDevice(enum.StrEnum):  # coplan.hardware.calibrate.DEVICES
     cpu = "cpu"
     cuda = "cuda"

@@ -52,7 +52,7 @@ class SearchSpace:
         want = self.dtypes if self.dtypes is not None else ("fp32", "bf16", "fp16", "fp8")
         out = []
         for d in want:
-            if d not in native:
+            if d not in native or (d == "fp8" and not ctx.stack.fp8):
                 continue
             if d == "fp16" and "bf16" in native and self.dtypes is None:
                 continue  # bf16 has fp16's speed without loss scaling: fp16 is never better
@@ -65,7 +65,10 @@ class SearchSpace:
         return out
 
     def fusions(self, ctx: PlanContext) -> list[FusionPlan]:
-        return [fusion_option(ctx, name) for name in self.fusion]
+        """The space's fusion options the stack executes; where it executes none of them, the
+        stack's own (its first option)."""
+        names = [n for n in self.fusion if n in ctx.stack.fusion] or [ctx.stack.fusion[0]]
+        return [fusion_option(ctx, name) for name in names]
 
     def parallel(self, ctx: PlanContext) -> Iterator[ParallelPlan]:
         return candidates(ctx, zero=self.zero)
