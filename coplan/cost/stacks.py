@@ -58,8 +58,10 @@ SETTINGS: tuple[str, ...] = (
 )
 #: The fusion options a stack can execute (``coplan.search.space.FUSION_OPTIONS``): ``eager`` (each
 #: op its own kernel), ``greedy`` (Inductor's pointwise/reduction groups), ``epilogue`` (greedy
-#: plus epilogues fused into GEMMs), ``megatron`` (Megatron-LM's hand-written fused kernels).
-FUSION_CHOICES: tuple[str, ...] = ("eager", "greedy", "epilogue", "megatron")
+#: plus epilogues fused into GEMMs), ``megatron`` (Megatron-LM's hand-written fused kernels), and
+#: ``compiled``: no groups a plan imposes, the stack's compiler fuses as it does (priced as
+#: ``configure`` prices it under Inductor's kernels).
+FUSION_CHOICES: tuple[str, ...] = ("eager", "greedy", "epilogue", "megatron", "compiled")
 
 
 class StackError(SpecError):
@@ -123,7 +125,7 @@ class StackSpec:
     interleaved_pipeline: bool = True
     sequence_parallel: bool = True
     zero_stages: tuple[int, ...] = (0, 1, 2, 3)
-    fusion: tuple[str, ...] = FUSION_CHOICES
+    fusion: tuple[str, ...] = FUSION_CHOICES[:4]
     fp8: bool = True
     recompute_sets: bool = True
     about: str = ""
@@ -194,10 +196,6 @@ class StackSpec:
         if self.kernels == "megatron" and not self.fsdp_units and self.attention_kernel == "auto":
             return config  # Megatron's own: nothing to change
         changes: dict[str, Any] = {}
-        if isinstance(config.fusion, str) and self.kernels != "megatron":
-            # eager PyTorch launches each op; Inductor fuses pointwise chains as Megatron's
-            # groups do (norms, activations, residual adds into their neighbours)
-            changes["fusion"] = "none" if self.kernels == "eager" else "megatron"
         if config.attention_kernel == "auto":
             changes["attention_kernel"] = self.attention_kernel
         if self.fsdp_units:
@@ -205,12 +203,17 @@ class StackSpec:
         return self.with_kernels(config.with_(**changes) if changes else config)
 
     def with_kernels(self, config: TrainingConfig) -> TrainingConfig:
-        """``config`` run with this stack's kernels and the loss they imply, its fusion groups,
-        attention kernel and sharding units kept: how a planner prices a plan for this stack,
-        whose fusion groups and layout the plan decides."""
+        """``config`` run with this stack's kernels, the fusion they imply where ``config`` names
+        none of its own (a fusion mode, not groups) and the loss they imply; its attention kernel
+        and sharding units kept. How a planner prices a plan for this stack: the plan decides
+        the layout and any fusion groups."""
         if self.kernels == "megatron":
             return config
         changes: dict[str, Any] = {"kernels": self.kernels}
+        if isinstance(config.fusion, str):
+            # eager PyTorch launches each op; Inductor fuses pointwise chains as Megatron's
+            # groups do (norms, activations, residual adds into their neighbours)
+            changes["fusion"] = "none" if self.kernels == "eager" else "megatron"
         if self.eager_loss and self.kernels == "inductor":
             changes["eager_loss"] = True
         elif self.kernels == "inductor" and config.loss_fusion == "none":

@@ -92,6 +92,6 @@ def fusion_pass(graph: Graph, plan: Plan, ctx: PlanContext) -> Plan:
     if "greedy" not in allowed:  # the stack runs other kernels: its own fusion, nothing to decide
         if "megatron" in allowed:
             return plan.with_(fusion=megatron_fusion(ctx))
-        return plan.with_(fusion=FusionPlan())
+        return plan.with_(fusion=FusionPlan(label="compiled" if "compiled" in allowed else "eager"))
     groups = greedy_groups(graph, scope_ops(ctx))
     return plan.with_(fusion=_as_plan(graph, groups, "greedy", plan.fusion))

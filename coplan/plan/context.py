@@ -212,7 +212,13 @@ class PlanContext:
     def default_plan(self) -> Plan:
         """What a user gets without planning: eager kernels, nothing recomputed, plain data
         parallelism over every GPU with microbatch 1 (the stack's first ZeRO stage: 0 where it
-        replicates), fp32."""
+        replicates), fp32. A stack that cannot run eager kernels runs its own fusion (its first
+        option: a compiled stack, Inductor's groups)."""
+        fusion = FusionPlan()
+        if "eager" not in self.stack.fusion:
+            from coplan.search.space import fusion_option  # the options are built by the passes
+
+            fusion = fusion_option(self, self.stack.fusion[0])
         return Plan(
             model=self.model_name,
             graph=self.graph_fingerprint,
@@ -223,7 +229,7 @@ class PlanContext:
             parallel=ParallelPlan(
                 dp=self.gpus, microbatch=1, zero=self.stack.zero_stages[0] if self.gpus > 1 else 0
             ),
-            fusion=FusionPlan(),
+            fusion=fusion,
             remat=RematPlan(),
             precision=PrecisionPlan(compute="fp32"),
         )

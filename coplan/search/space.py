@@ -108,6 +108,8 @@ def fusion_option(ctx: PlanContext, name: str) -> FusionPlan:
     graph = ctx.index.graph
     if name == "eager":
         return FusionPlan()
+    if name == "compiled":  # the stack's compiler decides: no groups of the plan's
+        return FusionPlan(label="compiled")
     if name == "megatron":
         return megatron_fusion(ctx)
     if name == "greedy":
