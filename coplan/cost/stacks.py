@@ -51,11 +51,14 @@ SETTINGS: tuple[str, ...] = (
     "pipeline_parallel",
     "interleaved_pipeline",
     "sequence_parallel",
+    "combined_layouts",
     "zero_stages",
     "fusion",
     "fp8",
     "recompute_sets",
 )
+#: How a stack runs fp8 GEMMs: natively, emulated (runs, not faster) or not at all.
+FP8_MODES: tuple[str, ...] = ("native", "emulated", "none")
 #: The fusion options a stack can execute (``coplan.search.space.FUSION_OPTIONS``): ``eager`` (each
 #: op its own kernel), ``greedy`` (Inductor's pointwise/reduction groups), ``epilogue`` (greedy
 #: plus epilogues fused into GEMMs), ``megatron`` (Megatron-LM's hand-written fused kernels), and
@@ -96,9 +99,12 @@ class StackSpec:
         checkpointing: the activation-checkpointing policies the stack offers.
         tensor_parallel / pipeline_parallel / interleaved_pipeline / sequence_parallel: the
             layouts the stack can run (a planner searches only these).
+        combined_layouts: it combines them: pipelining with TP or DP, TP with ZeRO sharding.
         zero_stages: the ZeRO stages (0: replicated, DDP) the stack's sharding offers.
         fusion: the fusion options it executes (``FUSION_CHOICES``).
-        fp8: it runs fp8 GEMMs natively (Transformer Engine, torchao float8).
+        fp8: how it runs fp8 GEMMs (``FP8_MODES``): ``native`` (Transformer Engine, torchao
+            float8), ``emulated`` (it runs an fp8 plan, quantizing in higher precision, no
+            faster: a search does not choose fp8) or ``none``.
         recompute_sets: it recomputes any per-tensor set a plan names (a partitioner keeping
             exactly the plan's saved set); otherwise only its ``checkpointing`` policies' sets.
         reserved_fraction: the caching allocator's reserved bytes beyond the allocated peak, as a
@@ -124,9 +130,10 @@ class StackSpec:
     pipeline_parallel: bool = True
     interleaved_pipeline: bool = True
     sequence_parallel: bool = True
+    combined_layouts: bool = True
     zero_stages: tuple[int, ...] = (0, 1, 2, 3)
     fusion: tuple[str, ...] = FUSION_CHOICES[:4]
-    fp8: bool = True
+    fp8: str = "native"
     recompute_sets: bool = True
     about: str = ""
     sources: tuple[tuple[str, str], ...] = ()
@@ -139,6 +146,7 @@ class StackSpec:
         _choice(src, "attention_kernel", self.attention_kernel, ATTENTION_KERNEL_CHOICES)
         _choice(src, "sharding", self.sharding, SHARDINGS)
         _choice(src, "dp_bucket_scope", self.dp_bucket_scope, BUCKET_SCOPES)
+        _choice(src, "fp8", self.fp8, FP8_MODES)
         for flag in (
             "eager_loss",
             "fsdp_units",
@@ -149,7 +157,7 @@ class StackSpec:
             "pipeline_parallel",
             "interleaved_pipeline",
             "sequence_parallel",
-            "fp8",
+            "combined_layouts",
             "recompute_sets",
         ):
             if not isinstance(getattr(self, flag), bool):
@@ -311,6 +319,7 @@ DDP_BUCKET_PARAMS = DDP_BUCKET_BYTES // 4
 __all__ = [
     "CHECKPOINT_POLICIES",
     "DDP_BUCKET_PARAMS",
+    "FP8_MODES",
     "FUSION_CHOICES",
     "SETTINGS",
     "SHARDINGS",

@@ -47,6 +47,11 @@ def layout_problem(stack: StackSpec, par: ParallelPlan) -> str | None:
         return f"interleaved pipeline stages (vpp {par.vpp})"
     if par.sequence_parallel and not stack.sequence_parallel:
         return "sequence parallelism"
+    if not stack.combined_layouts:
+        if par.pp > 1 and (par.tp > 1 or par.dp > 1):
+            return f"pipeline parallelism combined with tp {par.tp}, dp {par.dp}"
+        if par.tp > 1 and par.dp > 1 and par.zero >= 1:
+            return f"tensor parallelism combined with ZeRO stage {par.zero}"
     # one data-parallel rank shards nothing: every stage is the same layout
     if par.dp > 1 and par.zero not in stack.zero_stages:
         allowed = ", ".join(str(z) for z in stack.zero_stages)
@@ -120,7 +125,7 @@ def problems(plan: Plan, ctx: PlanContext) -> Iterator[str]:
     if why is not None:
         yield f"stack {stack.name!r} cannot run {why}"
     c = plan.precision
-    if not stack.fp8 and (c.compute == "fp8" or any(d == "fp8" for _, d in c.ops)):
+    if stack.fp8 == "none" and (c.compute == "fp8" or any(d == "fp8" for _, d in c.ops)):
         yield f"stack {stack.name!r} cannot run fp8 GEMMs"
     if not stack.recompute_sets:
         sets = policy_sets(ctx)

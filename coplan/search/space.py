@@ -52,7 +52,7 @@ class SearchSpace:
         want = self.dtypes if self.dtypes is not None else ("fp32", "bf16", "fp16", "fp8")
         out = []
         for d in want:
-            if d not in native or (d == "fp8" and not ctx.stack.fp8):
+            if d not in native or (d == "fp8" and ctx.stack.fp8 != "native"):
                 continue
             if d == "fp16" and "bf16" in native and self.dtypes is None:
                 continue  # bf16 has fp16's speed without loss scaling: fp16 is never better

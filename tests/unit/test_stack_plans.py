@@ -50,12 +50,14 @@ def allowed(plan: Plan, ctx: PlanContext) -> list[str]:
         bad.append("vpp")
     if p.sequence_parallel and not s.sequence_parallel:
         bad.append("sp")
+    if not s.combined_layouts and ((p.pp > 1 and p.tp * p.dp > 1) or (p.tp > 1 and p.dp > 1 and p.zero)):
+        bad.append("combined")
     if p.dp > 1 and p.zero not in s.zero_stages:
         bad.append("zero")
     fused = {frozenset(g) for g in plan.fusion.groups}
     if not any(fused == {frozenset(g) for g in fusion_option(ctx, f).groups} for f in s.fusion):
         bad.append("fusion")
-    if not s.fp8 and (plan.precision.compute == "fp8" or any(d == "fp8" for _, d in plan.precision.ops)):
+    if s.fp8 != "native" and (plan.precision.compute == "fp8" or any(d == "fp8" for _, d in plan.precision.ops)):
         bad.append("fp8")
     if not s.recompute_sets and plan.remat.recompute not in policy_sets(ctx).values():
         bad.append("remat")
@@ -116,7 +118,8 @@ def forbidden(ctx: PlanContext) -> dict[str, Plan]:
         ("torchtitan-compile", "fusion"),
         ("eager", "fusion"),
         ("torchtitan", "fp8"),
-        ("coplan", "fp8"),
+        ("eager-compile", "fp8"),
+        ("coplan", "pipeline parallelism"),
         ("fsdp-compile", "recompute"),
     ],
 )
