@@ -57,7 +57,8 @@ def allowed(plan: Plan, ctx: PlanContext) -> list[str]:
     fused = {frozenset(g) for g in plan.fusion.groups}
     if not any(fused == {frozenset(g) for g in fusion_option(ctx, f).groups} for f in s.fusion):
         bad.append("fusion")
-    if s.fp8 != "native" and (plan.precision.compute == "fp8" or any(d == "fp8" for _, d in plan.precision.ops)):
+    c = plan.precision
+    if s.fp8 != "native" and (c.compute == "fp8" or any(d == "fp8" for _, d in c.ops)):
         bad.append("fp8")
     if not s.recompute_sets and plan.remat.recompute not in policy_sets(ctx).values():
         bad.append("remat")
