@@ -17,7 +17,7 @@ from coplan.hardware import load_cluster
 from coplan.models.spec import PRESETS
 from coplan.plan import FusionPlan, Plan, PlanContext, PrecisionPlan, RematPlan, check
 from coplan.plan.capabilities import plan_stack, policy_sets
-from coplan.search import Options, SearchSpace, run_strategy
+from coplan.search import DEFAULT_STRATEGIES, Options, SearchSpace, run_strategy
 from coplan.search.space import fusion_option
 
 GPUS = 4
@@ -66,7 +66,7 @@ def allowed(plan: Plan, ctx: PlanContext) -> list[str]:
 
 
 @pytest.mark.parametrize("stack", stack_names())
-@pytest.mark.parametrize("strategy", ["joint", "sequential"])
+@pytest.mark.parametrize("strategy", DEFAULT_STRATEGIES)
 def test_plans_use_only_what_the_stack_executes(stack: str, strategy: str) -> None:
     ctx = make_ctx(stack)
     plan = run_strategy(strategy, ctx).plan
@@ -201,8 +201,25 @@ def test_plan_stack(tmp_path: Path) -> None:
 
 
 def test_megatron_plans_do_not_change() -> None:
-    # the default stack is the full space: a context without a stack plans exactly as before
+    # the default stack is the full space and adds nothing to a plan's configuration
     hw = load_cluster("dgx-h100", GPUS)
     plain = PlanContext(CostModel(spec=PRESETS["gpt-tiny"]), hw, global_batch=GLOBAL_BATCH, seq=SEQ)
-    assert plain.stack == load_stack("megatron")
-    assert run_strategy("joint", plain).plan == run_strategy("joint", make_ctx("megatron")).plan
+    assert plain.stack == load_stack("megatron") == plan_stack(None, None)
+    plan = plain.default_plan().with_(fusion=fusion_option(plain, "epilogue"))
+    config = plain.config_of(plan)
+    assert plain.stack.with_kernels(config) is config
+    assert config.kernels == "megatron" and not isinstance(config.fusion, str)
+    assert plain.default_plan().fusion == FusionPlan() and plain.default_plan().parallel.zero == 0
+
+
+def test_a_stack_file_restricts_the_search(tmp_path: Path) -> None:
+    f = tmp_path / "ddp.json"
+    f.write_text(json.dumps({"name": "ddp-only", "tensor_parallel": False, "pipeline_parallel": False,
+                             "zero_stages": [0], "sources": {"tensor_parallel": "ours",
+                             "pipeline_parallel": "ours", "zero_stages": "ours"}}))  # fmt: skip
+    hw = load_cluster("dgx-h100", GPUS)
+    ctx = PlanContext(
+        CostModel(spec=PRESETS["gpt-tiny"]), hw, global_batch=GLOBAL_BATCH, seq=SEQ, stack=plan_stack(None, f)
+    )
+    p = run_strategy("joint", ctx).plan.parallel
+    assert (p.tp, p.pp, p.dp, p.zero) == (1, 1, GPUS, 0)
