@@ -31,7 +31,9 @@ class SearchSpace:
     whether joint may split layers unevenly and recompute per stage (exhaustive cannot enumerate
     those, so the oracle tests turn it off); ``fixed``: decisions not searched at all but kept as
     the base plan has them (``Options.base``), so a search can optimise one or two spaces with the
-    others held (the coupling study, ``coplan.experiments``)."""
+    others held (the coupling study, ``coplan.experiments``). Every choice is further kept to what
+    the context's stack executes (``plan.capabilities``): its layouts and ZeRO stages, its fusion
+    options, fp8 only where it runs fp8 natively."""
 
     dtypes: tuple[str, ...] | None = None
     fusion: tuple[str, ...] = ("greedy", "epilogue")

@@ -135,7 +135,8 @@ def test_the_checker_names_what_the_stack_cannot_run(stack: str, what: str) -> N
 
 
 def estimate_cli(ctx: PlanContext, plan: Plan, fusion: str) -> float:
-    """``coplan estimate --stack`` on ``plan``'s decisions (recompute none, no per-op dtypes)."""
+    """``coplan estimate --stack`` on ``plan``'s decisions (recompute none, no per-op dtypes), with
+    the stack's overlap and gradient buckets given as flags."""
     p, s = plan.parallel, ctx.stack
     args = [
         "estimate",
@@ -156,6 +157,11 @@ def estimate_cli(ctx: PlanContext, plan: Plan, fusion: str) -> float:
     ]  # fmt: skip
     if p.sequence_parallel:
         args.append("--sequence-parallel")
+    # the stack's overlap and buckets: estimate takes them as flags (a run states its own)
+    if not s.overlap:
+        args += ["--no-overlap-grad-reduce", "--no-overlap-param-gather"]
+    elif p.zero >= 1:
+        args.append("--overlap-param-gather")
     if s.dp_bucket_params is not None:
         args += ["--dp-bucket-params", str(s.dp_bucket_params)]
     res = CliRunner().invoke(app, args)
