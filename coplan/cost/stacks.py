@@ -47,7 +47,24 @@ SETTINGS: tuple[str, ...] = (
     "dp_bucket_scope",
     "checkpointing",
     "reserved_fraction",
+    "tensor_parallel",
+    "pipeline_parallel",
+    "interleaved_pipeline",
+    "sequence_parallel",
+    "combined_layouts",
+    "zero_stages",
+    "fusion",
+    "fp8",
+    "recompute_sets",
 )
+#: How a stack runs fp8 GEMMs: natively, emulated (runs, not faster) or not at all.
+FP8_MODES: tuple[str, ...] = ("native", "emulated", "none")
+#: The fusion options a stack can execute (``coplan.search.space.FUSION_OPTIONS``): ``eager`` (each
+#: op its own kernel), ``greedy`` (Inductor's pointwise/reduction groups), ``epilogue`` (greedy
+#: plus epilogues fused into GEMMs), ``megatron`` (Megatron-LM's hand-written fused kernels), and
+#: ``compiled``: no groups a plan imposes, the stack's compiler fuses as it does (priced as
+#: ``configure`` prices it under Inductor's kernels).
+FUSION_CHOICES: tuple[str, ...] = ("eager", "greedy", "epilogue", "megatron", "compiled")
 
 
 class StackError(SpecError):
@@ -80,6 +97,16 @@ class StackSpec:
             production Megatron-Core stack turns it on.
         dp_bucket_params / dp_bucket_scope: gradient buckets (``coplan.cost.buckets``).
         checkpointing: the activation-checkpointing policies the stack offers.
+        tensor_parallel / pipeline_parallel / interleaved_pipeline / sequence_parallel: the
+            layouts the stack can run (a planner searches only these).
+        combined_layouts: it combines them: pipelining with TP or DP, TP with ZeRO sharding.
+        zero_stages: the ZeRO stages (0: replicated, DDP) the stack's sharding offers.
+        fusion: the fusion options it executes (``FUSION_CHOICES``).
+        fp8: how it runs fp8 GEMMs (``FP8_MODES``): ``native`` (Transformer Engine, torchao
+            float8), ``emulated`` (it runs an fp8 plan, quantizing in higher precision, no
+            faster: a search does not choose fp8) or ``none``.
+        recompute_sets: it recomputes any per-tensor set a plan names (a partitioner keeping
+            exactly the plan's saved set); otherwise only its ``checkpointing`` policies' sets.
         reserved_fraction: the caching allocator's reserved bytes beyond the allocated peak, as a
             fraction of it (what ``torch.cuda.max_memory_reserved`` reports over
             ``max_memory_allocated``); 0 prices the allocated peak.
@@ -99,6 +126,15 @@ class StackSpec:
     dp_bucket_scope: str = "megatron-core"
     checkpointing: tuple[str, ...] = ("none", "selective", "full")
     reserved_fraction: float = 0.0
+    tensor_parallel: bool = True
+    pipeline_parallel: bool = True
+    interleaved_pipeline: bool = True
+    sequence_parallel: bool = True
+    combined_layouts: bool = True
+    zero_stages: tuple[int, ...] = (0, 1, 2, 3)
+    fusion: tuple[str, ...] = FUSION_CHOICES[:4]
+    fp8: str = "native"
+    recompute_sets: bool = True
     about: str = ""
     sources: tuple[tuple[str, str], ...] = ()
 
@@ -110,7 +146,20 @@ class StackSpec:
         _choice(src, "attention_kernel", self.attention_kernel, ATTENTION_KERNEL_CHOICES)
         _choice(src, "sharding", self.sharding, SHARDINGS)
         _choice(src, "dp_bucket_scope", self.dp_bucket_scope, BUCKET_SCOPES)
-        for flag in ("eager_loss", "fsdp_units", "pipeline_keeps_outputs", "overlap", "tp_comm_overlap"):
+        _choice(src, "fp8", self.fp8, FP8_MODES)
+        for flag in (
+            "eager_loss",
+            "fsdp_units",
+            "pipeline_keeps_outputs",
+            "overlap",
+            "tp_comm_overlap",
+            "tensor_parallel",
+            "pipeline_parallel",
+            "interleaved_pipeline",
+            "sequence_parallel",
+            "combined_layouts",
+            "recompute_sets",
+        ):
             if not isinstance(getattr(self, flag), bool):
                 raise StackError(src, flag, f"must be true or false, got {getattr(self, flag)!r}")
         b = self.dp_bucket_params
@@ -122,6 +171,16 @@ class StackSpec:
         for p in pol:
             _choice(src, "checkpointing", p, CHECKPOINT_POLICIES)
         object.__setattr__(self, "checkpointing", pol)
+        zs = tuple(self.zero_stages)
+        if not zs or any(isinstance(z, bool) or z not in (0, 1, 2, 3) for z in zs):
+            raise StackError(src, "zero_stages", f"must list stages among 0, 1, 2, 3, got {list(zs)!r}")
+        object.__setattr__(self, "zero_stages", tuple(sorted(set(zs))))
+        fus = tuple(self.fusion)
+        if not fus:
+            raise StackError(src, "fusion", "must name at least one fusion option")
+        for f in fus:
+            _choice(src, "fusion", f, FUSION_CHOICES)
+        object.__setattr__(self, "fusion", fus)
         r = self.reserved_fraction
         if isinstance(r, bool) or not isinstance(r, int | float) or not 0.0 <= r < 1.0:
             raise StackError(src, "reserved_fraction", f"must be a number in [0, 1), got {r!r}")
@@ -144,15 +203,25 @@ class StackSpec:
         imply), its attention kernel (where the config leaves it to the device) and its FSDP units."""
         if self.kernels == "megatron" and not self.fsdp_units and self.attention_kernel == "auto":
             return config  # Megatron's own: nothing to change
-        changes: dict[str, Any] = {"kernels": self.kernels}
-        if isinstance(config.fusion, str) and self.kernels != "megatron":
-            # eager PyTorch launches each op; Inductor fuses pointwise chains as Megatron's
-            # groups do (norms, activations, residual adds into their neighbours)
-            changes["fusion"] = "none" if self.kernels == "eager" else "megatron"
+        changes: dict[str, Any] = {}
         if config.attention_kernel == "auto":
             changes["attention_kernel"] = self.attention_kernel
         if self.fsdp_units:
             changes["fsdp_units"] = True
+        return self.with_kernels(config.with_(**changes) if changes else config)
+
+    def with_kernels(self, config: TrainingConfig) -> TrainingConfig:
+        """``config`` run with this stack's kernels, the fusion they imply where ``config`` names
+        none of its own (a fusion mode, not groups) and the loss they imply; its attention kernel
+        and sharding units kept. How a planner prices a plan for this stack: the plan decides
+        the layout and any fusion groups."""
+        if self.kernels == "megatron":
+            return config
+        changes: dict[str, Any] = {"kernels": self.kernels}
+        if isinstance(config.fusion, str):
+            # eager PyTorch launches each op; Inductor fuses pointwise chains as Megatron's
+            # groups do (norms, activations, residual adds into their neighbours)
+            changes["fusion"] = "none" if self.kernels == "eager" else "megatron"
         if self.eager_loss and self.kernels == "inductor":
             changes["eager_loss"] = True
         elif self.kernels == "inductor" and config.loss_fusion == "none":
@@ -198,8 +267,9 @@ def stack_from_dict(data: object, source: str) -> StackSpec:
     if "name" not in data:
         raise StackError(source, "name", "is missing")
     kw = dict(data)
-    if "checkpointing" in kw and isinstance(kw["checkpointing"], list):
-        kw["checkpointing"] = tuple(kw["checkpointing"])
+    for key in ("checkpointing", "zero_stages", "fusion"):
+        if key in kw and isinstance(kw[key], list):
+            kw[key] = tuple(kw[key])
     cited = kw.get("sources", {})
     if not isinstance(cited, dict):
         raise StackError(source, "sources", "must map settings to citations")
@@ -249,6 +319,8 @@ DDP_BUCKET_PARAMS = DDP_BUCKET_BYTES // 4
 __all__ = [
     "CHECKPOINT_POLICIES",
     "DDP_BUCKET_PARAMS",
+    "FP8_MODES",
+    "FUSION_CHOICES",
     "SETTINGS",
     "SHARDINGS",
     "StackError",

@@ -88,5 +88,10 @@ def megatron_fusion(ctx: PlanContext) -> FusionPlan:
 
 @register("fusion")
 def fusion_pass(graph: Graph, plan: Plan, ctx: PlanContext) -> Plan:
+    allowed = ctx.stack.fusion
+    if "greedy" not in allowed:  # the stack runs other kernels: its own fusion, nothing to decide
+        if "megatron" in allowed:
+            return plan.with_(fusion=megatron_fusion(ctx))
+        return plan.with_(fusion=FusionPlan(label="compiled" if "compiled" in allowed else "eager"))
     groups = greedy_groups(graph, scope_ops(ctx))
     return plan.with_(fusion=_as_plan(graph, groups, "greedy", plan.fusion))

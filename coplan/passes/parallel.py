@@ -13,6 +13,7 @@ from collections.abc import Iterator
 
 from coplan.ir.types import Graph
 from coplan.passes.base import choose, register
+from coplan.plan.capabilities import layout_problem
 from coplan.plan.context import PlanContext
 from coplan.plan.types import ParallelPlan, Plan, RematPlan
 
@@ -36,7 +37,13 @@ def _model_shape(ctx: PlanContext) -> tuple[int, int, int | None]:
 
 
 def candidates(ctx: PlanContext, *, zero: tuple[int, ...] = (0, 1, 2, 3)) -> Iterator[ParallelPlan]:
-    """Every parallel layout worth pricing for ``ctx``."""
+    """Every parallel layout worth pricing for ``ctx`` that its stack can run."""
+    for par in _layouts(ctx, zero):
+        if layout_problem(ctx.stack, par) is None:
+            yield par
+
+
+def _layouts(ctx: PlanContext, zero: tuple[int, ...]) -> Iterator[ParallelPlan]:
     n = ctx.gpus
     heads, layers, kv = _model_shape(ctx)
     per_node = ctx.cluster.groups[0].devices_per_node

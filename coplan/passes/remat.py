@@ -14,6 +14,7 @@ from dataclasses import replace
 from coplan.errors import CoplanError
 from coplan.ir.types import Graph
 from coplan.passes.base import choose, register, score
+from coplan.plan.capabilities import executable_remat
 from coplan.plan.checker import POINTWISE
 from coplan.plan.context import PlanContext
 from coplan.plan.types import Plan, RematPlan
@@ -34,7 +35,11 @@ COMPILED = frozenset({"greedy", "epilogue", "joint"})
 def with_remat(plan: Plan, names: frozenset[str], ctx: PlanContext | None = None) -> Plan:
     """``plan`` recomputing ``names``. Given ``ctx`` and a compiled fusion plan, pointwise producers
     of recomputed tensors re-run inside the backward kernels reading them, as Inductor's min-cut
-    partitioner emits them (arithmetic only: no launch, no traffic, nothing stored)."""
+    partitioner emits them (arithmetic only: no launch, no traffic, nothing stored). Given ``ctx``
+    whose stack runs only its checkpointing policies, ``names`` becomes the smallest policy set
+    recomputing at least them (``plan.capabilities.executable_remat``)."""
+    if ctx is not None:
+        names = executable_remat(ctx, names)
     plan = plan.with_(remat=RematPlan(recompute=names))
     if ctx is None:
         return plan

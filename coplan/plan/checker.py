@@ -285,6 +285,14 @@ def precision(plan: Plan, ctx: PlanContext) -> Iterator[str]:
             )
 
 
+@rule("structure")
+def stack(plan: Plan, ctx: PlanContext) -> Iterator[str]:
+    """What the plan's stack cannot execute (``plan.capabilities``)."""
+    from coplan.plan.capabilities import problems  # it builds fusion options through the passes
+
+    yield from problems(plan, ctx)
+
+
 def check(plan: Plan, ctx: PlanContext, *, memory: bool = True) -> list[Violation]:
     """Every violation of ``plan`` in ``ctx`` (empty when valid and, with ``memory``, fitting)."""
     out = [Violation(name, level, msg) for name, level, fn in _RULES for msg in fn(plan, ctx)]

@@ -211,7 +211,14 @@ class PlanContext:
 
     def default_plan(self) -> Plan:
         """What a user gets without planning: eager kernels, nothing recomputed, plain data
-        parallelism over every GPU with microbatch 1, fp32."""
+        parallelism over every GPU with microbatch 1 (the stack's first ZeRO stage: 0 where it
+        replicates), fp32. A stack that cannot run eager kernels runs its own fusion (its first
+        option: a compiled stack, Inductor's groups)."""
+        fusion = FusionPlan()
+        if "eager" not in self.stack.fusion:
+            from coplan.search.space import fusion_option  # the options are built by the passes
+
+            fusion = fusion_option(self, self.stack.fusion[0])
         return Plan(
             model=self.model_name,
             graph=self.graph_fingerprint,
@@ -219,8 +226,10 @@ class PlanContext:
             gpus=self.gpus,
             global_batch=self.global_batch,
             seq=self.seq,
-            parallel=ParallelPlan(dp=self.gpus, microbatch=1),
-            fusion=FusionPlan(),
+            parallel=ParallelPlan(
+                dp=self.gpus, microbatch=1, zero=self.stack.zero_stages[0] if self.gpus > 1 else 0
+            ),
+            fusion=fusion,
             remat=RematPlan(),
             precision=PrecisionPlan(compute="fp32"),
         )
@@ -308,6 +317,9 @@ class PlanContext:
             attention_kernel=self.attention_kernel,
             stage_layers=p.stage_layers,
         )
+        # the stack's kernels (and the loss they imply), as ``coplan estimate --stack`` prices them;
+        # the fusion groups, attention kernel and layout stay the plan's
+        config = self.stack.with_kernels(config)
         self._configs[key] = config
         return config
 

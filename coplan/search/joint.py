@@ -207,8 +207,8 @@ def per_stage_remat(plan: Plan, ctx: PlanContext) -> Plan:
     """
     pp = plan.parallel.pp
     shared = plan.remat.recompute
-    if pp == 1 or not shared or plan.remat.per_stage is not None:
-        return plan
+    if pp == 1 or not shared or plan.remat.per_stage is not None or not ctx.stack.recompute_sets:
+        return plan  # a stack running only its checkpointing policies applies one to every stage
 
     def build(sets: list[frozenset[str]]) -> Plan:
         if all(x == sets[0] for x in sets):

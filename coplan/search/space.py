@@ -31,7 +31,9 @@ class SearchSpace:
     whether joint may split layers unevenly and recompute per stage (exhaustive cannot enumerate
     those, so the oracle tests turn it off); ``fixed``: decisions not searched at all but kept as
     the base plan has them (``Options.base``), so a search can optimise one or two spaces with the
-    others held (the coupling study, ``coplan.experiments``)."""
+    others held (the coupling study, ``coplan.experiments``). Every choice is further kept to what
+    the context's stack executes (``plan.capabilities``): its layouts and ZeRO stages, its fusion
+    options, fp8 only where it runs fp8 natively."""
 
     dtypes: tuple[str, ...] | None = None
     fusion: tuple[str, ...] = ("greedy", "epilogue")
@@ -52,7 +54,7 @@ class SearchSpace:
         want = self.dtypes if self.dtypes is not None else ("fp32", "bf16", "fp16", "fp8")
         out = []
         for d in want:
-            if d not in native:
+            if d not in native or (d == "fp8" and ctx.stack.fp8 != "native"):
                 continue
             if d == "fp16" and "bf16" in native and self.dtypes is None:
                 continue  # bf16 has fp16's speed without loss scaling: fp16 is never better
@@ -65,7 +67,10 @@ class SearchSpace:
         return out
 
     def fusions(self, ctx: PlanContext) -> list[FusionPlan]:
-        return [fusion_option(ctx, name) for name in self.fusion]
+        """The space's fusion options the stack executes; where it executes none of them, the
+        stack's own (its first option)."""
+        names = [n for n in self.fusion if n in ctx.stack.fusion] or [ctx.stack.fusion[0]]
+        return [fusion_option(ctx, name) for name in names]
 
     def parallel(self, ctx: PlanContext) -> Iterator[ParallelPlan]:
         return candidates(ctx, zero=self.zero)
@@ -105,6 +110,8 @@ def fusion_option(ctx: PlanContext, name: str) -> FusionPlan:
     graph = ctx.index.graph
     if name == "eager":
         return FusionPlan()
+    if name == "compiled":  # the stack's compiler decides: no groups of the plan's
+        return FusionPlan(label="compiled")
     if name == "megatron":
         return megatron_fusion(ctx)
     if name == "greedy":

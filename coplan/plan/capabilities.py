@@ -1,0 +1,151 @@
+"""What a plan may choose when a given training stack runs it.
+
+A ``StackSpec`` says which layouts (TP, PP, interleaving, sequence parallelism, ZeRO stages),
+fusion options, precisions and checkpointing it executes. The search generates only those
+(``passes.parallel.candidates``, ``search.space.SearchSpace``, ``passes.remat.with_remat``) and the
+checker refuses a plan that uses anything else, naming it (``problems``).
+
+A stack without ``recompute_sets`` recomputes only what its checkpointing policies do; each is a
+recompute set over the reference blocks (``policy_sets``): ``none`` nothing, ``full`` every saved
+tensor but the block's output (which the next block reads), Megatron's ``selective`` the attention
+core, torchtitan's ``selective-op`` its per-op policy (``cost.checkpoint``). ``selective-layer``
+checkpoints every N-th block, which one set for every block cannot express: a plan does not
+choose it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+from coplan.cost.checkpoint import selective_op_names
+from coplan.cost.stacks import StackError, StackSpec, load_stack, load_stack_file
+from coplan.plan.context import PlanContext
+from coplan.plan.types import ParallelPlan, Plan
+
+#: the stack a plan is made for unless one is named: Megatron-LM, the full space
+DEFAULT_STACK = "megatron"
+
+
+def plan_stack(name: str | None = None, file: Path | None = None) -> StackSpec:
+    """The stack ``coplan plan``/``compare`` plan for: the preset ``name``, the stack ``file``
+    (JSON of a preset's shape), or ``megatron`` when neither is given; both is an error."""
+    if name is not None and file is not None:
+        raise StackError("stack", None, "give --stack or --stack-file, not both")
+    if file is not None:
+        return load_stack_file(file)
+    return load_stack(name if name is not None else DEFAULT_STACK)
+
+
+def layout_problem(stack: StackSpec, par: ParallelPlan) -> str | None:
+    """Why ``stack`` cannot run layout ``par`` (None: it can)."""
+    if par.tp > 1 and not stack.tensor_parallel:
+        return f"tensor parallelism (tp {par.tp})"
+    if par.pp > 1 and not stack.pipeline_parallel:
+        return f"pipeline parallelism (pp {par.pp})"
+    if par.vpp > 1 and not stack.interleaved_pipeline:
+        return f"interleaved pipeline stages (vpp {par.vpp})"
+    if par.sequence_parallel and not stack.sequence_parallel:
+        return "sequence parallelism"
+    if not stack.combined_layouts:
+        if par.pp > 1 and (par.tp > 1 or par.dp > 1):
+            return f"pipeline parallelism combined with tp {par.tp}, dp {par.dp}"
+        if par.tp > 1 and par.dp > 1 and par.zero >= 1:
+            return f"tensor parallelism combined with ZeRO stage {par.zero}"
+    # one data-parallel rank shards nothing: every stage is the same layout
+    if par.dp > 1 and par.zero not in stack.zero_stages:
+        allowed = ", ".join(str(z) for z in stack.zero_stages)
+        return f"ZeRO stage {par.zero} (it offers {allowed})"
+    return None
+
+
+def default_zero(stack: StackSpec) -> int:
+    """The ZeRO stage a plan without one uses under ``stack``: 0 where it replicates, else its
+    lowest sharding stage."""
+    return stack.zero_stages[0]
+
+
+def policy_sets(ctx: PlanContext) -> dict[str, frozenset[str]]:
+    """The recompute set of each checkpointing policy of ``ctx.stack`` a plan can express, from
+    the least recomputed to the most."""
+    names = [n for v in ctx.index.saved_names.values() for n in v]
+    out: dict[str, frozenset[str]] = {}
+    for policy in ctx.stack.checkpointing:
+        if policy == "none":
+            out[policy] = frozenset()
+        elif policy == "selective":
+            out[policy] = frozenset(n for n in names if n.endswith((".attn.out", ".attn.lse")))
+        elif policy == "selective-op":
+            graph = ctx.index.graph
+            ops: set[str] = set()
+            for ref in ctx.index.saved_names:
+                ops |= selective_op_names(graph, ref)
+            out[policy] = frozenset(n for n in names if n in ops)
+        elif policy == "full":
+            out[policy] = frozenset(n for n in names if not n.endswith("mlp_residual"))
+    return dict(sorted(out.items(), key=lambda kv: len(kv[1])))
+
+
+def executable_remat(ctx: PlanContext, names: frozenset[str]) -> frozenset[str]:
+    """``names`` where the stack recomputes any set; otherwise the smallest policy set that
+    recomputes at least ``names`` (the most recomputing one where none covers them): a search
+    asking to drop some tensors gets the policy the stack would run for it."""
+    if ctx.stack.recompute_sets:
+        return names
+    sets = list(policy_sets(ctx).values())
+    if not sets:
+        return names
+    for s in sets:
+        if names <= s:
+            return s
+    return sets[-1]
+
+
+def fusion_problem(ctx: PlanContext, plan: Plan) -> str | None:
+    """Why ``ctx.stack`` cannot run ``plan``'s fusion groups (None: it can)."""
+    from coplan.search.space import fusion_option  # the options' groups; search imports this module
+
+    allowed = ctx.stack.fusion
+    if set(allowed) >= {"eager", "greedy", "epilogue", "megatron"}:
+        return None  # the whole space: any legal grouping
+    groups = {frozenset(g) for g in plan.fusion.groups}
+    for name in allowed:
+        if groups == {frozenset(g) for g in fusion_option(ctx, name).groups}:
+            return None
+    return f"fusion {plan.fusion.label!r} with {len(groups)} groups (it runs {', '.join(allowed)} only)"
+
+
+def problems(plan: Plan, ctx: PlanContext) -> Iterator[str]:
+    """What in ``plan`` its stack cannot execute, one line each."""
+    stack = ctx.stack
+    why = layout_problem(stack, plan.parallel)
+    if why is not None:
+        yield f"stack {stack.name!r} cannot run {why}"
+    why = fusion_problem(ctx, plan)
+    if why is not None:
+        yield f"stack {stack.name!r} cannot run {why}"
+    c = plan.precision
+    if stack.fp8 == "none" and (c.compute == "fp8" or any(d == "fp8" for _, d in c.ops)):
+        yield f"stack {stack.name!r} cannot run fp8 GEMMs"
+    if not stack.recompute_sets:
+        sets = policy_sets(ctx)
+        r = plan.remat
+        for s in r.per_stage if r.per_stage is not None else (r.recompute,):
+            if frozenset(s) not in sets.values():
+                yield (
+                    f"stack {stack.name!r} cannot recompute a set of {len(s)} tensors (its policies: "
+                    f"{', '.join(stack.checkpointing)})"
+                )
+                break
+
+
+__all__ = [
+    "DEFAULT_STACK",
+    "default_zero",
+    "executable_remat",
+    "fusion_problem",
+    "layout_problem",
+    "plan_stack",
+    "policy_sets",
+    "problems",
+]
