@@ -340,7 +340,7 @@ def _how_to_run(console: Any, ctx: PlanContext, out: Path | None) -> None:
     first = "" if out is not None else f"coplan plan ... --out {target} && "
     console.print(
         f"to train under this plan: {first}coplan run --model {ctx.model_name} --plan {target} "
-        f"--nproc {ctx.gpus} --steps 10",
+        f"--nproc {ctx.gpus} --steps 10; --emit megatron or --emit torchtitan prints those stacks' recipe",
         soft_wrap=False,
     )
 

@@ -75,6 +75,15 @@ def gone_within(sid: int, seconds: float) -> dict[int, str]:
     return left
 
 
+def _dies_with_the_tests() -> None:
+    """In the started command, before it runs: SIGKILL it if pytest dies (a CI timeout kills pytest
+    without its fixtures' teardown; the command's own workers then follow it by coplan's guard)."""
+    import ctypes
+
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL(None, use_errno=True).prctl(1, int(signal.SIGKILL), 0, 0, 0)  # PR_SET_PDEATHSIG
+
+
 @pytest.fixture
 def command(tmp_path: Path) -> Iterator[Command]:
     started: list[subprocess.Popen[bytes]] = []
@@ -88,6 +97,7 @@ def command(tmp_path: Path) -> Iterator[Command]:
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
             start_new_session=True,
+            preexec_fn=_dies_with_the_tests,
         )
         started.append(p)
         return p
@@ -194,7 +204,12 @@ def test_calibrate_collective_ranks_end_with_their_parent(tmp_path: Path) -> Non
     )
     env = dict(os.environ, PYTHONPATH=str(ROOT))
     p = subprocess.Popen(
-        [sys.executable, "-c", driver], cwd=tmp_path, env=env, start_new_session=True, stderr=subprocess.PIPE
+        [sys.executable, "-c", driver],
+        cwd=tmp_path,
+        env=env,
+        start_new_session=True,
+        stderr=subprocess.PIPE,
+        preexec_fn=_dies_with_the_tests,
     )
     try:
         killed_leaves_nothing(p, 2, signal.SIGKILL)
