@@ -21,8 +21,6 @@ from typing import TYPE_CHECKING, Annotated
 
 import typer
 
-from coplan.errors import SpecError
-
 if TYPE_CHECKING:
     from coplan.cost.stacks import StackSpec
 
@@ -125,10 +123,6 @@ StackFileOpt = Annotated[
 
 def resolve_stack(stack: StackName | None, stack_file: Path | None) -> StackSpec:
     """The stack ``--stack`` or ``--stack-file`` names (megatron when neither does)."""
-    from coplan.cost.stacks import load_stack, load_stack_file
+    from coplan.plan.capabilities import plan_stack
 
-    if stack is not None and stack_file is not None:
-        raise SpecError("--stack", None, "give --stack or --stack-file, not both")
-    if stack_file is not None:
-        return load_stack_file(stack_file)
-    return load_stack(stack.value if stack is not None else "megatron")
+    return plan_stack(stack.value if stack is not None else None, stack_file)

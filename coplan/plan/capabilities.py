@@ -31,7 +31,7 @@ def plan_stack(name: str | None = None, file: Path | None = None) -> StackSpec:
     """The stack ``coplan plan``/``compare`` plan for: the preset ``name``, the stack ``file``
     (JSON of a preset's shape), or ``megatron`` when neither is given; both is an error."""
     if name is not None and file is not None:
-        raise StackError("stack", None, "give --stack or --stack-file, not both")
+        raise StackError("--stack", None, "give --stack or --stack-file, not both")
     if file is not None:
         return load_stack_file(file)
     return load_stack(name if name is not None else DEFAULT_STACK)
