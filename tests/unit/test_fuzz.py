@@ -14,6 +14,7 @@ import json
 import math
 import os
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -126,6 +127,16 @@ def spec_files(draw: st.DrawFn) -> str:
     return str(path)
 
 
+_SETTINGS: dict[str, Any] = {"deadline": None, "suppress_health_check": [HealthCheck.too_slow]}
+#: Each fuzz test runs in two tiers: a fixed draw by default, fresh draws under ``-m slow``.
+TIERS = pytest.mark.parametrize("slow", [pytest.param(False), pytest.param(True, marks=pytest.mark.slow)])
+
+
+def fuzz(cases: st.SearchStrategy[Any], check: Callable[[Any], None], slow: bool) -> None:
+    """Run ``check`` on the tier's number of ``cases`` (derandomized outside the slow tier)."""
+    settings(max_examples=_examples(slow), derandomize=not slow, **_SETTINGS)(given(cases)(check))()
+
+
 def _spec_estimate(path: str) -> None:
     code, out, err = invoke("estimate", "--model", path, "--cluster", "cpu", "--global-batch", "2", "--json")
     assert_answer(code, out, err, json_out=True)
@@ -136,27 +147,14 @@ def _spec_graph(path: str) -> None:
     assert_answer(code, out, err, json_out=True)
 
 
-_SETTINGS: dict[str, Any] = {"deadline": None, "suppress_health_check": [HealthCheck.too_slow]}
-
-
-@pytest.mark.parametrize("slow", [pytest.param(False), pytest.param(True, marks=pytest.mark.slow)])
+@TIERS
 def test_spec_files_estimate(slow: bool) -> None:
-    @settings(max_examples=_examples(slow), derandomize=not slow, **_SETTINGS)
-    @given(spec_files())
-    def run(path: str) -> None:
-        _spec_estimate(path)
-
-    run()
+    fuzz(spec_files(), _spec_estimate, slow)
 
 
-@pytest.mark.parametrize("slow", [pytest.param(False), pytest.param(True, marks=pytest.mark.slow)])
+@TIERS
 def test_spec_files_graph(slow: bool) -> None:
-    @settings(max_examples=_examples(slow), derandomize=not slow, **_SETTINGS)
-    @given(spec_files())
-    def run(path: str) -> None:
-        _spec_graph(path)
-
-    run()
+    fuzz(spec_files(), _spec_graph, slow)
 
 
 # --- option values ----------------------------------------------------------------------------------
@@ -215,33 +213,31 @@ def option_lists(draw: st.DrawFn, table: dict[str, st.SearchStrategy[str]]) -> l
     return args
 
 
-@pytest.mark.parametrize("slow", [pytest.param(False), pytest.param(True, marks=pytest.mark.slow)])
+def _estimate_options(args: list[str]) -> None:
+    code, out, err = invoke("estimate", "--model", "gpt-tiny", *args, "--json")
+    assert_answer(code, out, err, json_out=True)
+
+
+@TIERS
 def test_estimate_options(slow: bool) -> None:
-    @settings(max_examples=_examples(slow), derandomize=not slow, **_SETTINGS)
-    @given(option_lists(_ESTIMATE))
-    def run(args: list[str]) -> None:
-        code, out, err = invoke("estimate", "--model", "gpt-tiny", *args, "--json")
-        assert_answer(code, out, err, json_out=True)
-
-    run()
+    fuzz(option_lists(_ESTIMATE), _estimate_options, slow)
 
 
-@pytest.mark.parametrize("slow", [pytest.param(False), pytest.param(True, marks=pytest.mark.slow)])
+def _plan_options(args: list[str]) -> None:
+    outputs = [Path(args[i + 1]) for i, a in enumerate(args) if a in ("--out", "--html")]
+    before = {p: _state(p) for p in outputs}
+    code, out, err = invoke("plan", "--model", "gpt-tiny", "--strategy", "sequential", *args, "--json")
+    assert_answer(code, out, err, json_out=True)
+    if code != 0:  # a refusal or an infeasible answer writes nothing
+        for p in outputs:
+            assert _state(p) == before[p], p
+    # the atomic writer's temporary files never outlive a write
+    assert not [n for n in os.listdir(_TMP) if n.endswith(".tmp")]
+
+
+@TIERS
 def test_plan_options(slow: bool) -> None:
-    @settings(max_examples=_examples(slow), derandomize=not slow, **_SETTINGS)
-    @given(option_lists(_PLAN))
-    def run(args: list[str]) -> None:
-        outputs = [Path(args[i + 1]) for i, a in enumerate(args) if a in ("--out", "--html")]
-        before = {p: _state(p) for p in outputs}
-        code, out, err = invoke("plan", "--model", "gpt-tiny", "--strategy", "sequential", *args, "--json")
-        assert_answer(code, out, err, json_out=True)
-        if code != 0:  # a refusal or an infeasible answer writes nothing
-            for p in outputs:
-                assert _state(p) == before[p], p
-        # the atomic writer's temporary files never outlive a write
-        assert not [n for n in os.listdir(_TMP) if n.endswith(".tmp")]
-
-    run()
+    fuzz(option_lists(_PLAN), _plan_options, slow)
 
 
 def _state(path: Path) -> tuple[bool, float] | None:
