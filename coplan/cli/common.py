@@ -84,11 +84,6 @@ def human_bytes(n: float) -> str:
     return f"{value:.1f} {prefix}B" if prefix else f"{int(n)} B"
 
 
-def gib(n: float) -> str:
-    """``85899345920`` -> ``"80.0"``: bytes as GiB, for columns headed with the unit."""
-    return f"{n / 2**30:.1f}"
-
-
 def human_rate(n: float) -> str:
     """``2488123.4`` -> ``"2.49M"``: a rate in a narrow column (tokens/s)."""
     value, prefix = _scaled(n, ((1e12, "T"), (1e9, "G"), (1e6, "M"), (1e3, "k")))
