@@ -258,10 +258,20 @@ def estimate(profile: GraphProfile, cluster: ClusterSpec, config: TrainingConfig
             # its reduction may use
             back = (bwd + recompute) / v
             if config.overlap_grad_reduce:
-                dp_comm = queued_exposure(bk, reduce, grad_bytes, back, p * back)
-                dp_comm = max(0.0, dp_comm - s * back)
+                per_mb = queued_exposure(bk, reduce, grad_bytes, back, p * back)
+                dp_comm = max(0.0, per_mb - s * back)
             else:
-                dp_comm = serial_time(bk, reduce, grad_bytes)
+                per_mb = dp_comm = serial_time(bk, reduce, grad_bytes)
+            if config.zero == 2 and m > 1:
+                # ZeRO-2 keeps only this rank's shard of the gradients (its memory is priced so),
+                # so it cannot accumulate whole gradients over microbatches: every microbatch's
+                # backward reduce-scatters its buckets (DeepSpeed deepspeed/runtime/zero/
+                # stage_1_and_2.py reduces the ipg buckets in every backward and waits for them at
+                # its end; Megatron-FSDP's optim_grads likewise), where ZeRO-1 and Megatron's
+                # distributed optimizer reduce once per step. The last microbatch's reduction is
+                # the tail above; the other m - 1 each show what their own backward cannot hide,
+                # spread over the m microbatches the pipeline times
+                zero_comm += per_mb * (m - 1) / m
             if config.zero >= 1:
                 gather = dp_group.all_gather
                 if config.overlap_param_gather:

@@ -579,6 +579,24 @@ def test_zero3_pays_per_layer_latency_and_holds_gathered_layers():
     assert z3.memory.transient_bytes > z1.memory.transient_bytes
 
 
+@pytest.mark.parametrize("overlap", [False, True])
+def test_zero2_reduces_gradients_every_microbatch(overlap):
+    # ZeRO-2 holds only its shard of the gradients, so each of the m microbatches reduce-scatters;
+    # ZeRO-1 (Megatron's distributed optimizer) accumulates whole gradients and reduces once. The
+    # same reduction shows m times instead of once: m - 1 more, each what its own backward cannot
+    # hide (all of it without overlap). With one microbatch both are the same step.
+    m = 4
+    config = TrainingConfig(dp=16, microbatch=1, global_batch=16 * m, seq=256, overlap_grad_reduce=overlap)
+    z1, z2 = _est(config.with_(zero=1)), _est(config.with_(zero=2))
+    once = z1.stages[0].dp_comm_s
+    assert once > 0
+    assert z2.step_time_s - z1.step_time_s == pytest.approx((m - 1) * once, rel=1e-9)
+    assert z2.breakdown_s["zero_comm"] - z1.breakdown_s["zero_comm"] == pytest.approx((m - 1) * once, rel=1e-9)
+    assert z2.memory.peak_bytes < z1.memory.peak_bytes
+    single = config.with_(global_batch=16)
+    assert _est(single.with_(zero=2)).step_time_s == pytest.approx(_est(single.with_(zero=1)).step_time_s)
+
+
 def test_fp8_keeps_gemm_inputs_in_one_byte():
     # Transformer Engine keeps the fp8 copy of a GEMM's input: the norm outputs and the GeLU
     # output (4h) drop to one byte per element, the attention output gains a one-byte copy
