@@ -591,7 +591,9 @@ def test_zero2_reduces_gradients_every_microbatch(overlap):
     once = z1.stages[0].dp_comm_s
     assert once > 0
     assert z2.step_time_s - z1.step_time_s == pytest.approx((m - 1) * once, rel=1e-9)
-    assert z2.breakdown_s["zero_comm"] - z1.breakdown_s["zero_comm"] == pytest.approx((m - 1) * once, rel=1e-9)
+    assert z2.breakdown_s["zero_comm"] - z1.breakdown_s["zero_comm"] == pytest.approx(
+        (m - 1) * once, rel=1e-9
+    )
     assert z2.memory.peak_bytes < z1.memory.peak_bytes
     single = config.with_(global_batch=16)
     assert _est(single.with_(zero=2)).step_time_s == pytest.approx(_est(single.with_(zero=1)).step_time_s)
