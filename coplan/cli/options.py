@@ -55,6 +55,7 @@ class StackName(enum.StrEnum):  # coplan.cost.stacks.stack_names()
     fsdp = "fsdp"
     fsdp_compile = "fsdp-compile"
     megatron = "megatron"
+    open = "open"
     torchtitan = "torchtitan"
     torchtitan_compile = "torchtitan-compile"
 

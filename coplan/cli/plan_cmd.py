@@ -167,6 +167,26 @@ class _Bar:
             self.progress.stop()
 
 
+def _runnable_dtypes(ctx: PlanContext, kinds: tuple[str, ...] | None) -> None:
+    """Refuse ``--dtypes`` when the stack on these devices runs none of them natively (the search
+    would otherwise fall back to the default plan without saying so)."""
+    if kinds is None:
+        return
+    native = ctx.device_dtypes
+
+    def why(d: str) -> str | None:
+        if d not in native and not (d == "tf32" and "fp32" in native):
+            return f"{ctx.cluster.name}'s devices have no {d} units"
+        if d == "fp8" and ctx.stack.fp8 != "native":
+            how = "emulates fp8" if ctx.stack.fp8 == "emulated" else "runs no fp8"
+            return f"stack {ctx.stack.name!r} {how}"
+        return None
+
+    reasons = [(d, why(d)) for d in kinds]
+    if all(r is not None for _, r in reasons):
+        raise SpecError("--dtypes", None, "; ".join(f"{d}: {r}" for d, r in reasons) + " (nothing to search)")
+
+
 def _dtypes(dtypes: str | None) -> tuple[str, ...] | None:
     if dtypes is None:
         return None
@@ -338,6 +358,17 @@ def _footer(console: Any) -> None:
 def _how_to_run(console: Any, ctx: PlanContext, out: Path | None) -> None:
     target = str(out) if out is not None else "plan.json"
     first = "" if out is not None else f"coplan plan ... --out {target} && "
+    stack = ctx.stack.name
+    recipe = "megatron" if stack == "megatron" else "torchtitan" if stack.startswith("torchtitan") else None
+    if recipe is not None:
+        # the plan was made for that stack: its own recipe runs it as planned
+        console.print(
+            f"to train under this plan: coplan plan ... --emit {recipe} prints the {stack} recipe that "
+            "runs it; to train with coplan's own PyTorch runner, plan with --stack coplan and "
+            "pass the plan to coplan run",
+            soft_wrap=False,
+        )
+        return
     console.print(
         f"to train under this plan: {first}coplan run --model {ctx.model_name} --plan {target} "
         f"--nproc {ctx.gpus} --steps 10; --emit megatron or --emit torchtitan prints those stacks' recipe",
@@ -432,6 +463,7 @@ def plan(
     check_output("--html", html)
     the_stack = resolve_stack(stack, stack_file)
     ctx = make_context(model, cluster, gpus, global_batch, seq, memory_budget_gb, tolerance, the_stack)
+    _runnable_dtypes(ctx, kinds)
     names = [name]
     if name == "joint":
         names = ["sequential", "hierarchical", "joint"]  # warm starts for joint
@@ -536,6 +568,7 @@ def compare(
     check_output("--html", html)
     the_stack = resolve_stack(stack, stack_file)
     ctx = make_context(model, cluster, gpus, global_batch, seq, memory_budget_gb, tolerance, the_stack)
+    _runnable_dtypes(ctx, kinds)
     results = run_all(ctx, names, steps, kinds)
     fitting = [r for r in results.values() if r.fits]
     best = min(fitting, key=lambda r: r.step_time_s) if fitting else None

@@ -92,6 +92,8 @@ THRESHOLD = 1.05
 #: fraction of the device's memory (``tight`` as in the planner benchmark)
 BUDGET_FRACTIONS: dict[str, float] = {"tight": 0.5, "very-tight": 0.25}
 BUDGETS: tuple[str, ...] = ("loose", *BUDGET_FRACTIONS)
+#: the stack the study plans for: ``open``, every option the cost model prices (``cost/stacks/open.json``)
+STUDY_STACK = "open"
 GRIDS: tuple[str, ...] = ("small", "full")
 
 Progress = Callable[[int, int, str], None]
@@ -159,6 +161,7 @@ class Scenario:
 
     def context(self) -> PlanContext:
         from coplan.cost import CostModel
+        from coplan.cost.stacks import load_stack
         from coplan.hardware import load_cluster
         from coplan.models.spec import load_model_spec
         from coplan.plan import GiB, PlanContext
@@ -176,6 +179,9 @@ class Scenario:
             else cap * BUDGET_FRACTIONS[self.budget]
             if self.budget in BUDGET_FRACTIONS
             else None,
+            # the study asks how the four decisions couple over every option the cost model
+            # prices, not only what one executor runs
+            stack=load_stack(STUDY_STACK),
         )
 
 

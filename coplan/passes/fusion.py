@@ -79,7 +79,12 @@ def greedy_groups(graph: Graph, ops: list[Op], *, into_anchors: bool = False) ->
 
 
 def megatron_fusion(ctx: PlanContext) -> FusionPlan:
-    """The kernels Megatron-LM launches (``cost.fusion.default_groups``), as a plan."""
+    """The kernels Megatron-LM launches (``cost.fusion.default_groups``), as a plan. Under a stack
+    that runs only that kernel set, the plan names the set instead of grouping ops itself, so it is
+    priced as the published runs were (``fusion="megatron"``); where other groupings are searched
+    too, its groups are a starting point the search can change."""
+    if tuple(ctx.stack.fusion) == ("megatron",):
+        return FusionPlan(label="megatron")
     graph = ctx.index.graph
     scope = {op.id for op in scope_ops(ctx)}
     groups = [g for g in default_groups(graph, "megatron") if len(g) > 1 and set(g) <= scope]

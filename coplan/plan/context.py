@@ -132,6 +132,7 @@ class PlanContext:
     _configs: dict[Decisions, TrainingConfig] = field(default_factory=dict, repr=False)
     _expanded: dict[FusionPlan, tuple[tuple[int, ...], ...]] = field(default_factory=dict, repr=False)
     _dtypes: dict[object, tuple[tuple[int, str], ...]] = field(default_factory=dict, repr=False)
+    _policies: dict[frozenset[str], str] | None = field(default=None, repr=False)
     evaluations: int = 0
 
     def __post_init__(self) -> None:
@@ -268,6 +269,20 @@ class PlanContext:
             got = self._dtypes[precision.ops] = tuple(out)
         return got
 
+    def _policy_names(self) -> dict[frozenset[str], str]:
+        """The recompute sets of the stack's checkpointing policies that the cost model prices by
+        name (Megatron's ``selective`` and ``full``), for a stack that recomputes only by policy:
+        its plans are priced as the published runs of that policy were."""
+        if self._policies is None:
+            self._policies = {}
+            if not self.stack.recompute_sets:
+                from coplan.plan.capabilities import policy_sets  # it reads this module's context
+
+                for name, names in policy_sets(self).items():
+                    if name in ("selective", "full") and names:
+                        self._policies[names] = name
+        return self._policies
+
     def config_of(self, plan: Plan) -> TrainingConfig:
         """The cost model's configuration for ``plan`` (raises ``ConfigError`` when impossible)."""
         key = _decisions(plan)
@@ -276,7 +291,12 @@ class PlanContext:
             return got
         p = plan.parallel
         fusion: str | tuple[tuple[int, ...], ...] = (
-            "none" if not plan.fusion.groups else self.expand_fusion(plan.fusion)
+            self.expand_fusion(plan.fusion)
+            if plan.fusion.groups
+            else "megatron"
+            # Megatron-LM's own kernel set, named not grouped, where the stack runs only that set
+            if plan.fusion.label == "megatron" and tuple(self.stack.fusion) == ("megatron",)
+            else "none"
         )
         dp = self.gpus // (p.tp * p.pp) if p.tp * p.pp else 0
         if p.dp != dp:
@@ -284,8 +304,11 @@ class PlanContext:
                 "dp", f"tp x pp x dp = {p.tp} x {p.pp} x {p.dp} does not equal the {self.gpus} GPUs"
             )
         rem = plan.remat
+        policy = self._policy_names()
         per_stage = (
-            None if rem.per_stage is None else tuple(names if names else "none" for names in rem.per_stage)
+            None
+            if rem.per_stage is None
+            else tuple(policy.get(names, names) if names else "none" for names in rem.per_stage)
         )
         config = TrainingConfig(
             tp=p.tp,
@@ -296,7 +319,7 @@ class PlanContext:
             global_batch=plan.global_batch,
             seq=plan.seq,
             sequence_parallel=p.sequence_parallel,
-            recompute=rem.recompute if rem.recompute else "none",
+            recompute=policy.get(rem.recompute, rem.recompute) if rem.recompute else "none",
             recompute_per_stage=per_stage,
             recompute_fused=plan.fusion.recompute_in_backward,
             op_dtypes=self.expand_dtypes(plan.precision),

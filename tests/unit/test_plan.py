@@ -16,7 +16,7 @@ import pytest
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
-from coplan.cost import CostModel
+from coplan.cost import CostModel, load_stack
 from coplan.errors import CoplanError
 from coplan.hardware import load_cluster
 from coplan.hardware.cluster import ClusterSpec
@@ -42,6 +42,8 @@ from coplan.plan import (
 from coplan.plan.checker import ANCHORS, group_problem
 from coplan.plan.types import COMPUTE_DTYPES, OP_DTYPES
 
+OPEN = load_stack("open")
+
 TINY = ("gpt-tiny", "llama-tiny", "moe-tiny")
 
 
@@ -64,6 +66,7 @@ def make_ctx(
         seq=seq,
         budget_bytes=budget_bytes,
         numerics=numerics or Numerics(),
+        stack=OPEN,  # the planner's machinery over every option it prices
     )
 
 

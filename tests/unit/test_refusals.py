@@ -141,8 +141,24 @@ def test_unknown_strategy_is_refused_before_the_model_loads(cli: Cli) -> None:
 
 
 def test_exhaustive_on_a_large_problem_is_one_line(cli: Cli) -> None:
-    code, _, err = cli("plan", "--strategy", "exhaustive")
+    # every option the cost model prices: GPT-2's per-tensor recompute sets alone are too many
+    code, _, err = cli("plan", "--strategy", "exhaustive", "--stack", "open")
     one_line(code, err, "exhaustive search would price")
+
+
+@pytest.mark.parametrize(
+    ("args", "why"),
+    [
+        (("--stack", "coplan"), "stack 'coplan' emulates fp8"),
+        (("--stack", "fsdp"), "stack 'fsdp' runs no fp8"),
+        (("--cluster", "dgx-a100-80gb"), "devices have no fp8 units"),
+    ],
+)
+def test_dtypes_nothing_runs_natively_is_one_line(cli: Cli, args: tuple[str, ...], why: str) -> None:
+    # the search would otherwise fall back to the default plan without a word
+    for command in ("plan", "compare"):
+        code, _, err = cli(command, "--dtypes", "fp8", *args)
+        one_line(code, err, "--dtypes", why)
 
 
 def test_strategy_choices_match_the_registry() -> None:

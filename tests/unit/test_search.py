@@ -26,7 +26,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import coplan
-from coplan.cost import ConfigError, CostModel
+from coplan.cost import ConfigError, CostModel, load_stack
 from coplan.hardware import load_cluster
 from coplan.models.spec import PRESETS, ModelSpec
 from coplan.passes.remat import saved_names, with_remat
@@ -34,6 +34,8 @@ from coplan.plan import Numerics, Plan, PlanContext, PrecisionPlan, check, is_va
 from coplan.search import DEFAULT_STRATEGIES, STRATEGIES, Options, SearchSpace, StrategyResult, run_strategy
 from coplan.search.joint import _local_search, knapsack, optimise_remat, refine_remat
 from coplan.search.space import FUSION_OPTIONS, fusion_option
+
+OPEN = load_stack("open")
 
 #: the space the oracle tests search: small enough for exhaustive, rich enough that the four
 #: decisions interact (bf16 halves activations and weights, ZeRO-1 shards optimizer state)
@@ -52,7 +54,8 @@ def make_ctx(
 ) -> PlanContext:
     spec = PRESETS[model] if isinstance(model, str) else model
     hw = load_cluster(cluster, gpus)
-    return PlanContext(CostModel(spec=spec), hw, global_batch=global_batch, seq=seq)
+    # the search over every option it prices (``open``), not one executor's subset
+    return PlanContext(CostModel(spec=spec), hw, global_batch=global_batch, seq=seq, stack=OPEN)
 
 
 def combos(ctx: PlanContext, space: SearchSpace) -> list[Plan]:
@@ -457,7 +460,7 @@ def test_rebalancing_moves_layers_off_the_pacing_stage():
     from coplan.search.joint import rebalance_stages
 
     spec = ModelSpec(name="gpt-deep", n_layers=8, d_model=256, n_heads=4, vocab_size=65536, seq_len=512)
-    ctx = PlanContext(CostModel(spec=spec), load_cluster("dgx-h100", 2), global_batch=16, seq=512)
+    ctx = PlanContext(CostModel(spec=spec), load_cluster("dgx-h100", 2), global_batch=16, seq=512, stack=OPEN)
     plan = ctx.default_plan().with_(parallel=ParallelPlan(pp=2, microbatch=1))
     out = rebalance_stages(plan, ctx)
     assert check(out, ctx) == []

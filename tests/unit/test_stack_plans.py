@@ -129,8 +129,8 @@ def test_the_checker_names_what_the_stack_cannot_run(stack: str, what: str) -> N
     plan = forbidden(ctx)[what]
     msgs = [v.message for v in check(plan, ctx, memory=False) if v.rule == "stack"]
     assert len(msgs) == 1 and stack in msgs[0] and what in msgs[0], msgs
-    # the same plan is fine for Megatron-LM: it is the stack that refuses it
-    mctx = make_ctx("megatron")
+    # the same plan is fine in the space of every option: it is the stack that refuses it
+    mctx = make_ctx("open")
     assert [v for v in check(forbidden(mctx)[what], mctx, memory=False) if v.rule == "stack"] == []
 
 
@@ -206,16 +206,30 @@ def test_plan_stack(tmp_path: Path) -> None:
         plan_stack(None, f)
 
 
-def test_megatron_plans_do_not_change() -> None:
-    # the default stack is the full space and adds nothing to a plan's configuration
+def test_megatron_plans_are_priced_as_the_published_runs() -> None:
+    # the default stack runs Megatron-LM's kernel set and its checkpointing policies: a plan names
+    # them, and is priced by name (``fusion="megatron"``, ``recompute="selective"``/``"full"``), the
+    # path the published runs were checked on, not as groups and sets of its own
     hw = load_cluster("dgx-h100", GPUS)
     plain = PlanContext(CostModel(spec=PRESETS["gpt-tiny"]), hw, global_batch=GLOBAL_BATCH, seq=SEQ)
     assert plain.stack == load_stack("megatron") == plan_stack(None, None)
-    plan = plain.default_plan().with_(fusion=fusion_option(plain, "epilogue"))
-    config = plain.config_of(plan)
+    base = plain.default_plan()
+    assert base.fusion == FusionPlan(label="megatron") == fusion_option(plain, "megatron")
+    config = plain.config_of(base)
+    assert config.fusion == "megatron" and config.recompute == "none"
     assert plain.stack.with_kernels(config) is config
+    for name, names in policy_sets(plain).items():
+        got = plain.config_of(base.with_(remat=RematPlan(recompute=names))).recompute
+        assert got == (name if names else "none")
+    # the open stack, every option the cost model prices, adds nothing to a plan's configuration
+    open_ = PlanContext(
+        CostModel(spec=PRESETS["gpt-tiny"]), hw, global_batch=GLOBAL_BATCH, seq=SEQ, stack=load_stack("open")
+    )
+    plan = open_.default_plan().with_(fusion=fusion_option(open_, "epilogue"))
+    config = open_.config_of(plan)
+    assert open_.stack.with_kernels(config) is config
     assert config.kernels == "megatron" and not isinstance(config.fusion, str)
-    assert plain.default_plan().fusion == FusionPlan() and plain.default_plan().parallel.zero == 0
+    assert open_.default_plan().fusion == FusionPlan() and open_.default_plan().parallel.zero == 0
 
 
 def test_a_stack_file_restricts_the_search(tmp_path: Path) -> None:
