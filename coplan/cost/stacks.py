@@ -56,6 +56,8 @@ SETTINGS: tuple[str, ...] = (
     "fusion",
     "fp8",
     "recompute_sets",
+    "reduce_16bit",
+    "fp8_params",
 )
 #: How a stack runs fp8 GEMMs: natively, emulated (runs, not faster) or not at all.
 FP8_MODES: tuple[str, ...] = ("native", "emulated", "none")
@@ -107,6 +109,10 @@ class StackSpec:
             faster: a search does not choose fp8) or ``none``.
         recompute_sets: it recomputes any per-tensor set a plan names (a partitioner keeping
             exactly the plan's saved set); otherwise only its ``checkpointing`` policies' sets.
+        reduce_16bit: it can reduce (and accumulate) data-parallel gradients in the 16-bit compute
+            dtype instead of fp32, which a plan then may choose.
+        fp8_params: under native fp8 it can keep the GEMMs' weights in fp8 (and gather them so),
+            which a plan then may choose.
         reserved_fraction: the caching allocator's reserved bytes beyond the allocated peak, as a
             fraction of it (what ``torch.cuda.max_memory_reserved`` reports over
             ``max_memory_allocated``); 0 prices the allocated peak.
@@ -135,6 +141,8 @@ class StackSpec:
     fusion: tuple[str, ...] = FUSION_CHOICES[:4]
     fp8: str = "native"
     recompute_sets: bool = True
+    reduce_16bit: bool = True
+    fp8_params: bool = True
     about: str = ""
     sources: tuple[tuple[str, str], ...] = ()
 
@@ -159,6 +167,8 @@ class StackSpec:
             "sequence_parallel",
             "combined_layouts",
             "recompute_sets",
+            "reduce_16bit",
+            "fp8_params",
         ):
             if not isinstance(getattr(self, flag), bool):
                 raise StackError(src, flag, f"must be true or false, got {getattr(self, flag)!r}")

@@ -3,7 +3,8 @@ parallelism, ZeRO stage and microbatch with the other decisions fixed (as Megatr
 auto-parallel tools such as Alpa's outer loop do).
 
 Candidates respect the model (TP divides the heads and stays inside a node, PP x VPP divides the
-layers) and the job (TP x PP x DP = GPUs, microbatch x DP divides the global batch).
+layers, any VPP up to one layer per chunk) and the job (TP x PP x DP = GPUs, microbatch x DP
+divides the global batch).
 """
 
 from __future__ import annotations
@@ -18,7 +19,6 @@ from coplan.plan.context import PlanContext
 from coplan.plan.types import ParallelPlan, Plan, RematPlan
 
 MAX_MICROBATCH = 64
-VPP_CHOICES = (1, 2, 4)
 
 
 def _divisors(n: int) -> list[int]:
@@ -62,9 +62,10 @@ def _layouts(ctx: PlanContext, zero: tuple[int, ...]) -> Iterator[ParallelPlan]:
             mbs = [m for m in range(1, min(per_rank, MAX_MICROBATCH) + 1) if per_rank % m == 0]
             if captured:  # a captured graph is priced only at the microbatch it was captured with
                 mbs = [m for m in mbs if m == ctx.model.graph.meta.batch]  # type: ignore[union-attr]
-            for vpp in VPP_CHOICES if pp > 1 else (1,):
-                if layers % (pp * vpp):
-                    continue
+            # interleaving: any number of model chunks per stage that divides its layers, up to one
+            # layer a chunk (Megatron-LM's --num-layers-per-virtual-pipeline-stage; NVIDIA's
+            # published recipes run 5-20 chunks, e.g. 20 for LLaMA-2 70B at PP 4)
+            for vpp in _divisors(layers // pp) if pp > 1 else [1]:
                 for mb in mbs:
                     if vpp > 1 and (per_rank // mb) % pp:
                         continue

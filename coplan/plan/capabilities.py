@@ -127,6 +127,10 @@ def problems(plan: Plan, ctx: PlanContext) -> Iterator[str]:
     c = plan.precision
     if stack.fp8 == "none" and (c.compute == "fp8" or any(d == "fp8" for _, d in c.ops)):
         yield f"stack {stack.name!r} cannot run fp8 GEMMs"
+    if c.grad_reduce != "fp32" and not stack.reduce_16bit:
+        yield f"stack {stack.name!r} cannot reduce gradients in {c.grad_reduce} (it reduces fp32)"
+    if c.fp8_params and not stack.fp8_params:
+        yield f"stack {stack.name!r} cannot keep fp8 weights"
     if not stack.recompute_sets:
         sets = policy_sets(ctx)
         r = plan.remat

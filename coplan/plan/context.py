@@ -328,6 +328,8 @@ class PlanContext:
             flash_attention=plan.flash_attention,
             fusion=fusion,
             master_weights=plan.precision.master_weights,
+            grad_reduce_fp32=plan.precision.grad_reduce == "fp32",
+            fp8_params=plan.precision.fp8_params,
             overlap_grad_reduce=self.stack.overlap,
             overlap_param_gather=p.zero >= 1 and self.stack.overlap,
             tp_comm_overlap=self.stack.tp_comm_overlap
@@ -414,10 +416,14 @@ def plan_summary(
             if f.recompute_in_backward
             else {}
         ),
-        "fusion": f"{len(f.groups)} fused groups ({f.fused_ops} ops), {f.label}",
+        "fusion": "Megatron-LM's fused kernels"
+        if f.label == "megatron" and not f.groups
+        else f"{len(f.groups)} fused groups ({f.fused_ops} ops), {f.label}",
         "precision": c.compute
         + (f", {len(c.ops)} ops overridden" if c.ops else "")
-        + (", loss scaling" if c.loss_scaling else ""),
+        + (", loss scaling" if c.loss_scaling else "")
+        + (f", gradients reduced in {c.grad_reduce}" if c.grad_reduce != "fp32" else "")
+        + (", fp8 weights" if c.fp8_params else ""),
     }
     if est is not None:
         out["kernels"] = f"{est.kernels_per_step:,} kernels/step"

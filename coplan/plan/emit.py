@@ -244,6 +244,12 @@ def _megatron_precision(plan: Plan) -> tuple[list[str], list[str]]:
         )
     if not c.master_weights and c.compute != "fp32":
         notes.append("the plan keeps no fp32 master weights; Megatron-LM's mixed precision always does")
+    if c.grad_reduce != "fp32":
+        args = [*args, "--grad-reduce-in-bf16"]
+        if c.grad_reduce == "fp16":
+            notes.append("gradients reduced in fp16: Megatron-LM reduces 16-bit gradients in bf16")
+    if c.fp8_params:
+        args = [*args, "--fp8-param-gather"]
     return args, notes
 
 
@@ -445,6 +451,8 @@ def _torchtitan(plan: Plan, spec: ModelSpec) -> Emitted:
         notes.append("the plan keeps no fp32 master weights; torchtitan's FSDP2 mixed precision does")
     if c.compute == "fp8":
         model["converters"] = ["quantize.linear.float8"]
+    if c.grad_reduce != "fp32":
+        notes.append("gradients reduced in 16 bits: torchtitan's FSDP2 reduces in float32 only")
     ac, why = _torchtitan_recompute(_remat(plan, spec))
     notes += why
     fused = bool(plan.fusion.groups)
@@ -464,7 +472,10 @@ def _torchtitan(plan: Plan, spec: ModelSpec) -> Emitted:
         ("compile", {"enable": fused, "components": ["model", "loss"]}),
     ]
     if c.compute == "fp8":
-        sections.append(("quantize.linear.float8", {"recipe_name": "tensorwise", "filter_fqns": ["output"]}))
+        float8: dict[str, Any] = {"recipe_name": "tensorwise", "filter_fqns": ["output"]}
+        if c.fp8_params:
+            float8["enable_fsdp_float8_all_gather"] = True
+        sections.append(("quantize.linear.float8", float8))
     nodes, per_node = _nodes(plan)
     head = [
         f"# torchtitan job config: {p.describe()}, {c.compute} (plan {plan.fingerprint})",

@@ -33,6 +33,8 @@ from coplan.errors import SpecError
 PLAN_VERSION = 1
 #: the cost model's precisions, so a plan and the configuration it becomes accept the same ones
 COMPUTE_DTYPES: tuple[str, ...] = DTYPES
+#: what data-parallel gradient reduction may run in: fp32, or 16 bits
+GRAD_REDUCE_DTYPES: tuple[str, ...] = ("fp32", "bf16", "fp16")
 
 
 class PlanError(SpecError):
@@ -163,6 +165,13 @@ class PrecisionPlan:
     master_weights: bool = True
     loss_scaling: bool = False
     fp8_scaling: str = ""
+    #: the dtype gradients are reduced (and accumulated) in across data-parallel ranks: fp32, or
+    #: the 16-bit compute dtype (Megatron-Core --grad-reduce-in-bf16, torchtitan
+    #: mixed_precision_reduce, FSDP MixedPrecision.reduce_dtype)
+    grad_reduce: str = "fp32"
+    #: under fp8, the GEMMs' weights are kept (and gathered) in fp8 themselves (Megatron
+    #: --fp8-param-gather, NeMo fp8_params, torchtitan's float8 all-gather)
+    fp8_params: bool = False
 
     def __post_init__(self) -> None:
         if self.compute not in COMPUTE_DTYPES:
@@ -180,6 +189,15 @@ class PrecisionPlan:
             raise PlanError("precision.loss_scaling", "fp16 training needs loss scaling")
         if self.compute == "fp8" and self.fp8_scaling != "per-tensor":
             object.__setattr__(self, "fp8_scaling", "per-tensor")
+        if self.grad_reduce not in GRAD_REDUCE_DTYPES:
+            raise PlanError(
+                "precision.grad_reduce",
+                f"must be one of {', '.join(GRAD_REDUCE_DTYPES)}, got {self.grad_reduce!r}",
+            )
+        if self.grad_reduce != "fp32" and self.compute in ("fp32", "tf32"):
+            raise PlanError("precision.grad_reduce", f"a {self.compute} step reduces its gradients in fp32")
+        if self.fp8_params and self.compute != "fp8":
+            raise PlanError("precision.fp8_params", f"needs compute fp8, got {self.compute!r}")
 
     @property
     def overrides(self) -> dict[str, str]:
@@ -233,6 +251,8 @@ class Plan:
             "fusion": {
                 "groups": [list(g) for g in f.groups],
                 "recompute_in_backward": sorted(f.recompute_in_backward),
+                # a stack's own kernel set named instead of groups is a decision of its own
+                **({"kernels": "megatron"} if f.label == "megatron" and not f.groups else {}),
             },
             "remat": {
                 "recompute": sorted(r.recompute),
@@ -244,6 +264,9 @@ class Plan:
                 "master_weights": c.master_weights,
                 "loss_scaling": c.loss_scaling,
                 "fp8_scaling": c.fp8_scaling,
+                # only where not the default, so plans from before these keys keep their fingerprint
+                **({"grad_reduce": c.grad_reduce} if c.grad_reduce != "fp32" else {}),
+                **({"fp8_params": True} if c.fp8_params else {}),
             },
             "flash_attention": self.flash_attention,
         }
@@ -324,6 +347,8 @@ class Plan:
                     master_weights=_flag(pre, "master_weights", True, "precision."),
                     loss_scaling=_flag(pre, "loss_scaling", False, "precision."),
                     fp8_scaling=str(pre.get("fp8_scaling", "")),
+                    grad_reduce=str(pre.get("grad_reduce", "fp32")),
+                    fp8_params=_flag(pre, "fp8_params", False, "precision."),
                 ),
                 flash_attention=_flag(data, "flash_attention", True),
             )

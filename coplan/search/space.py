@@ -40,6 +40,8 @@ class SearchSpace:
     zero: tuple[int, ...] = (0, 1, 2, 3)
     precision: tuple[str, ...] = PRECISION_VARIANTS
     stages: bool = True  # refine pipeline stages: uneven layer split, per-stage recompute sets
+    reduce16: bool = True  # gradients may be reduced in 16 bits where the stack can
+    fp8_params: bool = True  # fp8 plans may keep fp8 weights where the stack can
     fixed: frozenset[str] = frozenset()  # of DECISIONS: kept from the base plan, not searched
 
     def __post_init__(self) -> None:
@@ -63,7 +65,19 @@ class SearchSpace:
                     continue
                 p = precision_variant(ctx, d, v)
                 if p is not None:
-                    out.append(p)
+                    out.extend(self._storage(ctx, p))
+        return out
+
+    def _storage(self, ctx: PlanContext, p: PrecisionPlan) -> list[PrecisionPlan]:
+        """``p`` with each gradient-reduction dtype and fp8-weight choice the stack offers and the
+        space allows: what experts set beside the compute dtype (a 16-bit reduction halves the
+        gradient buffers and their traffic; fp8 weights drop the 16-bit weight copy)."""
+        out = [p]
+        if self.reduce16 and ctx.stack.reduce_16bit and p.compute in ("bf16", "fp16", "fp8") and ctx.gpus > 1:
+            half = "fp16" if p.compute == "fp16" else "bf16"
+            out.append(replace(p, grad_reduce=half))
+        if self.fp8_params and ctx.stack.fp8_params and p.compute == "fp8":
+            out += [replace(q, fp8_params=True) for q in out]
         return out
 
     def fusions(self, ctx: PlanContext) -> list[FusionPlan]:

@@ -767,3 +767,22 @@ def test_plans_price_the_attention_kernel_of_the_stack_that_runs_them(cluster, r
     plan = BASE.with_(cluster=f"{cluster}[2]", parallel=ParallelPlan(dp=2))
     assert ctx.config_of(plan).attention_kernel == want
     ctx.price(plan)  # every choice prices
+
+
+def test_gradient_reduction_and_fp8_weights_round_trip_and_keep_old_fingerprints() -> None:
+    ctx = make_ctx()
+    base = ctx.default_plan().with_(precision=PrecisionPlan(compute="fp8"))
+    both = base.with_(precision=PrecisionPlan(compute="fp8", grad_reduce="bf16", fp8_params=True))
+    again = Plan.from_dict(json.loads(json.dumps(both.to_dict())))
+    assert again == both and again.fingerprint == both.fingerprint != base.fingerprint
+    # the defaults are not written, so a plan saved before these keys existed hashes as it did
+    assert (
+        "grad_reduce" not in base.to_dict()["precision"] and "fp8_params" not in base.to_dict()["precision"]
+    )
+    cfg = ctx.config_of(both)
+    assert not cfg.grad_reduce_fp32 and cfg.fp8_params
+    assert ctx.price(both).memory.peak_bytes < ctx.price(base).memory.peak_bytes
+    with pytest.raises(PlanError, match="grad_reduce"):
+        PrecisionPlan(compute="fp32", grad_reduce="bf16")
+    with pytest.raises(PlanError, match="fp8_params"):
+        PrecisionPlan(compute="bf16", fp8_params=True)

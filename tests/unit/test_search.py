@@ -398,13 +398,31 @@ def test_space_precisions_follow_the_devices():
     h100 = make_ctx()
     # 16-bit and fp8 compute come plain (sensitive ops fused, 16-bit storage) and as autocast
     # (their outputs in fp32); the 16-bit loss needs a tolerance this job does not state
-    got = [(p.compute, bool(p.ops)) for p in SearchSpace().precisions(h100)]
+    plain = SearchSpace(reduce16=False, fp8_params=False)
+    got = [(p.compute, bool(p.ops)) for p in plain.precisions(h100)]
     assert got == [("fp32", False), ("bf16", False), ("bf16", True), ("fp8", False), ("fp8", True)]
-    explicit = SearchSpace(dtypes=("fp16", "bf16"), precision=("fused",)).precisions(h100)
+    explicit = SearchSpace(dtypes=("fp16", "bf16"), precision=("fused",), reduce16=False).precisions(h100)
     assert [(p.compute, p.loss_scaling) for p in explicit] == [("fp16", True), ("bf16", False)]
+    # beside each, what experts set too where the stack can: 16-bit gradient reduction (with more
+    # than one GPU to reduce over) and, under fp8, fp8 weights
+    full = SearchSpace(precision=("fused",)).precisions(h100)
+    got2 = [(p.compute, p.grad_reduce, p.fp8_params) for p in full]
+    assert got2 == [
+        ("fp32", "fp32", False),
+        ("bf16", "fp32", False),
+        ("bf16", "bf16", False),
+        ("fp8", "fp32", False),
+        ("fp8", "bf16", False),
+        ("fp8", "fp32", True),
+        ("fp8", "bf16", True),
+    ]
+    for p in full:
+        assert check(h100.default_plan().with_(precision=p), h100) == []
+    one_gpu = make_ctx(gpus=1)
+    assert all(p.grad_reduce == "fp32" for p in SearchSpace().precisions(one_gpu))
     loose = make_ctx()
     loose.numerics = Numerics(tolerance=0.01)
-    variants = SearchSpace(dtypes=("bf16",)).precisions(loose)
+    variants = SearchSpace(dtypes=("bf16",), reduce16=False).precisions(loose)
     low = [p for p in variants if p.ops and "fp32" not in dict(p.ops).values()]
     assert len(low) == 1 and check(loose.default_plan().with_(precision=low[0]), loose) == []
     a100 = make_ctx(cluster="dgx-a100-40gb")

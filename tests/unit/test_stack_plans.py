@@ -107,6 +107,8 @@ def forbidden(ctx: PlanContext) -> dict[str, Plan]:
         "fusion": base.with_(fusion=fusion_option(ctx, "epilogue")),
         "fp8": base.with_(precision=PrecisionPlan(compute="fp8")),
         "recompute": base.with_(remat=RematPlan(recompute=frozenset({one}))),
+        "reduce gradients in bf16": base.with_(precision=PrecisionPlan(compute="bf16", grad_reduce="bf16")),
+        "fp8 weights": base.with_(precision=PrecisionPlan(compute="fp8", fp8_params=True)),
     }
 
 
@@ -122,6 +124,9 @@ def forbidden(ctx: PlanContext) -> dict[str, Plan]:
         ("eager-compile", "fp8"),
         ("coplan", "pipeline parallelism"),
         ("fsdp-compile", "recompute"),
+        ("coplan", "reduce gradients in bf16"),
+        ("torchtitan", "reduce gradients in bf16"),
+        ("coplan", "fp8 weights"),
     ],
 )
 def test_the_checker_names_what_the_stack_cannot_run(stack: str, what: str) -> None:
@@ -157,6 +162,10 @@ def estimate_cli(ctx: PlanContext, plan: Plan, fusion: str) -> float:
     ]  # fmt: skip
     if p.sequence_parallel:
         args.append("--sequence-parallel")
+    if plan.precision.grad_reduce != "fp32":
+        args.append("--grad-reduce-16bit")
+    if plan.precision.fp8_params:
+        args.append("--fp8-params")
     # the stack's overlap and buckets: estimate takes them as flags (a run states its own)
     if not s.overlap:
         args += ["--no-overlap-grad-reduce", "--no-overlap-param-gather"]
