@@ -65,7 +65,9 @@ class SearchSpace:
                     continue
                 p = precision_variant(ctx, d, v)
                 if p is not None:
-                    out.extend(self._storage(ctx, p))
+                    # the storage choices beside the plain variant only: they are orthogonal to the
+                    # per-op overrides, and each multiplies the layouts priced
+                    out.extend(self._storage(ctx, p) if v == "fused" else [p])
         return out
 
     def _storage(self, ctx: PlanContext, p: PrecisionPlan) -> list[PrecisionPlan]:
