@@ -74,7 +74,7 @@ class Group:
             sent = factor * (n - 1) / n * bytes_
             intra, inter = self.intra, self.inter
             t_intra = sent * (r - 1) / r / (intra.bandwidth * intra.efficiency * e)
-            t_inter = sent / r / (inter.bandwidth * inter.efficiency * e)
+            t_inter = sent / r / (inter.bandwidth_across(self.nodes) * inter.efficiency * e)
             return max(t_intra, t_inter)
         t = 0.0
         if self.local > 1:
@@ -83,7 +83,7 @@ class Group:
         if self.nodes > 1 and self.inter is not None:
             lvl = self.inter
             sent = factor * (self.nodes - 1) / self.nodes * bytes_ / self.local
-            t += sent / (lvl.bandwidth * lvl.efficiency * e)
+            t += sent / (lvl.bandwidth_across(self.nodes) * lvl.efficiency * e)
         return t
 
     def _phase(self, bytes_: float, factor: float, ring: bool = False) -> float:

@@ -45,6 +45,11 @@ class InterconnectLevel:
         scope: ``"node"`` for links inside a node, ``"cluster"`` for links between nodes.
         efficiency: fraction of ``bandwidth`` that large collectives achieve on this link (NCCL's
             bus bandwidth over the link rate), in (0, 1].
+        leaf_nodes: nodes under one leaf switch (a rail-optimized fat tree's scalable unit): traffic
+            of a group spanning more nodes climbs to the spine. None: every node is one hop away.
+        oversubscription: leaf downlink over uplink bandwidth (1: a non-blocking fat tree; 2: a 2:1
+            tree): a group spanning more than ``leaf_nodes`` nodes gets ``bandwidth /
+            oversubscription`` per device, the share its uplinks carry when every device sends.
     """
 
     name: str
@@ -53,6 +58,8 @@ class InterconnectLevel:
     topology: str
     scope: str
     efficiency: float = 1.0
+    leaf_nodes: int | None = None
+    oversubscription: float = 1.0
 
     def __post_init__(self) -> None:
         src = f"interconnect {self.name!r}" if isinstance(self.name, str) else "interconnect"
@@ -65,6 +72,21 @@ class InterconnectLevel:
         if eff > 1.0:
             fail(src, "efficiency", f"must be a fraction in (0, 1], got {self.efficiency!r}")
         object.__setattr__(self, "efficiency", eff)
+        if self.leaf_nodes is not None:
+            check_int(src, "leaf_nodes", self.leaf_nodes, maximum=MAX_DEVICES)
+        over = check_number(src, "oversubscription", self.oversubscription)
+        if over < 1.0:
+            fail(
+                src, "oversubscription", f"must be >= 1 (downlink over uplink), got {self.oversubscription!r}"
+            )
+        object.__setattr__(self, "oversubscription", over)
+
+    def bandwidth_across(self, nodes: int) -> float:
+        """Bytes/s per device for a collective over ``nodes`` nodes: the link rate within a leaf,
+        divided by the oversubscription once the group climbs to the spine."""
+        if self.leaf_nodes is not None and nodes > self.leaf_nodes:
+            return self.bandwidth / self.oversubscription
+        return self.bandwidth
 
     @classmethod
     def loopback(cls, bandwidth: float) -> InterconnectLevel:
@@ -80,17 +102,24 @@ class InterconnectLevel:
             "topology": self.topology,
             "scope": self.scope,
             "efficiency": self.efficiency,
+            **({"leaf_nodes": self.leaf_nodes} if self.leaf_nodes is not None else {}),
+            **({"oversubscription": self.oversubscription} if self.oversubscription != 1.0 else {}),
         }
 
     @classmethod
     def from_dict(cls, data: object, source: str = "<dict>", *, path: str = "") -> InterconnectLevel:
         r = Reader(data, source, path)
-        r.check_keys(("name", "bandwidth", "latency_s", "topology", "scope"), ("efficiency",))
+        r.check_keys(
+            ("name", "bandwidth", "latency_s", "topology", "scope"),
+            ("efficiency", "leaf_nodes", "oversubscription"),
+        )
         name, bandwidth = r.text("name"), r.number("bandwidth")
         latency, topology, scope = r.number("latency_s", strict=False), r.text("topology"), r.text("scope")
         eff = r.number("efficiency") if "efficiency" in r.data else 1.0
+        leaf = r.data.get("leaf_nodes")
+        over = r.number("oversubscription") if "oversubscription" in r.data else 1.0
         with anchored(source, path):
-            return cls(name, bandwidth, latency, topology, scope, eff)
+            return cls(name, bandwidth, latency, topology, scope, eff, leaf, over)
 
 
 #: Assumed between devices of a bare device spec asked to form a multi-device node, when no preset

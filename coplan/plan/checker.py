@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 from coplan.cost import ConfigError, check_against
 from coplan.cost.fusion import readers, source_op
-from coplan.ir.types import Graph, OpKind, Phase
+from coplan.ir.types import Graph, Op, OpKind, Phase
 from coplan.plan.context import PlanContext, binary_bytes
 from coplan.plan.types import FusionPlan, Plan, PlanError
 
@@ -155,6 +155,9 @@ def group_problem(graph: Graph, ids: tuple[int, ...]) -> str | None:
     members = set(ids)
     if anchors:
         a = anchors[0]
+        why = _executor_problem(ops, a)
+        if why is not None:
+            return why
         # prologue: pointwise producers feeding the anchor (not reductions: a GEMM prologue cannot
         # hold a row reduction); epilogue: anything downstream of the anchor
         upstream = {op.id for op in ops if op.id != a.id and _reaches(graph, op.id, a.id, members)}
@@ -164,6 +167,29 @@ def group_problem(graph: Graph, ids: tuple[int, ...]) -> str | None:
     # connected: vertically (producer-consumer through views) or horizontally (shared input)
     if not _connected(graph, ids):
         return "its ops share no data (neither producer-consumer nor a common input)"
+    return None
+
+
+def _executor_problem(ops: list[Op], anchor: Op) -> str | None:
+    """Why no executor emits a kernel of ``anchor`` with ``ops`` around it (None: one does).
+
+    Attention runs as a library kernel that takes no other ops: FlashAttention-2/3 and cuDNN's fused
+    attention have no epilogue hooks, and Inductor lowers ``scaled_dot_product_attention`` to
+    those kernels as extern calls (torch/_inductor/lowering.py, the ``_scaled_dot_product_*``
+    fallbacks). A GEMM takes pointwise ops only: cuBLASLt's epilogues are bias, GELU, ReLU and
+    their gradients (cublasLtEpilogue_t), and Inductor fuses into its Triton GEMM templates only
+    pointwise epilogues and prologues (torch/_inductor/scheduler.py ``can_fuse`` for template
+    nodes), so no norm, softmax, loss or row reduction lands in a GEMM's kernel."""
+    extra = [op for op in ops if op.id != anchor.id and op.kind is not OpKind.VIEW]
+    if anchor.kind is OpKind.ATTENTION and extra:
+        e = extra[0]
+        return f"{e.name} ({e.kind.value}) fused into attention {anchor.name}: it takes no other ops"
+    reduction = next((op for op in extra if op.kind in REDUCTIONS), None)
+    if reduction is not None:
+        return (
+            f"{reduction.name} ({reduction.kind.value}) in the kernel of GEMM {anchor.name}: GEMM "
+            "epilogues and prologues hold pointwise ops only"
+        )
     return None
 
 

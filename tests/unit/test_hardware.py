@@ -452,3 +452,32 @@ def test_attention_kernels_validate_round_trip_and_name_what_the_presets_price()
     with pytest.raises(SpecError) as info:
         DeviceSpec.from_dict({**h100.to_dict(), "attention_kernel": "xformers"}, "dev.json")
     assert info.value.field == "attention_kernel"
+
+
+def test_oversubscription_slows_groups_that_leave_a_leaf() -> None:
+    from dataclasses import replace
+
+    from coplan.cost.comm import Group
+
+    cluster = load_cluster("dgx-h100", 1024)  # 128 nodes, 32 a leaf, non-blocking
+    inter = cluster.inter_node
+    assert inter is not None and inter.leaf_nodes == 32 and inter.oversubscription == 1.0
+    tapered = replace(cluster, inter_node=replace(inter, oversubscription=2.0))
+    # one rank a node: the group's whole ring runs over the network
+    wide, narrow = (1024 // 8, 8), (16, 8)  # 128 nodes; 16 nodes, inside one leaf
+    bytes_ = 1e9
+    for size, stride in (wide, narrow):
+        flat = Group.of(cluster, size, stride, 1.0).all_gather(bytes_)
+        slow = Group.of(tapered, size, stride, 1.0).all_gather(bytes_)
+        latency = Group.of(cluster, size, stride, 1.0)._ring_latency()
+        if size > 32:
+            # the bandwidth term doubles, the latency stays
+            assert slow - latency == pytest.approx(2 * (flat - latency), rel=1e-9)
+        else:
+            assert slow == flat
+    got = InterconnectLevel.from_dict(replace(inter, oversubscription=2.0).to_dict())
+    assert got.oversubscription == 2.0 and got.leaf_nodes == 32
+    with pytest.raises(SpecError, match="oversubscription"):
+        replace(inter, oversubscription=0.5)
+    with pytest.raises(SpecError, match="leaf_nodes"):
+        replace(inter, leaf_nodes=0)
