@@ -18,7 +18,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 from coplan.cost import ConfigError, check_against
-from coplan.cost.fusion import readers, source_op
+from coplan.cost.fusion import source_op
 from coplan.ir.types import Graph, Op, OpKind, Phase
 from coplan.plan.context import PlanContext, binary_bytes
 from coplan.plan.types import FusionPlan, Plan, PlanError
@@ -152,18 +152,10 @@ def group_problem(graph: Graph, ids: tuple[int, ...]) -> str | None:
     other = [op for op in ops if op.kind not in ANCHORS | POINTWISE | REDUCTIONS]
     if other:
         return f"{other[0].name} ({other[0].kind.value}) cannot be fused"
-    members = set(ids)
     if anchors:
-        a = anchors[0]
-        why = _executor_problem(ops, a)
+        why = _executor_problem(ops, anchors[0])
         if why is not None:
             return why
-        # prologue: pointwise producers feeding the anchor (not reductions: a GEMM prologue cannot
-        # hold a row reduction); epilogue: anything downstream of the anchor
-        upstream = {op.id for op in ops if op.id != a.id and _reaches(graph, op.id, a.id, members)}
-        for i in upstream:
-            if graph.ops[i].kind in REDUCTIONS:
-                return f"{graph.ops[i].name} is a reduction in the prologue of {a.name}"
     # connected: vertically (producer-consumer through views) or horizontally (shared input)
     if not _connected(graph, ids):
         return "its ops share no data (neither producer-consumer nor a common input)"
@@ -191,22 +183,6 @@ def _executor_problem(ops: list[Op], anchor: Op) -> str | None:
             "epilogues and prologues hold pointwise ops only"
         )
     return None
-
-
-def _reaches(graph: Graph, src: int, dst: int, members: set[int]) -> bool:
-    stack, seen = [src], set()
-    while stack:
-        i = stack.pop()
-        if i == dst:
-            return True
-        if i in seen:
-            continue
-        seen.add(i)
-        for t in graph.ops[i].outputs:
-            for c in readers(graph, t):
-                if c in members:
-                    stack.append(c)
-    return False
 
 
 def _connected(graph: Graph, ids: tuple[int, ...]) -> bool:

@@ -17,6 +17,7 @@ from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from coplan.cost import CostModel, load_stack
+from coplan.cost.fusion import source_op
 from coplan.errors import CoplanError
 from coplan.hardware import load_cluster
 from coplan.hardware.cluster import ClusterSpec
@@ -365,8 +366,8 @@ def test_default_plan_is_valid_and_fits(model):
         (("h.0.mlp.gelu", "bwd:h.0.mlp.c_fc.out.grad"), "mixes phases backward, forward"),
         # the attention residual add and the GELU read nothing in common
         (("h.0.attn_residual", "h.0.mlp.gelu"), "share no data"),
-        # a layer norm feeding a GEMM: a row reduction cannot sit in a GEMM prologue
-        (("h.0.ln_2.out", "h.0.mlp.c_fc.out"), "is a reduction in the prologue"),
+        # a layer norm feeding a GEMM: no GEMM prologue or epilogue holds a row reduction
+        (("h.0.ln_2.out", "h.0.mlp.c_fc.out"), "GEMM epilogues and prologues hold pointwise ops only"),
         # the final norm (outside the blocks) with the first block's norm
         (("ln_f.out", "h.0.ln_1.out"), "spans blocks"),
     ],
@@ -387,8 +388,37 @@ def test_reduction_in_prologue_names_the_norm_and_the_gemm(gpt):
     norm, gemm = producer(gpt, "h.0.ln_2.out"), producer(gpt, "h.0.mlp.c_fc.out")
     plan = gpt.default_plan().with_(fusion=FusionPlan(groups=((norm, gemm),)))
     assert messages(plan, gpt, "fusion") == [
-        f"group [{', '.join(sorted((norm, gemm)))}] {norm} is a reduction in the prologue of {gemm}"
+        f"group [{', '.join(sorted((norm, gemm)))}] {norm} (norm) in the kernel of GEMM {gemm}: GEMM "
+        "epilogues and prologues hold pointwise ops only"
     ]
+
+
+def test_only_groups_an_executor_emits_pass(gpt):
+    # attention is a library kernel that takes no other op (FlashAttention, cuDNN, Inductor's SDPA
+    # fallback): not even the RoPE that produces its query and key; a GEMM's epilogue holds
+    # pointwise ops (cuBLASLt, Inductor's GEMM templates) but no reduction, e.g. the norm that
+    # reads the projection's output through the residual add
+    llama = make_ctx("llama-tiny")
+    g = llama.index.graph
+    attn = next(
+        op for op in g.ops if op.kind is OpKind.ATTENTION and op.block == 0 and op.phase is Phase.FORWARD
+    )
+    rope = next(
+        g.ops[i]
+        for t in attn.inputs
+        if (i := source_op(g, t)) is not None and g.ops[i].kind is OpKind.ELEMENTWISE
+    )
+    plan = llama.default_plan().with_(fusion=FusionPlan(groups=((rope.name, attn.name),)))
+    assert messages(plan, llama, "fusion") == [
+        f"group [{', '.join(sorted((rope.name, attn.name)))}] {rope.name} (elementwise) fused into attention "
+        f"{attn.name}: it takes no other ops"
+    ]
+    proj = producer(gpt, "h.0.attn.c_proj.out")
+    res, ln = producer(gpt, "h.0.attn_residual"), producer(gpt, "h.0.ln_2.out")
+    plan = gpt.default_plan().with_(fusion=FusionPlan(groups=((proj, res, ln),)))
+    assert any("pointwise ops only" in m for m in messages(plan, gpt, "fusion"))
+    plan = gpt.default_plan().with_(fusion=FusionPlan(groups=((proj, res),)))
+    assert messages(plan, gpt, "fusion") == []
 
 
 def test_legal_epilogue_group_passes(gpt):
