@@ -18,9 +18,8 @@ from __future__ import annotations
 from collections.abc import Iterator
 from pathlib import Path
 
-from coplan.cost.checkpoint import selective_op_names
 from coplan.cost.stacks import StackError, StackSpec, load_stack, load_stack_file
-from coplan.plan.context import PlanContext
+from coplan.plan.context import PlanContext, policy_sets
 from coplan.plan.types import ParallelPlan, Plan
 
 #: the stack a plan is made for unless one is named: Megatron-LM, the full space
@@ -63,27 +62,6 @@ def default_zero(stack: StackSpec) -> int:
     """The ZeRO stage a plan without one uses under ``stack``: 0 where it replicates, else its
     lowest sharding stage."""
     return stack.zero_stages[0]
-
-
-def policy_sets(ctx: PlanContext) -> dict[str, frozenset[str]]:
-    """The recompute set of each checkpointing policy of ``ctx.stack`` a plan can express, from
-    the least recomputed to the most."""
-    names = [n for v in ctx.index.saved_names.values() for n in v]
-    out: dict[str, frozenset[str]] = {}
-    for policy in ctx.stack.checkpointing:
-        if policy == "none":
-            out[policy] = frozenset()
-        elif policy == "selective":
-            out[policy] = frozenset(n for n in names if n.endswith((".attn.out", ".attn.lse")))
-        elif policy == "selective-op":
-            graph = ctx.index.graph
-            ops: set[str] = set()
-            for ref in ctx.index.saved_names:
-                ops |= selective_op_names(graph, ref)
-            out[policy] = frozenset(n for n in names if n in ops)
-        elif policy == "full":
-            out[policy] = frozenset(n for n in names if not n.endswith("mlp_residual"))
-    return dict(sorted(out.items(), key=lambda kv: len(kv[1])))
 
 
 def executable_remat(ctx: PlanContext, names: frozenset[str]) -> frozenset[str]:

@@ -15,6 +15,7 @@ from functools import cached_property
 from typing import NamedTuple
 
 from coplan.cost import ConfigError, CostModel, Estimate, TrainingConfig
+from coplan.cost.checkpoint import selective_op_names
 from coplan.cost.config import OpGroups, userbuffers_overlap
 from coplan.cost.parts import GraphProfile
 from coplan.cost.stacks import StackSpec, load_stack
@@ -276,8 +277,6 @@ class PlanContext:
         if self._policies is None:
             self._policies = {}
             if not self.stack.recompute_sets:
-                from coplan.plan.capabilities import policy_sets  # it reads this module's context
-
                 for name, names in policy_sets(self).items():
                     if name in ("selective", "full") and names:
                         self._policies[names] = name
@@ -392,6 +391,27 @@ def _decisions(plan: Plan) -> Decisions:
     return Decisions.of(plan)
 
 
+def policy_sets(ctx: PlanContext) -> dict[str, frozenset[str]]:
+    """The recompute set of each checkpointing policy of ``ctx.stack`` a plan can express, from
+    the least recomputed to the most."""
+    names = [n for v in ctx.index.saved_names.values() for n in v]
+    out: dict[str, frozenset[str]] = {}
+    for policy in ctx.stack.checkpointing:
+        if policy == "none":
+            out[policy] = frozenset()
+        elif policy == "selective":
+            out[policy] = frozenset(n for n in names if n.endswith((".attn.out", ".attn.lse")))
+        elif policy == "selective-op":
+            graph = ctx.index.graph
+            ops: set[str] = set()
+            for ref in ctx.index.saved_names:
+                ops |= selective_op_names(graph, ref)
+            out[policy] = frozenset(n for n in names if n in ops)
+        elif policy == "full":
+            out[policy] = frozenset(n for n in names if not n.endswith("mlp_residual"))
+    return dict(sorted(out.items(), key=lambda kv: len(kv[1])))
+
+
 def plan_summary(
     plan: Plan, est: Estimate | None = None, index: BlockIndex | None = None
 ) -> Mapping[str, str]:
@@ -450,4 +470,5 @@ __all__ = [
     "binary_bytes",
     "default_budget",
     "plan_summary",
+    "policy_sets",
 ]
