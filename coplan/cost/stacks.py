@@ -12,6 +12,7 @@ same shape.
 from __future__ import annotations
 
 import json
+from collections.abc import Iterable
 from dataclasses import dataclass, fields, replace
 from functools import cache
 from importlib import resources
@@ -175,22 +176,18 @@ class StackSpec:
         b = self.dp_bucket_params
         if b is not None and (isinstance(b, bool) or not isinstance(b, int) or b < 1):
             raise StackError(src, "dp_bucket_params", f"must be a positive integer or null, got {b!r}")
-        pol = tuple(self.checkpointing)
-        if not pol:
-            raise StackError(src, "checkpointing", "must name at least one policy")
-        for p in pol:
-            _choice(src, "checkpointing", p, CHECKPOINT_POLICIES)
-        object.__setattr__(self, "checkpointing", pol)
+        object.__setattr__(
+            self,
+            "checkpointing",
+            _choices(src, "checkpointing", self.checkpointing, CHECKPOINT_POLICIES, "policy"),
+        )
         zs = tuple(self.zero_stages)
         if not zs or any(isinstance(z, bool) or z not in (0, 1, 2, 3) for z in zs):
             raise StackError(src, "zero_stages", f"must list stages among 0, 1, 2, 3, got {list(zs)!r}")
         object.__setattr__(self, "zero_stages", tuple(sorted(set(zs))))
-        fus = tuple(self.fusion)
-        if not fus:
-            raise StackError(src, "fusion", "must name at least one fusion option")
-        for f in fus:
-            _choice(src, "fusion", f, FUSION_CHOICES)
-        object.__setattr__(self, "fusion", fus)
+        object.__setattr__(
+            self, "fusion", _choices(src, "fusion", self.fusion, FUSION_CHOICES, "fusion option")
+        )
         r = self.reserved_fraction
         if isinstance(r, bool) or not isinstance(r, int | float) or not 0.0 <= r < 1.0:
             raise StackError(src, "reserved_fraction", f"must be a number in [0, 1), got {r!r}")
@@ -203,6 +200,12 @@ class StackSpec:
             if not v.strip():
                 raise StackError(src, "sources", f"the citation of {k!r} is empty")
         object.__setattr__(self, "sources", srcs)
+
+    @property
+    def megatron_kernels_only(self) -> bool:
+        """It runs Megatron-LM's own kernel set and no other grouping: a plan for it names that set
+        instead of grouping ops itself, and is priced by name (``fusion="megatron"``)."""
+        return self.fusion == ("megatron",)
 
     def source_of(self, setting: str) -> str:
         """The citation of ``setting`` ("" where the preset leaves it at the default)."""
@@ -263,6 +266,18 @@ class StackSpec:
 def _choice(src: str, field: str, value: object, choices: tuple[str, ...]) -> None:
     if value not in choices:
         raise StackError(src, field, f"must be one of {', '.join(choices)}, got {value!r}")
+
+
+def _choices(
+    src: str, field: str, values: Iterable[str], choices: tuple[str, ...], what: str
+) -> tuple[str, ...]:
+    """``values`` as a tuple of at least one of ``choices``."""
+    got = tuple(values)
+    if not got:
+        raise StackError(src, field, f"must name at least one {what}")
+    for v in got:
+        _choice(src, field, v, choices)
+    return got
 
 
 def stack_from_dict(data: object, source: str) -> StackSpec:

@@ -83,7 +83,7 @@ def megatron_fusion(ctx: PlanContext) -> FusionPlan:
     that runs only that kernel set, the plan names the set instead of grouping ops itself, so it is
     priced as the published runs were (``fusion="megatron"``); where other groupings are searched
     too, its groups are a starting point the search can change."""
-    if tuple(ctx.stack.fusion) == ("megatron",):
+    if ctx.stack.megatron_kernels_only:
         return FusionPlan(label="megatron")
     graph = ctx.index.graph
     scope = {op.id for op in scope_ops(ctx)}

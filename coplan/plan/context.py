@@ -294,7 +294,7 @@ class PlanContext:
             if plan.fusion.groups
             else "megatron"
             # Megatron-LM's own kernel set, named not grouped, where the stack runs only that set
-            if plan.fusion.label == "megatron" and tuple(self.stack.fusion) == ("megatron",)
+            if plan.fusion.label == "megatron" and self.stack.megatron_kernels_only
             else "none"
         )
         dp = self.gpus // (p.tp * p.pp) if p.tp * p.pp else 0
