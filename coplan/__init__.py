@@ -17,5 +17,8 @@ def backend(plan: Plan, spec: ModelSpec | None = None) -> Backend:
     return make(plan, spec)
 
 
-__all__ = ["backend"]
+# the compiler-visibility package, callable as ``coplan.inspect(module, example_inputs, ...)``
+from coplan import inspect  # noqa: E402 - after backend(): the package imports no torch until called
+
+__all__ = ["backend", "inspect"]
 del Any

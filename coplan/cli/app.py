@@ -7,7 +7,18 @@ from collections.abc import Sequence
 
 import typer
 
-from coplan.cli import calibrate_cmd, coupling_cmd, estimate_cmd, graph_cmd, hardware_cmd, plan_cmd, run_cmd
+from coplan.cli import (
+    calibrate_cmd,
+    coupling_cmd,
+    dashboard_cmd,
+    estimate_cmd,
+    graph_cmd,
+    hardware_cmd,
+    history_cmd,
+    inspect_cmd,
+    plan_cmd,
+    run_cmd,
+)
 from coplan.cli.common import one_line
 from coplan.errors import CoplanError
 
@@ -26,7 +37,10 @@ app.command("compare")(plan_cmd.compare)
 app.command("estimate")(estimate_cmd.estimate)
 app.command("calibrate")(calibrate_cmd.calibrate)
 app.command("run")(run_cmd.run)
+app.command("inspect")(inspect_cmd.inspect)
 app.command("coupling")(coupling_cmd.coupling)
+app.add_typer(history_cmd.app, name="history")
+app.command("dashboard")(dashboard_cmd.dashboard)
 
 
 def report(err: CoplanError) -> int:

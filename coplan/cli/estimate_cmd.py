@@ -12,6 +12,7 @@ from rich import box
 from rich.table import Table
 
 from coplan.cli.common import human_bytes, mfu_words, positive, print_json, show_trust, stdout
+from coplan.cli.history_cmd import RecordDbOpt, RecordHistoryOpt, record, recording_to, say_recorded
 from coplan.cli.options import (
     DEFAULT_CLUSTER,
     DEFAULT_GPUS,
@@ -239,6 +240,8 @@ def estimate(
     ] = 0,
     stack: StackOpt = None,
     stack_file: StackFileOpt = None,
+    history: RecordHistoryOpt = False,
+    db: RecordDbOpt = None,
     json: JsonOpt = False,
 ) -> None:
     """Predict step time, per-GPU memory and MFU of one training configuration."""
@@ -258,6 +261,7 @@ def estimate(
         raise ConfigError("kernels", f"--kernels must be 0 or more, got {kernels}")
     if zero not in (0, 1, 2, 3):
         raise ConfigError("zero", f"--zero must be 0, 1, 2 or 3, got {zero}")
+    record_db = recording_to(history, db)
     the_stack = resolve_stack(stack, stack_file)
     spec = load_model_spec(model)
     # the run's dropout, where it differs from the model's (Megatron's GPT runs use 0.1); the spec
@@ -318,7 +322,8 @@ def estimate(
     from coplan.cost.envelope import validated
 
     trust = validated(est, spec, the_stack.name)
-    if json:
+    record_id = None
+    if json or record_db is not None:
         out = est.to_dict()
         out["validated"] = trust.to_dict()
         out["model"] = spec.name
@@ -326,12 +331,31 @@ def estimate(
         out["stack"] = the_stack.name
         if listed is not None:
             out["kernels"] = {"stage": listed[0], "rows": [row.to_dict() for row in listed[1]]}
+    if record_db is not None:
+        from coplan.inspect.history import command_record
+
+        # an estimate runs nothing: no device, nothing measured; the hardware is the cluster priced
+        entry = command_record(
+            "estimate",
+            model=spec.name,
+            batch=config.global_batch,
+            seq=out["seq"],
+            device=None,
+            hardware=hw.name,
+            fingerprint=None,
+            predicted_step_s=est.step_time_s,
+            measured=None,
+            payload=dict(out),
+        )
+        out["record_id"] = record_id = record(record_db, entry)
+    if json:
         print_json(out)
         return
     render(est, f"{spec.name} on {hw.summary()}")
     show_trust(stdout(), trust)
     if listed is not None:
         render_kernels(est, *listed)
+    say_recorded(record_id, record_db)
 
 
 def _kernels(cm: CostModel, hw: ClusterSpec, est: Estimate, top: int) -> tuple[int, list[KernelCost]]:

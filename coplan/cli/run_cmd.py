@@ -5,7 +5,8 @@
 ``--batch`` (``--global-batch``) is sequences per optimizer step and ``--seq`` the sequence length;
 both default to the plan's and must match it (a plan is made for one job). A plan made for another
 model, world size (``--nproc``), batch or sequence length is refused: one line, exit 2.
-``--record runs.jsonl`` appends the run for ``coplan calibrate --runs``. A run whose loss is not
+``--record runs.jsonl`` appends the run for ``coplan calibrate --runs``; ``--history`` (or ``--db
+PATH``) records it in the history database for ``coplan history``. A run whose loss is not
 finite or whose gradient check fails exits 1, after its output, with one ``error:`` line saying which.
 """
 
@@ -22,6 +23,7 @@ from rich import box
 from rich.table import Table
 
 from coplan.cli.common import human_bytes, interruptible, positive, print_json, stdout
+from coplan.cli.history_cmd import RecordDbOpt, RecordHistoryOpt, recording_to, say_recorded
 from coplan.cli.options import Device, JsonOpt
 from coplan.errors import SpecError
 from coplan.fileio import append_text, check_output
@@ -107,10 +109,13 @@ def run(
         Path | None,
         typer.Option("--record", help="Append this run to a JSONL file for coplan calibrate --runs."),
     ] = None,
+    history: RecordHistoryOpt = False,
+    db: RecordDbOpt = None,
     json: JsonOpt = False,
 ) -> None:
     """Train a few steps under a plan; report measured against predicted."""
     from coplan.apply.run import RunFailed, RunRequest, failure, resolve_device, run_plan
+    from coplan.inspect.history import HistoryError
     from coplan.models.spec import load_model_spec
     from coplan.plan.types import Plan
 
@@ -121,6 +126,7 @@ def run(
     if threads < 0:
         raise SpecError("--threads", None, f"must be >= 0, got {threads}")
     check_output("--record", record)
+    record_db = recording_to(history, db)
     dev = resolve_device(device.value)
     spec = load_model_spec(model)
     p = Plan.load(str(plan))
@@ -141,13 +147,24 @@ def run(
         out = run_plan(req)
     if record is not None:
         append_record(record, req, out)
+    unrecorded = None
+    if record_db is not None:
+        # a database that became unusable during a long run must not cost the run's output: the
+        # output comes first (record_id null), then the error
+        try:
+            out = {**out, "record_id": record_history(record_db, req, out)}
+        except HistoryError as err:
+            out, unrecorded = {**out, "record_id": None}, err
     if json:
         print_json(_jsonable(out))
     else:
         show(out)
+        say_recorded(out.get("record_id"), record_db)
     why = failure(out)  # after the output, so a failed run's numbers are still shown and recorded
     if why is not None:
         raise RunFailed(why)
+    if unrecorded is not None:
+        raise unrecorded
 
 
 def append_record(path: Path, req: Any, out: dict[str, Any]) -> None:
@@ -167,6 +184,30 @@ def append_record(path: Path, req: Any, out: dict[str, Any]) -> None:
         "cluster_spec": req.cluster.to_dict(),
     }
     append_text(path, jsonlib.dumps(_jsonable(line)) + "\n")
+
+
+def record_history(path: Path, req: Any, out: dict[str, Any]) -> int:
+    """The run in the history database (``coplan history``): its times, measured per timed step, and
+    its whole ``--json`` object; the new record's id."""
+    from coplan.cli.history_cmd import record
+    from coplan.inspect.history import command_record
+
+    r = out["run"]
+    times = r.get("step_times_s") or []
+    samples = [times[i] for i in r.get("timed_steps") or [] if 0 <= i < len(times)]
+    entry = command_record(
+        "run",
+        model=req.spec.name,
+        batch=req.global_batch,
+        seq=req.seq,
+        device=req.device,
+        hardware=req.cluster.name,
+        fingerprint=r.get("plan"),
+        predicted_step_s=out["predicted"].get("step_time_s"),
+        measured={"step_s": out["measured"].get("step_time_s"), "samples": samples},
+        payload=_jsonable(out),
+    )
+    return record(path, entry)
 
 
 def _jsonable(x: Any) -> Any:

@@ -185,6 +185,24 @@ def _executor_problem(ops: list[Op], anchor: Op) -> str | None:
     return None
 
 
+def pair_problem(producer: OpKind, consumer: OpKind) -> str | None:
+    """Why no executor puts an op of kind ``producer`` and one of kind ``consumer`` that reads it
+    into one kernel (None: one does). The rules of ``group_problem`` for a group of two, by kind
+    alone: what ``coplan inspect`` holds a compiled step's kernel boundaries against."""
+    kinds = (producer, consumer)
+    other = next((k for k in kinds if k not in ANCHORS | POINTWISE | REDUCTIONS), None)
+    if other is not None:
+        return f"{other.value} ops are not fused"
+    anchors = [k for k in kinds if k in ANCHORS]
+    if len(anchors) > 1:
+        return "two library kernels"
+    if OpKind.ATTENTION in anchors:
+        return "attention takes no other ops"
+    if OpKind.MATMUL in anchors and any(k in REDUCTIONS for k in kinds):
+        return "GEMM epilogues and prologues hold pointwise ops only"
+    return None
+
+
 def _connected(graph: Graph, ids: tuple[int, ...]) -> bool:
     members = set(ids)
     adj: dict[int, set[int]] = {i: set() for i in ids}

@@ -1,0 +1,121 @@
+"""Compile and run one training step with ``torch.compile`` under the observers, then time it.
+
+The step is what a PyTorch user compiles: the module under ``torch.compile`` (Dynamo captures the
+forward, AOTAutograd derives the backward, Inductor compiles both) and the optimizer's ``step``
+under ``torch.compile`` (PyTorch's recommended way to compile an optimizer; its few graph breaks
+around the step's hooks are PyTorch's own and are reported as such).
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from coplan.errors import CoplanError
+from coplan.inspect.observe import Collector, observe
+
+LossFn = Callable[[Any], torch.Tensor]
+
+
+class CompileError(CoplanError):
+    """``torch.compile`` failed on the step; the message names the stage that raised."""
+
+    exit_code = 1
+
+
+def default_loss(output: Any) -> torch.Tensor:
+    """The output itself when it is a scalar (a model returning its loss), else its mean; the
+    ``loss`` of a ``transformers`` output."""
+    if hasattr(output, "loss") and output.loss is not None:
+        return output.loss
+    if isinstance(output, tuple | list):
+        output = output[0]
+    if not isinstance(output, torch.Tensor):
+        raise CompileError(f"the model returned {type(output).__name__}, not a tensor; pass loss_fn=")
+    return output if output.dim() == 0 else output.float().mean()
+
+
+@dataclass(frozen=True, slots=True)
+class StepRun:
+    collector: Collector
+    compile_s: float
+    samples: tuple[float, ...]  # seconds of each timed step after the compiled one
+    loss: float
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def run_step(
+    module: nn.Module,
+    args: tuple[Any, ...],
+    kwargs: Mapping[str, Any] | None = None,
+    *,
+    loss_fn: LossFn = default_loss,
+    optimizer: Callable[[list[torch.nn.Parameter]], torch.optim.Optimizer] | None = None,
+    steps: int = 3,
+    inductor_config: Mapping[str, Any] | None = None,
+) -> StepRun:
+    """Compile ``module``'s training step, run it once (the compiling step), then ``steps`` more
+    timed. ``inductor_config`` patches ``torch._inductor.config`` for this compile only."""
+    from torch._inductor import config as ic
+
+    kwargs = dict(kwargs or {})
+    params = [p for p in module.parameters() if p.requires_grad]
+    if not params:
+        raise CompileError("the module has no trainable parameters")
+    device = params[0].device
+    opt = (optimizer or (lambda ps: torch.optim.AdamW(ps, lr=1e-4)))(params)
+    col = Collector()
+    torch._dynamo.reset()
+    try:
+        patch = ic.patch(dict(inductor_config or {}))
+    except (AttributeError, KeyError, TypeError) as err:
+        raise CompileError(f"inductor_config: {err}") from None
+    module.train()
+    with patch, observe(col) as backend:
+        compiled = torch.compile(module, backend=backend)
+        opt_step = torch.compile(opt.step, backend=backend)
+
+        def one() -> float:
+            col.section = "model"
+            opt.zero_grad(set_to_none=True)
+            loss = loss_fn(compiled(*args, **kwargs))
+            loss.backward()
+            col.section = "optimizer"
+            opt_step()
+            return float(loss.detach())
+
+        started = time.perf_counter()
+        try:
+            loss = one()
+            _sync(device)
+        except CoplanError:
+            raise
+        except Exception as err:
+            first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+            raise CompileError(f"torch.compile failed: {type(err).__name__}: {first}") from err
+        compile_s = time.perf_counter() - started
+        col.add("timed")  # compiles after this are recompilations of the step
+        if steps:
+            one()  # the first call after compiling still warms caches (allocator, guards): untimed
+            _sync(device)
+        samples = []
+        for _ in range(steps):
+            t0 = time.perf_counter()
+            loss = one()
+            _sync(device)
+            samples.append(time.perf_counter() - t0)
+    return StepRun(col, compile_s, tuple(samples), loss)
+
+
+def median(samples: tuple[float, ...]) -> float | None:
+    return statistics.median(samples) if samples else None
