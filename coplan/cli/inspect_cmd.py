@@ -27,6 +27,12 @@ class InspectDevice(enum.StrEnum):
     cuda = "cuda"
 
 
+class InspectOptimizer(enum.StrEnum):  # coplan.inspect.step.OPTIMIZERS
+    fused = "fused"
+    foreach = "foreach"
+    for_loop = "for-loop"
+
+
 class InspectImpl(enum.StrEnum):
     builtin = "builtin"  # coplan's own PyTorch model of the spec
     hf = "hf"  # the Hugging Face transformers model of the spec
@@ -73,6 +79,14 @@ def inspect(
         ),
     ] = None,
     steps: Annotated[int, typer.Option("--steps", help="Steps timed after the compiling one.")] = 3,
+    optimizer: Annotated[
+        InspectOptimizer,
+        typer.Option(
+            "--optimizer",
+            help="AdamW implementation: fused (one kernel, torchtitan's default), or foreach / for-loop "
+            "(compiled by Inductor: its optimizer kernels, and a much longer compile).",
+        ),
+    ] = InspectOptimizer.fused,
     record: Annotated[
         bool, typer.Option("--record/--no-record", help="Store the result in the history database.")
     ] = True,
@@ -110,8 +124,19 @@ def inspect(
     args = tuple(a.to(dev) for a in args)
     kwargs = {k: v.to(dev) for k, v in kwargs.items()}
     from coplan.inspect.api import inspect_module
+    from coplan.inspect.step import adamw
 
-    result = inspect_module(module, args, kwargs, steps=steps, hardware=hardware, name=model, batch=b, seq=s)
+    result = inspect_module(
+        module,
+        args,
+        kwargs,
+        steps=steps,
+        hardware=hardware,
+        name=model,
+        batch=b,
+        seq=s,
+        optimizer=adamw(optimizer.value),
+    )
     rec = result.record
     if db_path is not None:
         rec["record_id"] = history.store(db_path, rec)
@@ -146,6 +171,10 @@ def render(rec: dict[str, Any], console: Console, db: Path | None) -> None:
     measured = (rec.get("measured") or {}).get("step_s")
     head.add_row("step time", f"predicted {_ms(rec['predicted_step_s'])}, measured {_ms(measured)}")
     head.add_row("compile", f"{rec['compile_s']:.1f} s, {rec.get('recompiles', 0)} recompiles")
+    opt = rec.get("optimizer") or {}
+    if opt:
+        how = "compiled" if opt.get("compiled") else "eager (not traced by torch.compile)"
+        head.add_row("optimizer", f"{opt.get('name')} ({opt.get('implementation')}), {how}")
     console.print(head)
 
     graphs = _table("graphs")

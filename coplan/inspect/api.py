@@ -169,6 +169,7 @@ def build_record(
         "unfused": patterns,
         "lineage": {"op_to_kernels": op_to, "kernel_to_ops": kernel_to},
         "graph_breaks": st.graph_breaks,
+        "optimizer": run.optimizer,
         "recompiles": st.recompiles,
         "bytes_moved": sum(int(k["bytes"]) for k in table),
         "predicted_step_s": sum(float(k["predicted_s"]) for k in table),
@@ -196,11 +197,12 @@ def inspect_module(
     db: str | Path | None = None,
 ) -> Inspection:
     """Compile one training step of ``module`` (forward on ``example_inputs``, ``loss_fn``,
-    backward, one ``optimizer`` step: AdamW by default) with ``torch.compile`` and report what the
-    compiler did. ``steps`` more steps are timed after the compiling one. ``hardware`` names the
-    coplan device preset the kernels are priced on (default: the local device's).
-    ``inductor_config`` patches ``torch._inductor.config`` for this compile (to see what a setting
-    changes). ``record`` (or a ``db`` path) stores the record in the history database."""
+    backward, one ``optimizer`` step: fused AdamW by default, ``step.adamw`` names the others)
+    with ``torch.compile`` and report what the compiler did. ``steps`` more steps are timed after
+    the compiling one. ``hardware`` names the coplan device preset the kernels are priced on
+    (default: the local device's). ``inductor_config`` patches ``torch._inductor.config`` for this
+    compile (to see what a setting changes). ``record`` (or a ``db`` path) stores the record in the
+    history database."""
     from coplan.inspect import history
 
     if steps < 0:

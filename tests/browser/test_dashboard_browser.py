@@ -20,23 +20,9 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from conftest import CHROMIUM
 
 from coplan.inspect.dashboard import DashboardServer
-
-CHROMIUM = Path("/usr/bin/chromium")
-# Chromium must neither phone home nor need a display or a sandbox-capable kernel (CI runs as root
-# in a container).
-CHROMIUM_ARGS = [
-    "--headless",
-    "--no-sandbox",
-    "--disable-gpu",
-    "--disable-dev-shm-usage",
-    "--disable-background-networking",
-    "--disable-component-update",
-    "--disable-sync",
-    "--no-first-run",
-]
-TIMEOUT_MS = 15_000
 
 pytestmark = [
     pytest.mark.browser,
@@ -73,21 +59,6 @@ def dashboard(tmp_path: Path) -> Iterator[tuple[str, dict[str, int]]]:
         srv.shutdown()
         srv.server_close()
         thread.join(5)
-
-
-@pytest.fixture
-def page() -> Iterator[Any]:
-    sync_api = pytest.importorskip(
-        "playwright.sync_api", reason="playwright is not installed (pip install -e '.[dev]')"
-    )
-    with sync_api.sync_playwright() as pw:
-        browser = pw.chromium.launch(executable_path=str(CHROMIUM), headless=True, args=CHROMIUM_ARGS)
-        try:
-            tab = browser.new_page()
-            tab.set_default_timeout(TIMEOUT_MS)
-            yield tab
-        finally:
-            browser.close()
 
 
 def test_plot_regression_and_diff(dashboard: tuple[str, dict[str, int]], page: Any) -> None:

@@ -16,13 +16,17 @@ from regressions import REGRESSION, model_and_inputs
 import coplan
 from coplan.inspect.diff import check, diff
 from coplan.inspect.html import render
+from coplan.inspect.step import adamw
 
 pytestmark = pytest.mark.compile
 
 
 def _inspect(config: dict | None = None) -> dict:
     model, x = model_and_inputs()
-    return coplan.inspect(model, (x,), name="normact", steps=3, inductor_config=config).record
+    # a foreach AdamW: Inductor compiles the optimizer step too (the fused default runs eagerly)
+    return coplan.inspect(
+        model, (x,), name="normact", steps=3, inductor_config=config, optimizer=adamw("foreach")
+    ).record
 
 
 @pytest.fixture(scope="module")
@@ -139,3 +143,7 @@ def test_recording_stores_the_record(tmp_path):
         stored = h.get(got.record["record_id"])
     assert stored["fingerprint"] == got.fingerprint
     assert stored["measured"] is None
+    # the default fused AdamW is one eager kernel: no optimizer graph, no graph break for it
+    assert stored["optimizer"] == {"name": "AdamW", "implementation": "fused", "compiled": False}
+    assert [g["name"] for g in stored["graphs"]] == ["forward", "backward"]
+    assert stored["graph_breaks"] == []

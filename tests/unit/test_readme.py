@@ -82,14 +82,19 @@ SCRIPTS = [
 ]
 
 
+def _options(cmd: object) -> set[str]:
+    """Every option name of a command; of a command group (``history``), its subcommands' too."""
+    own = {o for p in getattr(cmd, "params", []) for o in (*p.opts, *getattr(p, "secondary_opts", []))}
+    for sub in getattr(cmd, "commands", {}).values():
+        own |= _options(sub)
+    return own
+
+
 def _cli() -> dict[str, set[str]]:
     """Each `coplan` command with every option name it accepts."""
     group = typer.main.get_command(app)
     commands = getattr(group, "commands", {})
-    return {
-        name: {o for p in cmd.params for o in (*p.opts, *getattr(p, "secondary_opts", []))} | {"--help", "-h"}
-        for name, cmd in commands.items()
-    }
+    return {name: _options(cmd) | {"--help", "-h"} for name, cmd in commands.items()}
 
 
 # --- the README is a short guide ----------------------------------------------------------------

@@ -1,0 +1,71 @@
+"""``coplan inspect`` from the command line: its JSON contract, its recording and its refusals."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+CONTRACT = {
+    "fingerprint",
+    "passes",
+    "kernels",
+    "fallbacks",
+    "unfused",
+    "lineage",
+    "graph_breaks",
+    "record_id",
+}
+
+
+@pytest.mark.compile
+def test_inspect_json_and_history(cli, tmp_path: Path) -> None:
+    db = tmp_path / "h.sqlite"
+    html = tmp_path / "r.html"
+    code, out, err = cli(
+        "inspect", "--model", "gpt-tiny", "--steps", "1", "--json", "--db", str(db), "--html", str(html)
+    )
+    assert code == 0, err
+    rec = json.loads(out)
+    assert set(rec) >= CONTRACT
+    assert {"name", "fingerprint", "ops_before", "ops_after"} <= set(rec["passes"][0])
+    assert all({"ops", "reason", "predicted_saving_s"} <= set(u) for u in rec["unfused"])
+    assert isinstance(rec["kernels"], int) and rec["kernels"] > 0
+    assert isinstance(rec["record_id"], int)
+    assert rec["model"] == "gpt-tiny" and rec["device"] == "cpu" and rec["hardware"] == "cpu"
+    assert html.read_text().startswith("<!doctype html>")
+    code, out, _ = cli("history", "list", "--db", str(db), "--json")
+    assert code == 0
+    assert [r["id"] for r in json.loads(out)["records"]] == [rec["record_id"]]
+    code, out, _ = cli("history", "show", str(rec["record_id"]), "--db", str(db), "--json")
+    assert code == 0 and json.loads(out)["fingerprint"] == rec["fingerprint"]
+
+
+@pytest.mark.parametrize(
+    ("args", "words"),
+    [
+        (["--html", "/no/such/folder/r.html"], "does not exist"),
+        (["--model", "no-such-model"], "no-such-model"),
+        (["--batch", "0"], "--batch"),
+        (["--seq", "100000"], "--seq"),
+        (["--steps", "-1"], "--steps"),
+        (["--hardware", "no-such-device"], "no-such-device"),
+    ],
+)
+def test_bad_input_is_one_line_before_any_compile(cli, tmp_path: Path, args: list[str], words: str) -> None:
+    code, out, err = cli("inspect", "--model", "gpt-tiny", "--no-record", *args)
+    assert code == 2, (out, err)
+    assert err.count("\n") == 1 and words in err and "Traceback" not in err
+
+
+def test_a_history_path_that_is_a_folder_is_refused(cli, tmp_path: Path) -> None:
+    code, _, err = cli("inspect", "--model", "gpt-tiny", "--db", str(tmp_path))
+    assert code == 2 and "directory" in err
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal where no CUDA device is visible")
+def test_cuda_without_a_gpu_is_refused(cli) -> None:
+    code, _, err = cli("inspect", "--model", "gpt-tiny", "--no-record", "--device", "cuda")
+    assert code == 2 and "CUDA" in err
