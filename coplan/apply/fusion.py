@@ -486,9 +486,15 @@ def _inductor(
 
     choices = _PlanChoices(InductorChoices(), _group_of(groups))
     kernels: list[frozenset[str]] = []
+    library: list[frozenset[str]] = []  # plan ops of kernels that are library calls (extern)
+    member_ops: dict[str, frozenset[str]] = {}
 
     def read_back(nodes: list[Any]) -> list[Any]:
         kernels.extend(_ops_of(n) for n in nodes)
+        library.extend(_ops_of(n) for n in nodes if _is_library(n))
+        for n in nodes:
+            for m in n.get_nodes():
+                member_ops[m.get_name()] = _ops_of(m)
         return nodes
 
     settings: dict[str, Any] = {
@@ -508,15 +514,22 @@ def _inductor(
         }
     patch = config.patch(settings)
     gm = _decompose(gm, inputs)
-    with patch, V.set_choices_handler(choices):
+    refusals = _FusionRefusals()
+    with patch, V.set_choices_handler(choices), refusals:
         compiled = compile_fx_inner(gm, list(inputs), is_backward=phase == "backward")
     found = honoured([k for k in kernels if k], groups)
+    resolved = refusals.resolved(member_ops)
+    why = {
+        str(i): {"ops": list(groups[i]), "reason": why_not_honoured(groups[i], resolved, library)}
+        for i in found["not_honoured"]
+    }
     info = {
         "phase": phase,
         "groups_planned": len(groups),
         "groups_honoured": len(found["honoured"]),
         "honoured": found["honoured"],
         "not_honoured": found["not_honoured"],
+        "why_not": why,
         "kernels": sum(1 for k in kernels if k),
         "vetoed": choices.vetoed,
     }
@@ -526,6 +539,84 @@ def _inductor(
 
     run._boxed_call = True  # type: ignore[attr-defined]
     return run, info
+
+
+def _is_library(snode: Any) -> bool:
+    from torch._inductor import scheduler
+
+    return isinstance(snode, scheduler.ExternKernelSchedulerNode)
+
+
+#: one refusal to fuse: (plan ops of one node, of the other, Inductor's reason)
+Refusal = tuple[frozenset[str], frozenset[str], str]
+
+
+class _FusionRefusals:
+    """While open, collects Inductor's reasons for not fusing two scheduler nodes (the scheduler's
+    ``fusion`` log: ``WhyNoFuse``), by node name."""
+
+    def __init__(self) -> None:
+        import logging
+
+        self.records: list[tuple[str, str, str]] = []
+        self._log = logging.getLogger("torch._inductor.scheduler.__fusion")
+        outer = self
+
+        class _Handler(logging.Handler):
+            def emit(self, record: logging.LogRecord) -> None:
+                why = record.msg
+                a, b = getattr(why, "name1", None), getattr(why, "name2", None)
+                if a is None or b is None:
+                    return
+                try:
+                    reason = str(why).split(": ", 1)[1]
+                except Exception:  # a reason whose arguments do not format: keep its template
+                    reason = str(getattr(why, "reason", ""))
+                outer.records.append((str(a), str(b), reason))
+
+        self._handler = _Handler()
+        self._saved = (self._log.level, self._log.propagate)
+
+    def __enter__(self) -> _FusionRefusals:
+        import logging
+
+        self._log.addHandler(self._handler)
+        self._log.setLevel(logging.DEBUG)
+        self._log.propagate = False  # collected, not printed
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._log.removeHandler(self._handler)
+        self._log.setLevel(self._saved[0])
+        self._log.propagate = self._saved[1]
+
+    def resolved(self, member_ops: dict[str, frozenset[str]]) -> list[Refusal]:
+        """Each refusal as (plan ops of one side, of the other, reason); a fused node's name joins
+        its members' with ``_``."""
+
+        def ops(name: str) -> frozenset[str]:
+            return frozenset(o for m in name.split("_") for o in member_ops.get(m, frozenset()))
+
+        return [(ops(a), ops(b), r) for a, b, r in self.records]
+
+
+def why_not_honoured(
+    group: Sequence[str],
+    refusals: Sequence[Refusal],
+    library: Sequence[frozenset[str]],
+) -> str:
+    """Why Inductor did not put ``group``'s ops in one kernel: its own reason for refusing to fuse
+    two nodes that both hold ops of the group, where it logged one; a GEMM of the group run as a
+    library call (no epilogue or prologue fuses into it); else that no reason was logged."""
+    mine = set(group)
+    reasons = [r for a, b, r in refusals if a & mine and b & mine and not (a | b) - mine]
+    if reasons:
+        return f"Inductor: {reasons[-1]}"
+    gemm = next((k for k in library if k & mine), None)
+    if gemm is not None:
+        return (f"{', '.join(sorted(gemm & mine))} ran as a library call: pointwise work fuses into a "
+                "GEMM only through Inductor's GEMM templates (max_autotune, CUDA)")
+    return "Inductor kept the ops apart and logged no reason"
 
 
 def _decompose(gm: fx.GraphModule, inputs: Sequence[Any]) -> fx.GraphModule:
@@ -560,7 +651,24 @@ def optimizer_record(plan: Plan, ir: Graph, fused: bool) -> dict[str, Any] | Non
         "groups_honoured": len(mine) if fused else 0,
         "honoured": mine if fused else [],
         "not_honoured": [] if fused else mine,
+        "why_not": {} if fused else {
+            str(i): {"ops": list(groups[i]), "reason": "the optimizer's groups need the fused AdamW kernel, "
+                     "which this run did not use"}
+            for i in mine
+        },
     }
+
+
+def not_honoured(records: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Each planned group no compiled graph honoured (``honoured_total``'s complement), with its ops
+    and the reason the first graph that split it gives."""
+    good = {i for r in records for i in r.get("honoured", ())}
+    bad = sorted({i for r in records for i in r.get("not_honoured", ())} - good)
+    out = []
+    for i in bad:
+        why = next((r["why_not"][str(i)] for r in records if str(i) in r.get("why_not", {})), None)
+        out.append({"group": i, "ops": why["ops"] if why else [], "reason": why["reason"] if why else ""})
+    return out
 
 
 def honoured_total(records: Sequence[dict[str, Any]]) -> tuple[int, int]:

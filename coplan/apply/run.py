@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from coplan.apply.dist import from_torchrun, launch
-from coplan.apply.fusion import honoured_total
+from coplan.apply.fusion import honoured_total, not_honoured
 from coplan.apply.predict import baseline_plan, make_context, predict, refuse, run_cluster
 from coplan.apply.train import MODES, Job, RankResult, run_rank, step_time, tolerance_of
 from coplan.errors import CoplanError, SpecError
@@ -163,7 +163,11 @@ def report(
         "predicted": predicted,
         "loss": res.loss,
         "grad_check": {"max_rel_err": err, "tolerance": tol, "ok": bool(err <= tol)},
-        "fusion": {"groups_planned": planned, "groups_honoured": honoured},
+        "fusion": {
+            "groups_planned": planned,
+            "groups_honoured": honoured,
+            "not_honoured": not_honoured(res.fusion),
+        },
         "run": {
             "model": req.spec.name,
             "plan": p.fingerprint,

@@ -251,6 +251,10 @@ def show(out: dict[str, Any]) -> None:
     console.print("loss per step: " + ", ".join(f"{v:.4f}" for v in out["loss"]), soft_wrap=True)
     f = out["fusion"]
     console.print(f"fusion groups honoured: {f['groups_honoured']} of {f['groups_planned']}")
+    for g in f.get("not_honoured", [])[:10]:
+        ops = ", ".join(g["ops"][:4]) + (", ..." if len(g["ops"]) > 4 else "")
+        line = f"  group {g['group']} ({ops}) not honoured: {g['reason']}"
+        console.print(line, soft_wrap=True, markup=False)
     if r["recomputed"]:
         console.print(f"recomputed in backward: {len(r['recomputed'])} tensors")
     if r["not_found"]:

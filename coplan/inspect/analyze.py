@@ -102,6 +102,7 @@ def stages(events: list[dict[str, Any]]) -> Stages:
     pre_nodes = 0
     timed = False
     recompiles = 0
+    traced: set[str | None] = set()
 
     def add(name: str, graph: str, st: str, fp: str, before: int, after: int) -> None:
         passes.append(
@@ -169,6 +170,11 @@ def stages(events: list[dict[str, Any]]) -> Stages:
                 graph = frame_of[cid]
                 if st == "aot":
                     st = "joint"
+                if st == "joint" and cid not in traced:
+                    # the graph AOTAutograd traced (functionalized, decomposed to aten; forward and
+                    # backward together when training) is what the first joint pass receives
+                    traced.add(cid)
+                    add("aot_trace", graph, "joint", e["fp_before"], last_ops.get(cid, 0), e["ops_before"])
             last_ops[cid] = e["ops_after"] if st != "post_grad" else last_ops.get(cid, 0)
             add(e["name"], graph, st, e["fp_after"], e["ops_before"], e["ops_after"])
         elif kind == "pre_fusion":

@@ -271,7 +271,10 @@ def test_run_json_contract(capsys, plan_file):
     keys = {"step_time_s", "saved_activation_bytes", "peak_bytes"}
     assert set(data["measured"]) == keys and set(data["predicted"]) == keys
     assert set(data["grad_check"]) == {"max_rel_err", "tolerance", "ok"}
-    assert set(data["fusion"]) == {"groups_planned", "groups_honoured"}
+    assert set(data["fusion"]) == {"groups_planned", "groups_honoured", "not_honoured"}
+    missed = data["fusion"]["not_honoured"]
+    assert len(missed) == data["fusion"]["groups_planned"] - data["fusion"]["groups_honoured"]
+    assert all(m["ops"] and m["reason"] for m in missed)
     assert len(data["loss"]) == 3 and all(v > 0 for v in data["loss"])
     assert data["grad_check"]["ok"] and data["grad_check"]["tolerance"] == 1e-4
     m, p = data["measured"], data["predicted"]
@@ -303,3 +306,16 @@ def test_run_refuses_pipeline_plans_with_data_parallelism(capsys, tmp_path, ctx)
     path.write_text(plan.to_json())
     code, _, err = _cli(capsys, "--model", "gpt-tiny", "--plan", str(path), "--nproc", "4")
     assert code == 2 and "pipeline parallelism with tp=1, dp=2" in err and err.count("\n") == 1
+
+
+def test_why_a_planned_group_was_not_honoured():
+    from coplan.apply.fusion import why_not_honoured
+
+    group = ("ln", "gelu")
+    refused = [(frozenset({"ln"}), frozenset({"gelu"}), "intermediate nodes between node1 & node2")]
+    assert why_not_honoured(group, refused, []) == "Inductor: intermediate nodes between node1 & node2"
+    # a refusal involving ops outside the group is not this group's reason
+    other = [(frozenset({"ln", "mm"}), frozenset({"gelu"}), "no shared data")]
+    assert why_not_honoured(group, other, []).startswith("Inductor kept")
+    gemm = ("fc", "gelu")
+    assert "library call" in why_not_honoured(gemm, [], [frozenset({"fc"})])
