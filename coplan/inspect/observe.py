@@ -72,7 +72,7 @@ class Collector:
 def _compile_id() -> str | None:
     try:
         cid = torch._guards.CompileContext.current_compile_id()
-    except Exception:
+    except Exception:  # an instrument must never break the compile it watches
         return None
     return None if cid is None else str(cid)
 
@@ -166,11 +166,11 @@ def _snapshot_nodes(nodes: list[Any]) -> list[dict[str, Any]]:
             origins = [o for names in member_origins.values() for o in names]
             try:
                 nbytes = int(n.get_read_write_buffers_sizes())
-            except Exception:
+            except Exception:  # symbolic sizes or a node kind without accounting: no bytes known
                 nbytes = 0
             try:
                 flops = int(n.estimate_flops() or 0)
-            except Exception:
+            except Exception:  # as for bytes
                 flops = 0
             out.append(
                 {
@@ -184,7 +184,7 @@ def _snapshot_nodes(nodes: list[Any]) -> list[dict[str, Any]]:
                     "flops": flops,
                 }
             )
-        except Exception as err:
+        except Exception as err:  # a scheduler node kind this reading does not know: keep its name
             out.append(
                 {
                     "name": getattr(n, "get_name", lambda: "?")(),
@@ -223,7 +223,7 @@ def snapshot_graph(g: torch.fx.Graph) -> list[dict[str, Any]]:
                 dtype = str(val.dtype).removeprefix("torch.")
                 itemsize = val.element_size()
                 nbytes = int(val.numel()) * itemsize
-            except Exception:
+            except Exception:  # symbolic sizes (dynamic shapes): no static shape to report
                 shape = None
         orig = n.meta.get("original_aten")
         target = n.target

@@ -8,25 +8,10 @@ is never needed). Without Chromium or Playwright the tests are skipped with the 
 from __future__ import annotations
 
 from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import pytest
-
-CHROMIUM = Path("/usr/bin/chromium")
-# Chromium must neither phone home nor need a display or a sandbox-capable kernel (CI runs as root
-# in a container).
-CHROMIUM_ARGS = [
-    "--headless",
-    "--no-sandbox",
-    "--disable-gpu",
-    "--disable-dev-shm-usage",
-    "--disable-background-networking",
-    "--disable-component-update",
-    "--disable-sync",
-    "--no-first-run",
-]
-TIMEOUT_MS = 15_000
+from browser_env import CHROMIUM, CHROMIUM_ARGS, TIMEOUT_MS
 
 
 @pytest.fixture

@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from conftest import CHROMIUM
+from browser_env import CHROMIUM
 
 from coplan.inspect.dashboard import DashboardServer
 
