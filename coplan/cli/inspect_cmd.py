@@ -46,6 +46,9 @@ def _model(
     from coplan.models.spec import load_model_spec
     from coplan.models.transformer import build_model, example_batch
 
+    hf = _hf_config(model)
+    if hf is not None:
+        return _hf_config_model(model, hf, batch, seq)
     spec = load_model_spec(model)
     s = min(seq or DEFAULT_SEQ, spec.seq_len) if seq is None else seq
     if s > spec.seq_len:
@@ -58,6 +61,53 @@ def _model(
         module = hf_model(spec)
         return module, (), {"input_ids": idx, "labels": targets}, s
     return build_model(spec), (idx, targets), {}, s
+
+
+def _hf_config(model: str) -> dict[str, Any] | None:
+    """The contents of ``model`` when it is a Hugging Face ``config.json`` (it has ``model_type``)."""
+    import json
+
+    from coplan.fileio import looks_like_file, read_text
+
+    if not (model.lower().endswith(".json") or looks_like_file(model)):
+        return None
+    try:
+        data = json.loads(read_text(Path(model), model))
+    except (json.JSONDecodeError, ValueError):
+        return None  # not JSON: the spec loader names the error
+    return data if isinstance(data, dict) and "model_type" in data else None
+
+
+def _hf_config_model(
+    path: str, data: dict[str, Any], batch: int, seq: int | None
+) -> tuple[Any, tuple[Any, ...], dict[str, Any], int]:
+    """The ``transformers`` causal LM of a config file, as ``from_config`` builds it (random
+    weights, nothing downloaded), and a random batch of token ids as its input and labels."""
+    import torch
+
+    from coplan.models.hf import _transformers
+
+    tf = _transformers()
+    kind = str(data["model_type"])
+    fields = {
+        k: v for k, v in data.items() if k not in ("model_type", "architectures", "transformers_version")
+    }
+    try:
+        cfg = tf.AutoConfig.for_model(kind, **fields)
+        cfg._attn_implementation = "sdpa"
+        module = tf.AutoModelForCausalLM.from_config(cfg)
+    except (ValueError, KeyError, TypeError) as err:
+        raise CoplanError(f"--model {path}: transformers cannot build a causal LM of it: {err}") from None
+    longest = next(
+        (int(getattr(cfg, k)) for k in ("max_position_embeddings", "n_positions") if getattr(cfg, k, None)),
+        None,
+    )
+    s = seq or (min(DEFAULT_SEQ, longest) if longest else DEFAULT_SEQ)
+    if longest is not None and s > longest:
+        raise CoplanError(f"--seq {s}: {path} takes at most {longest} positions")
+    torch.manual_seed(0)
+    ids = torch.randint(0, int(cfg.vocab_size), (batch, s))
+    return module, (), {"input_ids": ids, "labels": ids.clone()}, s
 
 
 def inspect(

@@ -69,3 +69,31 @@ def test_a_history_path_that_is_a_folder_is_refused(cli, tmp_path: Path) -> None
 def test_cuda_without_a_gpu_is_refused(cli) -> None:
     code, _, err = cli("inspect", "--model", "gpt-tiny", "--no-record", "--device", "cuda")
     assert code == 2 and "CUDA" in err
+
+
+@pytest.mark.compile
+def test_a_hugging_face_config_file(cli, tmp_path: Path) -> None:
+    pytest.importorskip("transformers", reason="the hf extra is not installed")
+    config = {
+        "model_type": "gpt2",
+        "n_layer": 2,
+        "n_embd": 64,
+        "n_head": 4,
+        "vocab_size": 512,
+        "n_positions": 64,
+        "architectures": ["GPT2LMHeadModel"],
+    }
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(config))
+    code, out, err = cli("inspect", "--model", str(path), "--no-record", "--steps", "0", "--json")
+    assert code == 0, err
+    rec = json.loads(out)
+    assert rec["seq"] == 64  # the default 128 capped at the config's positions
+    names = [g["name"] for g in rec["graphs"]]
+    assert names[0] == "forward" and "backward" in names
+    # transformers' GPT-2 breaks the graph where it logs (a logger call Dynamo does not trace): each
+    # break is reported where it is, and the frames after it compile as graphs of their own
+    assert all(b["location"].startswith("transformers/") and b["reason"] for b in rec["graph_breaks"])
+    assert len(names) > 2 if rec["graph_breaks"] else len(names) == 2
+    code, _, err = cli("inspect", "--model", str(path), "--no-record", "--seq", "65")
+    assert code == 2 and "64" in err
