@@ -281,8 +281,15 @@ def _entry(ctx: PlanContext, r: StrategyResult) -> dict[str, Any]:
     return (
         {k: d[k] for k in keys}
         | {k: d[k] for k in ("evaluations", "violations", "notes", "passes")}
-        | {"validated": _trust(ctx, r).to_dict()}
+        | {"validated": _trust(ctx, r).to_dict(), "decisions": _op_decisions(ctx, r)}
     )
+
+
+def _op_decisions(ctx: PlanContext, r: StrategyResult) -> dict[str, Any]:
+    """The plan's per-op decisions counted for one block (``plan.decisions``)."""
+    from coplan.plan.decisions import block_decisions
+
+    return block_decisions(r.plan, ctx.index.graph)
 
 
 def _trust(ctx: PlanContext, r: StrategyResult) -> Validated:

@@ -32,12 +32,14 @@ def test_plan_and_compare_json_carry_stack_and_trust(cli: Cli) -> None:
     assert code == 0, err
     body = json.loads(out)
     assert body["stack"] == "fsdp" and body["validated"]["inside"] is False
+    decisions = {"kernels", "fused_edges", "recomputed", "dtype_overrides"}
+    assert decisions <= set(body["decisions"]) and decisions <= set(body["decisions"]["outside"])
     code, out, err = cli("compare", "-m", "gpt-tiny", "--strategies", "sequential,joint", "--json")
     assert code == 0, err
     body = json.loads(out)
     assert body["stack"] == "megatron"
     for entry in body["strategies"].values():
-        assert {"validated", "mfu_dtype_peak"} <= set(entry)
+        assert {"validated", "mfu_dtype_peak", "decisions"} <= set(entry)
 
 
 def test_plan_emits_a_recipe_per_target(cli: Cli, tmp_path: Path) -> None:
