@@ -31,7 +31,7 @@ def _groups(plan: Plan, graph: Graph) -> tuple[tuple[str, ...], ...]:
 def _counts(plan: Plan, graph: Graph, ops: list[Op], groups: tuple[tuple[str, ...], ...]) -> dict[str, int]:
     names = {op.name for op in ops}
     group_of = {n: i for i, g in enumerate(groups) for n in g}
-    groups = {group_of[n] for n in names if n in group_of}
+    here = {group_of[n] for n in names if n in group_of}
     alone = sum(1 for op in ops if op.name not in group_of and op.kind is not OpKind.VIEW)
     fused = 0
     for op in ops:
@@ -42,7 +42,7 @@ def _counts(plan: Plan, graph: Graph, ops: list[Op], groups: tuple[tuple[str, ..
         fused += sum(1 for p in producers if p is not None and group_of.get(graph.ops[p].name) == g)
     produced_here = {graph.tensors[t].name for op in ops for t in op.outputs}
     return {
-        "kernels": len(groups) + alone,
+        "kernels": len(here) + alone,
         "fused_edges": fused,
         "recomputed": len(plan.remat.all_names & produced_here),
         "dtype_overrides": sum(1 for n, _ in plan.precision.ops if n in names),
