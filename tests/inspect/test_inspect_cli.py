@@ -20,12 +20,18 @@ CONTRACT = {
 }
 
 
+#: the smallest transformer the command builds: one block (a spec file, as users pass their own)
+ONE_BLOCK = {"name": "gpt-one", "n_layers": 1, "d_model": 32, "n_heads": 2, "vocab_size": 128, "seq_len": 32}
+
+
 @pytest.mark.compile
 def test_inspect_json_and_history(cli, tmp_path: Path) -> None:
     db = tmp_path / "h.sqlite"
     html = tmp_path / "r.html"
+    spec = tmp_path / "gpt-one.json"
+    spec.write_text(json.dumps(ONE_BLOCK))
     code, out, err = cli(
-        "inspect", "--model", "gpt-tiny", "--steps", "1", "--json", "--db", str(db), "--html", str(html)
+        "inspect", "--model", str(spec), "--steps", "1", "--json", "--db", str(db), "--html", str(html)
     )
     assert code == 0, err
     rec = json.loads(out)
@@ -34,7 +40,8 @@ def test_inspect_json_and_history(cli, tmp_path: Path) -> None:
     assert all({"ops", "reason", "predicted_saving_s"} <= set(u) for u in rec["unfused"])
     assert isinstance(rec["kernels"], int) and rec["kernels"] > 0
     assert isinstance(rec["record_id"], int)
-    assert rec["model"] == "gpt-tiny" and rec["device"] == "cpu" and rec["hardware"] == "cpu"
+    assert rec["model"] == str(spec) and rec["device"] == "cpu" and rec["hardware"] == "cpu"
+    assert rec["seq"] == 32  # the default 128, capped at the model's length
     assert html.read_text().startswith("<!doctype html>")
     code, out, _ = cli("history", "list", "--db", str(db), "--json")
     assert code == 0
@@ -71,6 +78,7 @@ def test_cuda_without_a_gpu_is_refused(cli) -> None:
     assert code == 2 and "CUDA" in err
 
 
+@pytest.mark.slow
 @pytest.mark.compile
 def test_a_hugging_face_config_file(cli, tmp_path: Path) -> None:
     pytest.importorskip("transformers", reason="the hf extra is not installed")
