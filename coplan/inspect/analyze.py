@@ -104,6 +104,17 @@ def stages(events: list[dict[str, Any]]) -> Stages:
     recompiles = 0
     traced: set[str | None] = set()
 
+    def open_graph(e: dict[str, Any]) -> CompiledGraph:
+        """A new graph compiled by Inductor, named by what AOTAutograd made of it."""
+        base = (
+            "optimizer"
+            if e["section"] == "optimizer"
+            else ("backward" if e["role"] == "backward" else "forward")
+        )
+        g = CompiledGraph(name=posts.new(base), role=e["role"])
+        graphs.append(g)
+        return g
+
     def add(name: str, graph: str, st: str, fp: str, before: int, after: int) -> None:
         passes.append(
             {
@@ -145,18 +156,14 @@ def stages(events: list[dict[str, Any]]) -> Stages:
                 n_sched = sum(1 for k in current.scheduler if _launches(k))
                 add("codegen", current.name, "codegen", fp, n_sched, len(current.codegen) or n_sched)
         elif kind == "pass":
-            if e["depth"] != 0 or cid not in frame_of:
+            if e["depth"] != 0:
                 continue
+            if cid not in frame_of:  # its capture went unread (see "notes"): name the frame here
+                frame_of[cid] = frames.new("optimizer-step" if e["section"] == "optimizer" else e["section"])
             st = stage.get(cid, "post_grad")
             if st == "post_grad":
                 if current is None:
-                    base = (
-                        "optimizer"
-                        if e["section"] == "optimizer"
-                        else ("backward" if e["role"] == "backward" else "forward")
-                    )
-                    current = CompiledGraph(name=posts.new(base), role=e["role"])
-                    graphs.append(current)
+                    current = open_graph(e)
                     add(
                         "aot_partition",
                         current.name,
@@ -179,7 +186,9 @@ def stages(events: list[dict[str, Any]]) -> Stages:
             add(e["name"], graph, st, e["fp_after"], e["ops_before"], e["ops_after"])
         elif kind == "pre_fusion":
             pre_nodes = e["nodes"]
-        elif kind == "post_fusion" and current is not None:
+        elif kind == "post_fusion":
+            if current is None:  # its post-grad passes went unread (see "notes")
+                current = open_graph(e)
             current.nodes = e["graph"]
             current.scheduler = e["kernels"]
             current.why = [(str(a), str(b), str(r)) for a, b, r in e["why"]]

@@ -169,6 +169,11 @@ def build_record(
         "unfused": patterns,
         "lineage": {"op_to_kernels": op_to, "kernel_to_ops": kernel_to},
         "graph_breaks": st.graph_breaks,
+        "notes": [
+            f"could not read {e['where']}: {e['message']}"
+            for e in run.collector.events
+            if e["event"] == "error"
+        ],
         "optimizer": run.optimizer,
         "recompiles": st.recompiles,
         "bytes_moved": sum(int(k["bytes"]) for k in table),

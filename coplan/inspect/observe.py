@@ -51,6 +51,8 @@ _MARKERS = {
     "before_post_grad_graph",
     "inductor_post_grad_graph",
 }
+#: what is kept of each frame's compilation metrics
+_METRICS = ("co_name", "co_filename", "graph_op_count", "compile_id", "fail_reason")
 #: artifacts whose payload is kept
 _PAYLOADS = {"dynamo_graph_break_reason", "inductor_provenance_tracking_node_mappings"}
 
@@ -83,6 +85,12 @@ class _TraceHandler(logging.Handler):
         self.col = col
 
     def emit(self, record: logging.LogRecord) -> None:
+        try:
+            self._read(record)
+        except Exception as err:  # an instrument must never break the compile it watches
+            self.col.add("error", where=type(self).__name__, message=f"{type(err).__name__}: {err}")
+
+    def _read(self, record: logging.LogRecord) -> None:
         meta = getattr(record, "metadata", None)
         if not isinstance(meta, dict):
             return
@@ -90,14 +98,9 @@ class _TraceHandler(logging.Handler):
         cid = f"{frame}/{meta.get('frame_compile_id')}" if frame is not None else None
         for key, value in meta.items():
             if key in _KEEP:
-                kept = value if key in ("compilation_metrics", "dynamo_start") else None
+                kept = None
                 if key == "compilation_metrics" and isinstance(value, dict):
-                    kept = {
-                        k: value.get(k)
-                        for k in ("co_name", "co_filename", "graph_op_count", "compile_id", "fail_reason")
-                    }
-                if key == "dynamo_start":
-                    kept = None
+                    kept = {k: value.get(k) for k in _METRICS}
                 self.col.add("trace", name=key, compile_id=cid, meta=kept)
                 return
             if key == "artifact" and isinstance(value, dict):
@@ -124,6 +127,12 @@ class _FusionLogHandler(logging.Handler):
         self.col = col
 
     def emit(self, record: logging.LogRecord) -> None:
+        try:
+            self._read(record)
+        except Exception as err:  # an instrument must never break the compile it watches
+            self.col.add("error", where=type(self).__name__, message=f"{type(err).__name__}: {err}")
+
+    def _read(self, record: logging.LogRecord) -> None:
         why = record.msg
         name1, name2 = getattr(why, "name1", None), getattr(why, "name2", None)
         if name1 is None or name2 is None:
@@ -267,27 +276,42 @@ def observe(col: Collector) -> Iterator[Callable[..., Any]]:
 
     orig_enter, orig_exit = GraphTransformObserver.__enter__, GraphTransformObserver.__exit__
 
+    # Every hook below is guarded: an instrument that fails must not fail the compile it watches.
+    # What it could not read is recorded as an "error" event, which the record reports as a note.
+    def failed(where: str, err: Exception) -> None:
+        col.add("error", where=where, message=f"{type(err).__name__}: {err}")
+
+    def look(gm: Any) -> tuple[str, int]:
+        return fingerprint(gm), op_count(gm)
+
     def enter(self: Any) -> Any:
-        gm = self.gm
-        col._pass_stack.append({"name": self.passname, "fp": fingerprint(gm), "ops": op_count(gm)})
+        try:
+            fp, ops = look(self.gm)
+        except Exception as err:
+            failed(f"pass {self.passname}", err)
+            fp, ops = "", 0
+        col._pass_stack.append({"name": self.passname, "fp": fp, "ops": ops})
         return orig_enter(self)
 
     def exit_(self: Any, *exc: Any) -> Any:
         result = orig_exit(self, *exc)
         if col._pass_stack:
             before = col._pass_stack.pop()
-            gm = self.gm
-            col.add(
-                "pass",
-                name=before["name"],
-                compile_id=_compile_id(),
-                role=role_of(gm),
-                fp_before=before["fp"],
-                fp_after=fingerprint(gm),
-                ops_before=before["ops"],
-                ops_after=op_count(gm),
-                depth=len(col._pass_stack),
-            )
+            try:
+                fp, ops = look(self.gm)
+                col.add(
+                    "pass",
+                    name=before["name"],
+                    compile_id=_compile_id(),
+                    role=role_of(self.gm),
+                    fp_before=before["fp"],
+                    fp_after=fp,
+                    ops_before=before["ops"],
+                    ops_after=ops,
+                    depth=len(col._pass_stack),
+                )
+            except Exception as err:
+                failed(f"pass {before['name']}", err)
         return result
 
     def pre_fusion(nodes: list[Any]) -> list[Any]:
@@ -301,20 +325,27 @@ def observe(col: Collector) -> Iterator[Callable[..., Any]]:
         return nodes
 
     def post_fusion(nodes: list[Any]) -> list[Any]:
-        g = _graph_of(nodes)
-        col.add(
-            "post_fusion",
-            compile_id=_compile_id(),
-            kernels=_snapshot_nodes(nodes),
-            why=list(col._why),
-            graph=snapshot_graph(g) if g is not None else [],
-            role=_role_of_graph(g),
-        )
+        try:
+            g = _graph_of(nodes)
+            col.add(
+                "post_fusion",
+                compile_id=_compile_id(),
+                kernels=_snapshot_nodes(nodes),
+                why=list(col._why),
+                graph=snapshot_graph(g) if g is not None else [],
+                role=_role_of_graph(g),
+            )
+        except Exception as err:
+            failed("scheduler", err)
         col._why.clear()
         return nodes
 
     def backend(gm: torch.fx.GraphModule, example_inputs: list[Any]) -> Any:
-        col.add("capture", compile_id=_compile_id(), fp=fingerprint(gm), ops=op_count(gm))
+        try:
+            fp, ops = look(gm)
+            col.add("capture", compile_id=_compile_id(), fp=fp, ops=ops)
+        except Exception as err:
+            failed("dynamo capture", err)
         return compile_fx(gm, example_inputs)
 
     patches = {
