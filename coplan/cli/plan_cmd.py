@@ -175,7 +175,7 @@ def _runnable_dtypes(ctx: PlanContext, kinds: tuple[str, ...] | None) -> None:
     native = ctx.device_dtypes
 
     def why(d: str) -> str | None:
-        if d not in native and not (d == "tf32" and "fp32" in native):
+        if d not in native:  # tf32 too: the devices that have it list it (SearchSpace.precisions)
             return f"{ctx.cluster.name}'s devices have no {d} units"
         if d == "fp8" and ctx.stack.fp8 != "native":
             how = "emulates fp8" if ctx.stack.fp8 == "emulated" else "runs no fp8"
@@ -223,7 +223,10 @@ def run_all(
             if order:
                 opts.order = order
             if name == "joint":
-                opts.warm = [r.plan for r in results.values()]
+                # warm starts seed joint's incumbent: only plans inside the space it may return
+                opts.warm = [
+                    r.plan for r in results.values() if dtypes is None or r.plan.precision.compute in dtypes
+                ]
             bar(name, -1, 1)
             results[name] = run_strategy(name, ctx, opts)
     finally:

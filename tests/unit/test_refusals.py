@@ -161,6 +161,15 @@ def test_dtypes_nothing_runs_natively_is_one_line(cli: Cli, args: tuple[str, ...
         one_line(code, err, "--dtypes", why)
 
 
+def test_tf32_where_the_devices_have_no_tf32_is_one_line(cli: Cli) -> None:
+    # a CPU runs fp32 but has no tf32 mode: searching tf32 there would find nothing
+    code, _, err = cli("plan", "-m", "gpt-tiny", "--cluster", "cpu", "--dtypes", "tf32")
+    one_line(code, err, "--dtypes", "no tf32 units")
+    code, out, err = cli("plan", "-m", "gpt-tiny", "--cluster", "dgx-a100-80gb", "--dtypes", "tf32", "--json")
+    assert code == 0, err
+    assert json.loads(out)["plan"]["precision"]["compute"] == "tf32"
+
+
 def test_strategy_choices_match_the_registry() -> None:
     from coplan.cli.options import Strategy
     from coplan.search import STRATEGIES
