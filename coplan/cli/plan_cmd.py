@@ -107,6 +107,7 @@ def make_context(
     budget_gb: float | None,
     tolerance: float,
     stack: StackSpec | None = None,
+    dtypes: tuple[str, ...] | None = None,
 ) -> PlanContext:
     from coplan.cost import CostModel
     from coplan.cost.stacks import load_stack
@@ -125,6 +126,7 @@ def make_context(
         budget_bytes=budget_gb * GiB if budget_gb is not None else None,
         numerics=Numerics(tolerance),
         stack=stack if stack is not None else load_stack("megatron"),
+        dtypes=dtypes,
     )
 
 
@@ -472,7 +474,7 @@ def plan(
     check_output("--out", out)
     check_output("--html", html)
     the_stack = resolve_stack(stack, stack_file)
-    ctx = make_context(model, cluster, gpus, global_batch, seq, memory_budget_gb, tolerance, the_stack)
+    ctx = make_context(model, cluster, gpus, global_batch, seq, memory_budget_gb, tolerance, the_stack, kinds)
     _runnable_dtypes(ctx, kinds)
     names = [name]
     if name == "joint":
@@ -577,7 +579,7 @@ def compare(
     check_output("--out", out)
     check_output("--html", html)
     the_stack = resolve_stack(stack, stack_file)
-    ctx = make_context(model, cluster, gpus, global_batch, seq, memory_budget_gb, tolerance, the_stack)
+    ctx = make_context(model, cluster, gpus, global_batch, seq, memory_budget_gb, tolerance, the_stack, kinds)
     _runnable_dtypes(ctx, kinds)
     results = run_all(ctx, names, steps, kinds)
     fitting = [r for r in results.values() if r.fits]

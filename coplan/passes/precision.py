@@ -74,9 +74,15 @@ def precision_variant(ctx: PlanContext, compute: str, variant: str) -> Precision
     raise ValueError(f"unknown precision variant {variant!r}; variants: {', '.join(PRECISION_VARIANTS)}")
 
 
+#: what automatic mixed precision computes in, by preference: a 16-bit type where the devices have
+#: one (bf16 first: fp16's speed without loss scaling), else full precision; fp8 only where the job
+#: allows nothing else
+AMP_ORDER = ("bf16", "fp16", "fp32", "tf32", "fp8")
+
+
 def amp_precision(ctx: PlanContext) -> PrecisionPlan:
-    native = ctx.device_dtypes
-    compute = "bf16" if "bf16" in native else "fp16" if "fp16" in native else "fp32"
+    allowed = ctx.compute_dtypes
+    compute = next((d for d in AMP_ORDER if d in allowed), "fp32")
     plan = precision_variant(ctx, compute, "autocast") or precision_variant(ctx, compute, "fused")
     assert plan is not None
     return plan

@@ -129,6 +129,8 @@ class PlanContext:
     budget_bytes: float | None = None
     numerics: Numerics = field(default_factory=Numerics)
     stack: StackSpec = field(default_factory=lambda: load_stack("megatron"))
+    #: the compute dtypes the job allows (``plan --dtypes``); None: every one the devices run
+    dtypes: tuple[str, ...] | None = None
     _priced: dict[Decisions, Estimate] = field(default_factory=dict, repr=False)
     _configs: dict[Decisions, TrainingConfig] = field(default_factory=dict, repr=False)
     _expanded: dict[FusionPlan, tuple[tuple[int, ...], ...]] = field(default_factory=dict, repr=False)
@@ -210,6 +212,12 @@ class PlanContext:
         for s in sets[1:]:
             out &= s
         return out | {"fp32"}
+
+    @property
+    def compute_dtypes(self) -> frozenset[str]:
+        """The compute dtypes a plan of this job may use: the devices' own, within ``dtypes``."""
+        native = self.device_dtypes
+        return native if self.dtypes is None else native & frozenset(self.dtypes)
 
     def default_plan(self) -> Plan:
         """What a user gets without planning: eager kernels, nothing recomputed, plain data

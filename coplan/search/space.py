@@ -53,12 +53,12 @@ class SearchSpace:
         """Every compute dtype of the space under every precision variant that applies (the
         16-bit loss only where the job's numerics tolerance allows it)."""
         native = ctx.device_dtypes
-        want = self.dtypes if self.dtypes is not None else ("fp32", "bf16", "fp16", "fp8")
+        want = self.dtypes if self.dtypes is not None else (ctx.dtypes or ("fp32", "bf16", "fp16", "fp8"))
         out = []
         for d in want:
             if d not in native or (d == "fp8" and ctx.stack.fp8 != "native"):
                 continue
-            if d == "fp16" and "bf16" in native and self.dtypes is None:
+            if d == "fp16" and "bf16" in native and self.dtypes is None and ctx.dtypes is None:
                 continue  # bf16 has fp16's speed without loss scaling: fp16 is never better
             for v in self.precision:
                 if v == "loss16" and ctx.numerics.tolerance < SENSITIVE_16BIT_ERROR:
