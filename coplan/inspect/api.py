@@ -21,7 +21,7 @@ from coplan.errors import CoplanError
 from coplan.inspect.analyze import kernels_of, stages
 from coplan.inspect.fusions import node_kind, unfused
 from coplan.inspect.fxgraph import digest
-from coplan.inspect.price import Pricer, pattern_name
+from coplan.inspect.price import Pricer, fused_optimizer_kernel, pattern_name
 from coplan.inspect.step import LossFn, StepRun, default_loss, median, run_step
 from coplan.ir.types import OpKind
 
@@ -149,6 +149,13 @@ def build_record(
             }
         )
         table.extend({key: v for key, v in k.items() if key != "members"} for k in ks)
+    opt = run.optimizer
+    if not opt.get("compiled") and opt.get("elements"):
+        eager = fused_optimizer_kernel(opt["elements"], opt["itemsize"])
+        eager["predicted_s"] = pricer.seconds(pricer.kernel(eager, {}, "optimizer"))
+        eager["aten"] = ["aten._fused_adamw_"]
+        table.append({key: v for key, v in eager.items() if key not in ("members", "vec_flops")})
+        kernel_to["optimizer/aten._fused_adamw_"] = []
     captures = [p["fingerprint"] for p in st.passes if p["stage"] == "capture"]
     samples = run.samples
     return {
@@ -174,7 +181,7 @@ def build_record(
             for e in run.collector.events
             if e["event"] == "error"
         ],
-        "optimizer": run.optimizer,
+        "optimizer": {k: v for k, v in run.optimizer.items() if k not in ("elements", "itemsize")},
         "recompiles": st.recompiles,
         "bytes_moved": sum(int(k["bytes"]) for k in table),
         "predicted_step_s": sum(float(k["predicted_s"]) for k in table),

@@ -58,6 +58,9 @@ class Pricer:
 
     def kernel(self, k: dict[str, Any], nodes: dict[str, dict[str, Any]], phase: str) -> Kernel:
         ph = _PHASE.get(phase.split("#")[0], Phase.FORWARD)
+        if k["kind"] == "eager":  # a whole eager optimizer step (``fused_optimizer_kernel``)
+            nb = (float(k["bytes"]), 0.0, 0.0, 0.0, 0.0, 0.0)
+            return Kernel(ph, "vector", REPL, 0.0, float(k.get("vec_flops", 0.0)), nb)
         own = [nodes[n] for n in k["ops"] if n in nodes and nodes[n]["op"] == "call_function"]
         nbytes = (float(k["bytes"]), 0.0, 0.0, 0.0, 0.0, 0.0)
         gemm = next((n for n in own if short(n["target"]) in _GEMMS), None)
@@ -137,3 +140,27 @@ def _gemm_dims(n: dict[str, Any], nodes: dict[str, dict[str, Any]]) -> tuple[int
     if left:
         kk = left[-1]
     return max(1, int(m)), max(1, int(nn_)), max(1, int(kk))
+
+
+#: bytes per parameter element an Adam(W) step moves, in units of the parameter's width: the
+#: parameter read and written, its gradient read, both moments read and written
+#: (``_fused_adamw_``: one pass over each of the four tensors of a parameter)
+ADAM_PASSES = 7
+#: vector FLOPs per element of an Adam(W) update (``coplan.ir.oprules``' ``fused_adam`` rule)
+ADAM_FLOPS = 12
+
+
+def fused_optimizer_kernel(elements: int, itemsize: int) -> dict[str, Any]:
+    """The kernel-table row of an optimizer step that runs eagerly as one fused kernel (what
+    ``torch.compile`` leaves of a fused AdamW): it is part of the step, so it is priced with it."""
+    return {
+        "name": "aten._fused_adamw_",
+        "graph": "optimizer",
+        "kind": "eager",
+        "ops": [],
+        "op": "aten._fused_adamw_.default",
+        "members": [],
+        "bytes": int(elements) * int(itemsize) * ADAM_PASSES,
+        "flops": 0,
+        "vec_flops": float(elements) * ADAM_FLOPS,
+    }

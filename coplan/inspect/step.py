@@ -110,7 +110,14 @@ def run_step(
         fused = bool(opt.defaults.get("fused"))
         opt_step = opt.step if fused else torch.compile(opt.step, backend=backend)
         implementation = "fused" if fused else ("foreach" if opt.defaults.get("foreach") else "for-loop")
-        opt_info = {"name": type(opt).__name__, "implementation": implementation, "compiled": not fused}
+        opt_info = {
+            "name": type(opt).__name__,
+            "implementation": implementation,
+            "compiled": not fused,
+            # what an eager fused step reads and writes: every trainable element, at its width
+            "elements": sum(p.numel() for p in params),
+            "itemsize": params[0].element_size(),
+        }
 
         def one() -> float:
             col.section = "model"
