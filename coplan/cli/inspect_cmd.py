@@ -125,7 +125,9 @@ def inspect(
     hardware: Annotated[
         str | None,
         typer.Option(
-            "--hardware", help="Device preset the kernels are priced on \\[default: the local device's]."
+            "--hardware",
+            help="Device or cluster preset, or a profile file (coplan calibrate), the kernels are priced "
+            "on \\[default: the local device's].",
         ),
     ] = None,
     steps: Annotated[int, typer.Option("--steps", help="Steps timed after the compiling one.")] = 3,
@@ -152,7 +154,6 @@ def inspect(
     have fused and did not (with what fusing them would save), the kernels and their lineage, and
     the predicted and measured step time. The result is recorded in the history (coplan history)."""
     from coplan.fileio import check_output
-    from coplan.hardware.registry import get_device
     from coplan.inspect import history
 
     b = DEFAULT_BATCH if batch is None else batch
@@ -163,7 +164,9 @@ def inspect(
     check_output("--html", html)
     db_path = history.check_writable(db or history.default_db_path()) if record else None
     if hardware is not None:
-        get_device(hardware)
+        from coplan.inspect.api import pricing_device
+
+        pricing_device(hardware)
     import torch
 
     if device is InspectDevice.cuda and not torch.cuda.is_available():

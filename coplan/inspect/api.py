@@ -18,6 +18,7 @@ import torch
 from torch import nn
 
 from coplan.errors import CoplanError
+from coplan.hardware.device import DeviceSpec
 from coplan.inspect.analyze import kernels_of, stages
 from coplan.inspect.fusions import node_kind, unfused
 from coplan.inspect.fxgraph import digest
@@ -88,6 +89,14 @@ def _registered_fallbacks() -> frozenset[str]:
 _REGISTERED = _registered_fallbacks()
 
 
+def pricing_device(hardware: str) -> DeviceSpec:
+    """The device a compiled step is priced on: a device preset, or the device of a cluster preset
+    or of a JSON file of either (a profile ``coplan calibrate`` wrote for this machine)."""
+    from coplan.hardware.registry import load_cluster
+
+    return load_cluster(hardware, 1).devices[0]
+
+
 def fallback_reason(op: str) -> str:
     """Why Inductor runs ``op`` (``aten.x.default`` or ``ns.op.overload``) as a fallback kernel."""
     if op.split(".")[0] not in ("aten", "prims"):
@@ -100,10 +109,8 @@ def fallback_reason(op: str) -> str:
 def build_record(
     run: StepRun, *, model: str, batch: int, seq: int, device: torch.device, hardware: str, dtype: str
 ) -> dict[str, Any]:
-    from coplan.hardware.registry import get_device
-
     st = stages(run.collector.events)
-    pricer = Pricer.of(get_device(hardware), dtype)
+    pricer = Pricer.of(pricing_device(hardware), dtype)
     table: list[dict[str, Any]] = []
     patterns: list[dict[str, Any]] = []
     fallbacks: dict[tuple[str, str], dict[str, Any]] = {}
@@ -224,9 +231,7 @@ def inspect_module(
     device = params[0].device if params else torch.device("cpu")
     dtype = str(params[0].dtype).removeprefix("torch.") if params else "float32"
     hw = hardware or hardware_for(device)
-    from coplan.hardware.registry import get_device
-
-    get_device(hw)  # a bad preset name fails before the compile, not after
+    pricing_device(hw)  # a bad name or file fails before the compile, not after
     path = history.check_writable(db or history.default_db_path()) if (record or db) else None
     run = run_step(
         module,

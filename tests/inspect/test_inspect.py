@@ -164,3 +164,11 @@ def test_an_instrument_that_fails_does_not_fail_the_compile(monkeypatch):
     got = coplan.inspect(model, (x,), steps=0)
     assert got.kernels > 0  # Inductor compiled and the kernels were read
     assert got.record["notes"] and all("cannot read this graph" in n for n in got.record["notes"])
+
+
+def test_the_step_is_priced_on_the_hardware_named(runs):
+    # the same compiled step priced on an H100 of a DGX (its device) instead of this CPU
+    model, x = model_and_inputs()
+    got = coplan.inspect(model, (x,), steps=0, hardware="dgx-h100").record
+    assert got["hardware"] == "dgx-h100"
+    assert got["fingerprint"] != "" and 0 < got["predicted_step_s"] < runs["a"]["predicted_step_s"]
