@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import enum
 from pathlib import Path
 from typing import Annotated, Any
@@ -179,17 +180,24 @@ def inspect(
     from coplan.inspect.api import inspect_module
     from coplan.inspect.step import adamw
 
-    result = inspect_module(
-        module,
-        args,
-        kwargs,
-        steps=steps,
-        hardware=hardware,
-        name=model,
-        batch=b,
-        seq=s,
-        optimizer=adamw(optimizer.value),
+    # a compile takes a minute or two on a CPU: say what is running (on stderr, where it does not
+    # mix with --json; a terminal shows it as a spinner, a pipe as nothing)
+    what = f"compiling one training step of {model} with torch.compile" + (
+        f", then timing {steps} steps" if steps else ""
     )
+    status = Console(stderr=True).status(what) if not json else contextlib.nullcontext()
+    with status:
+        result = inspect_module(
+            module,
+            args,
+            kwargs,
+            steps=steps,
+            hardware=hardware,
+            name=model,
+            batch=b,
+            seq=s,
+            optimizer=adamw(optimizer.value),
+        )
     rec = result.record
     if db_path is not None:
         rec["record_id"] = history.store(db_path, rec)
