@@ -51,6 +51,7 @@ from coplan.apply.names import (
     block_prefix,
     relative_to_block,
 )
+from coplan.fusion_log import refusals
 from coplan.ir.types import Graph, Op, Phase
 from coplan.plan.types import Plan
 
@@ -514,13 +515,12 @@ def _inductor(
         }
     patch = config.patch(settings)
     gm = _decompose(gm, inputs)
-    refusals = _FusionRefusals()
-    with patch, V.set_choices_handler(choices), refusals:
+    with patch, V.set_choices_handler(choices), refusals() as logged:
         compiled = compile_fx_inner(gm, list(inputs), is_backward=phase == "backward")
     found = honoured([k for k in kernels if k], groups)
-    resolved = refusals.resolved(member_ops)
+    refused = resolved(logged, member_ops)
     why = {
-        str(i): {"ops": list(groups[i]), "reason": why_not_honoured(groups[i], resolved, library)}
+        str(i): {"ops": list(groups[i]), "reason": why_not_honoured(groups[i], refused, library)}
         for i in found["not_honoured"]
     }
     info = {
@@ -551,53 +551,14 @@ def _is_library(snode: Any) -> bool:
 Refusal = tuple[frozenset[str], frozenset[str], str]
 
 
-class _FusionRefusals:
-    """While open, collects Inductor's reasons for not fusing two scheduler nodes (the scheduler's
-    ``fusion`` log: ``WhyNoFuse``), by node name."""
+def resolved(records: Sequence[tuple[str, str, str]], member_ops: dict[str, frozenset[str]]) -> list[Refusal]:
+    """Inductor's refusals (``coplan.fusion_log``) as (plan ops of one side, of the other, reason);
+    a fused node's name joins its members' with ``_``."""
 
-    def __init__(self) -> None:
-        import logging
+    def ops(name: str) -> frozenset[str]:
+        return frozenset(o for m in name.split("_") for o in member_ops.get(m, frozenset()))
 
-        self.records: list[tuple[str, str, str]] = []
-        self._log = logging.getLogger("torch._inductor.scheduler.__fusion")
-        outer = self
-
-        class _Handler(logging.Handler):
-            def emit(self, record: logging.LogRecord) -> None:
-                why = record.msg
-                a, b = getattr(why, "name1", None), getattr(why, "name2", None)
-                if a is None or b is None:
-                    return
-                try:
-                    reason = str(why).split(": ", 1)[1]
-                except Exception:  # a reason whose arguments do not format: keep its template
-                    reason = str(getattr(why, "reason", ""))
-                outer.records.append((str(a), str(b), reason))
-
-        self._handler = _Handler()
-        self._saved = (self._log.level, self._log.propagate)
-
-    def __enter__(self) -> _FusionRefusals:
-        import logging
-
-        self._log.addHandler(self._handler)
-        self._log.setLevel(logging.DEBUG)
-        self._log.propagate = False  # collected, not printed
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self._log.removeHandler(self._handler)
-        self._log.setLevel(self._saved[0])
-        self._log.propagate = self._saved[1]
-
-    def resolved(self, member_ops: dict[str, frozenset[str]]) -> list[Refusal]:
-        """Each refusal as (plan ops of one side, of the other, reason); a fused node's name joins
-        its members' with ``_``."""
-
-        def ops(name: str) -> frozenset[str]:
-            return frozenset(o for m in name.split("_") for o in member_ops.get(m, frozenset()))
-
-        return [(ops(a), ops(b), r) for a, b, r in self.records]
+    return [(ops(a), ops(b), r) for a, b, r in records]
 
 
 def why_not_honoured(

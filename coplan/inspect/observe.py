@@ -29,6 +29,7 @@ from typing import Any
 
 import torch
 
+from coplan.fusion_log import refusals
 from coplan.inspect.fxgraph import fingerprint, op_count, role_of, target_name
 
 #: structured-trace events kept (metadata, and the payload where noted)
@@ -64,7 +65,6 @@ class Collector:
     events: list[dict[str, Any]] = field(default_factory=list)
     #: set by the caller while the optimizer step is being compiled, to name its graphs
     section: str = "model"
-    _why: list[tuple[str, str, str]] = field(default_factory=list)
     _pass_stack: list[dict[str, Any]] = field(default_factory=list)
 
     def add(self, event: str, **kw: Any) -> None:
@@ -119,29 +119,6 @@ class _TraceHandler(logging.Handler):
                     table = {k: list(v) for k, v in info.items()} if isinstance(info, dict) else {}
                     self.col.add("trace", name="kernel_nodes", compile_id=cid, payload=table)
                 return
-
-
-class _FusionLogHandler(logging.Handler):
-    def __init__(self, col: Collector) -> None:
-        super().__init__(logging.DEBUG)
-        self.col = col
-
-    def emit(self, record: logging.LogRecord) -> None:
-        try:
-            self._read(record)
-        except Exception as err:  # an instrument must never break the compile it watches
-            self.col.add("error", where=type(self).__name__, message=f"{type(err).__name__}: {err}")
-
-    def _read(self, record: logging.LogRecord) -> None:
-        why = record.msg
-        name1, name2 = getattr(why, "name1", None), getattr(why, "name2", None)
-        if name1 is None or name2 is None:
-            return
-        try:
-            reason = str(why).split(": ", 1)[1]
-        except Exception:  # a reason whose %-arguments do not format: keep the template
-            reason = str(getattr(why, "reason", ""))
-        self.col._why.append((str(name1), str(name2), reason))
 
 
 def _snapshot_nodes(nodes: list[Any]) -> list[dict[str, Any]]:
@@ -270,9 +247,6 @@ def observe(col: Collector) -> Iterator[Callable[..., Any]]:
     from torch.fx.passes.graph_transform_observer import GraphTransformObserver
 
     trace_handler = _TraceHandler(col)
-    fusion_log = logging.getLogger("torch._inductor.scheduler.__fusion")
-    fusion_handler = _FusionLogHandler(col)
-    saved_fusion = (fusion_log.level, fusion_log.propagate)
 
     orig_enter, orig_exit = GraphTransformObserver.__enter__, GraphTransformObserver.__exit__
 
@@ -315,7 +289,7 @@ def observe(col: Collector) -> Iterator[Callable[..., Any]]:
         return result
 
     def pre_fusion(nodes: list[Any]) -> list[Any]:
-        col._why.clear()
+        why.clear()
         # provenance tracking keeps its kernel table in a module global that is reset only for
         # graphs with a pre-grad id (not a backward compiled on its own): start each graph empty
         table = getattr(torch._inductor.debug, "_inductor_triton_kernel_to_post_grad_node_info", None)
@@ -331,13 +305,13 @@ def observe(col: Collector) -> Iterator[Callable[..., Any]]:
                 "post_fusion",
                 compile_id=_compile_id(),
                 kernels=_snapshot_nodes(nodes),
-                why=list(col._why),
+                why=list(why),
                 graph=snapshot_graph(g) if g is not None else [],
                 role=_role_of_graph(g),
             )
         except Exception as err:
             failed("scheduler", err)
-        col._why.clear()
+        why.clear()
         return nodes
 
     def backend(gm: torch.fx.GraphModule, example_inputs: list[Any]) -> Any:
@@ -356,22 +330,20 @@ def observe(col: Collector) -> Iterator[Callable[..., Any]]:
         "_post_fusion_custom_pass": _chain(post_fusion, ic._post_fusion_custom_pass),
     }
     trace_log.addHandler(trace_handler)
-    fusion_log.addHandler(fusion_handler)
-    fusion_log.setLevel(logging.DEBUG)
-    fusion_log.propagate = False
     GraphTransformObserver.__enter__ = enter  # type: ignore[method-assign]
     GraphTransformObserver.__exit__ = exit_  # type: ignore[method-assign]
     started = time.perf_counter()
     try:
-        with ic.patch(patches), torch._functorch.config.patch(enable_autograd_cache=False):
+        with (
+            ic.patch(patches),
+            torch._functorch.config.patch(enable_autograd_cache=False),
+            refusals() as why,  # the scheduler's reasons, read by the fusion hooks above
+        ):
             yield backend
     finally:
         GraphTransformObserver.__enter__ = orig_enter  # type: ignore[method-assign]
         GraphTransformObserver.__exit__ = orig_exit  # type: ignore[method-assign]
         trace_log.removeHandler(trace_handler)
-        fusion_log.removeHandler(fusion_handler)
-        fusion_log.setLevel(saved_fusion[0])
-        fusion_log.propagate = saved_fusion[1]
         col.add("done", seconds=time.perf_counter() - started)
 
 
