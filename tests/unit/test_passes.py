@@ -30,13 +30,6 @@ from coplan.plan import (
 from coplan.plan.checker import ANCHORS
 
 
-@pytest.fixture(scope="module")
-def gpt() -> PlanContext:
-    """gpt-tiny on two H100s with the default budget (read-only: tests that change the budget
-    build their own context)."""
-    return make_ctx()
-
-
 def test_runner_records_every_pass(gpt):
     start = gpt.default_plan()
     plan, records = run_passes(start, gpt)

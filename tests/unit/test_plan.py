@@ -26,7 +26,6 @@ from coplan.plan import (
     Numerics,
     ParallelPlan,
     Plan,
-    PlanContext,
     PlanError,
     PrecisionPlan,
     RematPlan,
@@ -35,14 +34,6 @@ from coplan.plan import (
 )
 from coplan.plan.checker import group_problem
 from coplan.plan.types import COMPUTE_DTYPES, OP_DTYPES
-
-
-@pytest.fixture(scope="module")
-def gpt() -> PlanContext:
-    """gpt-tiny on two H100s with the default budget (read-only: tests that change the budget
-    build their own context)."""
-    return make_ctx()
-
 
 # Plan values and JSON -----------------------------------------------------------------------------
 
