@@ -514,22 +514,19 @@ class History:
     def previous(self, record_id: int) -> dict[str, Any] | None:
         """The newest record of the same model and kind made before ``record_id``: what it is
         compared with by default. None when it is the first."""
-        rid = self.resolve(record_id)
-        (row,) = self._query("SELECT model, kind, created FROM records WHERE id = ?", (rid,))
-        rows = self._query(
-            "SELECT id, body FROM records WHERE model = ? AND kind = ? AND (created, id) < (?, ?) "
-            + _NEWEST
-            + " LIMIT 1",
-            (row["model"], row["kind"], row["created"], rid),
-        )
-        return self._body(rows[0]) if rows else None
+        return self._beside(record_id, "<")
 
     def newer(self, record_id: int) -> dict[str, Any] | None:
         """The newest record of the same model and kind made after ``record_id``; None if none is."""
+        return self._beside(record_id, ">")
+
+    def _beside(self, record_id: int, side: str) -> dict[str, Any] | None:
+        """The newest record of ``record_id``'s model and kind on ``side`` ("<" before, ">" after)
+        of it in (created, id) order."""
         rid = self.resolve(record_id)
         (row,) = self._query("SELECT model, kind, created FROM records WHERE id = ?", (rid,))
         rows = self._query(
-            "SELECT id, body FROM records WHERE model = ? AND kind = ? AND (created, id) > (?, ?) "
+            f"SELECT id, body FROM records WHERE model = ? AND kind = ? AND (created, id) {side} (?, ?) "
             + _NEWEST
             + " LIMIT 1",
             (row["model"], row["kind"], row["created"], rid),

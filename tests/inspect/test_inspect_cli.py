@@ -105,3 +105,10 @@ def test_a_hugging_face_config_file(cli, tmp_path: Path) -> None:
     assert len(names) > 2 if rec["graph_breaks"] else len(names) == 2
     code, _, err = cli("inspect", "--model", str(path), "--no-record", "--seq", "65")
     assert code == 2 and "64" in err
+
+
+def test_optimizer_choices_match_the_registry() -> None:
+    from coplan.cli.inspect_cmd import InspectOptimizer
+    from coplan.inspect.step import OPTIMIZERS
+
+    assert sorted(o.value for o in InspectOptimizer) == sorted(OPTIMIZERS)
