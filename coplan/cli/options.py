@@ -44,6 +44,7 @@ class Strategy(enum.StrEnum):  # coplan.search.STRATEGIES
     iterated = "iterated"
     hierarchical = "hierarchical"
     joint = "joint"
+    joint_exact = "joint-exact"
     exhaustive = "exhaustive"
 
 

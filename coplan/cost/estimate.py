@@ -21,6 +21,7 @@ warm-up count) and the largest transient working set found by liveness over the 
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import cast
 
 from coplan.cost.buckets import StageBuckets, queued_exposure, serial_time
@@ -147,6 +148,7 @@ def estimate(profile: GraphProfile, cluster: ClusterSpec, config: TrainingConfig
             if is_block:
                 block_local += n * (part.params[REPL] + part.params[TP] / t)
                 recompute += n * pc.recompute(part, mode)
+                fwd -= n * pc.unwritten(part, mode)
                 if isinstance(mode, frozenset) and mode and drops_output(profile, part, mode):
                     # every block's input is gone: block k of a chunk re-runs the k - 1 before it
                     # first (the chunk's input is kept by the schedule), (n/v - 1)/2 on average
@@ -449,6 +451,7 @@ class _Priced:
         "optimizer",
         "points",
         "saved",
+        "skip_memo",
         "tp_memo",
         "weight_cache",
         "weight_cast",
@@ -478,6 +481,7 @@ class _Priced:
         self.optimizer = sum(cost.time(k) for k in part.optimizer)
         self.kernels = sum(launches(k, s) for k in (*fwd, *bwd, *part.optimizer))
         self.tp_memo: dict[str | frozenset[str], float] = {}
+        self.skip_memo: dict[frozenset[str], float] = {}
         self.weight_cast = 0.0  # seconds per microbatch of casting the part's fp8 weights
         self.weight_cache = 0.0  # bytes of the fp8 weight copies kept through the step
         if runs_fp8(cost.c.dtype, cost.device) and part.fp8_gemms:
@@ -514,6 +518,35 @@ class _Priced:
             else:
                 total += t
         return total
+
+    def unwritten(self, part: Part, mode: str | frozenset[str]) -> float:
+        """Forward seconds saved by the writes a recompute set drops: a saved tensor whose
+        generated forward kernel holds every forward reader is not written once recomputed
+        (``Part.unwritten``). Each such kernel is re-priced with its traffic less those tensors,
+        so a compute-bound kernel saves nothing."""
+        if not isinstance(mode, frozenset) or not mode or not part.unwritten:
+            return 0.0
+        got = self.skip_memo.get(mode)
+        if got is not None:
+            return got
+        where = {i: n for n, k in enumerate(self.fwd_kernels) for i in k.ops}
+        less: dict[int, list[float]] = {}
+        for name, producer, fwd_readers, vec in part.unwritten:
+            n = where.get(producer)
+            if name not in mode or n is None:
+                continue
+            ops = self.fwd_kernels[n].ops
+            if all(c in ops for c in fwd_readers):
+                acc = less.setdefault(n, [0.0] * NV)
+                for i, x in enumerate(vec):
+                    acc[i] += x
+        got = 0.0
+        for n, vec in less.items():  # type: ignore[assignment]
+            k = self.fwd_kernels[n]
+            rest = tuple(max(0.0, a - b) for a, b in zip(k.bytes, vec, strict=True))
+            got += self.fwd_times[n] - self.cost.time(replace(k, bytes=rest))  # type: ignore[arg-type]
+        self.skip_memo[mode] = got
+        return got
 
     def tp_comm(self, part: Part, mode: str | frozenset[str]) -> float:
         got = self.tp_memo.get(mode)

@@ -122,6 +122,9 @@ class Part:
     model_flops: float = 0.0  # matrix FLOPs of forward + backward, attention causal (what MFU counts)
     op_ids: tuple[int, ...] = ()
     saved_items: tuple[tuple[int, str, Vec], ...] = ()  # (tensor id, name, vector) kept with no recompute
+    # saved tensors of generated kernels: (name, producer op, forward readers, vector written);
+    # recomputing one whose kernel holds every forward reader drops its write (``_Ctx.unwritten``)
+    unwritten: tuple[tuple[str, int, tuple[int, ...], Vec], ...] = ()
     # the head under Megatron's loss kernels (``loss.py``): (loss fusion, forward kernels, backward
     # kernels, change of the saved vector, transient points), replacing ``forward``/``backward``/
     # ``transient`` when priced

@@ -86,6 +86,9 @@ def profile_graph(
     ctx.fused_backward = fusion == "megatron"
     # eager PyTorch (fusion "none") runs some IR ops as several kernels (``activation.py``)
     ctx.eager = fusion == "none"
+    # explicit groups are generated code (Inductor): a kernel writes a tensor only where something
+    # reads it outside the kernel, so one kept only for backward goes unwritten once recomputed
+    ctx.compiled = not isinstance(fusion, str)
     by_block: dict[int | None, list[Op]] = {}
     for op in graph.ops:
         by_block.setdefault(op.block, []).append(op)
@@ -169,6 +172,7 @@ class _Ctx:
         self.eager = False
         # Megatron's fused kernels recompute their intermediates in backward (``_fused_recomputed``)
         self.fused_backward = False
+        self.compiled = False
         self._dtype: dict[int, str] = {}  # op id -> overridden dtype (backward ops follow forward)
         self._act = "fp32"
         self._casts: dict[tuple[int, str], tuple[int, bool]] = {}  # (tensor, dtype) -> (consumer, fused)
@@ -475,6 +479,7 @@ class _Ctx:
             model_flops=model_flops(ops),
             op_ids=tuple(op.id for op in ops),
             saved_items=(items := self.saved_items(ops)),
+            unwritten=self.unwritten(items) if blocks and self.compiled else (),
             fp8_saved=fp8_saved_delta(self.g, items) if blocks else ZERO,
             fp8_gemms=quant_gemms(self.g, fwd, self.tensor_shard) if blocks else (),
             flash_saved=self.flash_saved(ops),
@@ -543,6 +548,25 @@ class _Ctx:
                 if t.saved_for_backward and base.role is TensorRole.ACTIVATION and base.producer in ids:
                     out.setdefault(base.id, (base.id, base.name, self.saved_copy(base)))
         return tuple(out.values())
+
+    def unwritten(
+        self, items: Sequence[tuple[int, str, Vec]]
+    ) -> tuple[tuple[str, int, tuple[int, ...], Vec], ...]:
+        """Saved tensors a generated forward kernel may write only to keep them for backward:
+        (name, producer op, its forward readers, the vector written). Where the kernel making one
+        also holds every forward reader, recomputing it drops the write, as Inductor's min-cut
+        partitioner does: a recomputed node is not a forward output, so the fused kernel keeps it
+        in registers (torch/_functorch/partitioners.py at v2.13.0,
+        ``min_cut_rematerialization_partition``: only saved values leave the forward graph)."""
+        g = self.g
+        out = []
+        for tid, name, _ in items:
+            t = g.tensors[tid]
+            if t.producer is None or tid in g.outputs or g.ops[t.producer].kind is OpKind.VIEW:
+                continue
+            fwd = tuple(sorted(c for c in readers(g, tid) if g.ops[c].phase is Phase.FORWARD))
+            out.append((name, t.producer, fwd, self.vec(t)))
+        return tuple(out)
 
     def kernel(self, grp: tuple[int, ...]) -> Kernel:
         g = self.g

@@ -136,6 +136,8 @@ class PlanContext:
     _expanded: dict[FusionPlan, tuple[tuple[int, ...], ...]] = field(default_factory=dict, repr=False)
     _dtypes: dict[object, tuple[tuple[int, str], ...]] = field(default_factory=dict, repr=False)
     _policies: dict[frozenset[str], str] | None = field(default=None, repr=False)
+    #: what searches derive from the problem alone (the per-op fusion regions), computed once
+    memo: dict[object, object] = field(default_factory=dict, repr=False)
     evaluations: int = 0
 
     def __post_init__(self) -> None:

@@ -1,7 +1,7 @@
 """Planning strategies over one cost model: sequential passes, iterated, hierarchical, joint,
-exhaustive (see ``strategies.py`` and ``joint.py``)."""
+joint-exact, exhaustive (see ``strategies.py``, ``joint.py`` and ``exact.py``)."""
 
-from coplan.search import joint  # noqa: F401  (registers the joint strategy)
+from coplan.search import exact, joint  # noqa: F401  (register the joint strategies)
 from coplan.search.result import Point, StrategyResult
 from coplan.search.space import SearchSpace
 from coplan.search.strategies import DEFAULT_STRATEGIES, STRATEGIES, Options, run_strategy

@@ -243,8 +243,21 @@ def joint(ctx: PlanContext, opts: Options) -> tuple[Plan, list[PassRecord], list
     combos = opts.space.plans(ctx, base)
     # a fixed recompute set is already applied by the space: each combination is complete, and
     # its price is exact (so the bound search stays exact)
-    solve = (lambda p: p) if "remat" in fixed else (lambda p: optimise_remat(p, ctx))
+    solved: dict[tuple[object, ...], float] = {}
+
+    def solve(p: Plan) -> Plan:
+        q = p if "remat" in fixed else optimise_remat(p, ctx)
+        solved[(p.parallel, p.precision, p.fusion.label)] = (
+            score(q, ctx)[1] if ctx.fits(ctx.price(q)) else 0.0
+        )
+        return q
+
     best, explored = bound_search(ctx, combos, solve, "joint", opts.progress, opts.warm)
+    exact = 0
+    if best is not None:
+        # per-op fusion and recomputation, solved exactly (``exact.py``) for every layout and
+        # precision whose bound is within reach of the plan found so far
+        best, exact = _op_level(ctx, opts, base, best, solved)
     if best is not None and "remat" not in fixed:
         best = refine_remat(best, ctx)
     if best is not None and opts.space.stages:
@@ -260,6 +273,43 @@ def joint(ctx: PlanContext, opts: Options) -> tuple[Plan, list[PassRecord], list
     notes = [
         f"{len(combos):,} layout x precision x fusion combinations, {explored} solved inside (bound-pruned)"
     ]
+    if exact:
+        notes.append(f"{exact} solved per op exactly (joint-exact's block model)")
     if opts.warm:
         notes.append(f"warm-started from {len(opts.warm)} plans")
     return best, [], notes
+
+
+def _op_level(
+    ctx: PlanContext, opts: Options, base: Plan, best: Plan, solved: dict[tuple[object, ...], float]
+) -> tuple[Plan, int]:
+    """``best`` or a better plan from the per-op space: the exact block model (``exact.py``) on
+    the layouts and precisions of the space whose bound can still beat ``best``. A combination
+    already solved with the widest fusion option (``solved``: its fitting step time) is bounded by
+    that time less the margin the per-op space may gain, else by its price with nothing
+    recomputed. Returns the plan and how many were solved (0 where the stack runs no plan-chosen
+    kernels)."""
+    from coplan.search.exact import BOUND_MARGIN, exact_plan, op_level, polish
+
+    op, anchors = op_level(ctx, opts)
+    if not op:
+        return best, 0
+    space = opts.space
+    widest = "epilogue" if anchors else "greedy"
+    combos = replace(space, fusion=(widest,)).plans(ctx, base)
+    remat = "remat" not in space.fixed
+    if not remat:
+        combos = [c.with_(remat=base.remat) for c in combos]
+    found, n = bound_search(
+        ctx,
+        combos,
+        lambda p: exact_plan(p, ctx, anchors=anchors, remat=remat, polish=False),
+        "joint",
+        opts.progress,
+        [best],
+        margin=BOUND_MARGIN,
+        bound=lambda p: max(ctx.price(p).step_time_s, solved.get((p.parallel, p.precision, widest), 0.0)),
+    )
+    if found is None or found is best:
+        return best, n
+    return (polish(found, ctx) if remat else found), n

@@ -143,17 +143,24 @@ def bound_search(
     name: str,
     progress: Progress | None,
     warm: Sequence[Plan] = (),
+    margin: float = 0.0,
+    bound: Callable[[Plan], float] | None = None,
 ) -> tuple[Plan | None, int]:
     """Branch and bound over ``plans`` (nothing recomputed yet), each completed by ``solve``.
 
     Recomputation only adds time, so a plan priced with nothing recomputed bounds every completion
     of it from below: plans are explored best bound first, and once a fitting plan is found every
-    plan whose bound is not better is pruned. ``warm`` plans seed the incumbent. Returns the best
+    plan whose bound is not better is pruned. ``warm`` plans seed the incumbent. ``margin``: the
+    share by which a completion may price below its plan (``solve`` also changes decisions that
+    can save time, as the exact strategy's fusion does); ``bound``: a tighter lower bound than the
+    plan's own price, where one is known. Returns the best
     plan by ``score`` (None when ``plans`` and ``warm`` are empty) and how many were solved.
     """
     best = choose(warm, ctx)
     best_key = score(best, ctx) if best is not None else (3, 0.0)
-    bounds = sorted(((ctx.price(p).step_time_s, i, p) for i, p in enumerate(plans)), key=lambda x: x[:2])
+    at = bound or (lambda p: ctx.price(p).step_time_s)
+    priced = (((1 - margin) * at(p), i, p) for i, p in enumerate(plans))
+    bounds = sorted(priced, key=lambda x: x[:2])
     explored = 0
     for n, (lb, _, p) in enumerate(bounds):
         if progress:
