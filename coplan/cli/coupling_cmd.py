@@ -69,6 +69,11 @@ class Grid(enum.StrEnum):  # coplan.experiments.coupling.GRIDS
     full = "full"
 
 
+class Granularity(enum.StrEnum):  # coplan.experiments.coupling.GRANULARITIES
+    op = "op"
+    preset = "preset"
+
+
 MEASURE_ONLY = (
     "--device",
     "--model",
@@ -85,6 +90,15 @@ def coupling(
     grid: Annotated[
         Grid, typer.Option("--grid", help="Scenario grid: small (minutes) or full (hours on two cores).")
     ] = Grid.small,
+    granularity: Annotated[
+        Granularity | None,
+        typer.Option(
+            "--granularity",
+            help="Grid: fusion decided per op (every legal partition into kernels, solved with the "
+            "recompute set) or among the named options only \\[default: op].",
+            show_default=False,
+        ),
+    ] = None,
     measure: Annotated[
         bool, typer.Option("--measure", help="Measure fusion x remat on real training instead.")
     ] = False,
@@ -152,23 +166,25 @@ def coupling(
         if extra:
             raise SpecError(extra[0], None, "applies only with --measure")
         workers = positive("--jobs", jobs, optional=True) or os.cpu_count() or 1
-        _simulated(grid.value, json, html, workers)
+        _simulated(grid.value, json, html, workers, granularity.value if granularity else "op")
     else:
         if jobs is not None:
             raise SpecError(
                 "--jobs", None, "applies to the grid, not to --measure (runs are timed one at a time)"
             )
+        if granularity is not None:
+            raise SpecError("--granularity", None, "applies to the grid, not to --measure")
         _measured(given, json, html)
 
 
-def _simulated(grid: str, json: bool, html: Path | None, jobs: int) -> None:
+def _simulated(grid: str, json: bool, html: Path | None, jobs: int, granularity: str = "op") -> None:
     from coplan.experiments import coupling as study
     from coplan.experiments.coupling_report import print_study, write_html
     from coplan.experiments.coupling_summary import to_json
 
     bar = _Bar(f"coupling ({grid} grid)")
     try:
-        result = study.run_study(grid, progress=bar, jobs=jobs)
+        result = study.run_study(grid, progress=bar, jobs=jobs, granularity=granularity)
     finally:
         bar.close()
     # interrupted: what finished is reported (marked partial), then one error line, exit 130

@@ -95,6 +95,10 @@ BUDGETS: tuple[str, ...] = ("loose", *BUDGET_FRACTIONS)
 #: the stack the study plans for: ``open``, every option the cost model prices (``cost/stacks/open.json``)
 STUDY_STACK = "open"
 GRIDS: tuple[str, ...] = ("small", "full")
+#: what "optimising fusion" searches: ``op``, every legal partition of each block's ops into
+#: kernels with the recompute set solved with it (``search.exact``), where the stack compiles the
+#: plan's own kernels, beside the named options; ``preset``, the named options alone
+GRANULARITIES: tuple[str, ...] = ("op", "preset")
 
 Progress = Callable[[int, int, str], None]
 
@@ -438,8 +442,9 @@ class _Searcher:
     warm starts): orders sharing a prefix, and pairs sharing a single-space step, plan it once
     (and the context memoises every price)."""
 
-    def __init__(self, ctx: PlanContext, reference_s: float) -> None:
+    def __init__(self, ctx: PlanContext, reference_s: float, granularity: str = "op") -> None:
         self.ctx = ctx
+        self.per_op = granularity == "op"
         self.reference_s = reference_s
         self.memo: dict[tuple[object, ...], StrategyResult] = {}
         self.invalid: list[str] = []
@@ -453,7 +458,7 @@ class _Searcher:
         key = (free_set, base.fingerprint, tuple(p.fingerprint for p in warm))
         got = self.memo.get(key)
         if got is None:
-            space = SearchSpace(fusion=FUSION_OPTIONS, fixed=frozenset(SPACES) - free_set)
+            space = SearchSpace(fusion=FUSION_OPTIONS, fixed=frozenset(SPACES) - free_set, per_op=self.per_op)
             got = run_strategy("joint", self.ctx, Options(space=space, base=base, warm=list(warm)))
             self.record(got.plan, [str(v) for v in got.violations if v.level == "structure"])
             self.memo[key] = got
@@ -480,18 +485,22 @@ class _Searcher:
 
 
 def run_scenario(
-    scenario: Scenario, defaults: Defaults = Defaults(), *, warm_start: bool = True
+    scenario: Scenario, defaults: Defaults = Defaults(), *, warm_start: bool = True, granularity: str = "op"
 ) -> ScenarioResult:
     """Plan ``scenario`` every way the study compares (see the module doc). ``warm_start`` False
     runs each joint search cold (tests: to check that the search alone is never worse than
-    sequential where that is guaranteed)."""
+    sequential where that is guaranteed); ``granularity``: ``GRANULARITIES``."""
+    if granularity not in GRANULARITIES:
+        raise SpecError(
+            "--granularity", None, f"must be one of {', '.join(GRANULARITIES)}, got {granularity!r}"
+        )
     from coplan.plan.checker import check
 
     t0 = time.perf_counter()
     ctx = scenario.context()
     base = defaults.plan(ctx)
     est0 = ctx.price(base)  # raises ConfigError when the job itself is impossible
-    s = _Searcher(ctx, est0.step_time_s)
+    s = _Searcher(ctx, est0.step_time_s, granularity)
     s.record(base, [str(v) for v in check(base, ctx) if v.level == "structure"])
     default = s.outcome(base)
 
@@ -558,6 +567,7 @@ class Study:
     seconds: float
     #: scenarios the grid has (None: as many as ``scenarios``); more when the study was interrupted
     total: int | None = None
+    granularity: str = "op"
 
     def __post_init__(self) -> None:
         if self.total is not None and self.total < len(self.scenarios):
@@ -569,9 +579,9 @@ class Study:
         return self.total is not None and len(self.scenarios) < self.total
 
 
-def _run_one(job: tuple[Scenario, Defaults, bool]) -> ScenarioResult:
-    sc, defaults, warm_start = job
-    return run_scenario(sc, defaults, warm_start=warm_start)
+def _run_one(job: tuple[Scenario, Defaults, bool, str]) -> ScenarioResult:
+    sc, defaults, warm_start, granularity = job
+    return run_scenario(sc, defaults, warm_start=warm_start, granularity=granularity)
 
 
 def run_study(
@@ -581,6 +591,7 @@ def run_study(
     *,
     warm_start: bool = True,
     jobs: int = 1,
+    granularity: str = "op",
 ) -> Study:
     """Every scenario of a grid (by name, or given); results in grid order. Scenarios are
     independent, so ``jobs`` > 1 plans them in that many worker processes (each with its own
@@ -591,7 +602,11 @@ def run_study(
     name = scenarios if isinstance(scenarios, str) else "custom"
     todo = grid(scenarios) if isinstance(scenarios, str) else tuple(scenarios)
     t0 = time.perf_counter()
-    work = [(sc, defaults, warm_start) for sc in todo]
+    if granularity not in GRANULARITIES:
+        raise SpecError(
+            "--granularity", None, f"must be one of {', '.join(GRANULARITIES)}, got {granularity!r}"
+        )
+    work = [(sc, defaults, warm_start, granularity) for sc in todo]
     jobs = max(1, min(jobs, len(todo)))
     out: list[ScenarioResult | None] = [None] * len(todo)
     try:
@@ -617,4 +632,4 @@ def run_study(
         if progress:
             progress(len(todo), len(todo), "done")
     results = tuple(r for r in out if r is not None)
-    return Study(name, defaults, results, time.perf_counter() - t0, len(todo))
+    return Study(name, defaults, results, time.perf_counter() - t0, len(todo), granularity)

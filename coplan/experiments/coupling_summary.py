@@ -247,6 +247,7 @@ def to_json(study: Study) -> dict[str, Any]:
         "verdict_detail": v,
         "trends": trends(res),
         "grid": study.grid,
+        "granularity": study.granularity,
         "defaults": study.defaults.describe(),
         "threshold": THRESHOLD,
         "plans_checked": sum(r.plans_checked for r in res),

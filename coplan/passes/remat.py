@@ -1,10 +1,14 @@
 """The rematerialization pass: which saved tensors to recompute, with the other decisions fixed.
 
-Production-style, as compilers decide it today: nothing is recomputed while the plan fits the
-memory budget; otherwise tensors are dropped greedily by recompute time per byte freed (the
-ratio Inductor's min-cut partitioner and Checkmate's LP relaxation rank by), measured on the cost
-model, until the plan fits. Megatron's full recomputation (every saved tensor of the block) is
-always a candidate too, and the best fitting candidate wins.
+Production-style, as compilers decide it today. Under a compiled fusion plan the pass starts
+where Inductor's min-cut partitioner does, memory budget or not (``mincut_names``): every saved
+tensor a pointwise forward op makes from kept values is recomputed inside the backward kernels
+that read it, since its backward readers are all fusible with it. Then, while the plan does not
+fit, tensors are dropped greedily by recompute time per byte freed (the ratio Inductor's
+``activation_memory_budget`` knapsack and Checkmate's LP relaxation rank by), measured on the
+cost model. Under eager or Megatron kernels nothing is recomputed while the plan fits. Megatron's
+full recomputation (every saved tensor of the block) is always a candidate too, and the best
+fitting candidate wins.
 """
 
 from __future__ import annotations
@@ -12,7 +16,7 @@ from __future__ import annotations
 from dataclasses import replace
 
 from coplan.errors import CoplanError
-from coplan.ir.types import Graph
+from coplan.ir.types import Graph, Phase, TensorRole
 from coplan.passes.base import choose, register, score
 from coplan.plan.capabilities import executable_remat
 from coplan.plan.checker import POINTWISE
@@ -73,15 +77,57 @@ def ranked(plan: Plan, ctx: PlanContext, base: frozenset[str] = frozenset()) -> 
     return out
 
 
+def mincut_names(ctx: PlanContext) -> frozenset[str]:
+    """The saved tensors Inductor's min-cut partitioner recomputes by default (no budget): made
+    by a pointwise, non-random forward op of a block (``should_ban_recomputation`` bans random and
+    compute-intensive ops), read in backward only by pointwise ops (else it is "materialized in
+    backward" and banned), whose producer's activation inputs are kept for backward anyway, so
+    recomputing it removes its bytes from the cut and adds none (torch/_functorch/partitioners.py
+    at v2.13.0, ``min_cut_rematerialization_partition``, ``should_ban_recomputation``,
+    ``is_materialized_backwards``)."""
+    key = ("mincut", saved_names(ctx))
+    got = ctx.memo.get(key)
+    if got is not None:
+        return got  # type: ignore[return-value]
+    from coplan.cost.fusion import readers
+
+    idx = ctx.index
+    g = idx.graph
+    names = set(saved_names(ctx))
+    kept = {
+        g.tensors[t].storage_id
+        for op in idx.op_by_name.values()
+        for t in op.outputs
+        if g.tensors[t].name in names
+    }
+    out = set()
+    for n in names:
+        op = idx.producer_of.get(n)
+        if op is None or op.block is None or op.kind not in POINTWISE or "dropout" in op.target:
+            continue
+        tid = next(t for t in op.outputs if g.tensors[t].name == n)
+        bwd = [g.ops[c] for c in readers(g, tid) if g.ops[c].phase is Phase.BACKWARD]
+        if any(r.kind not in POINTWISE for r in bwd):
+            continue
+        ins = [g.tensors[g.tensors[t].storage_id] for t in op.inputs]
+        if all(t.role is not TensorRole.ACTIVATION or t.id in kept or t.producer is None for t in ins):
+            out.add(n)
+    got = ctx.memo[key] = frozenset(out)
+    return got
+
+
 @register("remat")
 def remat_pass(graph: Graph, plan: Plan, ctx: PlanContext) -> Plan:
     try:
-        none = with_remat(plan, frozenset(), ctx)
+        start = (
+            mincut_names(ctx) if plan.fusion.label in COMPILED and ctx.stack.recompute_sets else frozenset()
+        )
+        none = with_remat(plan, start, ctx)
         if score(none, ctx)[0] == 0:
             return none
-        chosen: frozenset[str] = frozenset()
+        chosen: frozenset[str] = start
         greedy = none
-        for _, n in ranked(plan, ctx):
+        for _, n in ranked(plan, ctx, start):
             chosen = chosen | {n}
             greedy = with_remat(plan, chosen, ctx)
             if score(greedy, ctx)[0] == 0:

@@ -84,9 +84,21 @@ def fusion_problem(ctx: PlanContext, plan: Plan) -> str | None:
     from coplan.search.space import fusion_option  # the options' groups; search imports this module
 
     allowed = ctx.stack.fusion
-    if set(allowed) >= {"eager", "greedy", "epilogue", "megatron"}:
-        return None  # the whole space: any legal grouping
     groups = {frozenset(g) for g in plan.fusion.groups}
+    if "greedy" in allowed:
+        # a stack compiling the plan's own groups runs any legal grouping (the checker's fusion
+        # rule), with a GEMM or attention inside a group only where it emits GEMM epilogues
+        if "epilogue" in allowed:
+            return None
+        from coplan.plan.checker import ANCHORS
+
+        ops = ctx.index.op_by_name
+        for g in plan.fusion.groups:
+            kinds = [ops[n].kind for n in g if n in ops]
+            if len(kinds) > 1 and any(k in ANCHORS for k in kinds):
+                head = ", ".join(g[:3])
+                return f"fusion group [{head}...] fuses into a library kernel (it runs no GEMM epilogues)"
+        return None
     for name in allowed:
         if groups == {frozenset(g) for g in fusion_option(ctx, name).groups}:
             return None

@@ -4,10 +4,10 @@ precision of one block template, solved together by CP-SAT for a given parallel 
 For one layout and precision the step's block time is a sum over the block's kernels, and each
 kernel's time depends only on the ops it holds (``cost.kernelprice``). The model:
 
-- fusion: a 0/1 variable per legal candidate kernel of each region (``opspace``); each op in at
-  most one, the others alone; an integer position per op, equal inside a kernel and increasing
-  along every producer -> consumer edge between kernels, so the kernel graph is acyclic (a
-  topological order of the kernels exists exactly when such positions do);
+- fusion: a 0/1 variable per legal candidate kernel of each region (``opspace``: convex groups
+  only, since a group that a path leaves and re-enters is in no acyclic partition); each op in at
+  most one, the others alone; a chosen set of kernels whose kernel graph has a cycle is cut off
+  and the model re-solved (cycles need two kernels fused sideways, so they are rare);
 - recomputation: a 0/1 variable per saved tensor of the block; the ops re-run are the closure
   ``cost.remat.recompute_closure`` walks (a dropped tensor's producer, and the producers of its
   inputs that are not kept), as implications; a re-run op's kernel re-runs whole unless every
@@ -29,7 +29,7 @@ output (every block would re-run its predecessors) are left to the local search 
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from coplan.cost.fusion import readers
@@ -40,9 +40,9 @@ from coplan.cost.stages import stage_devices
 from coplan.ir.types import OpKind, Phase, TensorRole
 from coplan.passes.base import PassRecord, score
 from coplan.passes.remat import saved_names, with_remat
-from coplan.plan.checker import POINTWISE
+from coplan.plan.checker import POINTWISE, _kernel_graph_ok
 from coplan.plan.context import PlanContext
-from coplan.plan.types import Plan
+from coplan.plan.types import FusionPlan, Plan
 from coplan.search.opspace import Region, as_fusion, regions
 from coplan.search.strategies import Options, bound_search, strategy
 
@@ -54,6 +54,7 @@ Expr = Any
 
 SCALE = 1e9  # CP-SAT works on integers: nanoseconds
 MAX_RESOLVES = 6
+MAX_CYCLE_CUTS = 50
 #: how far below the maximally fused plan with nothing recomputed an op-level plan of the same
 #: layout can price (dropped writes, partitions the greedy pass cannot reach): the bound's margin
 BOUND_MARGIN = 0.01
@@ -68,7 +69,6 @@ class Solved:
     recompute: frozenset[str]
     objective_s: float
     optimal: bool
-    gap: list[float] = field(default_factory=list)
 
 
 def op_level(ctx: PlanContext, opts: Options) -> tuple[bool, bool]:
@@ -133,6 +133,7 @@ class BlockModel:
         cands: list[tuple[int, ...]]
         terms: list[tuple[float, Expr]] = []  # (step seconds, 0/1 expression)
         chosen_vars: list[tuple[tuple[int, ...], Expr]] = []
+        by_region: list[tuple[Region, dict[tuple[int, ...], Expr]]] = []
         for reg in self.regions:
             w = self.runs * reg.blocks
             if keep is not None:
@@ -152,15 +153,6 @@ class BlockModel:
             for cs in member.values():
                 if len(cs) > 1:
                     m.add(sum(x[c] for c in cs) <= 1)
-            if cands and keep is None:
-                # acyclic kernel graph: positions equal inside a kernel, increasing across kernels
-                pos = {i: m.new_int_var(0, len(reg.ops), f"p:{i}") for i in reg.ops}
-                for a, b in reg.edges:
-                    shared = [x[c] for c in member.get(a, ()) if b in c]
-                    m.add(pos[b] >= pos[a] + 1 - sum(shared))
-                for c in cands:
-                    for i in c[1:]:
-                        m.add(pos[i] == pos[c[0]]).only_enforce_if(x[c])
             # every kernel the region may run: (ops, 0/1 expression choosing it)
             options: list[tuple[tuple[int, ...], Expr]] = [(c, x[c]) for c in cands]
             for i in reg.ops:
@@ -169,6 +161,7 @@ class BlockModel:
             for k, sel in options:
                 terms.append((w * self.prices.time(k), sel))
             chosen_vars.extend((c, x[c]) for c in cands)
+            by_region.append((reg, x))
             if reg.name.startswith("block") and r:
                 self._remat(m, reg, w, options, r, terms)
         if need > 0:
@@ -179,8 +172,22 @@ class BlockModel:
         solver.parameters.num_workers = 1
         # a deterministic budget, not wall-clock seconds: the answer must not depend on the load
         solver.parameters.max_deterministic_time = 10.0
-        st = solver.solve(m)
-        if st not in (cp_model.OPTIMAL, cp_model.FEASIBLE):
+        # the kernel graph must be acyclic: every candidate is convex (``opspace``), so a cycle
+        # needs two or more of the chosen kernels; each one found is cut off and the model
+        # re-solved (a cut removes only partitions holding all of that cycle's kernels)
+        for _ in range(MAX_CYCLE_CUTS):
+            st = solver.solve(m)
+            if st not in (cp_model.OPTIMAL, cp_model.FEASIBLE):
+                return None
+            cuts = 0
+            for reg, x in by_region:
+                mine = [c for c, v in x.items() if solver.value(v)]
+                if mine and _kernel_graph_ok(self.graph, [*mine, *self._singles(reg, mine)]) is not None:
+                    m.add(sum(x[c] for c in mine) <= len(mine) - 1)
+                    cuts += 1
+            if not cuts:
+                break
+        else:
             return None
         chosen = [c for c, v in chosen_vars if solver.value(v)]
         rec = frozenset(n for n, v in r.items() if solver.value(v))
@@ -266,6 +273,12 @@ class BlockModel:
             fwd = frozenset(c for c in readers(g, tid) if g.ops[c].phase is Phase.FORWARD)
             out.append((n, t.producer, fwd, tid))
         return out
+
+    def _singles(self, reg: Region, chosen: list[tuple[int, ...]]) -> list[tuple[int, ...]]:
+        """The region's ops outside ``chosen`` kernels, and its other ops (views), one by one."""
+        inside = {i for c in chosen for i in c}
+        blocks = {self.graph.ops[i].block for i in reg.ops}
+        return [(op.id,) for op in self.graph.ops if op.block in blocks and op.id not in inside]
 
     def _fixed_kernels(self, plan: Plan) -> list[tuple[int, ...]]:
         idx = self.ctx.index
@@ -383,9 +396,36 @@ def joint_exact(ctx: PlanContext, opts: Options) -> tuple[Plan, list[PassRecord]
         best = base
     regs = regions(ctx, anchors=anchors)
     cands = sum(len(r.candidates) for r in regs)
+    gap = gap_note(best, ctx, anchors) if best.fusion.label == "joint" else None
     notes = [
         f"{len(combos):,} layout x precision combinations, {explored} solved exactly (bound-pruned)",
         f"{cands:,} candidate kernels over {len(regs)} regions"
         + (" (candidate cap reached: a subset of the space)" if any(r.truncated for r in regs) else ""),
     ]
+    if gap is not None:
+        notes.append(gap)
     return best, [], notes
+
+
+def gap_note(plan: Plan, ctx: PlanContext, anchors: bool) -> str | None:
+    """How far the block model's linear objective is from the cost model on ``plan``: the step
+    time it predicts ``plan`` saves against its own layout under the widest fusion option with
+    nothing recomputed, and what the full cost model prices that saving at."""
+    ref = with_remat(plan.with_(fusion=_widest(ctx, anchors)), frozenset(), ctx)
+    bm = BlockModel(plan, ctx, anchors=anchors, fusion=False)
+    mine = bm.solve({}, 0.0, plan, plan.remat.all_names)
+    theirs = bm.solve({}, 0.0, ref, frozenset())
+    if mine is None or theirs is None:
+        return None
+    predicted = theirs.objective_s - mine.objective_s
+    priced = ctx.price(ref).step_time_s - ctx.price(plan).step_time_s
+    return (
+        f"block model: {predicted * 1e3:+.3f} ms a step against the widest fusion with nothing "
+        f"recomputed; the cost model prices {priced * 1e3:+.3f} ms"
+    )
+
+
+def _widest(ctx: PlanContext, anchors: bool) -> FusionPlan:
+    from coplan.search.space import fusion_option
+
+    return fusion_option(ctx, "epilogue" if anchors else "greedy")

@@ -292,7 +292,7 @@ def _op_level(
     from coplan.search.exact import BOUND_MARGIN, exact_plan, op_level, polish
 
     op, anchors = op_level(ctx, opts)
-    if not op:
+    if not op or not opts.space.per_op:
         return best, 0
     space = opts.space
     widest = "epilogue" if anchors else "greedy"

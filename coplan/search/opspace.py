@@ -17,7 +17,7 @@ whatever their size), and a region's candidates at ``MAX_CANDIDATES``.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 from coplan.cost.fusion import source_op
@@ -127,7 +127,6 @@ def regions(ctx: PlanContext, *, anchors: bool) -> tuple[Region, ...]:
             real = tuple(sorted(i for i in g if i in ids))
             if len(real) > 1 and real not in sets:
                 sets.append(real)
-        cands = tuple(c for c in sets if group_problem(graph, c) is None)
         edges = sorted(
             {
                 (src, op.id)
@@ -136,9 +135,46 @@ def regions(ctx: PlanContext, *, anchors: bool) -> tuple[Region, ...]:
                 if (src := source_op(graph, t)) in ids and graph.ops[src].phase is op.phase and src != op.id
             }
         )
+        convex = _convexity(ids, edges)
+        cands = tuple(c for c in sets if convex(c) and group_problem(graph, c) is None)
         out.append(Region(name, blocks, tuple(op.id for op in ops), cands, tuple(edges), truncated))
     got = ctx.memo[key] = tuple(out)
     return got
+
+
+def _convexity(ids: set[int], edges: list[tuple[int, int]]) -> Callable[[tuple[int, ...]], bool]:
+    """Whether a group is convex in the region's data graph: no path leaves it and comes back.
+    A group that is not can be in no legal partition (the op outside on the path sits in another
+    kernel, which then both needs and feeds the group), so it is no candidate."""
+    succ: dict[int, list[int]] = {i: [] for i in ids}
+    for a, b in edges:
+        succ[a].append(b)
+    bit = {i: 1 << n for n, i in enumerate(sorted(ids))}
+    below: dict[int, int] = {}  # op -> bitmask of its strict descendants
+    # ops are numbered in execution order, so every edge runs to a larger id: one reverse sweep
+    for i in sorted(ids, reverse=True):
+        acc = 0
+        for j in succ[i]:
+            if j <= i:
+                raise ValueError(f"op {i} feeds op {j} before it: the graph is not in execution order")
+            acc |= bit[j] | below[j]
+        below[i] = acc
+
+    def down(i: int) -> int:
+        return below[i]
+
+    def convex(group: tuple[int, ...]) -> bool:
+        mine = 0
+        for i in group:
+            mine |= bit[i]
+        reach = 0
+        for i in group:
+            reach |= down(i)
+        outside = reach & ~mine
+        # an op reachable from the group that reaches back into it
+        return not any(outside & bit[j] and down(j) & mine for j in ids if outside & bit[j])
+
+    return convex
 
 
 def optimizer_groups(ctx: PlanContext) -> list[tuple[int, ...]]:
@@ -173,6 +209,10 @@ def partitions(region: Region, graph: Graph, cap: int) -> Iterator[tuple[tuple[i
             containing.setdefault(i, []).append(c)
     order = list(region.ops)
     count = 0
+    # the region's other ops (views) as kernels of their own: a cycle can run through them
+    ids = set(order)
+    blocks = {graph.ops[i].block for i in order}
+    others = [(op.id,) for op in graph.ops if op.block in blocks and op.id not in ids]
 
     def rec(
         k: int, covered: frozenset[int], chosen: list[tuple[int, ...]]
@@ -182,7 +222,7 @@ def partitions(region: Region, graph: Graph, cap: int) -> Iterator[tuple[tuple[i
             k += 1
         if k == len(order):
             singles = [(i,) for i in order if not any(i in c for c in chosen)]
-            if _kernel_graph_ok(graph, [*chosen, *singles]) is None:
+            if _kernel_graph_ok(graph, [*chosen, *singles, *others]) is None:
                 count += 1
                 if count > cap:
                     raise OverflowError(cap)

@@ -43,6 +43,11 @@ class SearchSpace:
     reduce16: bool = True  # gradients may be reduced in 16 bits where the stack can
     fp8_params: bool = True  # fp8 plans may keep fp8 weights where the stack can
     fixed: frozenset[str] = frozenset()  # of DECISIONS: kept from the base plan, not searched
+    #: fusion also decided per op, where the stack compiles the plan's own groups: every legal
+    #: partition of each region into kernels (``opspace``), which ``joint`` then searches with
+    #: ``joint-exact``'s block model beside the named options and ``exhaustive`` enumerates
+    #: instead of them (``joint-exact`` always searches per op)
+    per_op: bool = True
 
     def __post_init__(self) -> None:
         unknown = sorted(set(self.fixed) - set(DECISIONS))

@@ -13,6 +13,7 @@
 from __future__ import annotations
 
 import itertools
+import math
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -187,8 +188,11 @@ def exhaustive(ctx: PlanContext, opts: Options) -> tuple[Plan, list[PassRecord],
     fixed_remat = "remat" in opts.space.fixed
     base = opts.base if opts.base is not None else ctx.default_plan()
     combos = opts.space.plans(ctx, base)
+    subsets_n = 1 if fixed_remat else 2 ** len(names)
+    if opts.space.per_op:
+        combos = _per_op(ctx, opts, base, combos, max(1, opts.max_evaluations // subsets_n))
     # counted before anything is enumerated: 2^n recompute sets of a real model do not fit in memory
-    total = len(combos) * (1 if fixed_remat else 2 ** len(names))
+    total = len(combos) * subsets_n
     if total > opts.max_evaluations:
         raise SearchTooLarge(
             f"exhaustive search would price {total:,} plans "
@@ -212,3 +216,42 @@ def exhaustive(ctx: PlanContext, opts: Options) -> tuple[Plan, list[PassRecord],
     if best is None:  # no layout is possible: the default plan carries the job's error
         best = base
     return best, [], [f"{total:,} plans priced"]
+
+
+def _per_op(ctx: PlanContext, opts: Options, base: Plan, combos: list[Plan], limit: int) -> list[Plan]:
+    """``combos`` with their fusion replaced by every legal per-op partition (``opspace``), the
+    space ``joint-exact`` searches; unchanged where fusion is not decided per op. More than
+    ``limit`` plans (before recompute sets) is ``SearchTooLarge``, found before they are built."""
+    from dataclasses import replace
+
+    from coplan.passes.remat import with_remat
+    from coplan.search.exact import op_level
+    from coplan.search.opspace import as_fusion, partitions, regions
+
+    op, anchors = op_level(ctx, opts)
+    if not op:
+        return combos
+    graph = ctx.index.graph
+    widest = "epilogue" if anchors else "greedy"
+    outer = replace(opts.space, fusion=(widest,)).plans(ctx, base)
+    cap = max(1, limit // max(1, len(outer)))
+    too_large = SearchTooLarge(
+        f"exhaustive search would price over {limit * max(1, len(outer)):,} partitions into kernels "
+        f"x layouts before recompute sets (limit {opts.max_evaluations:,} plans); use a smaller "
+        "problem or another strategy"
+    )
+    spaces = []
+    try:
+        for r in regions(ctx, anchors=anchors):
+            spaces.append(list(partitions(r, graph, cap)))
+    except OverflowError:
+        raise too_large from None
+    if math.prod(len(s) for s in spaces) > cap:
+        raise too_large
+    fusions = [as_fusion(ctx, [k for part in combo for k in part]) for combo in itertools.product(*spaces)]
+    fixed = "remat" in opts.space.fixed
+    return [
+        with_remat(p.with_(fusion=f), base.remat.all_names, ctx) if fixed else p.with_(fusion=f)
+        for p in outer
+        for f in fusions
+    ]

@@ -39,7 +39,9 @@ OPEN = load_stack("open")
 
 #: the space the oracle tests search: small enough for exhaustive, rich enough that the four
 #: decisions interact (bf16 halves activations and weights, ZeRO-1 shards optimizer state)
-SMALL = SearchSpace(dtypes=("fp32", "bf16"), fusion=("eager", "greedy"), zero=(0, 1), stages=False)
+SMALL = SearchSpace(
+    dtypes=("fp32", "bf16"), fusion=("eager", "greedy"), zero=(0, 1), stages=False, per_op=False
+)
 #: strategies joint is compared with (exhaustive is the oracle, tested separately)
 BASELINES = tuple(s for s in DEFAULT_STRATEGIES if s != "joint")
 

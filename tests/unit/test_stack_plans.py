@@ -17,6 +17,7 @@ from coplan.hardware import load_cluster
 from coplan.models.spec import PRESETS
 from coplan.plan import FusionPlan, Plan, PlanContext, PrecisionPlan, RematPlan, check
 from coplan.plan.capabilities import plan_stack, policy_sets
+from coplan.plan.checker import ANCHORS
 from coplan.search import DEFAULT_STRATEGIES, Options, SearchSpace, run_strategy
 from coplan.search.space import fusion_option
 
@@ -55,7 +56,13 @@ def allowed(plan: Plan, ctx: PlanContext) -> list[str]:
     if p.dp > 1 and p.zero not in s.zero_stages:
         bad.append("zero")
     fused = {frozenset(g) for g in plan.fusion.groups}
-    if not any(fused == {frozenset(g) for g in fusion_option(ctx, f).groups} for f in s.fusion):
+    if "greedy" in s.fusion:
+        # the stack compiles the plan's own groups: any legal grouping, GEMMs and attention inside
+        # a group only where it emits epilogues
+        kinds = [[ctx.index.op_by_name[n].kind for n in g] for g in plan.fusion.groups]
+        if "epilogue" not in s.fusion and any(len(k) > 1 and set(k) & ANCHORS for k in kinds):
+            bad.append("fusion")
+    elif not any(fused == {frozenset(g) for g in fusion_option(ctx, f).groups} for f in s.fusion):
         bad.append("fusion")
     c = plan.precision
     if s.fp8 != "native" and (c.compute == "fp8" or any(d == "fp8" for _, d in c.ops)):
