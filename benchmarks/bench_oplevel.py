@@ -165,8 +165,34 @@ def main() -> None:
     ap.add_argument("--out", type=Path, default=DEFAULT_OUT)
     args = ap.parse_args()
     start = time.perf_counter()
-    rows = []
-    for sc in QUICK if args.quick else FULL:
+    commit = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True).stdout.strip()
+    target = block_target()
+    todo = QUICK if args.quick else FULL
+    rows: list[dict[str, Any]] = []
+
+    def write() -> None:
+        # after every scenario: a long run stopped early keeps what it measured
+        doc = {
+            "meta": {
+                "quick": args.quick,
+                "stack": STACK,
+                "total_runtime_s": time.perf_counter() - start,
+                "scenarios_done": len(rows),
+                "scenarios_total": len(todo),
+                "python": platform.python_version(),
+                "machine": platform.platform(),
+                "commit": commit,
+                "time": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+            },
+            "block_target": target,
+            "scenarios": rows,
+            "markdown": markdown(rows),
+        }
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(json.dumps(doc, indent=1) + "\n")
+
+    print(json.dumps(target, indent=1), file=sys.stderr, flush=True)
+    for sc in todo:
         try:
             rows.append(run_scenario(sc))
         except Exception as e:  # an infeasible or unpriceable job is a row, not a crash
@@ -178,26 +204,8 @@ def main() -> None:
                 }
             )
         print(markdown(rows[-1:]).splitlines()[-1], file=sys.stderr, flush=True)
-    target = block_target()
-    commit = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True).stdout.strip()
-    doc = {
-        "meta": {
-            "quick": args.quick,
-            "stack": STACK,
-            "total_runtime_s": time.perf_counter() - start,
-            "python": platform.python_version(),
-            "machine": platform.platform(),
-            "commit": commit,
-            "time": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-        },
-        "block_target": target,
-        "scenarios": rows,
-        "markdown": markdown(rows),
-    }
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(doc, indent=1) + "\n")
+        write()
     print(markdown(rows))
-    print(json.dumps(target, indent=1))
 
 
 if __name__ == "__main__":

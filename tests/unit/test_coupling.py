@@ -18,6 +18,7 @@ from typing import Any
 import pytest
 
 from coplan.cli import main
+from coplan.errors import SpecError
 from coplan.experiments import coupling as C
 from coplan.experiments import coupling_measure as M
 from coplan.experiments import coupling_summary as S
@@ -277,6 +278,7 @@ def test_cli_json_and_html(
     assert set(data) >= {"pairs", "all4", "verdict", "scenarios"}
     assert set(data["pairs"]) == set(C.PAIR_NAMES)
     assert len(data["scenarios"]) == 2
+    assert data["granularity"] == "op"  # fusion decided per op unless asked otherwise
     doc = report.read_text()
     assert 'aria-label="heat map of the coupling matrix"' in doc
     assert 'aria-label="coupling against model size"' in doc
@@ -288,6 +290,23 @@ def test_cli_json_and_html(
     code, out, err = cli(capsys, "--jobs", "1")  # the Rich tables
     assert code == 0, err
     assert "verdict:" in out and "fusion+remat" in out
+    code, out, err = cli(capsys, "--json", "--jobs", "1", "--granularity", "preset")
+    assert code == 0, err
+    assert json.loads(out)["granularity"] == "preset"
+    code, _, err = cli(capsys, "--measure", "--granularity", "preset")
+    assert code == 2 and "--granularity" in err and len(err.strip().splitlines()) == 1
+
+
+def test_op_granularity_searches_per_op_where_preset_does_not() -> None:
+    # the same scenario both ways: per op, fusion alone searches the named options and then every
+    # partition into kernels with the incumbent as its bound, so it only matches or beats them
+    op = C.run_scenario(TINY, granularity="op")
+    preset = C.run_scenario(TINY, granularity="preset")
+    fusion_op, fusion_preset = op.all4.singles[0], preset.all4.singles[0]
+    assert fusion_op.fits and fusion_preset.fits
+    assert fusion_op.step_time_s <= fusion_preset.step_time_s * (1 + 1e-9)
+    with pytest.raises(SpecError, match="--granularity"):
+        C.run_scenario(TINY, granularity="kernel")
 
 
 # --- measured mode -------------------------------------------------------------------------------

@@ -335,8 +335,10 @@ def test_cli_prints_the_partial_grid(
 ) -> None:
     real = C.run_study
 
-    def stopped(grid: str, progress: C.Progress | None = None, jobs: int = 1) -> C.Study:
-        return real(tiny(3), progress=interrupt_after(1), jobs=1)
+    def stopped(
+        grid: str, progress: C.Progress | None = None, jobs: int = 1, granularity: str = "op"
+    ) -> C.Study:
+        return real(tiny(3), progress=interrupt_after(1), jobs=1, granularity=granularity)
 
     monkeypatch.setattr(C, "run_study", stopped)
     with pytest.raises(SystemExit) as exc:
