@@ -7,8 +7,8 @@ that read it, since its backward readers are all fusible with it. Then, while th
 fit, tensors are dropped greedily by recompute time per byte freed (the ratio Inductor's
 ``activation_memory_budget`` knapsack and Checkmate's LP relaxation rank by), measured on the
 cost model. Under eager or Megatron kernels nothing is recomputed while the plan fits. Megatron's
-full recomputation (every saved tensor of the block) is always a candidate too, and the best
-fitting candidate wins.
+full recomputation (every saved tensor of the block but its output, which the checkpoint keeps)
+is always a candidate too, and the best fitting candidate wins.
 """
 
 from __future__ import annotations
@@ -116,6 +116,22 @@ def mincut_names(ctx: PlanContext) -> frozenset[str]:
     return got
 
 
+def full_names(ctx: PlanContext) -> frozenset[str]:
+    """Full recomputation as Megatron-LM and ``torch.utils.checkpoint`` run it: every saved tensor
+    of the block but its output, the next block's input, which the checkpoint keeps (dropping it
+    would make every block re-run the ones before it)."""
+    from coplan.cost.remat import drops_output
+
+    graph = ctx.reference_profile.graph
+    parts = [p for p in ctx.reference_profile.templates if p.blocks]
+    out = set()
+    for n in saved_names(ctx):
+        owner = [p for p in parts if any(name == n for _, name, _ in p.saved_items)]
+        if not any(drops_output(graph, p, frozenset({n})) for p in owner):
+            out.add(n)
+    return frozenset(out)
+
+
 @register("remat")
 def remat_pass(graph: Graph, plan: Plan, ctx: PlanContext) -> Plan:
     try:
@@ -132,7 +148,7 @@ def remat_pass(graph: Graph, plan: Plan, ctx: PlanContext) -> Plan:
             greedy = with_remat(plan, chosen, ctx)
             if score(greedy, ctx)[0] == 0:
                 break
-        full = with_remat(plan, frozenset(saved_names(ctx)), ctx)
+        full = with_remat(plan, full_names(ctx), ctx)
         best = choose((none, greedy, full), ctx)
         return best if best is not None else plan
     except CoplanError:  # an unpriceable plan (the parallel defaults may not divide): leave it
