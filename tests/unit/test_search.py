@@ -457,7 +457,7 @@ def test_space_layouts_are_valid():
 
 def test_later_pipeline_stages_recompute_less():
     from coplan.plan.types import ParallelPlan
-    from coplan.search.joint import optimise_remat, per_stage_remat
+    from coplan.search.joint import per_stage_remat
 
     ctx = make_ctx(gpus=2, global_batch=8)
     plan = ctx.default_plan().with_(parallel=ParallelPlan(pp=2, microbatch=1))
