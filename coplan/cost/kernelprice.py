@@ -27,16 +27,27 @@ class KernelPrices:
     on ``device`` (memoised per group)."""
 
     def __init__(
-        self, graph: Graph, device: DeviceSpec, config: TrainingConfig, precision: Precision | None = None
+        self,
+        graph: Graph,
+        device: DeviceSpec,
+        config: TrainingConfig,
+        precision: Precision | None = None,
+        shared: dict[str, object] | None = None,
     ) -> None:
         self.graph = graph
-        self._ctx = _Ctx(graph, precision if precision and precision[1] else None, {})
-        self._ctx.compiled = True
+        # the kernels depend on the graph and the per-op dtypes only, not on the layout: a search
+        # pricing many layouts of one graph passes one ``shared`` dict to every instance
+        shared = {} if shared is None else shared
+        if "ctx" not in shared:
+            ctx = _Ctx(graph, precision if precision and precision[1] else None, {})
+            ctx.compiled = True
+            shared["ctx"], shared["kernels"] = ctx, {}
+        self._ctx: _Ctx = shared["ctx"]  # type: ignore[assignment]
+        self._kernels: dict[tuple[int, ...], Kernel] = shared["kernels"]  # type: ignore[assignment]
         self._device = device
         self._config = config
         self._scale = replace(Scale.of(config), eager=False)  # explicit groups: a compiled graph
         self._rates: dict[str, Rates] = {}
-        self._kernels: dict[tuple[int, ...], Kernel] = {}
         self._times: dict[tuple[int, ...], float] = {}
 
     def rates(self, k: Kernel) -> Rates:

@@ -93,7 +93,11 @@ class BlockModel:
         )
         self.graph = prof.graph
         device = stage_devices(ctx.cluster, config)[0]
-        self.prices = KernelPrices(prof.graph, device, config, (config.dtype, config.op_dtypes))
+        precision = (config.dtype, config.op_dtypes)
+        # (the profile, and so its graph, lives as long as the cost model: its id is a stable key)
+        key = ("kernels", id(prof.graph), config.dtype if config.op_dtypes else "", config.op_dtypes)
+        shared = ctx.memo.setdefault(key, {})
+        self.prices = KernelPrices(prof.graph, device, config, precision, shared)  # type: ignore[arg-type]
         pp, vpp, m = config.pp, config.vpp, config.num_microbatches
         # a stage runs each of its blocks once per microbatch, plus the pipeline's fill and drain
         self.runs = (m + (pp - 1) / vpp) / pp
