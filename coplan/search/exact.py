@@ -304,12 +304,12 @@ def exact_plan(
     anchors: bool,
     fusion: bool = True,
     remat: bool = True,
-    polish: bool = True,
+    refine: bool = True,
 ) -> Plan:
     """``plan``'s layout and precision with the block's kernels (``fusion``) and recompute set
     (``remat``) chosen by the block model, re-priced and re-solved until it fits (module doc);
-    the best fitting answer, improved by the local search on the recompute set (``polish``: a
-    search over many layouts polishes only its winner)."""
+    the best fitting answer, improved by the local search on the recompute set (``refine``; a
+    search over many layouts refines only its winner, with ``polish``)."""
     from coplan.search.joint import _local_search
 
     bm = BlockModel(plan, ctx, anchors=anchors, fusion=fusion)
@@ -346,7 +346,7 @@ def exact_plan(
         # every tensor dropped: what fits when nothing else does
         out.append(with_remat(out[0], frozenset(saved_names(ctx)), ctx))
     best = min(out, key=lambda p: score(p, ctx))
-    return _local_search(best, ctx, saved_names(ctx)) if held is None and polish else best
+    return _local_search(best, ctx, saved_names(ctx)) if held is None and refine else best
 
 
 def polish(plan: Plan, ctx: PlanContext) -> Plan:
@@ -383,7 +383,7 @@ def joint_exact(ctx: PlanContext, opts: Options) -> tuple[Plan, list[PassRecord]
     best, explored = bound_search(
         ctx,
         combos,
-        lambda p: exact_plan(p, ctx, anchors=anchors, remat=remat, polish=False),
+        lambda p: exact_plan(p, ctx, anchors=anchors, remat=remat, refine=False),
         "joint-exact",
         opts.progress,
         opts.warm,

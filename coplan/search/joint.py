@@ -303,7 +303,7 @@ def _op_level(
     found, n = bound_search(
         ctx,
         combos,
-        lambda p: exact_plan(p, ctx, anchors=anchors, remat=remat, polish=False),
+        lambda p: exact_plan(p, ctx, anchors=anchors, remat=remat, refine=False),
         "joint",
         opts.progress,
         [best],

@@ -209,10 +209,13 @@ def _exact_matches_exhaustive(ctx: PlanContext, where: float) -> None:
 
 
 def test_joint_exact_matches_exhaustive_where_it_must_recompute():
-    # a budget at the least peak: the oracle recomputes two of the three candidates
+    # a budget at the least peak: the oracle recomputes both candidates
     spec = ModelSpec(name="prop-op", n_layers=1, d_model=64, n_heads=2, vocab_size=64, seq_len=128)
     ctx = make_ctx(spec, 1, global_batch=2, seq=128)
-    restrict_remat(ctx, ("h.0.mlp.gelu", "h.0.ln_2.rstd", "h.0.attn_residual"))
+    restrict_remat(ctx, ("h.0.mlp.gelu", "h.0.attn_residual"))
+    set_op_budget(ctx, 0.0)
+    exact = run_strategy("joint-exact", ctx, Options(space=ORACLE))
+    assert exact.plan.remat.recompute == {"h.0.mlp.gelu", "h.0.attn_residual"}
     _exact_matches_exhaustive(ctx, 0.0)
 
 

@@ -234,7 +234,7 @@ def test_joint_plans_the_same_in_every_process():
     # the child imports the coplan this test imports, wherever pytest runs from
     root = str(Path(coplan.__file__).parents[1])
     plans = set()
-    for seed in ("1", "2", "3"):
+    for seed in ("1", "2"):  # two hash seeds: one differing order is enough to show a dependence
         env = {**os.environ, "PYTHONHASHSEED": seed, "PYTHONPATH": root}
         out = subprocess.run(
             [sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300
