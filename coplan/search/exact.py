@@ -29,6 +29,7 @@ output (every block would re-run its predecessors) are left to the local search 
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -359,10 +360,47 @@ def polish(plan: Plan, ctx: PlanContext) -> Plan:
     return _local_search(plan, ctx, saved_names(ctx))
 
 
-@strategy("joint-exact")
-def joint_exact(ctx: PlanContext, opts: Options) -> tuple[Plan, list[PassRecord], list[str]]:
+def exact_search(
+    ctx: PlanContext,
+    opts: Options,
+    base: Plan,
+    anchors: bool,
+    name: str,
+    warm: Sequence[Plan],
+    solved: dict[tuple[object, ...], float] | None = None,
+) -> tuple[Plan | None, int, int]:
+    """The block model on every layout x precision of the space (``base``'s where held), explored
+    best bound first and pruned against ``warm``: (the best plan or None, combinations, solved).
+    A bound is the combination's price under the widest fusion option with nothing recomputed,
+    less ``BOUND_MARGIN``, or its fitting step time where ``solved`` has it (keyed by layout,
+    precision and fusion option). A winner that is not a warm start has its recompute set
+    polished."""
     from dataclasses import replace
 
+    space = opts.space
+    widest = "epilogue" if anchors else "greedy"
+    combos = replace(space, fusion=(widest,)).plans(ctx, base)
+    remat = "remat" not in space.fixed
+    if not remat:
+        combos = [c.with_(remat=base.remat) for c in combos]
+    known = solved or {}
+    found, n = bound_search(
+        ctx,
+        combos,
+        lambda p: exact_plan(p, ctx, anchors=anchors, remat=remat, refine=False),
+        name,
+        opts.progress,
+        warm,
+        margin=BOUND_MARGIN,
+        bound=lambda p: max(ctx.price(p).step_time_s, known.get((p.parallel, p.precision, widest), 0.0)),
+    )
+    if found is not None and remat and all(found is not w for w in warm):
+        found = polish(found, ctx)
+    return found, len(combos), n
+
+
+@strategy("joint-exact")
+def joint_exact(ctx: PlanContext, opts: Options) -> tuple[Plan, list[PassRecord], list[str]]:
     from coplan.search.joint import joint, per_stage_remat, rebalance_stages
 
     op, anchors = op_level(ctx, opts)
@@ -375,22 +413,8 @@ def joint_exact(ctx: PlanContext, opts: Options) -> tuple[Plan, list[PassRecord]
         )
         return plan, records, [*notes, f"{why}: per-op fusion not searched"]
     base = opts.base if opts.base is not None else ctx.default_plan()
-    widest = "epilogue" if anchors else "greedy"
-    combos = replace(space, fusion=(widest,)).plans(ctx, base)
     remat = "remat" not in space.fixed
-    if not remat:
-        combos = [c.with_(remat=base.remat) for c in combos]
-    best, explored = bound_search(
-        ctx,
-        combos,
-        lambda p: exact_plan(p, ctx, anchors=anchors, remat=remat, refine=False),
-        "joint-exact",
-        opts.progress,
-        opts.warm,
-        margin=BOUND_MARGIN,
-    )
-    if best is not None and remat:
-        best = polish(best, ctx)
+    best, combos, explored = exact_search(ctx, opts, base, anchors, "joint-exact", opts.warm)
     if best is not None and space.stages:
         if "parallel" not in space.fixed:
             best = rebalance_stages(best, ctx)
@@ -402,7 +426,7 @@ def joint_exact(ctx: PlanContext, opts: Options) -> tuple[Plan, list[PassRecord]
     cands = sum(len(r.candidates) for r in regs)
     gap = gap_note(best, ctx, anchors) if best.fusion.label == "joint" else None
     notes = [
-        f"{len(combos):,} layout x precision combinations, {explored} solved exactly (bound-pruned)",
+        f"{combos:,} layout x precision combinations, {explored} solved exactly (bound-pruned)",
         f"{cands:,} candidate kernels over {len(regs)} regions"
         + (" (candidate cap reached: a subset of the space)" if any(r.truncated for r in regs) else ""),
     ]

@@ -289,27 +289,10 @@ def _op_level(
     that time less the margin the per-op space may gain, else by its price with nothing
     recomputed. Returns the plan and how many were solved (0 where the stack runs no plan-chosen
     kernels)."""
-    from coplan.search.exact import BOUND_MARGIN, exact_plan, op_level, polish
+    from coplan.search.exact import exact_search, op_level
 
     op, anchors = op_level(ctx, opts)
     if not op or not opts.space.per_op:
         return best, 0
-    space = opts.space
-    widest = "epilogue" if anchors else "greedy"
-    combos = replace(space, fusion=(widest,)).plans(ctx, base)
-    remat = "remat" not in space.fixed
-    if not remat:
-        combos = [c.with_(remat=base.remat) for c in combos]
-    found, n = bound_search(
-        ctx,
-        combos,
-        lambda p: exact_plan(p, ctx, anchors=anchors, remat=remat, refine=False),
-        "joint",
-        opts.progress,
-        [best],
-        margin=BOUND_MARGIN,
-        bound=lambda p: max(ctx.price(p).step_time_s, solved.get((p.parallel, p.precision, widest), 0.0)),
-    )
-    if found is None or found is best:
-        return best, n
-    return (polish(found, ctx) if remat else found), n
+    found, _, n = exact_search(ctx, opts, base, anchors, "joint", [best], solved)
+    return (found if found is not None else best), n
