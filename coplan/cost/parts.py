@@ -123,7 +123,7 @@ class Part:
     op_ids: tuple[int, ...] = ()
     saved_items: tuple[tuple[int, str, Vec], ...] = ()  # (tensor id, name, vector) kept with no recompute
     # saved tensors of generated kernels: (name, producer op, forward readers, vector written);
-    # recomputing one whose kernel holds every forward reader drops its write (``_Ctx.unwritten``)
+    # recomputing one whose kernel holds every forward reader drops its write (``remat.unwritten_items``)
     unwritten: tuple[tuple[str, int, tuple[int, ...], Vec], ...] = ()
     # the head under Megatron's loss kernels (``loss.py``): (loss fusion, forward kernels, backward
     # kernels, change of the saved vector, transient points), replacing ``forward``/``backward``/

@@ -41,6 +41,7 @@ from coplan.cost.parts import (
     model_flops,
     vadd,
 )
+from coplan.cost.remat import unwritten_items
 from coplan.hardware.device import VECTOR_FAMILIES
 from coplan.ir.oprules import attention_dropout
 from coplan.ir.types import Graph, Op, OpKind, Phase, Tensor, TensorRole
@@ -479,7 +480,7 @@ class _Ctx:
             model_flops=model_flops(ops),
             op_ids=tuple(op.id for op in ops),
             saved_items=(items := self.saved_items(ops)),
-            unwritten=self.unwritten(items) if blocks and self.compiled else (),
+            unwritten=unwritten_items(self.g, items, self.vec) if blocks and self.compiled else (),
             fp8_saved=fp8_saved_delta(self.g, items) if blocks else ZERO,
             fp8_gemms=quant_gemms(self.g, fwd, self.tensor_shard) if blocks else (),
             flash_saved=self.flash_saved(ops),
@@ -548,25 +549,6 @@ class _Ctx:
                 if t.saved_for_backward and base.role is TensorRole.ACTIVATION and base.producer in ids:
                     out.setdefault(base.id, (base.id, base.name, self.saved_copy(base)))
         return tuple(out.values())
-
-    def unwritten(
-        self, items: Sequence[tuple[int, str, Vec]]
-    ) -> tuple[tuple[str, int, tuple[int, ...], Vec], ...]:
-        """Saved tensors a generated forward kernel may write only to keep them for backward:
-        (name, producer op, its forward readers, the vector written). Where the kernel making one
-        also holds every forward reader, recomputing it drops the write, as Inductor's min-cut
-        partitioner does: a recomputed node is not a forward output, so the fused kernel keeps it
-        in registers (torch/_functorch/partitioners.py at v2.13.0,
-        ``min_cut_rematerialization_partition``: only saved values leave the forward graph)."""
-        g = self.g
-        out = []
-        for tid, name, _ in items:
-            t = g.tensors[tid]
-            if t.producer is None or tid in g.outputs or g.ops[t.producer].kind is OpKind.VIEW:
-                continue
-            fwd = tuple(sorted(c for c in readers(g, tid) if g.ops[c].phase is Phase.FORWARD))
-            out.append((name, t.producer, fwd, self.vec(t)))
-        return tuple(out)
 
     def kernel(self, grp: tuple[int, ...]) -> Kernel:
         g = self.g

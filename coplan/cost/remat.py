@@ -8,9 +8,12 @@ kept. This is the closure Checkmate-style solvers price; the planner's remat pas
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
+
 from coplan.cost.config import ConfigError
+from coplan.cost.fusion import readers
 from coplan.cost.parts import Part, Vec
-from coplan.ir.types import Graph, Phase, TensorRole
+from coplan.ir.types import Graph, OpKind, Phase, Tensor, TensorRole
 
 
 def recompute_closure(graph: Graph, part: Part, names: frozenset[str]) -> tuple[frozenset[int], Vec]:
@@ -68,3 +71,22 @@ def drops_output(graph: Graph, part: Part, names: frozenset[str]) -> bool:
             if c not in ids and op.phase is Phase.FORWARD:
                 return True
     return False
+
+
+def unwritten_items(
+    graph: Graph, items: Sequence[tuple[int, str, Vec]], vec: Callable[[Tensor], Vec]
+) -> tuple[tuple[str, int, tuple[int, ...], Vec], ...]:
+    """Saved tensors a generated forward kernel may write only to keep them for backward:
+    (name, producer op, its forward readers, the vector written, by ``vec``). Where the kernel
+    making one also holds every forward reader, recomputing it drops the write, as Inductor's
+    min-cut partitioner does: a recomputed node is not a forward output, so the fused kernel keeps
+    it in registers (torch/_functorch/partitioners.py at v2.13.0,
+    ``min_cut_rematerialization_partition``: only saved values leave the forward graph)."""
+    out = []
+    for tid, name, _ in items:
+        t = graph.tensors[tid]
+        if t.producer is None or tid in graph.outputs or graph.ops[t.producer].kind is OpKind.VIEW:
+            continue
+        fwd = tuple(sorted(c for c in readers(graph, tid) if graph.ops[c].phase is Phase.FORWARD))
+        out.append((name, t.producer, fwd, vec(t)))
+    return tuple(out)

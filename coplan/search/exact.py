@@ -268,7 +268,7 @@ class BlockModel:
 
     def _unwritten(self, part: Part, r: dict[str, Expr]) -> list[tuple[str, int, frozenset[int], int]]:
         """(name, producer, forward readers, tensor) of each decided tensor a kernel may skip
-        writing when it is recomputed (``profile._Ctx.unwritten``'s rule)."""
+        writing when it is recomputed (``cost.remat.unwritten_items``'s rule)."""
         g = self.graph
         out = []
         for tid, n, _ in part.saved_items:
