@@ -31,7 +31,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).parent))
 
-from bench_planner import FULL, QUICK, Scenario, budget_gb
+from bench_planner import FULL, QUICK, Scenario, _ms, budget_gb
 
 from coplan.cli.plan_cmd import make_context, run_all
 from coplan.cost.stacks import load_stack
@@ -115,10 +115,6 @@ def block_target() -> dict[str, Any]:
         "recomputed": sorted(got.remat.recompute),
         "kernels_in_block": block_decisions(got, ctx.index.graph)["kernels"],
     }
-
-
-def _ms(s: dict[str, Any]) -> str:
-    return f"{s['step_time_s'] * 1e3:.1f}" + ("" if s["fits"] else "*")
 
 
 def _x(g: float | None) -> str:

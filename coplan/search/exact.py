@@ -86,7 +86,7 @@ class BlockModel:
     """The CP-SAT model of one layout and precision (built once, solved for several budgets)."""
 
     def __init__(self, plan: Plan, ctx: PlanContext, *, anchors: bool, fusion: bool = True) -> None:
-        self.plan, self.ctx = plan, ctx
+        self.ctx = ctx
         config = ctx.config_of(plan)
         model = ctx.model
         prof = model.profile(
