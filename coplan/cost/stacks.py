@@ -244,10 +244,14 @@ class StackSpec:
 
     def runner_for(self, device: str) -> StackSpec:
         """This stack on ``device``'s kind (``"cpu"`` or a GPU): on a CPU, gloo's collectives run
-        on the cores that compute (no overlap) and attention is the device's own kernel."""
+        on the cores that compute (no overlap), attention is the device's own kernel, and GEMMs are
+        library calls that take no fused epilogue (``coplan.apply.fusion`` compiles GEMM templates
+        only for CUDA tensors; Inductor's CPU GEMM template needs max_autotune, which the runner
+        does not turn on)."""
         if device != "cpu":
             return self
-        return replace(self, overlap=False, attention_kernel="auto")
+        fusion = tuple(f for f in self.fusion if f != "epilogue") or self.fusion
+        return replace(self, overlap=False, attention_kernel="auto", fusion=fusion)
 
     def to_dict(self) -> dict[str, Any]:
         out: dict[str, Any] = {"name": self.name}

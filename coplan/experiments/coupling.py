@@ -205,15 +205,22 @@ def grid(name: str) -> tuple[Scenario, ...]:
     """The scenarios of a named grid (``SpecError`` naming ``--grid`` for an unknown one).
 
     ``small`` (the default, minutes on two cores): GPT-2 124M, GPT-2 1.5B and LLaMA-2 7B on 1, 8
-    and 32 H100s, 2 and 8 sequences per GPU, the three budgets (54 scenarios).
+    and 32 H100s, 2 and 8 sequences per GPU, the three budgets (54 scenarios), and a mixture of
+    experts (``moe-small``: 8 experts, top-2) on 1 and 8 H100s at the two tight budgets (8).
     ``full``: adds LLaMA-2 13B and 70B, A100-80GB, 64, 256 and 1,024 GPUs (hours on two cores).
     """
     if name == "small":
-        return _product(
+        dense = _product(
             ("gpt2-124m", "gpt2-1.5b", "llama2-7b"),
             (("dgx-h100", 1), ("dgx-h100", 8), ("dgx-h100", 32)),
             (2, 8),
         )
+        moe = tuple(
+            s
+            for s in _product(("moe-small",), (("dgx-h100", 1), ("dgx-h100", 8)), (2, 8))
+            if s.budget != "loose"
+        )
+        return dense + moe
     if name == "full":
         machines = tuple((c, g) for c in ("dgx-a100-80gb", "dgx-h100") for g in (1, 8, 64, 256, 1024))
         return _product(("gpt2-124m", "gpt2-1.5b", "llama2-7b", "llama2-13b", "llama2-70b"), machines, (2, 8))

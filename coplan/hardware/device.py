@@ -116,7 +116,11 @@ _OPTIONAL = (
     "compute_units",
     "attention_kernel",
     "attention_kernels",
+    "kind",
 )
+#: What a device is to the software that runs on it: a GPU, a CPU (the host computes: its compiler
+#: calls the BLAS library for GEMMs) or another accelerator (TPU, Trainium).
+DEVICE_KINDS = ("gpu", "cpu", "accelerator")
 
 
 @dataclass(frozen=True, slots=True)
@@ -170,6 +174,9 @@ class DeviceSpec:
             shape and occupancy deratings, which all kernels share) and ``<kernel>.dropout`` (the
             fractional slowdown with dropout on the probabilities); a training configuration picks
             one with ``attention_kernel``.
+        kind: one of ``DEVICE_KINDS``. On a ``"cpu"`` coplan's runner compiles GEMMs as library
+            calls (``coplan.apply.fusion``: Inductor's GEMM templates run only on CUDA tensors),
+            so no pointwise work fuses into them (``StackSpec.runner_for``).
     """
 
     name: str
@@ -190,6 +197,7 @@ class DeviceSpec:
     compute_units: int = 0
     attention_kernel: str = ""
     attention_kernels: Mapping[str, float] = field(default_factory=FrozenMap)
+    kind: str = "gpu"
 
     def __post_init__(self) -> None:
         named = isinstance(self.name, str) and bool(self.name.strip())
@@ -223,6 +231,8 @@ class DeviceSpec:
         if self.attention_kernel and self.attention_kernel not in ATTENTION_KERNELS:
             fail(src, "attention_kernel", f"unknown kernel; expected one of: {', '.join(ATTENTION_KERNELS)}")
         put(self, "attention_kernels", _attention_kernels(src, self.attention_kernels, self.attention_kernel))
+        if self.kind not in DEVICE_KINDS:
+            fail(src, "kind", f"expected one of: {', '.join(DEVICE_KINDS)}, got {self.kind!r}")
 
     # --- queries -------------------------------------------------------------------------------
 
@@ -327,6 +337,8 @@ class DeviceSpec:
             out["attention_kernel"] = self.attention_kernel
         if self.attention_kernels:
             out["attention_kernels"] = dict(self.attention_kernels)
+        if self.kind != "gpu":
+            out["kind"] = self.kind
         return out
 
     @classmethod
@@ -348,6 +360,7 @@ class DeviceSpec:
         units = r.integer("compute_units", minimum=0) if "compute_units" in r.data else 0
         attn = r.text("attention_kernel", default="")
         attn_kernels = r.numbers("attention_kernels") if "attention_kernels" in r.data else {}
+        dev_kind = r.text("kind", default="gpu")
         # Readers above already name ``source`` and the full path; only __post_init__ errors need
         # re-anchoring, so nothing else may run inside this block.
         with anchored(source, path):
@@ -370,6 +383,7 @@ class DeviceSpec:
                 compute_units=units,
                 attention_kernel=attn,
                 attention_kernels=attn_kernels,
+                kind=dev_kind,
             )
 
 

@@ -14,7 +14,14 @@ from collections.abc import Iterable
 from coplan.cost.fusion import default_groups, source_op
 from coplan.ir.types import Graph, Op, Phase
 from coplan.passes.base import register
-from coplan.plan.checker import ANCHORS, POINTWISE, REDUCTIONS, _kernel_graph_ok, group_problem
+from coplan.plan.checker import (
+    ANCHORS,
+    POINTWISE,
+    REDUCTIONS,
+    _kernel_graph_ok,
+    group_problem,
+    inductor_problem,
+)
 from coplan.plan.context import PlanContext
 from coplan.plan.types import FusionPlan, Plan
 
@@ -36,7 +43,11 @@ def _as_plan(
     return FusionPlan(groups=named, recompute_in_backward=rib, label=label)
 
 
-def greedy_groups(graph: Graph, ops: list[Op], *, into_anchors: bool = False) -> list[list[int]]:
+def greedy_groups(
+    graph: Graph, ops: list[Op], *, into_anchors: bool = False, inductor: str | None = None
+) -> list[list[int]]:
+    """Inductor-style greedy fusion: producer into consumer wherever the merged kernel is legal
+    (and, with ``inductor`` a target, emitted by Inductor there: ``checker.inductor_problem``)."""
     parent = {op.id: op.id for op in ops}
     members = {op.id: [op.id] for op in ops}
 
@@ -70,6 +81,8 @@ def greedy_groups(graph: Graph, ops: list[Op], *, into_anchors: bool = False) ->
             merged = tuple(members[a] + members[b])
             if group_problem(graph, merged) is not None:
                 continue
+            if inductor is not None and inductor_problem(graph, merged, inductor) is not None:
+                continue
             others = [tuple(m) for r, m in members.items() if r not in (a, b)]
             if _kernel_graph_ok(graph, [*others, merged]) is not None:
                 continue
@@ -98,5 +111,5 @@ def fusion_pass(graph: Graph, plan: Plan, ctx: PlanContext) -> Plan:
         if "megatron" in allowed:
             return plan.with_(fusion=megatron_fusion(ctx))
         return plan.with_(fusion=FusionPlan(label="compiled" if "compiled" in allowed else "eager"))
-    groups = greedy_groups(graph, scope_ops(ctx))
+    groups = greedy_groups(graph, scope_ops(ctx), inductor=ctx.inductor)
     return plan.with_(fusion=_as_plan(graph, groups, "greedy", plan.fusion))

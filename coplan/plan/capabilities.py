@@ -86,18 +86,24 @@ def fusion_problem(ctx: PlanContext, plan: Plan) -> str | None:
     allowed = ctx.stack.fusion
     groups = {frozenset(g) for g in plan.fusion.groups}
     if "greedy" in allowed:
-        # a stack compiling the plan's own groups runs any legal grouping (the checker's fusion
-        # rule), with a GEMM or attention inside a group only where it emits GEMM epilogues
-        if "epilogue" in allowed:
-            return None
-        from coplan.plan.checker import ANCHORS
+        # a stack compiling the plan's own groups runs any grouping the checker's fusion rule
+        # accepts and Inductor emits, with a GEMM or attention inside a group only where it emits
+        # GEMM epilogues
+        from coplan.plan.checker import ANCHORS, inductor_problem
 
+        megatron = "megatron" in allowed and plan.fusion.label == "megatron"
+        if megatron and groups == {frozenset(g) for g in fusion_option(ctx, "megatron").groups}:
+            return None  # the stack also runs Megatron-LM's own kernel set
         ops = ctx.index.op_by_name
+        target = ctx.inductor or "gpu"
         for g in plan.fusion.groups:
-            kinds = [ops[n].kind for n in g if n in ops]
-            if len(kinds) > 1 and any(k in ANCHORS for k in kinds):
-                head = ", ".join(g[:3])
+            head = ", ".join(g[:3])
+            known = [ops[n] for n in g if n in ops]
+            if "epilogue" not in allowed and len(known) > 1 and any(op.kind in ANCHORS for op in known):
                 return f"fusion group [{head}...] fuses into a library kernel (it runs no GEMM epilogues)"
+            why = inductor_problem(ctx.index.graph, tuple(op.id for op in known), target)
+            if why is not None:
+                return f"fusion group [{head}...]: {why}"
         return None
     for name in allowed:
         if groups == {frozenset(g) for g in fusion_option(ctx, name).groups}:

@@ -162,6 +162,76 @@ def group_problem(graph: Graph, ids: tuple[int, ...]) -> str | None:
     return None
 
 
+#: ops Inductor computes with a row reduction although the IR calls them elementwise
+_ROW_REDUCING = frozenset({"log_softmax", "_log_softmax", "log_softmax_bwd", "softmax", "_softmax"})
+
+
+def _reduces(op: Op) -> bool:
+    return op.kind in REDUCTIONS or op.target.removeprefix("aten.") in _ROW_REDUCING
+
+
+def inductor_problem(graph: Graph, ids: tuple[int, ...], target: str) -> str | None:
+    """Why Inductor, compiling for ``target`` ("cpu": its C++ backend; "gpu": Triton), does not
+    emit the group ``ids`` as one kernel although ``group_problem`` accepts it (None: it does).
+
+    - A loss that reads its input by an index (``nll_loss`` gathers one log-probability per row)
+      and an embedding gradient (a scatter-add into the table) share no bytes Inductor can count
+      with the kernels around them (``Scheduler.score_fusion_memory`` matches reads by buffer and
+      index): ``InductorChoices.can_fuse`` refuses with "no shared data".
+    - On a CPU a pointwise op whose output is written (saved for backward, or read outside the
+      group) is a loop nest of its own, and ``CppScheduling.can_fuse_vertical`` fuses such a
+      producer into a row reduction only with the same loop nest, which a flat elementwise loop
+      and a (rows, columns) reduction never have. An unwritten producer is inlined into the
+      reduction instead, so the rule asks only about written ones.
+    Both were read off the refusals Inductor logged compiling coplan's plans (torch 2.13,
+    ``coplan.fusion_log``)."""
+    members = set(ids)
+    ops = [graph.ops[i] for i in ids]
+    for op in ops:
+        if op.target.removeprefix("aten.") == "embedding_bwd":
+            return f"{op.name} (a scatter-add into the embedding table) shares no data Inductor fuses on"
+        if op.kind is OpKind.LOSS and op.phase is Phase.FORWARD:
+            src = source_op(graph, op.inputs[0]) if op.inputs else None
+            if src in members:
+                return f"{op.name} gathers its input by index: no shared data for Inductor to fuse on"
+    if target != "cpu":
+        return None
+    for op in ops:
+        if not _reduces(op):
+            continue
+        for t in op.inputs:
+            src = source_op(graph, t)
+            if src is None or src not in members or src == op.id:
+                continue
+            p = graph.ops[src]
+            if p.kind not in POINTWISE or _reduces(p):
+                continue
+            for o in p.outputs:
+                if _written(graph, o, members):
+                    return (
+                        f"{p.name} is written (read outside the kernel or saved) and feeds the "
+                        f"reduction {op.name}: Inductor's C++ backend does not fuse the two"
+                    )
+    return None
+
+
+def _written(graph: Graph, tid: int, members: set[int]) -> bool:
+    """Whether a kernel holding ``members`` must write ``tid``: it (or a view of it) is saved for
+    backward or a graph output, or an op outside the kernel reads it."""
+    stack = [tid]
+    while stack:
+        t = graph.tensors[stack.pop()]
+        if t.saved_for_backward or t.id in graph.outputs:
+            return True
+        for c in t.consumers:
+            op = graph.ops[c]
+            if op.kind is OpKind.VIEW:
+                stack.extend(op.outputs)
+            elif c not in members:
+                return True
+    return False
+
+
 def _executor_problem(ops: list[Op], anchor: Op) -> str | None:
     """Why no executor emits a kernel of ``anchor`` with ``ops`` around it (None: one does).
 

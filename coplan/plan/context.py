@@ -148,6 +148,9 @@ class PlanContext:
             why = bounded_int(value, bound)
             if why is not None:
                 raise SpecError("job", name, why)
+        if all(d.kind == "cpu" for d in self.cluster.devices):
+            # a stack on CPUs runs as it does there (no GEMM epilogues, gloo on the compute cores)
+            self.stack = self.stack.runner_for("cpu")
         small = min(self.cluster.devices, key=lambda d: d.memory_bytes)
         cap = small.memory_bytes
         if self.budget_bytes is None:
@@ -171,6 +174,15 @@ class PlanContext:
     @property
     def gpus(self) -> int:
         return self.cluster.num_devices
+
+    @property
+    def inductor(self) -> str | None:
+        """Where the stack compiles the plan's own groups with Inductor (its ``greedy`` fusion):
+        ``"cpu"`` (the C++ backend) when every device is a CPU, else ``"gpu"`` (Triton); None
+        where the stack launches kernels of its own."""
+        if "greedy" not in self.stack.fusion:
+            return None
+        return "cpu" if all(d.kind == "cpu" for d in self.cluster.devices) else "gpu"
 
     @cached_property
     def attention_kernel(self) -> str:

@@ -23,7 +23,14 @@ from dataclasses import dataclass
 from coplan.cost.fusion import source_op
 from coplan.ir.types import Graph, Op, OpKind, Phase
 from coplan.passes.fusion import greedy_groups, scope_ops
-from coplan.plan.checker import ANCHORS, POINTWISE, REDUCTIONS, _kernel_graph_ok, group_problem
+from coplan.plan.checker import (
+    ANCHORS,
+    POINTWISE,
+    REDUCTIONS,
+    _kernel_graph_ok,
+    group_problem,
+    inductor_problem,
+)
 from coplan.plan.context import PlanContext
 from coplan.plan.types import FusionPlan
 
@@ -113,7 +120,7 @@ def regions(ctx: PlanContext, *, anchors: bool) -> tuple[Region, ...]:
     counts: dict[int, int] = {}
     for r in idx.ref_of.values():
         counts[r] = counts.get(r, 0) + 1
-    greedy = greedy_groups(graph, scope_ops(ctx), into_anchors=anchors)
+    greedy = greedy_groups(graph, scope_ops(ctx), into_anchors=anchors, inductor=ctx.inductor)
     out = []
     for name, blocks, members in [
         *((f"block[{r}]", counts[r], idx.block_ops[r]) for r in sorted(counts)),
@@ -136,7 +143,14 @@ def regions(ctx: PlanContext, *, anchors: bool) -> tuple[Region, ...]:
             }
         )
         convex = _convexity(ids, edges)
-        cands = tuple(c for c in sets if convex(c) and group_problem(graph, c) is None)
+        target = ctx.inductor
+        cands = tuple(
+            c
+            for c in sets
+            if convex(c)
+            and group_problem(graph, c) is None
+            and (target is None or inductor_problem(graph, c, target) is None)
+        )
         out.append(Region(name, blocks, tuple(op.id for op in ops), cands, tuple(edges), truncated))
     got = ctx.memo[key] = tuple(out)
     return got

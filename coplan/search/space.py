@@ -136,7 +136,8 @@ def fusion_option(ctx: PlanContext, name: str) -> FusionPlan:
     if name == "megatron":
         return megatron_fusion(ctx)
     if name == "greedy":
-        return _as_plan(graph, greedy_groups(graph, scope_ops(ctx)), "greedy")
+        return _as_plan(graph, greedy_groups(graph, scope_ops(ctx), inductor=ctx.inductor), "greedy")
     if name == "epilogue":
-        return _as_plan(graph, greedy_groups(graph, scope_ops(ctx), into_anchors=True), "epilogue")
+        groups = greedy_groups(graph, scope_ops(ctx), into_anchors=True, inductor=ctx.inductor)
+        return _as_plan(graph, groups, "epilogue")
     raise ValueError(f"unknown fusion option {name!r}; options: {', '.join(FUSION_OPTIONS)}")

@@ -210,6 +210,8 @@ def test_grids() -> None:
     assert {s.budget for s in small} == set(C.BUDGETS) == {"loose", "tight", "very-tight"}
     assert len({s.gpus for s in small}) >= 3 and len({s.model for s in small}) >= 3
     assert len({s.global_batch // s.gpus for s in small}) >= 2
+    moe = [s for s in small if s.model == "moe-small"]  # a mixture of experts at tight budgets
+    assert moe and {s.budget for s in moe} == {"tight", "very-tight"} and {s.gpus for s in moe} == {1, 8}
     full = C.grid("full")
     assert max(s.gpus for s in full) == 1024 and min(s.gpus for s in full) == 1
     assert {"llama2-70b"} <= {s.model for s in full}
