@@ -5,11 +5,14 @@ compiled by Inductor under the plan's groups (``coplan run``), measured against 
 
 For a small GPT (``benchmarks/data/gpt-b.json``) and a small LLaMA (RMSNorm, SwiGLU, RoPE,
 grouped-query attention; ``LLAMA`` below), at a loose budget (the machine's) and a tight one (the
-loose joint plan's peak less 60% of its saved activations, so something must be recomputed), the
+peak of one sequence per microbatch with nothing recomputed, less 60% of its saved activations:
+no microbatching fits it, something must be recomputed), the
 planner runs ``joint`` (fusion and recomputation decided per op) and ``sequential`` (Inductor-style
 greedy fusion, then the min-cut recompute pass, then precision), both for coplan's runner on a CPU,
 in fp32. Each plan then trains ``--steps`` steps through ``coplan.apply`` (the path of ``coplan
-run``), and ``torch.compile``'s defaults (``--mode compile``) run beside them as the reference.
+run``), ``--repeats`` times in rounds over all plans (the median run is kept: this machine's speed
+drifts by tens of percent over minutes), and ``torch.compile``'s defaults (``--mode compile``,
+joint's layout, nothing recomputed) run beside them as the reference.
 Each row: measured and predicted step time, saved activation bytes measured and predicted, the
 planned kernel groups Inductor honoured (and the ones it did not, with its reason), and the
 decisions counted per block.
@@ -24,6 +27,7 @@ from __future__ import annotations
 import argparse
 import json
 import platform
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -31,7 +35,7 @@ from typing import Any
 
 import torch
 
-from coplan.apply.predict import make_context
+from coplan.apply.predict import make_context, plan_for
 from coplan.apply.run import RunRequest, run_plan
 from coplan.hardware import load_cluster
 from coplan.models.spec import ModelSpec
@@ -66,6 +70,7 @@ SPACE = SearchSpace(dtypes=("fp32",), zero=(0,), per_op=True)
 
 def plan(spec: ModelSpec, profile: str, strategy: str, budget: float | None) -> tuple[Any, Any, float]:
     ctx = make_context(spec, load_cluster(profile), BATCH, SEQ)
+    ctx.dtypes = ("fp32",)  # every strategy, its passes included (``plan --dtypes fp32``)
     if budget is not None:
         ctx.budget_bytes = budget
     t0 = time.perf_counter()
@@ -73,25 +78,13 @@ def plan(spec: ModelSpec, profile: str, strategy: str, budget: float | None) -> 
     return ctx, res, time.perf_counter() - t0
 
 
-def row(
-    spec: ModelSpec, profile: str, strategy: str, budget: float | None, steps: int, mode: str = "plan"
-) -> dict[str, Any]:
-    ctx, res, took = plan(spec, profile, strategy, budget)
+def planned(spec: ModelSpec, profile: str, strategy: str, budget: float | None) -> dict[str, Any]:
+    """One strategy's plan for the job, with what was decided (a row before it is measured)."""
+    chosen = "joint" if strategy == "torch.compile" else strategy  # the reference: joint's layout
+    ctx, res, took = plan(spec, profile, chosen, budget)
     if res.plan is None or not res.fits:
         return {"model": spec.name, "strategy": strategy, "fits": False, "budget_bytes": ctx.budget}
-    req = RunRequest(
-        plan=res.plan,
-        spec=spec,
-        steps=steps,
-        nproc=1,
-        global_batch=BATCH,
-        seq=SEQ,
-        cluster=load_cluster(profile),
-        mode=mode,
-    )
-    out = run_plan(req)
-    m, p, f = out["measured"], out["predicted"], out["fusion"]
-    est = ctx.price(res.plan)
+    baseline = strategy == "torch.compile"
     return {
         "model": spec.name,
         "strategy": strategy,
@@ -99,26 +92,60 @@ def row(
         "budget_bytes": ctx.budget,
         "plan_time_s": took,
         "layout": res.plan.parallel.describe(),
-        "fusion_label": res.plan.fusion.label,
-        "recomputed": sorted(res.plan.remat.recompute),
-        "decisions": block_decisions(res.plan, ctx.index.graph),
-        "predicted": p,
-        "measured": m,
-        "planned_peak_bytes": est.memory.peak_bytes,
-        "step_error": p["step_time_s"] / m["step_time_s"] - 1,
-        "saved_error": p["saved_activation_bytes"] / m["saved_activation_bytes"] - 1
-        if m["saved_activation_bytes"]
-        else None,
-        "groups_planned": f.get("groups_planned", 0),
-        "groups_honoured": f.get("groups_honoured", 0),
-        "not_honoured": f.get("not_honoured", []),
-        "grad_check": out["grad_check"],
+        "fusion_label": "torch.compile" if baseline else res.plan.fusion.label,
+        "recomputed": [] if baseline else sorted(res.plan.remat.recompute),
+        "decisions": {"kernels": "-", "fused_edges": "-", "recomputed": 0}
+        if baseline
+        else block_decisions(res.plan, ctx.index.graph),
+        "planned_peak_bytes": ctx.price(res.plan).memory.peak_bytes,
+        "_plan": res.plan,
+        "_mode": "compile" if baseline else "plan",
+        "runs": [],
     }
 
 
+def measure(r: dict[str, Any], spec: ModelSpec, profile: str, steps: int) -> None:
+    """Train ``r``'s plan once and add the run to it."""
+    req = RunRequest(
+        plan=r["_plan"],
+        spec=spec,
+        steps=steps,
+        nproc=1,
+        global_batch=BATCH,
+        seq=SEQ,
+        cluster=load_cluster(profile),
+        mode=r["_mode"],
+    )
+    out = run_plan(req)
+    f = out["fusion"]
+    r["runs"].append(out["measured"])
+    r["predicted"] = out["predicted"]
+    r["groups_planned"] = f.get("groups_planned", 0)
+    r["groups_honoured"] = f.get("groups_honoured", 0)
+    r["not_honoured"] = f.get("not_honoured", [])
+    r["grad_check"] = out["grad_check"]
+
+
+def summarise(r: dict[str, Any]) -> None:
+    """The median run of ``r`` as its measurement, and the errors of the prediction against it."""
+    r.pop("_plan", None)
+    r.pop("_mode", None)
+    if not r["fits"]:
+        return
+    times = sorted(m["step_time_s"] for m in r["runs"])
+    m = dict(r["runs"][0])
+    m["step_time_s"] = statistics.median(times)
+    r["measured"], p = m, r["predicted"]
+    r["step_error"] = p["step_time_s"] / m["step_time_s"] - 1
+    saved = m["saved_activation_bytes"]
+    r["saved_error"] = p["saved_activation_bytes"] / saved - 1 if saved else None
+
+
 def tight_budget(spec: ModelSpec, profile: str) -> float:
-    ctx, res, _ = plan(spec, profile, "joint", None)
-    est = ctx.price(res.plan)
+    """The peak of one sequence per microbatch with nothing recomputed, less ``TIGHTEN`` of its
+    saved activations: no microbatch is small enough, so something must be recomputed."""
+    ctx = make_context(spec, load_cluster(profile), BATCH, SEQ)
+    est = ctx.price(plan_for(ctx, compute="fp32", microbatch=1))
     saved = max(st.memory.activations_bytes for st in est.stages)
     return est.memory.peak_bytes - TIGHTEN * saved
 
@@ -147,30 +174,37 @@ def table(rows: list[dict[str, Any]]) -> str:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--profile", default=str(RESULTS / "cpu_profile.json"))
-    ap.add_argument("--steps", type=int, default=6)
+    ap.add_argument("--steps", type=int, default=8)
+    ap.add_argument("--repeats", type=int, default=3, help="runs of each plan, in rounds (median kept)")
     ap.add_argument("--out", default=str(RESULTS / "oplevel_apply.json"))
     args = ap.parse_args(argv)
     torch.set_num_threads(2)
     rows: list[dict[str, Any]] = []
     t0 = time.perf_counter()
-    for spec in (GPT, LLAMA):
+    specs = {s.name: s for s in (GPT, LLAMA)}
+    for spec in specs.values():
         for label, budget in (("loose", None), ("tight", tight_budget(spec, args.profile))):
             for strategy in ("joint", "sequential", "torch.compile"):
-                # the reference runs the joint plan's layout with torch.compile's own choices
-                chosen = "joint" if strategy == "torch.compile" else strategy
-                mode = "compile" if strategy == "torch.compile" else "plan"
-                r = row(spec, args.profile, chosen, budget, args.steps, mode)
-                r["strategy"], r["budget"] = strategy, label
-                if strategy == "torch.compile" and r["fits"]:
-                    r["decisions"] = {"kernels": "-", "fused_edges": "-", "recomputed": 0}
+                r = planned(spec, args.profile, strategy, budget)
+                r["budget"] = label
                 rows.append(r)
-                print(f"{spec.name} {label} {strategy}: done", file=sys.stderr)
-    planned = sum(r["groups_planned"] for r in rows if r["fits"] and r["strategy"] != "torch.compile")
-    honoured = sum(r["groups_honoured"] for r in rows if r["fits"] and r["strategy"] != "torch.compile")
+    # rounds over every row, so the machine's drift over minutes reaches every plan alike
+    for k in range(args.repeats):
+        for r in rows:
+            if r["fits"]:
+                measure(r, specs[r["model"]], args.profile, args.steps)
+                print(f"round {k + 1}: {r['model']} {r['budget']} {r['strategy']}", file=sys.stderr)
+    for r in rows:
+        summarise(r)
+    ours = [r for r in rows if r["fits"] and r["strategy"] != "torch.compile"]
+    n_planned = sum(r["groups_planned"] for r in ours)
+    n_honoured = sum(r["groups_honoured"] for r in ours)
     summary = {
-        "groups_planned": planned,
-        "groups_honoured": honoured,
-        "honoured_share": honoured / planned if planned else None,
+        "groups_planned": n_planned,
+        "groups_honoured": n_honoured,
+        "honoured_share": n_honoured / n_planned if n_planned else None,
+        "repeats": args.repeats,
+        "steps": args.steps,
         "wall_s": time.perf_counter() - t0,
         "machine": platform.processor() or platform.machine(),
         "torch": torch.__version__,

@@ -59,6 +59,7 @@ class StackName(enum.StrEnum):  # coplan.cost.stacks.stack_names()
     open = "open"
     torchtitan = "torchtitan"
     torchtitan_compile = "torchtitan-compile"
+    xla = "xla"
 
 
 class Device(enum.StrEnum):

@@ -529,14 +529,22 @@ class _Priced:
         got = self.skip_memo.get(mode)
         if got is not None:
             return got
-        where = {i: n for n, k in enumerate(self.fwd_kernels) for i in k.ops}
+        # a duplicated producer is in several kernels: its first (its home) writes what is kept,
+        # and every reader holding a copy of it reads no stored value
+        where: dict[int, int] = {}
+        holds: dict[int, list[int]] = {}
+        for m, k in enumerate(self.fwd_kernels):
+            for i in k.ops:
+                where.setdefault(i, m)
+                holds.setdefault(i, []).append(m)
         less: dict[int, list[float]] = {}
         for name, producer, fwd_readers, vec in part.unwritten:
-            n = where.get(producer)
-            if name not in mode or n is None:
+            home = where.get(producer)
+            if name not in mode or home is None:
                 continue
-            ops = self.fwd_kernels[n].ops
-            if all(c in ops for c in fwd_readers):
+            n = home
+            homes = [self.fwd_kernels[m].ops for m in holds[producer]]
+            if all(any(c in ops for ops in homes) for c in fwd_readers):
                 acc = less.setdefault(n, [0.0] * NV)
                 for i, x in enumerate(vec):
                     acc[i] += x

@@ -21,6 +21,7 @@ from collections.abc import Iterable, Sequence
 
 from coplan.cost.activation import eager_variant, extra_passes
 from coplan.cost.boundaries import pipeline_boundary, tp_boundaries
+from coplan.cost.families import prune_dominated, vector_family
 from coplan.cost.fp8 import fp8_saved_delta, quant_gemms
 from coplan.cost.fusion import default_groups, fused_recomputed, readers, source_op
 from coplan.cost.geometry import attn_geometry, mm_dims, transposed_lhs
@@ -52,22 +53,6 @@ _TP_MODULE = re.compile(
 )
 _FLOAT = frozenset({"float32", "float16", "bfloat16", "tf32", "float64", "float8_e4m3fn", "float8_e5m2"})
 
-#: Elementwise ops evaluated with a transcendental function (a polynomial or table per element, tens
-#: of instructions where the op rules count a handful of FLOPs) or a long-latency square root unit
-#: (an fp32 square root issues a few times less often than an add: AdamW's denominator).
-_TRANSCENDENTAL = frozenset(
-    {"gelu", "gelu_backward", "silu", "silu_backward", "tanh", "tanh_backward", "sigmoid", "sigmoid_backward"}
-    | {"exp", "exp2", "expm1", "log", "log2", "log1p", "erf", "sin", "cos", "softplus", "sqrt", "rsqrt"}
-)
-#: The vector family of each op kind (``VECTOR_FAMILIES``); kinds not listed are elementwise.
-_FAMILY_OF_KIND = {
-    OpKind.REDUCTION: "reduction",
-    OpKind.LOSS: "reduction",
-    OpKind.NORM: "norm",
-    OpKind.SOFTMAX: "softmax",
-}
-
-
 def profile_graph(
     graph: Graph,
     fusion: str | tuple[tuple[int, ...], ...] = "megatron",
@@ -77,10 +62,15 @@ def profile_graph(
     and, when ``precision`` has per-op overrides, the dtypes and casts they imply."""
     groups = default_groups(graph, fusion) if isinstance(fusion, str) else fusion
     group_of: dict[int, tuple[int, ...]] = {}
+    copies: dict[int, int] = {}
     for g in groups:
         for i in g:
-            group_of[i] = tuple(g)
+            # an op in several groups is a duplicated producer (``FusionPlan.duplicated``): its
+            # first group, its home, writes what it must keep; the others compute a copy
+            group_of.setdefault(i, tuple(g))
+            copies[i] = copies.get(i, 0) + 1
     ctx = _Ctx(graph, precision if precision and precision[1] else None, group_of)
+    ctx.duplicated = frozenset(i for i, n in copies.items() if n > 1)
     # Megatron's own loss kernels replace the IR's where the stack is Megatron's and no per-op
     # precision override changes the loss path
     ctx.megatron_loss = fusion == "megatron" and not (precision and precision[1])
@@ -174,6 +164,7 @@ class _Ctx:
         # Megatron's fused kernels recompute their intermediates in backward (``_fused_recomputed``)
         self.fused_backward = False
         self.compiled = False
+        self.duplicated: frozenset[int] = frozenset()
         self._dtype: dict[int, str] = {}  # op id -> overridden dtype (backward ops follow forward)
         self._act = "fp32"
         self._casts: dict[tuple[int, str], tuple[int, bool]] = {}  # (tensor, dtype) -> (consumer, fused)
@@ -599,7 +590,20 @@ class _Ctx:
                 and fused_recomputed(g, g.tensors[t.storage_id])
             ):
                 continue  # read only by backward kernels, which recompute it: never written
-            if t.saved_for_backward or tid in g.outputs or not direct <= inside or not direct:
+            producer = t.producer if t.producer is not None else -1
+            if producer in self.duplicated:
+                # every reader's kernel computes its own copy: only what is kept is written, once
+                if not (t.saved_for_backward or tid in g.outputs) or self.group_of[producer] != tuple(grp):
+                    continue
+                v = self.vec(t)
+                for i in range(NV):
+                    b[i] += v[i]
+                if t.alias_of is None and t.shape:
+                    fresh.append(v)
+                continue
+            # a duplicated reader's copies sit in other kernels too, which read it from memory
+            copied = bool(self.duplicated) and any(c in self.duplicated for c in direct)
+            if t.saved_for_backward or tid in g.outputs or not direct <= inside or not direct or copied:
                 v = self.vec(t)
                 for i in range(NV):
                     b[i] += v[i]
@@ -659,7 +663,7 @@ class _Ctx:
         out = [0.0] * len(VECTOR_FAMILIES)
         for op in ops:
             if op.vector_flops:
-                out[VECTOR_FAMILIES.index(_family(op))] += float(op.vector_flops)
+                out[VECTOR_FAMILIES.index(vector_family(op))] += float(op.vector_flops)
         return tuple(out)
 
     # --- memory --------------------------------------------------------------------------------
@@ -771,26 +775,8 @@ class _Ctx:
             points.append(current)
             ended = {g.tensors[tid].storage_id for tid in (*op.inputs, *op.outputs)}
             release([sid for sid in ended if sid in live and last_use.get(sid, -1) <= op.id])
-        return _prune(points)
-
-
-def _family(op: Op) -> str:
-    """The vector family of one op: transcendental elementwise functions apart from the rest."""
-    name = op.target.split(".")[1] if op.target.startswith("aten.") else op.target
-    if op.kind is OpKind.ELEMENTWISE and name.removesuffix("_") in _TRANSCENDENTAL:
-        return "transcendental"
-    return _FAMILY_OF_KIND.get(op.kind, "elementwise")
+        return prune_dominated(points)
 
 
 def _is_temp(t: Tensor) -> bool:
     return t.role in (TensorRole.ACTIVATION, TensorRole.GRADIENT) and t.grad_of is None
-
-
-def _prune(points: Iterable[Vec]) -> tuple[Vec, ...]:
-    """Drop points dominated component-wise by another (they can never be the maximum)."""
-    uniq = sorted(set(points), key=lambda p: -sum(p))
-    kept: list[Vec] = []
-    for p in uniq:
-        if not any(all(k[i] >= p[i] for i in range(NV)) for k in kept):
-            kept.append(p)
-    return tuple(kept) or (ZERO,)

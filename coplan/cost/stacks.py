@@ -67,7 +67,7 @@ FP8_MODES: tuple[str, ...] = ("native", "emulated", "none")
 #: plus epilogues fused into GEMMs), ``megatron`` (Megatron-LM's hand-written fused kernels), and
 #: ``compiled``: no groups a plan imposes, the stack's compiler fuses as it does (priced as
 #: ``configure`` prices it under Inductor's kernels).
-FUSION_CHOICES: tuple[str, ...] = ("eager", "greedy", "epilogue", "megatron", "compiled")
+FUSION_CHOICES: tuple[str, ...] = ("eager", "greedy", "epilogue", "megatron", "compiled", "duplicate")
 
 
 class StackError(SpecError):

@@ -11,14 +11,15 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
-from coplan.cost.fusion import default_groups, source_op
-from coplan.ir.types import Graph, Op, Phase
+from coplan.cost.fusion import default_groups, readers, source_op
+from coplan.ir.types import Graph, Op, OpKind, Phase
 from coplan.passes.base import register
 from coplan.plan.checker import (
     ANCHORS,
     POINTWISE,
     REDUCTIONS,
     _kernel_graph_ok,
+    _reduces,
     group_problem,
     inductor_problem,
 )
@@ -104,9 +105,94 @@ def megatron_fusion(ctx: PlanContext) -> FusionPlan:
     return _as_plan(graph, groups, "megatron")
 
 
+def duplicable(graph: Graph, op: Op) -> bool:
+    """Whether ``op`` may be computed inside each reader's kernel: a pointwise op that is not a
+    row reduction, outside the optimizer (XLA duplicates only ops it does not deem expensive:
+    ``xla/service/instruction_fusion.cc``, ``IsExpensive``)."""
+    return (
+        op.kind in POINTWISE - {OpKind.VIEW}
+        and not _reduces(op)
+        and op.phase is not Phase.OPTIMIZER
+        and bool(op.outputs)
+        and not any(t in graph.outputs for t in op.outputs)
+    )
+
+
+def xla_fusion(ctx: PlanContext, dropped: frozenset[str] = frozenset()) -> FusionPlan:
+    """XLA-style fusion: the greedy kernels, then every cheap pointwise producer not kept for
+    backward (kept tensors in ``dropped`` are recomputed, so not kept) whose readers sit in two or
+    more kernels is duplicated into each of them where that moves fewer bytes (its inputs read once
+    per reader instead of its output written once and read once per reader: the comparison XLA's
+    GPU performance model makes for a producer fused into all its consumers,
+    ``xla/service/gpu/model/gpu_performance_model.cc``) and every reader's kernel stays legal.
+    The compiler fuses the graph it is given, recomputation included, so the kernels follow the
+    recompute set (``passes.remat.with_remat``)."""
+    key = ("xla", dropped & _kept_by_duplicable(ctx))
+    got = ctx.memo.get(key)
+    if got is None:
+        got = ctx.memo[key] = _xla_fusion(ctx, key[1])
+    return got  # type: ignore[return-value]
+
+
+def _kept_by_duplicable(ctx: PlanContext) -> frozenset[str]:
+    """Names of the saved tensors duplicable ops make: the only drops that change XLA's kernels."""
+    got = ctx.memo.get("xla-kept")
+    if got is None:
+        g = ctx.index.graph
+        got = ctx.memo["xla-kept"] = frozenset(
+            g.tensors[t].name
+            for op in scope_ops(ctx)
+            if duplicable(g, op)
+            for t in op.outputs
+            if g.tensors[t].saved_for_backward
+        )
+    return got  # type: ignore[return-value]
+
+
+def _xla_fusion(ctx: PlanContext, dropped: frozenset[str]) -> FusionPlan:
+    graph = ctx.index.graph
+    scope = scope_ops(ctx)
+    groups = [list(g) for g in greedy_groups(graph, scope, inductor=ctx.inductor)]
+    where = {i: n for n, g in enumerate(groups) for i in g}
+    dup: set[int] = set()
+    for op in scope:
+        if not duplicable(graph, op) or op.id in dup:
+            continue
+        outs = [graph.tensors[t] for t in op.outputs]
+        if any(t.saved_for_backward and t.name not in dropped for t in outs):
+            continue  # kept for backward: written anyway
+        rs = sorted({r for t in op.outputs for r in readers(graph, t)})
+        if len(rs) < 2 or any(
+            graph.ops[r].phase is not op.phase or graph.ops[r].block != op.block or r in dup for r in rs
+        ):
+            continue
+        kernels = {where.get(r, -1 - r) for r in rs}
+        if len(kernels) < 2:
+            continue
+        ins = sum(graph.tensors[t].nbytes for t in set(op.inputs))
+        out = sum(t.nbytes for t in outs)
+        if ins * len(kernels) > out * (1 + len(kernels)):
+            continue
+        homes = [groups[k] if k >= 0 else [-1 - k] for k in kernels]
+        trial = [(*(i for i in h if i != op.id), op.id) for h in homes]
+        if any(graph.ops[r].kind in ANCHORS for r in rs) or any(
+            group_problem(graph, t) is not None for t in trial
+        ):
+            continue
+        dup.add(op.id)
+        if op.id in where:  # it leaves the kernel it was greedily fused into
+            groups[where.pop(op.id)].remove(op.id)
+    named = tuple(tuple(graph.ops[i].name for i in g) for g in groups if len(g) > 1)
+    return FusionPlan(
+        groups=named, duplicated=frozenset(graph.ops[i].name for i in dup), label="duplicate"
+    )
+
+
 @register("fusion")
 def fusion_pass(graph: Graph, plan: Plan, ctx: PlanContext) -> Plan:
     allowed = ctx.stack.fusion
+    if "duplicate" in allowed and "greedy" not in allowed:  # an XLA-style compiler
+        return plan.with_(fusion=xla_fusion(ctx))
     if "greedy" not in allowed:  # the stack runs other kernels: its own fusion, nothing to decide
         if "megatron" in allowed:
             return plan.with_(fusion=megatron_fusion(ctx))

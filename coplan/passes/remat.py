@@ -18,6 +18,7 @@ from dataclasses import replace
 from coplan.errors import CoplanError
 from coplan.ir.types import Graph, Phase, TensorRole
 from coplan.passes.base import choose, register, score
+from coplan.passes.fusion import xla_fusion
 from coplan.plan.capabilities import executable_remat
 from coplan.plan.checker import POINTWISE
 from coplan.plan.context import PlanContext
@@ -33,7 +34,7 @@ def saved_names(ctx: PlanContext) -> tuple[str, ...]:
 
 #: Fusion plans made by a code generator (Inductor-style); eager ops and Megatron's hand-written
 #: kernels cannot take recomputation into their backward kernels.
-COMPILED = frozenset({"greedy", "epilogue", "joint"})
+COMPILED = frozenset({"greedy", "epilogue", "joint", "duplicate"})
 
 
 def with_remat(plan: Plan, names: frozenset[str], ctx: PlanContext | None = None) -> Plan:
@@ -47,6 +48,10 @@ def with_remat(plan: Plan, names: frozenset[str], ctx: PlanContext | None = None
     plan = plan.with_(remat=RematPlan(recompute=names))
     if ctx is None:
         return plan
+    if plan.fusion.label == "duplicate" and "duplicate" in ctx.stack.fusion:
+        # an XLA-style compiler fuses the graph with its recomputation: what is no longer kept
+        # may be duplicated into its readers (``passes.fusion.xla_fusion``)
+        plan = plan.with_(fusion=replace(xla_fusion(ctx, names), recompute_in_backward=frozenset()))
     fused = in_backward(ctx, names) if plan.fusion.label in COMPILED else frozenset()
     if fused != plan.fusion.recompute_in_backward:
         plan = plan.with_(fusion=replace(plan.fusion, recompute_in_backward=fused))

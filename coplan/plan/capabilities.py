@@ -85,6 +85,11 @@ def fusion_problem(ctx: PlanContext, plan: Plan) -> str | None:
 
     allowed = ctx.stack.fusion
     groups = {frozenset(g) for g in plan.fusion.groups}
+    if plan.fusion.duplicated and "duplicate" not in allowed:
+        n = len(plan.fusion.duplicated)
+        return f"{n} duplicated producer{'s' if n > 1 else ''} (its compiler does not duplicate ops)"
+    if "duplicate" in allowed and "greedy" not in allowed and plan.fusion.label == "duplicate":
+        return None  # an XLA-style compiler runs any grouping and duplication the checker accepts
     if "greedy" in allowed:
         # a stack compiling the plan's own groups runs any grouping the checker's fusion rule
         # accepts and Inductor emits, with a GEMM or attention inside a group only where it emits

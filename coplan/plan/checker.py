@@ -102,19 +102,20 @@ def parallel(plan: Plan, ctx: PlanContext) -> Iterator[str]:
 
 def _kernel_graph_ok(graph: Graph, groups: list[tuple[int, ...]]) -> str | None:
     """A cycle between kernels, if any (Kahn's algorithm on the quotient graph)."""
-    group_of = {}
+    group_of: dict[int, list[int]] = {}
     for gi, g in enumerate(groups):
         for i in g:
-            group_of[i] = gi
+            group_of.setdefault(i, []).append(gi)
     n = len(groups)
     succ: list[set[int]] = [set() for _ in range(n)]
     for gi, g in enumerate(groups):
         for i in g:
             for t in graph.ops[i].outputs:
                 for c in graph.tensors[t].consumers:
-                    gj = group_of.get(c)
-                    if gj is not None and gj != gi:
-                        succ[gi].add(gj)
+                    for gj in group_of.get(c, ()):
+                        # a kernel holding its own copy of a duplicated producer reads nothing of it
+                        if gj != gi and gj not in group_of[i]:
+                            succ[gi].add(gj)
     indeg = [0] * n
     for s in succ:
         for j in s:
@@ -328,6 +329,8 @@ def fusion(plan: Plan, ctx: PlanContext) -> Iterator[str]:
         why = _kernel_graph_ok(graph, expanded + singles)
         if why:
             yield why
+    if plan.fusion.duplicated:
+        yield from _duplication(plan, ctx)
     saved = {n for names in idx.saved_names.values() for n in names}
     for n in plan.fusion.recompute_in_backward:
         op = idx.op_by_name.get(n)
@@ -339,6 +342,57 @@ def fusion(plan: Plan, ctx: PlanContext) -> Iterator[str]:
             graph.tensors[t].name in saved for t in op.outputs
         ):
             yield f"fusion.recompute_in_backward: {n} produces no saved tensor"
+
+
+def _duplication(plan: Plan, ctx: PlanContext) -> Iterator[str]:
+    """What is wrong with ``fusion.duplicated``: each is a cheap pointwise op (not a reduction,
+    outside the optimizer, not a step output) whose readers of its own phase lie in its block,
+    are not duplicated themselves, and each take it into a legal kernel; and the kernels with every
+    copy placed form no cycle."""
+    from coplan.cost.fusion import readers
+
+    idx = ctx.index
+    graph = idx.graph
+    dup = plan.fusion.duplicated
+    anchors_ok = "epilogue" in ctx.stack.fusion
+    for n in sorted(dup):
+        op = idx.op_by_name.get(n)
+        if op is None:
+            yield f"fusion.duplicated names unknown op {n!r}"
+            return
+        if op.kind not in POINTWISE - {OpKind.VIEW} or _reduces(op) or op.phase is Phase.OPTIMIZER:
+            yield f"fusion.duplicated: {n} ({op.kind.value}) is not a pointwise op that can be copied"
+            continue
+        if any(t in graph.outputs for t in op.outputs):
+            yield f"fusion.duplicated: {n} makes an output of the step, which must be written"
+            continue
+        rs = [graph.ops[r] for t in op.outputs for r in readers(graph, t) if graph.ops[r].phase is op.phase]
+        if not rs:
+            yield f"fusion.duplicated: {n} has no reader to be copied into"
+        for r in rs:
+            if r.block != op.block:
+                yield f"fusion.duplicated: {n} is read by {r.name} in another block"
+            elif r.name in dup:
+                yield f"fusion.duplicated: {n} is read by {r.name}, which is duplicated too"
+            elif r.kind in ANCHORS and not anchors_ok:
+                yield f"fusion.duplicated: {n} would be a prologue of library kernel {r.name}"
+            else:
+                continue
+            break
+    try:
+        expanded = ctx.expand_fusion(plan.fusion)
+    except PlanError:
+        return  # unknown names: reported above
+    for g in expanded:
+        if len(g) > 1 and any(graph.ops[i].name in dup for i in g):
+            why = group_problem(graph, tuple(g))
+            if why:
+                names = ", ".join(graph.ops[i].name for i in g[:4])
+                yield f"a kernel with a duplicated op [{names}{' ...' if len(g) > 4 else ''}] {why}"
+                return
+    why = _kernel_graph_ok(graph, list(expanded))
+    if why:
+        yield why + " (with the duplicated ops' copies)"
 
 
 @rule("structure")

@@ -276,8 +276,38 @@ class PlanContext:
             for ids in idx.expand(g):
                 grouped.append(ids)
                 covered.update(ids)
+        if fusion.duplicated:
+            grouped = self._duplicate(fusion.duplicated, grouped, covered)
         singles = [(op.id,) for op in idx.graph.ops if op.id not in covered]
         return OpGroups((*grouped, *singles))
+
+    def _duplicate(
+        self, names: frozenset[str], grouped: list[tuple[int, ...]], covered: set[int]
+    ) -> list[tuple[int, ...]]:
+        """``grouped`` with each duplicated op (every block's) added to the kernel of each of its
+        readers in its own phase (a reader alone becomes a kernel of two); the op is then in
+        several groups, which the cost model reads as copies (``cost.profile``)."""
+        from coplan.cost.fusion import readers
+
+        graph = self.index.graph
+        out = list(grouped)
+        where = {i: n for n, g in enumerate(out) for i in g}
+        for name in sorted(names):
+            for (p,) in self.index.expand((name,)):
+                phase = graph.ops[p].phase
+                for t in graph.ops[p].outputs:
+                    for r in sorted(readers(graph, t)):
+                        if graph.ops[r].phase is not phase:
+                            continue  # read in backward: kept or recomputed, as remat decides
+                        n = where.get(r)
+                        if n is None:
+                            where[r] = n = len(out)
+                            out.append((r,))
+                            covered.add(r)
+                        if p not in out[n]:
+                            out[n] = (*out[n], p)
+                covered.add(p)
+        return out
 
     def expand_dtypes(self, precision: PrecisionPlan) -> tuple[tuple[int, str], ...]:
         """The plan's per-op dtypes as (op id, dtype) for every block (memoised)."""
@@ -313,7 +343,7 @@ class PlanContext:
         p = plan.parallel
         fusion: str | tuple[tuple[int, ...], ...] = (
             self.expand_fusion(plan.fusion)
-            if plan.fusion.groups
+            if plan.fusion.groups or plan.fusion.duplicated
             else "megatron"
             # Megatron-LM's own kernel set, named not grouped, where the stack runs only that set
             if plan.fusion.label == "megatron" and self.stack.megatron_kernels_only

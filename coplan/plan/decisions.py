@@ -1,6 +1,7 @@
 """A plan's per-op decisions counted for one transformer block: how many kernels the block's ops
 run as, how many producer-consumer edges inside it are fused, how many of its saved tensors are
-recomputed and how many of its ops run in a dtype of their own.
+recomputed, how many of its ops run in a dtype of their own and how many are duplicated into
+their readers' kernels.
 
 A plan names the ops and tensors of its template's reference block (the block its fusion groups,
 recompute sets and dtype overrides name; ``apply.fusion.expand_groups`` applies them to every
@@ -30,15 +31,21 @@ def _groups(plan: Plan, graph: Graph) -> tuple[tuple[str, ...], ...]:
 
 def _counts(plan: Plan, graph: Graph, ops: list[Op], groups: tuple[tuple[str, ...], ...]) -> dict[str, int]:
     names = {op.name for op in ops}
+    dup = plan.fusion.duplicated & names
     group_of = {n: i for i, g in enumerate(groups) for n in g}
     here = {group_of[n] for n in names if n in group_of}
-    alone = sum(1 for op in ops if op.name not in group_of and op.kind is not OpKind.VIEW)
+    # a duplicated op has no kernel of its own: its copies sit in its readers' kernels
+    alone = sum(
+        1 for op in ops if op.name not in group_of and op.name not in dup and op.kind is not OpKind.VIEW
+    )
     fused = 0
     for op in ops:
+        producers = {source_op(graph, t) for t in op.inputs}
+        # an edge from a duplicated producer is fused in the reader's kernel, which holds a copy
+        fused += sum(1 for p in producers if p is not None and graph.ops[p].name in dup)
         g = group_of.get(op.name)
         if g is None:
             continue
-        producers = {source_op(graph, t) for t in op.inputs}
         fused += sum(1 for p in producers if p is not None and group_of.get(graph.ops[p].name) == g)
     produced_here = {graph.tensors[t].name for op in ops for t in op.outputs}
     return {
@@ -46,12 +53,13 @@ def _counts(plan: Plan, graph: Graph, ops: list[Op], groups: tuple[tuple[str, ..
         "fused_edges": fused,
         "recomputed": len(plan.remat.all_names & produced_here),
         "dtype_overrides": sum(1 for n, _ in plan.precision.ops if n in names),
+        "duplicated": len(dup),
     }
 
 
 def _named(plan: Plan) -> set[str]:
     out = {n for g in plan.fusion.groups for n in g}
-    out |= {n for n, _ in plan.precision.ops}
+    out |= {n for n, _ in plan.precision.ops} | plan.fusion.duplicated
     return out
 
 
@@ -78,7 +86,7 @@ def block_decisions(plan: Plan, graph: Graph) -> dict[str, Any]:
     return head
 
 
-_KEYS = ("kernels", "fused_edges", "recomputed", "dtype_overrides")
+_KEYS = ("kernels", "fused_edges", "recomputed", "dtype_overrides", "duplicated")
 
 
 def _reference(votes: Counter[int], blocks: Iterable[int]) -> int | None:

@@ -30,7 +30,9 @@ from typing import Any
 from coplan.cost.config import DTYPES, OP_DTYPES
 from coplan.errors import SpecError
 
-PLAN_VERSION = 1
+PLAN_VERSION = 2
+#: plan versions this coplan reads: 1 has no ``fusion.duplicated`` (read as empty)
+READABLE_VERSIONS = (1, 2)
 #: the cost model's precisions, so a plan and the configuration it becomes accept the same ones
 COMPUTE_DTYPES: tuple[str, ...] = DTYPES
 #: what data-parallel gradient reduction may run in: fp32, or 16 bits
@@ -99,13 +101,18 @@ class FusionPlan:
 
     ``recompute_in_backward`` names recomputed forward ops that run inside the backward kernel
     reading them (Inductor's min-cut partitioner does this for cheap pointwise ops): they cost
-    their arithmetic but no launch and no extra memory traffic. ``label`` says where the groups
-    came from ("eager", "megatron", "greedy", "joint"); it is not part of the decision.
+    their arithmetic but no launch and no extra memory traffic. ``duplicated`` names pointwise ops
+    computed inside the kernel of every op that reads them instead of in a kernel of their own
+    (XLA's producer duplication): each copy costs the op's arithmetic and reads its inputs, and
+    its output is never written unless kept for backward. A duplicated op is in no group. ``label``
+    says where the groups came from ("eager", "megatron", "greedy", "joint"); it is not part of
+    the decision.
     """
 
     groups: tuple[tuple[str, ...], ...] = ()
     recompute_in_backward: frozenset[str] = frozenset()
     label: str = "eager"
+    duplicated: frozenset[str] = frozenset()
 
     def __post_init__(self) -> None:
         groups = tuple(tuple(str(n) for n in g) for g in self.groups)
@@ -122,6 +129,11 @@ class FusionPlan:
         object.__setattr__(
             self, "recompute_in_backward", frozenset(str(n) for n in self.recompute_in_backward)
         )
+        dup = frozenset(str(n) for n in self.duplicated)
+        both = sorted(dup & seen)
+        if both:
+            raise PlanError("fusion.duplicated", f"op {both[0]!r} is duplicated and in a group")
+        object.__setattr__(self, "duplicated", dup)
 
     @property
     def fused_ops(self) -> int:
@@ -226,8 +238,11 @@ class Plan:
         _positive("gpus", self.gpus)
         _positive("global_batch", self.global_batch)
         _positive("seq", self.seq)
-        if self.version != PLAN_VERSION:
-            raise PlanError("version", f"this coplan reads plan version {PLAN_VERSION}, got {self.version!r}")
+        if isinstance(self.version, bool) or self.version not in READABLE_VERSIONS:
+            versions = " and ".join(str(v) for v in READABLE_VERSIONS)
+            raise PlanError("version", f"this coplan reads plan versions {versions}, got {self.version!r}")
+        # a plan read from an older version is this version's plan from then on
+        object.__setattr__(self, "version", PLAN_VERSION)
 
     def with_(self, **changes: Any) -> Plan:
         return replace(self, **changes)
@@ -251,6 +266,8 @@ class Plan:
             "fusion": {
                 "groups": [list(g) for g in f.groups],
                 "recompute_in_backward": sorted(f.recompute_in_backward),
+                # only where used, so plans without duplication keep their fingerprint
+                **({"duplicated": sorted(f.duplicated)} if f.duplicated else {}),
                 # a stack's own kernel set named instead of groups is a decision of its own
                 **({"kernels": "megatron"} if f.label == "megatron" and not f.groups else {}),
             },
@@ -332,6 +349,7 @@ class Plan:
                         _names("fusion.recompute_in_backward", fus.get("recompute_in_backward", ()))
                     ),
                     label=str(fus.get("label", "custom")),
+                    duplicated=frozenset(_names("fusion.duplicated", fus.get("duplicated", ()))),
                 ),
                 remat=RematPlan(
                     recompute=frozenset(_names("remat.recompute", rem.get("recompute", ()))),

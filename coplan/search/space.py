@@ -6,7 +6,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, replace
 
-from coplan.passes.fusion import _as_plan, greedy_groups, megatron_fusion, scope_ops
+from coplan.passes.fusion import _as_plan, greedy_groups, megatron_fusion, scope_ops, xla_fusion
 from coplan.passes.parallel import candidates
 from coplan.passes.precision import PRECISION_VARIANTS, precision_variant
 from coplan.passes.remat import with_remat
@@ -16,7 +16,7 @@ from coplan.plan.types import FusionPlan, ParallelPlan, Plan, PrecisionPlan, Rem
 
 Progress = Callable[[str, int, int], None]
 
-FUSION_OPTIONS: tuple[str, ...] = ("eager", "greedy", "epilogue", "megatron")
+FUSION_OPTIONS: tuple[str, ...] = ("eager", "greedy", "epilogue", "megatron", "duplicate")
 #: the four decision spaces, named as the passes are
 DECISIONS: tuple[str, ...] = ("fusion", "remat", "parallel", "precision")
 
@@ -140,4 +140,6 @@ def fusion_option(ctx: PlanContext, name: str) -> FusionPlan:
     if name == "epilogue":
         groups = greedy_groups(graph, scope_ops(ctx), into_anchors=True, inductor=ctx.inductor)
         return _as_plan(graph, groups, "epilogue")
+    if name == "duplicate":
+        return xla_fusion(ctx)
     raise ValueError(f"unknown fusion option {name!r}; options: {', '.join(FUSION_OPTIONS)}")

@@ -190,7 +190,7 @@ def test_a_plan_for_a_stack_is_priced_as_estimate_prices_it(stack: str) -> None:
     ctx = make_ctx(stack)
     plan = run_strategy("joint", ctx, Options(space=SearchSpace(precision=("fused",)))).plan
     assert not plan.remat.recompute and not plan.precision.ops
-    if not set(ctx.stack.fusion) & {"greedy", "epilogue", "megatron"}:
+    if not set(ctx.stack.fusion) & {"greedy", "epilogue", "megatron", "duplicate"}:
         assert not plan.fusion.groups  # the plan itself: eager kernels or the stack's compiler's
     # ``estimate --fusion none``: no groups of a plan's; under Inductor's kernels the compiler's own
     # fusion, as the planner prices a plan without groups
