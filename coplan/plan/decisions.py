@@ -42,7 +42,11 @@ def _counts(plan: Plan, graph: Graph, ops: list[Op], groups: tuple[tuple[str, ..
     for op in ops:
         producers = {source_op(graph, t) for t in op.inputs}
         # an edge from a duplicated producer is fused in the reader's kernel, which holds a copy
-        fused += sum(1 for p in producers if p is not None and graph.ops[p].name in dup)
+        fused += sum(
+            1
+            for p in producers
+            if p is not None and graph.ops[p].name in dup and graph.ops[p].phase is op.phase
+        )
         g = group_of.get(op.name)
         if g is None:
             continue
