@@ -18,6 +18,8 @@ The other precision variants a search may choose (``precision_variant``):
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 from coplan.ir.types import Graph, Op, OpKind, Phase
 from coplan.passes.base import register
 from coplan.plan.context import PlanContext
@@ -86,6 +88,31 @@ def amp_precision(ctx: PlanContext) -> PrecisionPlan:
     plan = precision_variant(ctx, compute, "autocast") or precision_variant(ctx, compute, "fused")
     assert plan is not None
     return plan
+
+
+def op_moves(ctx: PlanContext, precision: PrecisionPlan) -> list[PrecisionPlan]:
+    """``precision`` with one op's dtype changed, for each op whose dtype is a choice: an op on
+    autocast's fp32 list in fp32 or accumulating in fp32 inside its kernel (``fused``), and, where
+    the job's tolerance allows 16 bits on sensitive ops, the loss path in 16 bits or not. Only
+    under a 16-bit compute dtype (fp32 and tf32 steps have nothing to lower)."""
+    from coplan.plan.checker import SENSITIVE_16BIT_ERROR
+
+    if precision.compute in ("fp32", "tf32"):
+        return []
+    half = "fp16" if precision.compute == "fp16" else "bf16"
+    choices: dict[str, str] = {n: "fp32" for n, _ in autocast_ops(ctx)}
+    if ctx.numerics.tolerance >= SENSITIVE_16BIT_ERROR:
+        choices.update(dict(loss16_ops(ctx, half)))
+    have = precision.overrides
+    out = []
+    for name in sorted(choices):
+        ops = dict(have)
+        if name in ops:
+            del ops[name]
+        else:
+            ops[name] = choices[name]
+        out.append(replace(precision, ops=tuple(ops.items())))
+    return out
 
 
 @register("precision")

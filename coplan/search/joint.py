@@ -23,6 +23,7 @@ from dataclasses import replace
 
 from coplan.cost import Estimate
 from coplan.passes.base import PassRecord, score
+from coplan.passes.precision import op_moves
 from coplan.passes.remat import remat_pass, saved_names, with_remat
 from coplan.plan.context import PlanContext
 from coplan.plan.types import Plan, RematPlan
@@ -163,6 +164,35 @@ def _local_search(
     return cur
 
 
+def refine_precision(plan: Plan, ctx: PlanContext) -> Plan:
+    """Per-op precision: one op's dtype changed at a time (``passes.precision.op_moves``: an op of
+    autocast's fp32 list in fp32 or fused, the loss path in 16 bits where the tolerance allows),
+    first improvement by the true score, while any move improves it. The variants the search
+    started from set every such op alike; a cast a generated kernel absorbs, or an fp32 output a
+    GEMM must re-read, makes the best choice differ from op to op."""
+    from coplan.plan.checker import is_valid
+
+    if ctx.inductor is None or plan.fusion.label == "megatron":
+        # per-op dtypes are what coplan's runner applies (autocast-style overrides); a stack's
+        # own kernels (Megatron's fused norms and cross-entropy) fix their dtypes themselves
+        return plan
+
+    def key_of(p: Plan) -> tuple[int, float, int]:
+        return (*score(p, ctx), len(p.precision.ops))
+
+    cur, key = plan, key_of(plan)
+    improved = True
+    while improved:
+        improved = False
+        for prec in op_moves(ctx, cur.precision):
+            p = cur.with_(precision=prec)
+            k = key_of(p)
+            if k < key and is_valid(p, ctx):
+                cur, key, improved = p, k, True
+                break
+    return cur
+
+
 def rebalance_stages(plan: Plan, ctx: PlanContext) -> Plan:
     """Move layers between neighbouring pipeline stages while the true score improves.
 
@@ -260,6 +290,8 @@ def joint(ctx: PlanContext, opts: Options) -> tuple[Plan, list[PassRecord], list
         best, exact = _op_level(ctx, opts, base, best, solved)
     if best is not None and "remat" not in fixed:
         best = refine_remat(best, ctx)
+    if best is not None and "precision" not in fixed:
+        best = refine_precision(best, ctx)
     if best is not None and opts.space.stages:
         if "parallel" not in fixed:  # the layer split is a parallel decision
             best = rebalance_stages(best, ctx)

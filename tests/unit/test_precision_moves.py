@@ -1,0 +1,59 @@
+"""Per-op precision in joint (``search.joint.refine_precision``): one op's dtype changed at a time
+from the variant the search started from, accepted only when the true score improves and the plan
+stays valid; left alone where the stack's own kernels fix the dtypes."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import pytest
+
+from coplan.cost import CostModel, load_stack
+from coplan.hardware import load_cluster
+from coplan.models.spec import PRESETS
+from coplan.passes.base import score
+from coplan.passes.precision import op_moves, precision_variant
+from coplan.plan import PlanContext, check
+from coplan.plan.checker import SENSITIVE_16BIT_ERROR
+from coplan.plan.types import ParallelPlan
+from coplan.search.joint import refine_precision
+from coplan.search.space import fusion_option
+
+
+def ctx_for(stack: str, tolerance: float | None = None) -> PlanContext:
+    ctx = PlanContext(
+        CostModel(spec=PRESETS["gpt-tiny"]), load_cluster("dgx-h100", 1), 8, 64, stack=load_stack(stack)
+    )
+    if tolerance is not None:
+        ctx.numerics = replace(ctx.numerics, tolerance=tolerance)
+    return ctx
+
+
+def start(ctx: PlanContext, variant: str):
+    fusion = fusion_option(ctx, "greedy" if "greedy" in ctx.stack.fusion else ctx.stack.fusion[0])
+    return ctx.default_plan().with_(
+        parallel=ParallelPlan(microbatch=8), precision=precision_variant(ctx, "bf16", variant), fusion=fusion
+    )
+
+
+@pytest.mark.parametrize("tolerance", [None, SENSITIVE_16BIT_ERROR])
+def test_moves_change_one_op_and_the_descent_never_loses(tolerance):
+    ctx = ctx_for("coplan", tolerance)
+    plan = start(ctx, "autocast")
+    for move in op_moves(ctx, plan.precision):
+        assert len(set(move.ops) ^ set(plan.precision.ops)) in (1, 2)  # one op added, dropped or changed
+        assert move.compute == plan.precision.compute
+    best = refine_precision(plan, ctx)
+    assert check(best, ctx) == []
+    assert score(best, ctx) <= score(plan, ctx)
+    # no single move improves the result any more (a local optimum of the true score)
+    assert all(score(best.with_(precision=m), ctx) >= score(best, ctx) for m in op_moves(ctx, best.precision))
+    if tolerance is None:  # 16-bit sensitive ops need a tolerance: none is ever chosen
+        assert all(d == "fp32" for _, d in best.precision.ops)
+
+
+def test_a_stack_with_its_own_kernels_keeps_its_dtypes():
+    ctx = ctx_for("megatron")
+    plan = start(ctx, "fused")
+    assert refine_precision(plan, ctx) is plan
+    assert op_moves(ctx, replace(plan.precision, compute="fp32")) == []
