@@ -161,10 +161,9 @@ def _xla_fusion(ctx: PlanContext, dropped: frozenset[str]) -> FusionPlan:
         outs = [graph.tensors[t] for t in op.outputs]
         if any(t.saved_for_backward and t.name not in dropped for t in outs):
             continue  # kept for backward: written anyway
-        rs = sorted({r for t in op.outputs for r in readers(graph, t)})
-        if len(rs) < 2 or any(
-            graph.ops[r].phase is not op.phase or graph.ops[r].block != op.block or r in dup for r in rs
-        ):
+        # readers in backward take the recomputed value (the tensor is dropped, or it was kept)
+        rs = sorted({r for t in op.outputs for r in readers(graph, t) if graph.ops[r].phase is op.phase})
+        if len(rs) < 2 or any(graph.ops[r].block != op.block or r in dup for r in rs):
             continue
         kernels = {where.get(r, -1 - r) for r in rs}
         if len(kernels) < 2:
