@@ -531,20 +531,17 @@ class _Priced:
             return got
         # a duplicated producer is in several kernels: its first (its home) writes what is kept,
         # and every reader holding a copy of it reads no stored value
-        where: dict[int, int] = {}
         holds: dict[int, list[int]] = {}
         for m, k in enumerate(self.fwd_kernels):
             for i in k.ops:
-                where.setdefault(i, m)
                 holds.setdefault(i, []).append(m)
         less: dict[int, list[float]] = {}
         for name, producer, fwd_readers, vec in part.unwritten:
-            home = where.get(producer)
-            if name not in mode or home is None:
+            if name not in mode or producer not in holds:
                 continue
-            n = home
-            homes = [self.fwd_kernels[m].ops for m in holds[producer]]
-            if all(any(c in ops for ops in homes) for c in fwd_readers):
+            n = holds[producer][0]
+            copies = [self.fwd_kernels[m].ops for m in holds[producer]]
+            if all(any(c in ops for ops in copies) for c in fwd_readers):
                 acc = less.setdefault(n, [0.0] * NV)
                 for i, x in enumerate(vec):
                     acc[i] += x

@@ -590,20 +590,16 @@ class _Ctx:
                 and fused_recomputed(g, g.tensors[t.storage_id])
             ):
                 continue  # read only by backward kernels, which recompute it: never written
+            kept = t.saved_for_backward or tid in g.outputs
             producer = t.producer if t.producer is not None else -1
             if producer in self.duplicated:
                 # every reader's kernel computes its own copy: only what is kept is written, once
-                if not (t.saved_for_backward or tid in g.outputs) or self.group_of[producer] != tuple(grp):
-                    continue
-                v = self.vec(t)
-                for i in range(NV):
-                    b[i] += v[i]
-                if t.alias_of is None and t.shape:
-                    fresh.append(v)
-                continue
-            # a duplicated reader's copies sit in other kernels too, which read it from memory
-            copied = bool(self.duplicated) and any(c in self.duplicated for c in direct)
-            if t.saved_for_backward or tid in g.outputs or not direct <= inside or not direct or copied:
+                written = kept and self.group_of[producer] == tuple(grp)
+            else:
+                # a duplicated reader's copies sit in other kernels too, which read it from memory
+                copied = bool(self.duplicated) and any(c in self.duplicated for c in direct)
+                written = kept or not direct <= inside or not direct or copied
+            if written:
                 v = self.vec(t)
                 for i in range(NV):
                     b[i] += v[i]

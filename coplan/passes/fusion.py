@@ -12,14 +12,14 @@ from __future__ import annotations
 from collections.abc import Iterable
 
 from coplan.cost.fusion import default_groups, readers, source_op
-from coplan.ir.types import Graph, Op, OpKind, Phase
+from coplan.ir.types import Graph, Op, Phase
 from coplan.passes.base import register
 from coplan.plan.checker import (
     ANCHORS,
     POINTWISE,
     REDUCTIONS,
     _kernel_graph_ok,
-    _reduces,
+    duplicable,
     group_problem,
     inductor_problem,
 )
@@ -103,19 +103,6 @@ def megatron_fusion(ctx: PlanContext) -> FusionPlan:
     scope = {op.id for op in scope_ops(ctx)}
     groups = [g for g in default_groups(graph, "megatron") if len(g) > 1 and set(g) <= scope]
     return _as_plan(graph, groups, "megatron")
-
-
-def duplicable(graph: Graph, op: Op) -> bool:
-    """Whether ``op`` may be computed inside each reader's kernel: a pointwise op that is not a
-    row reduction, outside the optimizer (XLA duplicates only ops it does not deem expensive:
-    ``xla/service/instruction_fusion.cc``, ``IsExpensive``)."""
-    return (
-        op.kind in POINTWISE - {OpKind.VIEW}
-        and not _reduces(op)
-        and op.phase is not Phase.OPTIMIZER
-        and bool(op.outputs)
-        and not any(t in graph.outputs for t in op.outputs)
-    )
 
 
 def xla_fusion(ctx: PlanContext, dropped: frozenset[str] = frozenset()) -> FusionPlan:

@@ -171,6 +171,19 @@ def _reduces(op: Op) -> bool:
     return op.kind in REDUCTIONS or op.target.removeprefix("aten.") in _ROW_REDUCING
 
 
+def duplicable(graph: Graph, op: Op) -> bool:
+    """Whether ``op`` may be computed inside each reader's kernel: a pointwise op that is not a
+    row reduction, outside the optimizer, making no output of the step (XLA duplicates only ops it
+    does not deem expensive: ``xla/service/instruction_fusion.cc``, ``IsExpensive``)."""
+    return (
+        op.kind in POINTWISE - {OpKind.VIEW}
+        and not _reduces(op)
+        and op.phase is not Phase.OPTIMIZER
+        and bool(op.outputs)
+        and not any(t in graph.outputs for t in op.outputs)
+    )
+
+
 def inductor_problem(graph: Graph, ids: tuple[int, ...], target: str) -> str | None:
     """Why Inductor, compiling for ``target`` ("cpu": its C++ backend; "gpu": Triton), does not
     emit the group ``ids`` as one kernel although ``group_problem`` accepts it (None: it does).
@@ -360,11 +373,11 @@ def _duplication(plan: Plan, ctx: PlanContext) -> Iterator[str]:
         if op is None:
             yield f"fusion.duplicated names unknown op {n!r}"
             return
-        if op.kind not in POINTWISE - {OpKind.VIEW} or _reduces(op) or op.phase is Phase.OPTIMIZER:
-            yield f"fusion.duplicated: {n} ({op.kind.value}) is not a pointwise op that can be copied"
-            continue
-        if any(t in graph.outputs for t in op.outputs):
-            yield f"fusion.duplicated: {n} makes an output of the step, which must be written"
+        if not duplicable(graph, op):
+            if any(t in graph.outputs for t in op.outputs):
+                yield f"fusion.duplicated: {n} makes an output of the step, which must be written"
+            else:
+                yield f"fusion.duplicated: {n} ({op.kind.value}) is not a pointwise op that can be copied"
             continue
         rs = [graph.ops[r] for t in op.outputs for r in readers(graph, t) if graph.ops[r].phase is op.phase]
         if not rs:

@@ -148,7 +148,7 @@ class PlanContext:
             why = bounded_int(value, bound)
             if why is not None:
                 raise SpecError("job", name, why)
-        if all(d.kind == "cpu" for d in self.cluster.devices):
+        if self.on_cpus:
             # a stack on CPUs runs as it does there (no GEMM epilogues, gloo on the compute cores)
             self.stack = self.stack.runner_for("cpu")
         small = min(self.cluster.devices, key=lambda d: d.memory_bytes)
@@ -176,13 +176,18 @@ class PlanContext:
         return self.cluster.num_devices
 
     @property
+    def on_cpus(self) -> bool:
+        """Whether every device of the cluster is a CPU (the host computes)."""
+        return all(d.kind == "cpu" for d in self.cluster.devices)
+
+    @property
     def inductor(self) -> str | None:
         """Where the stack compiles the plan's own groups with Inductor (its ``greedy`` fusion):
         ``"cpu"`` (the C++ backend) when every device is a CPU, else ``"gpu"`` (Triton); None
         where the stack launches kernels of its own."""
         if "greedy" not in self.stack.fusion:
             return None
-        return "cpu" if all(d.kind == "cpu" for d in self.cluster.devices) else "gpu"
+        return "cpu" if self.on_cpus else "gpu"
 
     @cached_property
     def attention_kernel(self) -> str:

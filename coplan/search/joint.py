@@ -19,6 +19,7 @@ is never worse than a strategy it was given.
 from __future__ import annotations
 
 import itertools
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import replace
 
 from coplan.cost import Estimate
@@ -130,22 +131,19 @@ def _local_search(
     def key_of(p: Plan) -> tuple[int, float, int]:
         return (*score(p, ctx), len(p.remat.recompute))
 
-    cur, key = plan, key_of(plan)
-    improved = True
-    while improved:
-        improved = False
+    def moves(cur: Plan) -> Iterator[Plan]:
         s = cur.remat.recompute
         # sorted: a frozenset of names iterates in hash order, which varies between processes,
         # and first-improvement descent would then reach different plans on different runs
         members = sorted(s)
         outside = [n for n in names if n not in s]
-        moves = [s - {n} for n in members] + [s | {n} for n in outside]
-        moves += [(s - {a}) | {b} for a in members for b in outside]
+        sets = [s - {n} for n in members] + [s | {n} for n in outside]
+        sets += [(s - {a}) | {b} for a in members for b in outside]
         # two for one: two small tensors that each free too little may be worth one larger one
         # (a 1-move cannot cross: dropping either alone breaks the budget, adding the larger one
         # first costs time)
         if solo is not None:
-            moves += [
+            sets += [
                 (s - {a, b}) | {c}
                 for a, b in itertools.combinations(members, 2)
                 for c in outside
@@ -154,11 +152,28 @@ def _local_search(
             # one for two: outputs of one op (attention's output and its logsumexp, a norm's
             # mean and rstd) free their memory only together, so one may pay for both only
             # when both are added at once; no time filter (each one's solo time holds the op)
-            moves += [(s - {a}) | {b, c} for a in members for b, c in itertools.combinations(outside, 2)]
-        for m in moves:
-            p = with_remat(cur, frozenset(m), ctx)
+            sets += [(s - {a}) | {b, c} for a in members for b, c in itertools.combinations(outside, 2)]
+        return (with_remat(cur, frozenset(m), ctx) for m in sets)
+
+    return _descend(plan, key_of, moves)
+
+
+def _descend(
+    plan: Plan,
+    key_of: Callable[[Plan], tuple[int, float, int]],
+    moves: Callable[[Plan], Iterable[Plan]],
+    accept: Callable[[Plan], bool] = lambda p: True,
+) -> Plan:
+    """First-improvement descent: the first of ``moves(cur)`` (built lazily, in order) with a
+    lower key that ``accept`` takes replaces ``cur``, until none does. Each step lowers the key,
+    so it terminates."""
+    cur, key = plan, key_of(plan)
+    improved = True
+    while improved:
+        improved = False
+        for p in moves(cur):
             k = key_of(p)
-            if k < key:
+            if k < key and accept(p):
                 cur, key, improved = p, k, True
                 break
     return cur
@@ -180,17 +195,10 @@ def refine_precision(plan: Plan, ctx: PlanContext) -> Plan:
     def key_of(p: Plan) -> tuple[int, float, int]:
         return (*score(p, ctx), len(p.precision.ops))
 
-    cur, key = plan, key_of(plan)
-    improved = True
-    while improved:
-        improved = False
-        for prec in op_moves(ctx, cur.precision):
-            p = cur.with_(precision=prec)
-            k = key_of(p)
-            if k < key and is_valid(p, ctx):
-                cur, key, improved = p, k, True
-                break
-    return cur
+    def moves(cur: Plan) -> Iterator[Plan]:
+        return (cur.with_(precision=prec) for prec in op_moves(ctx, cur.precision))
+
+    return _descend(plan, key_of, moves, lambda p: is_valid(p, ctx))
 
 
 def rebalance_stages(plan: Plan, ctx: PlanContext) -> Plan:
