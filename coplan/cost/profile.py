@@ -26,6 +26,7 @@ from coplan.cost.fp8 import fp8_saved_delta, quant_gemms
 from coplan.cost.fusion import default_groups, fused_recomputed, readers, source_op
 from coplan.cost.geometry import attn_geometry, mm_dims, transposed_lhs
 from coplan.cost.loss import LOSS_FUSIONS, loss_ops, megatron_loss
+from coplan.cost.looped import loop_reads
 from coplan.cost.parts import (
     ACT,
     F32,
@@ -72,8 +73,9 @@ def profile_graph(
     ctx = _Ctx(graph, precision if precision and precision[1] else None, group_of)
     ctx.duplicated = frozenset(i for i, n in copies.items() if n > 1)
     # Megatron's own loss kernels replace the IR's where the stack is Megatron's and no per-op
-    # precision override changes the loss path
-    ctx.megatron_loss = fusion == "megatron" and not (precision and precision[1])
+    # override takes the loss path below fp32 (Megatron computes it on fp32 logits; an fp32
+    # override, autocast's choice for softmax and the loss, is what its kernels do anyway)
+    ctx.megatron_loss = fusion == "megatron" and all(ctx._dtype.get(i, "fp32") == "fp32" for i in ctx._f32_ops)
     ctx.fused_backward = fusion == "megatron"
     # eager PyTorch (fusion "none") runs some IR ops as several kernels (``activation.py``)
     ctx.eager = fusion == "none"
@@ -177,6 +179,8 @@ class _Ctx:
                 d = over.get(op.id)
                 if d is None and op.forward_op is not None:
                     d = over.get(op.forward_op)
+                if d == "fp32" and op.id in self._f32_ops:
+                    continue  # the loss path on the vocabulary runs in fp32 already
                 if d is not None and op.phase is not Phase.OPTIMIZER:
                     self._dtype[op.id] = d
             self._place_casts()
@@ -619,7 +623,7 @@ class _Ctx:
         # one launched kernel: a library attention or GEMM (with any fused epilogue), or generated
         # vector code; only the anchor's geometry differs between them
         attn, dims, sdim = (0, 0, 0, 0), (0, 0, 0), -1
-        drop, tn = 0.0, False
+        drop, tn, looped = 0.0, False, ZERO
         if at is not None:
             fwd_op = g.ops[at.forward_op] if at.phase is Phase.BACKWARD and at.forward_op is not None else at
             kind, attn, core = "attention", attn_geometry(g, fwd_op), True
@@ -631,6 +635,8 @@ class _Ctx:
         else:
             kind = "vector"
             core = any(op.kind is OpKind.SOFTMAX and op.block is not None for op in real)
+            if self.compiled:
+                looped = loop_reads(g, grp, self.vec)
         return Kernel(
             phase,
             kind,
@@ -648,6 +654,7 @@ class _Ctx:
             dtype=dtype,
             dropout=drop,
             tn=tn,
+            loop_reads=looped,
         )
 
     def _scalar_only(self, ops: Sequence[Op]) -> bool:

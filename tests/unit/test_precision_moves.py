@@ -57,3 +57,18 @@ def test_a_stack_with_its_own_kernels_keeps_its_dtypes():
     plan = start(ctx, "fused")
     assert refine_precision(plan, ctx) is plan
     assert op_moves(ctx, replace(plan.precision, compute="fp32")) == []
+
+
+def test_megatron_prices_its_own_loss_kernels_under_fp32_loss_overrides():
+    """Megatron computes the cross-entropy on fp32 logits: an fp32 override of the loss path (what
+    autocast chooses) changes nothing, and a 16-bit one leaves Megatron's loss kernels."""
+    from coplan.passes.precision import loss16_ops
+
+    ctx = ctx_for("megatron")
+    fused = start(ctx, "fused")
+    loss32 = tuple((name, "fp32") for name, _ in loss16_ops(ctx, "bf16"))
+    assert loss32
+    as_fp32 = fused.with_(precision=replace(fused.precision, ops=loss32))
+    assert ctx.price(as_fp32).step_time_s == pytest.approx(ctx.price(fused).step_time_s, rel=1e-12)
+    as_bf16 = fused.with_(precision=replace(fused.precision, ops=loss16_ops(ctx, "bf16")))
+    assert ctx.price(as_bf16).step_time_s != pytest.approx(ctx.price(fused).step_time_s, rel=1e-6)
