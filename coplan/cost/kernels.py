@@ -82,6 +82,9 @@ class Rates:
     attn_par_half: float = 0.0
     attn_bwd_par_half: float = 0.0
     attn_dropout: float = FLASH_DROPOUT_COST  # fractional slowdown of fused attention with dropout
+    # generated reductions wider than a register-resident row reload their inputs per loop
+    # (``looped``): on GPUs; a CPU core's loops over one row hit its own cache
+    looped_reductions: bool = False
 
     @classmethod
     def of(cls, device: DeviceSpec, dtype: str, attention: str = "auto") -> Rates:
@@ -131,6 +134,7 @@ class Rates:
             attn_par_half=device.attention_parallel_half.get("forward", 0.0),
             attn_bwd_par_half=device.attention_parallel_half.get("backward", 0.0),
             attn_dropout=dropout,
+            looped_reductions=device.kind == "gpu",
         )
 
 
@@ -268,6 +272,8 @@ def first_touch(k: Kernel, r: Rates, s: Scale) -> float:
 def _vector(k: Kernel, r: Rates, s: Scale) -> float:
     compute = vector_compute(k, r, s)
     memory = vdot(k.bytes, s.weights) / r.bandwidth
+    if r.looped_reductions and any(k.loop_reads):
+        memory += vdot(k.loop_reads, s.weights) / r.bandwidth
     return max(compute, memory) + first_touch(k, r, s) + r.launch_s
 
 

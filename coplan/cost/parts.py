@@ -80,6 +80,9 @@ class Kernel:
     dtype: str = ""  # the precision it runs in when overridden ("": the training dtype)
     dropout: float = 0.0  # attention kernels: dropout probability on the attention probabilities
     tn: bool = False
+    # generated kernels with a reduction too wide for registers: what their later loops load again
+    # (``looped.loop_reads``; paid where ``Rates.looped_reductions``)
+    loop_reads: Vec = ZERO
 
 
 @dataclass(frozen=True, slots=True)

@@ -164,6 +164,8 @@ def group_problem(graph: Graph, ids: tuple[int, ...]) -> str | None:
 
 
 #: ops Inductor computes with a row reduction although the IR calls them elementwise
+#: scheduler nodes Inductor puts in one kernel at most (``torch._inductor.config.max_fusion_size``)
+INDUCTOR_MAX_FUSION = 64
 _ROW_REDUCING = frozenset({"log_softmax", "_log_softmax", "log_softmax_bwd", "softmax", "_softmax"})
 
 
@@ -197,10 +199,24 @@ def inductor_problem(graph: Graph, ids: tuple[int, ...], target: str) -> str | N
       producer into a row reduction only with the same loop nest, which a flat elementwise loop
       and a (rows, columns) reduction never have. An unwritten producer is inlined into the
       reduction instead, so the rule asks only about written ones.
-    Both were read off the refusals Inductor logged compiling coplan's plans (torch 2.13,
+    - A kernel of more than ``config.max_fusion_size`` (64) scheduler nodes, the buffers Inductor
+      realizes (every value written to memory, and reductions, GEMMs and attention; inlined
+      pointwise ops are no nodes of their own): ``InductorChoices.can_fuse`` refuses with
+      "exceeds max fusion" (``torch/_inductor/choices.py``, ``config.py`` at v2.13.0).
+    The first two were read off the refusals Inductor logged compiling coplan's plans (torch 2.13,
     ``coplan.fusion_log``)."""
     members = set(ids)
     ops = [graph.ops[i] for i in ids]
+    nodes = sum(
+        max(
+            sum(1 for o in op.outputs if _written(graph, o, members)),
+            int(_reduces(op) or op.kind in ANCHORS),
+        )
+        for op in ops
+        if op.kind is not OpKind.VIEW
+    )
+    if nodes > INDUCTOR_MAX_FUSION:
+        return f"{nodes} buffers in one kernel exceed Inductor's max_fusion_size ({INDUCTOR_MAX_FUSION})"
     for op in ops:
         if op.target.removeprefix("aten.") == "embedding_bwd":
             return f"{op.name} (a scatter-add into the embedding table) shares no data Inductor fuses on"

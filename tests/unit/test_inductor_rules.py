@@ -5,6 +5,8 @@ compile test that shows a refused group really splits is in the capture tier of 
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 
 from coplan.cost import CostModel, load_stack
@@ -14,7 +16,7 @@ from coplan.hardware.device import DeviceSpec
 from coplan.ir.types import Graph, GraphMeta, Op, OpKind, Phase, Tensor, TensorRole, relink
 from coplan.models.spec import PRESETS
 from coplan.plan import PlanContext, check
-from coplan.plan.checker import _written, inductor_problem
+from coplan.plan.checker import INDUCTOR_MAX_FUSION, _written, inductor_problem
 from coplan.search import Options, run_strategy
 
 
@@ -137,3 +139,17 @@ def test_device_kind_round_trips_and_is_checked():
     bad = {**cpu.to_dict(), "kind": "fpga"}
     with pytest.raises(SpecError, match="kind"):
         DeviceSpec.from_dict(bad, "dev.json")
+
+
+def test_a_kernel_of_more_buffers_than_max_fusion_size_is_refused():
+
+    ctx = PlanContext(
+        CostModel(spec=replace(PRESETS["gpt-tiny"], n_layers=12)), load_cluster("dgx-h100", 1), 8, 64
+    )
+    g = ctx.index.graph
+    # forward norms each write their output and statistics: more than 64 written buffers together
+    norms = tuple(op.id for op in g.ops if op.kind.value == "norm" and op.phase.value == "forward")
+    assert len(norms) * 3 > INDUCTOR_MAX_FUSION
+    why = inductor_problem(g, norms, "gpu")
+    assert why is not None and "max_fusion_size" in why
+    assert inductor_problem(g, norms[:10], "gpu") is None
