@@ -25,8 +25,8 @@ from coplan.cost.families import prune_dominated, vector_family
 from coplan.cost.fp8 import fp8_saved_delta, quant_gemms
 from coplan.cost.fusion import default_groups, fused_recomputed, readers, source_op
 from coplan.cost.geometry import attn_geometry, mm_dims, transposed_lhs
-from coplan.cost.loss import LOSS_FUSIONS, loss_ops, megatron_loss
 from coplan.cost.looped import loop_reads
+from coplan.cost.loss import LOSS_FUSIONS, loss_ops, megatron_loss
 from coplan.cost.parts import (
     ACT,
     F32,
@@ -54,6 +54,7 @@ _TP_MODULE = re.compile(
 )
 _FLOAT = frozenset({"float32", "float16", "bfloat16", "tf32", "float64", "float8_e4m3fn", "float8_e5m2"})
 
+
 def profile_graph(
     graph: Graph,
     fusion: str | tuple[tuple[int, ...], ...] = "megatron",
@@ -75,7 +76,8 @@ def profile_graph(
     # Megatron's own loss kernels replace the IR's where the stack is Megatron's and no per-op
     # override takes the loss path below fp32 (Megatron computes it on fp32 logits; an fp32
     # override, autocast's choice for softmax and the loss, is what its kernels do anyway)
-    ctx.megatron_loss = fusion == "megatron" and all(ctx._dtype.get(i, "fp32") == "fp32" for i in ctx._f32_ops)
+    loss32 = all(ctx._dtype.get(i, "fp32") == "fp32" for i in ctx._f32_ops)
+    ctx.megatron_loss = fusion == "megatron" and loss32
     ctx.fused_backward = fusion == "megatron"
     # eager PyTorch (fusion "none") runs some IR ops as several kernels (``activation.py``)
     ctx.eager = fusion == "none"

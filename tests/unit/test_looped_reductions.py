@@ -68,7 +68,12 @@ def test_paid_on_gpus_only_and_only_by_generated_kernels():
     ls = op(g, "log_softmax_")
     groups = tuple((o.id,) for o in g.ops)
     compiled = profile_graph(g, groups)
-    k = next(k for part in (compiled.pre, compiled.post, *compiled.templates) for k in part.forward if ls.id in k.ops)
+    k = next(
+        k
+        for part in (compiled.pre, compiled.post, *compiled.templates)
+        for k in part.forward
+        if ls.id in k.ops
+    )
     assert any(k.loop_reads)
     cfg_scale = Scale(1, False, (2, 2, 4, 4, 1, 1), 2, True, False)
     gpu = Rates.of(load_cluster("dgx-h100", 1).devices[0], "bf16")
@@ -81,4 +86,8 @@ def test_paid_on_gpus_only_and_only_by_generated_kernels():
     assert kernel_time(k, cpu, cfg_scale) == kernel_time(replace(k, loop_reads=ZERO), cpu, cfg_scale)
     # eager PyTorch's softmax kernel stages the row in shared memory: nothing to re-read
     eager = profile_graph(g, "none")
-    assert not any(any(k.loop_reads) for part in (eager.pre, eager.post, *eager.templates) for k in (*part.forward, *part.backward))
+    assert not any(
+        any(k.loop_reads)
+        for part in (eager.pre, eager.post, *eager.templates)
+        for k in (*part.forward, *part.backward)
+    )
