@@ -16,6 +16,7 @@ from coplan.cli import (
     hardware_cmd,
     history_cmd,
     inspect_cmd,
+    learn_cmd,
     plan_cmd,
     run_cmd,
 )
@@ -41,6 +42,7 @@ app.command("inspect")(inspect_cmd.inspect)
 app.command("coupling")(coupling_cmd.coupling)
 app.add_typer(history_cmd.app, name="history")
 app.command("dashboard")(dashboard_cmd.dashboard)
+app.add_typer(learn_cmd.app, name="learn")
 
 
 def report(err: CoplanError) -> int:

@@ -46,6 +46,8 @@ class Strategy(enum.StrEnum):  # coplan.search.STRATEGIES
     joint = "joint"
     joint_exact = "joint-exact"
     exhaustive = "exhaustive"
+    learned = "learned"
+    learned_greedy = "learned-greedy"
 
 
 class StackName(enum.StrEnum):  # coplan.cost.stacks.stack_names()

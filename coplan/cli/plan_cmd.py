@@ -204,8 +204,13 @@ def _dtypes(dtypes: str | None) -> tuple[str, ...] | None:
 
 
 def run_all(
-    ctx: PlanContext, names: list[str], order: list[str] | None, dtypes: tuple[str, ...] | None = None
+    ctx: PlanContext,
+    names: list[str],
+    order: list[str] | None,
+    dtypes: tuple[str, ...] | None = None,
+    policy: Path | None = None,
 ) -> dict[str, StrategyResult]:
+    import coplan.learn.strategy  # noqa: F401  (registers the learned strategies)
     from coplan.search import STRATEGIES, Options, run_strategy
     from coplan.search.space import SearchSpace
 
@@ -219,7 +224,7 @@ def run_all(
     try:
         # joint is warm-started from whatever else was asked for, so it runs last
         for name in sorted(names, key=lambda n: n == "joint"):
-            opts = Options(progress=bar)
+            opts = Options(progress=bar, policy=policy)
             if dtypes is not None:
                 opts.space = SearchSpace(dtypes=dtypes)
             if order:
@@ -425,6 +430,27 @@ def _emit(ctx: PlanContext, r: StrategyResult, target: Emit, out: Path | None, m
     )
 
 
+PolicyOpt = Annotated[
+    Path | None,
+    typer.Option(
+        "--policy",
+        help="The learned strategies' network (coplan learn train --out) \\[default: the one coplan ships].",
+        show_default=False,
+    ),
+]
+
+
+def _check_policy(policy: Path | None, names: list[str]) -> None:
+    """Before any work: ``--policy`` only with a learned strategy, and a file that loads."""
+    if policy is None:
+        return
+    if not any(n.startswith("learned") for n in names):
+        raise SpecError("--policy", None, "applies to the learned strategies (learned, learned-greedy)")
+    from coplan.learn.decode import default_policy
+
+    default_policy(policy)
+
+
 def _strategy_names(strategies: str) -> list[str]:
     names = [s.strip() for s in strategies.split(",") if s.strip()]
     known = [s.value for s in Strategy]
@@ -464,6 +490,7 @@ def plan(
             show_default=False,
         ),
     ] = None,
+    policy: PolicyOpt = None,
     json: JsonOpt = False,
 ) -> None:
     """Plan fusion, recomputation, parallelism and precision of a training job."""
@@ -473,13 +500,14 @@ def plan(
     steps, kinds = _order(order), _dtypes(dtypes)
     check_output("--out", out)
     check_output("--html", html)
+    _check_policy(policy, [name])
     the_stack = resolve_stack(stack, stack_file)
     ctx = make_context(model, cluster, gpus, global_batch, seq, memory_budget_gb, tolerance, the_stack, kinds)
     _runnable_dtypes(ctx, kinds)
     names = [name]
     if name == "joint":
         names = ["sequential", "hierarchical", "joint"]  # warm starts for joint
-    results = run_all(ctx, names, steps, kinds)
+    results = run_all(ctx, names, steps, kinds, policy)
     r = results[name]
     # an infeasible answer writes nothing: a plan that does not fit is not one to run
     written = _write_outputs(ctx, results, r, out, html) if r.fits else []
@@ -571,6 +599,7 @@ def compare(
     html: HtmlOpt = None,
     stack: StackOpt = None,
     stack_file: StackFileOpt = None,
+    policy: PolicyOpt = None,
     json: JsonOpt = False,
 ) -> None:
     """Compare planning strategies on one job, all priced by the same cost model."""
@@ -578,10 +607,11 @@ def compare(
     steps, kinds = _order(order), _dtypes(dtypes)
     check_output("--out", out)
     check_output("--html", html)
+    _check_policy(policy, names)
     the_stack = resolve_stack(stack, stack_file)
     ctx = make_context(model, cluster, gpus, global_batch, seq, memory_budget_gb, tolerance, the_stack, kinds)
     _runnable_dtypes(ctx, kinds)
-    results = run_all(ctx, names, steps, kinds)
+    results = run_all(ctx, names, steps, kinds, policy)
     fitting = [r for r in results.values() if r.fits]
     best = min(fitting, key=lambda r: r.step_time_s) if fitting else None
     written = _write_outputs(ctx, results, best, out, html) if best is not None else []

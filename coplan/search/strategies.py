@@ -17,6 +17,7 @@ import math
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 
 from coplan.errors import CoplanError
 from coplan.passes.base import DEFAULT_ORDER, PassRecord, choose, run_passes, score
@@ -56,6 +57,7 @@ class Options:
     warm: list[Plan] = field(default_factory=list)  # plans found by other strategies (joint)
     base: Plan | None = None  # decisions in ``space.fixed`` come from here (None: the default plan)
     max_evaluations: int = 400_000
+    policy: Path | None = None  # the learned strategies' network (None: the one coplan ships)
 
 
 def run_strategy(name: str, ctx: PlanContext, opts: Options | None = None) -> StrategyResult:

@@ -1,0 +1,2 @@
+"""The learned planner: training jobs sampled and labelled by coplan's own planners
+(``jobs.py``, ``dataset.py``)."""

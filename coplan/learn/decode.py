@@ -1,0 +1,195 @@
+"""From the policy's outputs to a legal plan, and the strategies that use it.
+
+``decode`` turns one layout's per-op outputs into a plan:
+
+- **fusion**: a candidate kernel of the job's fusion regions (``search.opspace``: every group the
+  checker and the target compiler accept) is taken when the policy fuses every data edge inside
+  it; the largest such candidates are taken first, disjoint, each kept only if the kernels stay
+  acyclic (``plan.checker._kernel_graph_ok``). Legal by construction;
+- **recomputation**: the saved tensors of the ops the policy recomputes (``with_remat`` places
+  pointwise recomputation inside the backward kernels, as for every compiled plan);
+- **precision**: the dtype overrides the policy gives (dropped if the checker refuses them).
+
+``repair`` then makes it fit: while the plan exceeds the budget, it recomputes more saved tensors,
+the policy's likeliest first (a bisection over that order); a plan that fits with nothing else
+recomputes everything it can. Every plan is checked by ``plan.checker`` and priced by the cost
+model before it is returned (``run_strategy`` does both again).
+
+Strategies (registered in ``search.strategies``):
+- ``learned-greedy``: the policy's best-scored layout, decoded and repaired: one answer;
+- ``learned``: the ``LEARNED_K`` best-scored layouts decoded and repaired, each also with the
+  plain greedy fusion in place of the policy's, all priced by the cost model; the best kept.
+Either goes on down the policy's ranking of layouts, one at a time, while no plan fits: a layout
+the policy ranks low may be the only one that fits the budget.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from coplan.learn.features import DTYPE_CLASSES, job_graph, layout_features
+from coplan.learn.policy import Outputs, PolicyNet
+from coplan.plan.checker import _kernel_graph_ok, check, is_valid
+from coplan.plan.types import ParallelPlan, Plan, PrecisionPlan
+
+__all__ = ["LEARNED_K", "decode", "default_policy", "plan_with_policy", "repair"]
+
+#: layouts the ``learned`` strategy decodes and prices
+LEARNED_K = 8
+#: the policy that ships with coplan (``benchmarks/train_policy.py`` makes it)
+DEFAULT_POLICY = Path(__file__).with_name("policy.pt")
+
+_loaded: dict[Path, PolicyNet] = {}
+
+
+def default_policy(path: Path | None = None) -> PolicyNet:
+    """The network in ``path`` (default: the shipped one), loaded once per process."""
+    from coplan.learn.train import PolicyError, load_policy
+
+    p = (path or DEFAULT_POLICY).resolve()
+    got = _loaded.get(p)
+    if got is None:
+        if path is None and not p.is_file():
+            raise PolicyError(p, "no trained policy ships with this install; give --policy model.pt")
+        got, _ = load_policy(p)
+        _loaded[p] = got
+    return got
+
+
+def _anchors(ctx: Any) -> bool:
+    return "epilogue" in ctx.stack.fusion
+
+
+def decode(ctx: Any, out: Outputs, par: ParallelPlan, prec: PrecisionPlan) -> Plan:
+    """The plan of ``out`` (outputs under layout ``par`` x ``prec``) for ``ctx``'s job."""
+    from coplan.passes.remat import with_remat
+    from coplan.search.opspace import as_fusion, regions
+
+    jg = job_graph(ctx, anchors=_anchors(ctx))
+    graph = ctx.index.graph
+    src, dst = jg.edge_index[:, : jg.n_data].tolist()
+    fuse = (out.fuse > 0).tolist()
+    wanted = {(jg.ops[a], jg.ops[b]) for a, b, f in zip(src, dst, fuse, strict=True) if f}
+    kernels: list[tuple[int, ...]] = []
+    for reg in regions(ctx, anchors=_anchors(ctx)):
+        inner: dict[tuple[int, ...], int] = {}
+        for c in reg.candidates:
+            members = set(c)
+            edges = [(a, b) for a, b in reg.edges if a in members and b in members]
+            if edges and all(e in wanted for e in edges):
+                inner[c] = len(edges)
+        taken: set[int] = set()
+        chosen: list[tuple[int, ...]] = []
+        for c in sorted(inner, key=lambda c: (-len(c), -inner[c], c)):
+            if taken & set(c):
+                continue
+            trial = [*chosen, c]
+            singles: list[tuple[int, ...]] = [(i,) for i in reg.ops if i not in taken and i not in c]
+            if _kernel_graph_ok(graph, trial + singles) is None:
+                chosen.append(c)
+                taken |= set(c)
+        kernels.extend(chosen)
+    rec = (out.recompute > 0).tolist()
+    names = frozenset(
+        n
+        for keep, ns, s in zip(rec, jg.saved_names, jg.saved.tolist(), strict=True)
+        if keep and s
+        for n in ns
+    )
+    classes = out.dtype.argmax(-1).tolist()
+    overrides = tuple(sorted((jg.names[i], DTYPE_CLASSES[c]) for i, c in enumerate(classes) if c))
+    plan = ctx.default_plan().with_(
+        parallel=par, precision=replace(prec, ops=overrides), fusion=as_fusion(ctx, kernels)
+    )
+    if overrides and not is_valid(plan, ctx):
+        plan = plan.with_(precision=replace(prec, ops=()))
+    return with_remat(plan, names, ctx)
+
+
+def repair(plan: Plan, ctx: Any, order: list[str]) -> Plan:
+    """``plan`` made to fit by recomputing more of ``order`` (saved tensor names, likeliest
+    first), as little as fits; unchanged if it fits or nothing helps."""
+    from coplan.passes.remat import saved_names, with_remat
+
+    if not is_valid(plan, ctx):
+        return plan
+    if ctx.fits(ctx.price(plan)):
+        return plan
+    have = set(plan.remat.all_names)
+    extra = [n for n in order if n not in have] + [
+        n for n in saved_names(ctx) if n not in have and n not in order
+    ]
+    lo, hi = 0, len(extra)
+
+    def at(k: int) -> Plan:
+        return with_remat(plan, frozenset(have | set(extra[:k])), ctx)
+
+    if not ctx.fits(ctx.price(at(hi))):
+        return at(hi)  # the least memory this layout reaches
+    while lo < hi:  # memory falls as more is recomputed: the shortest prefix that fits
+        mid = (lo + hi) // 2
+        if ctx.fits(ctx.price(at(mid))):
+            hi = mid
+        else:
+            lo = mid + 1
+    return at(lo)
+
+
+def plan_with_policy(ctx: Any, net: PolicyNet, k: int) -> tuple[Plan, int, list[str]]:
+    """The best of the policy's ``k`` best-scored layouts, decoded, repaired and priced: (plan,
+    plans priced, notes)."""
+    from coplan.learn.train import layout_candidates
+    from coplan.passes.base import score
+    from coplan.passes.remat import with_remat
+    from coplan.search.space import SearchSpace, fusion_option
+
+    jg = job_graph(ctx, anchors=_anchors(ctx))
+    per_op = "greedy" in ctx.stack.fusion  # the stack compiles the plan's own kernels
+    cands = layout_candidates(ctx)
+    feats = torch.tensor([layout_features(p, q) for p, q in cands], dtype=torch.float32)
+    with torch.no_grad():
+        first = net(jg, feats, 0)
+        ranked = torch.argsort(first.layout, descending=True).tolist()
+        plans: list[Plan] = []
+        decoded = 0
+        for i in ranked:
+            # the k best-scored layouts; past them, on down the ranking only until a plan fits
+            if decoded >= max(1, k) and any(ctx.fits(ctx.price(p)) and is_valid(p, ctx) for p in plans):
+                break
+            decoded += 1
+            par, prec = cands[i]
+            out = net(jg, feats, i)
+            probs = torch.sigmoid(out.recompute).tolist()
+            rank = sorted(
+                (
+                    (p, n)
+                    for p, ns, s in zip(probs, jg.saved_names, jg.saved.tolist(), strict=True)
+                    if s
+                    for n in ns
+                ),
+                reverse=True,
+            )
+            names = [n for _, n in rank]
+            plan = decode(ctx, out, par, prec)
+            if not per_op:
+                # the stack runs its own kernels: the policy's recompute set and dtypes under each
+                # kernel set it offers
+                for fusion in SearchSpace().fusions(ctx):
+                    p = with_remat(plan.with_(fusion=fusion), plan.remat.all_names, ctx)
+                    plans.append(repair(p, ctx, names))
+                continue
+            plans.append(repair(plan, ctx, names))
+            if k > 1:
+                greedy = with_remat(
+                    plan.with_(fusion=fusion_option(ctx, "greedy")), plan.remat.all_names, ctx
+                )
+                plans.append(repair(greedy, ctx, names))
+    valid = [p for p in plans if not check(p, ctx, memory=False)]
+    pool = valid or plans
+    best = min(pool, key=lambda p: score(p, ctx))
+    notes = [f"policy: {decoded} of {len(cands)} layouts decoded, {len(plans)} plans priced"]
+    return best, len(plans), notes

@@ -1,0 +1,126 @@
+"""The verdict on Claim 2 for one split of a dataset (``coplan learn eval``).
+
+Every job of the split is planned by the policy (``learned``: its best-scored layouts decoded,
+repaired, checked and priced) and compared, by the cost model's step time, with the labels the
+dataset holds for it: the teacher (``joint-exact``, the op-level joint optimum) and the baseline
+(``sequential``, the production passes in sequence), both planned when the dataset was written.
+Ratios are learned / other step time (0.95: the learned plan is 5% faster), over the jobs where
+both plans fit. ``feasible_rate`` is the share of the jobs with a fitting teacher plan whose
+learned plan is valid and fits. Planning times are medians (the labels' were measured when the
+dataset was written, on the machine that wrote it).
+
+The verdict is ``validated`` when the learned plans beat the baseline at the median (ratio below
+1) and win more jobs than they lose; otherwise ``killed`` (Claim 2 is killed if the policy cannot
+beat sequential optimization even on its training data, so the train split is the kill test).
+
+``cost_model`` reports the learned cost model against the analytic one (Kendall tau, top-1
+regret, mean absolute percentage error); it is ``null`` until a learned cost model is given.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Callable
+from typing import Any
+
+from coplan.learn.dataset import Dataset
+from coplan.learn.decode import LEARNED_K, plan_with_policy
+from coplan.learn.jobs import Job
+from coplan.learn.policy import PolicyNet
+
+__all__ = ["evaluate"]
+
+#: ratios within this of 1 are ties (neither a win nor a loss)
+TIE = 1e-3
+
+
+def _quantile(xs: list[float], q: float) -> float | None:
+    if not xs:
+        return None
+    s = sorted(xs)
+    pos = q * (len(s) - 1)
+    lo = int(pos)
+    hi = min(lo + 1, len(s) - 1)
+    return s[lo] + (s[hi] - s[lo]) * (pos - lo)
+
+
+def evaluate(
+    ds: Dataset,
+    net: PolicyNet,
+    split: str,
+    *,
+    k: int = LEARNED_K,
+    limit: int | None = None,
+    progress: Callable[[int, int, str], None] | None = None,
+) -> dict[str, Any]:
+    from coplan.passes.base import score
+    from coplan.plan.checker import check
+
+    records = [r for r in ds.records(split) if "error" not in r]
+    if limit is not None:
+        records = records[:limit]
+    vs_seq: list[float] = []
+    vs_joint: list[float] = []
+    t_learned: list[float] = []
+    t_joint: list[float] = []
+    t_seq: list[float] = []
+    feasible = 0
+    possible = 0
+    per_job = []
+    for i, r in enumerate(records):
+        job = Job.from_dict(r["job"])
+        ctx = job.context()
+        t0 = time.perf_counter()
+        plan, _, _ = plan_with_policy(ctx, net, k)
+        dt = time.perf_counter() - t0
+        est = ctx.price(plan)
+        ok = not check(plan, ctx)
+        teacher, base = r["labels"]["teacher"], r["labels"]["baseline"]
+        t_learned.append(dt)
+        t_joint.append(teacher["plan_time_s"])
+        t_seq.append(base["plan_time_s"])
+        if teacher["fits"]:
+            possible += 1
+            feasible += ok
+        if ok and base["fits"]:
+            vs_seq.append(est.step_time_s / base["step_time_s"])
+        if ok and teacher["fits"]:
+            vs_joint.append(est.step_time_s / teacher["step_time_s"])
+        per_job.append(
+            {
+                "id": r["id"],
+                "family": job.family,
+                "learned_step_s": est.step_time_s,
+                "fits": ok,
+                "teacher_step_s": teacher["step_time_s"],
+                "baseline_step_s": base["step_time_s"],
+                "score": list(score(plan, ctx)),
+            }
+        )
+        if progress:
+            progress(i + 1, len(records), f"{job.spec.name} on {job.cluster.name}")
+    wins = sum(1 for x in vs_seq if x < 1 - TIE)
+    losses = sum(1 for x in vs_seq if x > 1 + TIE)
+    med_seq = _quantile(vs_seq, 0.5)
+    verdict = "validated" if med_seq is not None and med_seq < 1.0 and wins > losses else "killed"
+    return {
+        "split": split,
+        "n": len(records),
+        "vs_sequential": {
+            "median_ratio": med_seq,
+            "p10_ratio": _quantile(vs_seq, 0.1),
+            "wins": wins,
+            "losses": losses,
+        },
+        "vs_joint": {"median_ratio": _quantile(vs_joint, 0.5), "p90_ratio": _quantile(vs_joint, 0.9)},
+        "feasible_rate": feasible / possible if possible else None,
+        "plan_time_s": {
+            "learned": statistics.median(t_learned) if t_learned else None,
+            "joint": statistics.median(t_joint) if t_joint else None,
+            "sequential": statistics.median(t_seq) if t_seq else None,
+        },
+        "cost_model": {"kendall_tau": None, "top1_regret": None, "mape": None},
+        "verdict": verdict,
+        "jobs": per_job,
+    }

@@ -1,0 +1,258 @@
+"""What the learned planner sees of a job, and the per-op decisions it learns, as tensors.
+
+A job is one graph: the ops of the fusion regions (each block template's reference block and the
+ops outside blocks, ``search.opspace.regions``: no views, no optimizer updates), in the reference
+graph (microbatch 1 at the job's sequence length). Two kinds of edge link them: a *data* edge
+producer -> consumer inside one phase (the fusion decisions: fuse with that consumer or not), and
+a *saved* edge from a forward op to each backward op that reads what it saved (what recomputation
+trades against). The device, the cluster's links, the job and the model are one vector of
+global features, so the same network plans for hardware it has not seen by its description.
+
+Features are scaled logs (sizes span ten orders of magnitude); every number is documented where
+it is built. Labels are read off a plan by name, as the plan format names ops and tensors of the
+reference blocks: ``fuse`` per data edge (both ends in one kernel), ``recompute`` per op with a
+saved output (one of its outputs recomputed), ``dtype`` per op (the override class), and the
+layout (``layout_features`` of the plan's parallel layout and compute precision).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from coplan.ir.types import OpKind, Phase
+from coplan.plan.checker import SENSITIVE
+from coplan.plan.types import ParallelPlan, Plan, PrecisionPlan
+
+__all__ = [
+    "DTYPE_CLASSES",
+    "EDGE_DIM",
+    "GLOBAL_DIM",
+    "LAYOUT_DIM",
+    "NODE_DIM",
+    "JobGraph",
+    "job_graph",
+    "layout_features",
+    "plan_labels",
+]
+
+_KINDS = tuple(OpKind)
+#: an op's dtype decision: no override, or the dtype it is given
+DTYPE_CLASSES = ("", "fp32", "bf16", "fp16", "fp8")
+_COMPUTE = ("fp32", "tf32", "bf16", "fp16", "fp8")
+NODE_DIM = len(_KINDS) + 10
+EDGE_DIM = 4
+GLOBAL_DIM = 26
+LAYOUT_DIM = 12 + len(_COMPUTE)
+
+
+def _lg(x: float, scale: float = 1.0) -> float:
+    """log2(1 + x) / scale: sizes as bits, scaled to about [0, 1]."""
+    return math.log2(1.0 + max(0.0, float(x))) / scale
+
+
+@dataclass(frozen=True, slots=True)
+class JobGraph:
+    """One job's graph as tensors. ``ops`` are op ids in node order; ``edge_index`` is (2, E) with
+    the data edges first (``n_data`` of them), then the saved edges; ``saved`` marks nodes with an
+    output saved for backward that a recompute set may name (the ops a recompute decision applies
+    to), with ``saved_names`` those tensors' names."""
+
+    x: torch.Tensor  # (N, NODE_DIM)
+    edge_index: torch.Tensor  # (2, E) long
+    edge_attr: torch.Tensor  # (E, EDGE_DIM)
+    u: torch.Tensor  # (GLOBAL_DIM,)
+    ops: tuple[int, ...]
+    names: tuple[str, ...]
+    n_data: int
+    saved: torch.Tensor  # (N,) bool
+    saved_names: tuple[tuple[str, ...], ...]
+    weight: torch.Tensor  # (N,) blocks a node's decision applies to (a template's block count)
+
+
+def _global(ctx: Any) -> list[float]:
+    from coplan.plan.context import PlanContext
+
+    assert isinstance(ctx, PlanContext)
+    dev = min(ctx.cluster.devices, key=lambda d: d.memory_bytes)
+    spec = ctx.model.spec
+    group = ctx.cluster.groups[0]
+    inter = ctx.cluster.inter_node
+    kind = getattr(dev, "kind", "gpu")
+    fp8 = dev.peak("fp8") if dev.supports("fp8") else 0.0
+    layers = spec.n_layers if spec is not None else 0
+    width = spec.d_model if spec is not None else 0
+    return [
+        # device: peaks (FLOP/s ~2^50), vector rate, bandwidth (B/s ~2^42), capacity, cache, launch
+        _lg(dev.peak("bf16") if dev.supports("bf16") else dev.peak("fp32"), 52),
+        _lg(fp8, 52),
+        _lg(dev.vector_flops, 48),
+        _lg(dev.memory_bandwidth, 44),
+        _lg(dev.memory_bytes, 40),
+        _lg(dev.sram_bytes, 30),
+        dev.kernel_launch_s * 1e5,
+        float(kind == "gpu"),
+        float(kind == "cpu"),
+        float(kind == "accelerator"),
+        # links: inside a node, between nodes (bytes/s per device), devices per node
+        _lg(group.intra_node.bandwidth, 42),
+        _lg(inter.bandwidth if inter is not None else group.intra_node.bandwidth, 42),
+        _lg(group.devices_per_node, 6),
+        # the job: devices, batch, sequence, the budget and its share of the capacity
+        _lg(ctx.cluster.num_devices, 12),
+        _lg(ctx.global_batch, 14),
+        _lg(ctx.seq, 16),
+        _lg(ctx.budget, 40),
+        ctx.budget / dev.memory_bytes,
+        # the model
+        _lg(layers, 8),
+        _lg(width, 16),
+        _lg(spec.vocab_size if spec is not None else 0, 18),
+        _lg(spec.n_heads if spec is not None else 0, 8),
+        ((spec.n_kv_heads or spec.n_heads) / spec.n_heads) if spec is not None else 1.0,
+        _lg(spec.n_experts if spec is not None else 0, 6),
+        float(spec is not None and spec.norm == "rmsnorm"),
+        float(spec is not None and spec.activation == "swiglu"),
+    ]
+
+
+def job_graph(ctx: Any, *, anchors: bool = True) -> JobGraph:
+    """The graph of ``ctx``'s job (a ``PlanContext``), memoised on it."""
+    from coplan.passes.remat import saved_names
+    from coplan.search.opspace import regions
+
+    key = ("learn.job_graph", anchors)
+    got = ctx.memo.get(key)
+    if got is not None:
+        return got
+    graph = ctx.index.graph
+    regs = regions(ctx, anchors=anchors)
+    allowed = set(saved_names(ctx))  # what a recompute set may name
+    ops: list[int] = []
+    weight: list[float] = []
+    for r in regs:
+        ops.extend(r.ops)
+        weight.extend([float(r.blocks)] * len(r.ops))
+    pos = {o: i for i, o in enumerate(ops)}
+    block_len: dict[int | None, int] = {}
+    for o in ops:
+        b = graph.ops[o].block
+        block_len[b] = block_len.get(b, 0) + 1
+    seen_in_block: dict[int | None, int] = {}
+    rows = []
+    saved = []
+    saved_names = []
+    for o in ops:
+        op = graph.ops[o]
+        kind = [float(op.kind is k) for k in _KINDS]
+        outs = [graph.tensors[t] for t in op.outputs]
+        ins = [graph.tensors[t] for t in op.inputs]
+        kept = tuple(t.name for t in outs if t.name in allowed)
+        saved.append(bool(kept))
+        saved_names.append(kept)
+        i = seen_in_block.get(op.block, 0)
+        seen_in_block[op.block] = i + 1
+        width = ins[0].shape[-1] if ins and ins[0].shape else 0
+        rows.append(
+            [
+                *kind,
+                float(op.phase is Phase.FORWARD),
+                float(op.block is not None),
+                i / max(1, block_len[op.block] - 1),  # position in its block (or outside)
+                _lg(op.flops, 48),
+                _lg(op.vector_flops, 40),
+                _lg(sum(t.numel for t in ins), 36),
+                _lg(sum(t.numel for t in outs), 36),
+                float(bool(kept)),
+                float(op.kind in SENSITIVE),
+                _lg(width, 18),
+            ]
+        )
+    data_edges = [(pos[a], pos[b]) for r in regs for a, b in r.edges if a in pos and b in pos]
+    saved_edges: list[tuple[int, int]] = []
+    for o in ops:
+        op = graph.ops[o]
+        if op.phase is not Phase.FORWARD:
+            continue
+        readers = {
+            c
+            for t in op.outputs
+            if graph.tensors[t].saved_for_backward
+            for c in graph.tensors[t].consumers
+            if c in pos and graph.ops[c].phase is Phase.BACKWARD
+        }
+        saved_edges.extend((pos[o], pos[c]) for c in sorted(readers))
+    edges = data_edges + saved_edges
+
+    def attr(a: int, b: int, is_saved: bool) -> list[float]:
+        src = graph.ops[ops[a]]
+        numel = sum(graph.tensors[t].numel for t in src.outputs)
+        return [
+            float(not is_saved),
+            float(is_saved),
+            _lg(numel, 36),
+            float(graph.ops[ops[b]].kind in SENSITIVE),
+        ]
+
+    edge_attr = [attr(a, b, False) for a, b in data_edges] + [attr(a, b, True) for a, b in saved_edges]
+    got = JobGraph(
+        x=torch.tensor(rows, dtype=torch.float32),
+        edge_index=torch.tensor(edges, dtype=torch.long).reshape(-1, 2).t().contiguous(),
+        edge_attr=torch.tensor(edge_attr, dtype=torch.float32).reshape(-1, EDGE_DIM),
+        u=torch.tensor(_global(ctx), dtype=torch.float32),
+        ops=tuple(ops),
+        names=tuple(graph.ops[o].name for o in ops),
+        n_data=len(data_edges),
+        saved=torch.tensor(saved, dtype=torch.bool),
+        saved_names=tuple(saved_names),
+        weight=torch.tensor(weight, dtype=torch.float32),
+    )
+    ctx.memo[key] = got
+    return got
+
+
+def layout_features(par: ParallelPlan, prec: PrecisionPlan) -> list[float]:
+    """A parallel layout and compute precision as numbers (what the layout head scores)."""
+    return [
+        _lg(par.tp, 6),
+        _lg(par.pp, 7),
+        _lg(par.dp, 12),
+        _lg(par.vpp, 6),
+        _lg(par.microbatch, 10),
+        float(par.sequence_parallel),
+        *(float(par.zero == z) for z in (0, 1, 2, 3)),
+        _lg(par.tp * par.pp, 10),
+        float(prec.fp8_params),
+        *(float(prec.compute == c) for c in _COMPUTE),
+    ]
+
+
+@dataclass(frozen=True, slots=True)
+class Labels:
+    fuse: torch.Tensor  # (n_data,) float 0/1
+    recompute: torch.Tensor  # (N,) float 0/1 (meaningful where ``saved``)
+    dtype: torch.Tensor  # (N,) long, index into DTYPE_CLASSES
+
+
+def plan_labels(jg: JobGraph, plan: Plan) -> Labels:
+    """``plan``'s per-op decisions on ``jg``'s nodes (by name)."""
+    group_of = {n: i for i, g in enumerate(plan.fusion.groups) for n in g}
+    src, dst = jg.edge_index[:, : jg.n_data]
+    fuse = [
+        float(jg.names[a] in group_of and group_of.get(jg.names[a]) == group_of.get(jg.names[b]))
+        for a, b in zip(src.tolist(), dst.tolist(), strict=True)
+    ]
+    dropped = plan.remat.all_names
+    recompute = [float(any(n in dropped for n in names)) for names in jg.saved_names]
+    over = dict(plan.precision.ops)
+    dtype = [
+        DTYPE_CLASSES.index(over.get(n, "")) if over.get(n, "") in DTYPE_CLASSES else 0 for n in jg.names
+    ]
+    return Labels(
+        fuse=torch.tensor(fuse, dtype=torch.float32),
+        recompute=torch.tensor(recompute, dtype=torch.float32),
+        dtype=torch.tensor(dtype, dtype=torch.long),
+    )

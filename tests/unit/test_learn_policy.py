@@ -1,0 +1,171 @@
+"""The learned planner's network and decoder (``coplan.learn``): features and labels read off a
+plan exactly, any network output decodes to a valid plan, training lowers the imitation loss,
+policy files round-trip and bad ones are refused in one line, and the CLI's contract."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from coplan.cost import CostModel, load_stack
+from coplan.hardware import load_cluster
+from coplan.learn.dataset import open_dataset, write_dataset
+from coplan.learn.decode import plan_with_policy
+from coplan.learn.features import (
+    EDGE_DIM,
+    GLOBAL_DIM,
+    LAYOUT_DIM,
+    NODE_DIM,
+    job_graph,
+    layout_features,
+    plan_labels,
+)
+from coplan.learn.policy import PolicyConfig, PolicyNet
+from coplan.learn.train import PolicyError, examples, layout_candidates, load_policy, save_policy, train
+from coplan.models.spec import PRESETS
+from coplan.plan import PlanContext, check
+from coplan.search import run_strategy
+
+
+def ctx_for(stack: str = "coplan", budget: float | None = None) -> PlanContext:
+    return PlanContext(
+        CostModel(spec=PRESETS["gpt-tiny"]),
+        load_cluster("dgx-h100", 8),
+        16,
+        64,
+        budget_bytes=budget,
+        stack=load_stack(stack),
+    )
+
+
+def test_features_have_their_documented_shapes_and_labels_match_the_plan():
+    ctx = ctx_for()
+    jg = job_graph(ctx)
+    n = jg.x.shape[0]
+    assert jg.x.shape == (n, NODE_DIM) and jg.u.shape == (GLOBAL_DIM,)
+    assert jg.edge_index.shape[0] == 2 and jg.edge_attr.shape == (jg.edge_index.shape[1], EDGE_DIM)
+    assert jg.edge_attr[: jg.n_data, 0].eq(1).all() and jg.edge_attr[jg.n_data :, 1].eq(1).all()
+    assert torch.isfinite(jg.x).all() and torch.isfinite(jg.u).all()
+    plan = run_strategy("joint-exact", ctx).plan
+    lab = plan_labels(jg, plan)
+    group_of = {name: i for i, g in enumerate(plan.fusion.groups) for name in g}
+    src, dst = jg.edge_index[:, : jg.n_data].tolist()
+    expect = [
+        float(jg.names[a] in group_of and group_of[jg.names[a]] == group_of.get(jg.names[b]))
+        for a, b in zip(src, dst, strict=True)
+    ]
+    assert lab.fuse.tolist() == expect and sum(expect) > 0
+    kept = plan.remat.all_names
+    assert lab.recompute.tolist() == [float(any(t in kept for t in ns)) for ns in jg.saved_names]
+    for par, prec in layout_candidates(ctx):
+        assert len(layout_features(par, prec)) == LAYOUT_DIM
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+@pytest.mark.parametrize("stack", ["coplan", "megatron"])
+def test_any_network_decodes_to_a_valid_plan_that_fits_where_one_can(seed, stack):
+    """Untrained networks (random outputs) still yield checked, legal plans: the decoder only
+    picks legal kernels and the repair recomputes until the plan fits."""
+    torch.manual_seed(seed)
+    net = PolicyNet(PolicyConfig(hidden=16, layers=1)).eval()
+    # a budget the default plan does not meet: the repair must recompute or pick another layout
+    tight = ctx_for(stack)
+    tight.budget_bytes = 0.5 * tight.price(tight.default_plan()).memory.peak_bytes
+    ctx = ctx_for(stack, budget=tight.budget_bytes)
+    plan, priced, _ = plan_with_policy(ctx, net, 4)
+    assert priced >= 1
+    assert check(plan, ctx, memory=False) == []
+    if run_strategy("joint", ctx_for(stack, budget=tight.budget_bytes)).fits:
+        assert ctx.fits(ctx.price(plan))
+
+
+@pytest.fixture(scope="module")
+def data(tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("learn") / "d"
+    write_dataset(out, 6, seed=21, shard_size=3, jobs=1)
+    return out
+
+
+def test_training_lowers_the_imitation_loss_and_files_round_trip(data, tmp_path):
+    items = examples(open_dataset(data), None)
+    assert items and any(e.target >= 0 for e in items)
+    _, first = train(items, epochs=1, seed=0, config=PolicyConfig(hidden=16, layers=1))
+    net, last = train(items, epochs=12, seed=0, config=PolicyConfig(hidden=16, layers=1))
+    assert sum(last.values()) < sum(first.values())
+    path = tmp_path / "p.pt"
+    save_policy(net, path, {"jobs": len(items)})
+    back, meta = load_policy(path)
+    assert meta == {"jobs": len(items)}
+    ex = items[0]
+    with torch.no_grad():
+        a, b = net(ex.graph, ex.layouts, 0), back(ex.graph, ex.layouts, 0)
+    assert torch.equal(a.layout, b.layout) and torch.equal(a.fuse, b.fuse)
+    (tmp_path / "junk.pt").write_bytes(b"not a model")
+    with pytest.raises(PolicyError, match="not a coplan policy file"):
+        load_policy(tmp_path / "junk.pt")
+    blob = torch.load(path, weights_only=True)
+    blob["version"] = 99
+    torch.save(blob, tmp_path / "v99.pt")
+    with pytest.raises(PolicyError, match="version 99"):
+        load_policy(tmp_path / "v99.pt")
+    with pytest.raises(PolicyError, match="does not exist"):
+        load_policy(tmp_path / "none.pt")
+
+
+def _coplan(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "coplan.cli", *args], capture_output=True, text=True, timeout=600
+    )
+
+
+def test_cli_train_eval_and_plan_with_a_policy(data, tmp_path):
+    model = tmp_path / "m.pt"
+    got = _coplan("learn", "train", "--data", str(data), "--out", str(model), "--epochs", "2", "--json")
+    assert got.returncode == 0, got.stderr
+    assert json.loads(got.stdout)["train_jobs"] >= 1 and model.is_file()
+    got = _coplan("learn", "eval", "--data", str(data), "--policy", str(model), "--split", "train", "--json")
+    assert got.returncode == 0, got.stderr
+    res = json.loads(got.stdout)
+    assert set(res) >= {
+        "split",
+        "n",
+        "vs_sequential",
+        "vs_joint",
+        "feasible_rate",
+        "plan_time_s",
+        "cost_model",
+    }
+    assert set(res["vs_sequential"]) == {"median_ratio", "p10_ratio", "wins", "losses"}
+    assert set(res["vs_joint"]) == {"median_ratio", "p90_ratio"}
+    assert set(res["plan_time_s"]) == {"learned", "joint", "sequential"}
+    assert set(res["cost_model"]) == {"kendall_tau", "top1_regret", "mape"}
+    assert res["verdict"] in ("validated", "killed") and res["split"] == "train"
+    job = ("--model", "gpt-tiny", "--gpus", "2", "--global-batch", "8", "--stack", "coplan")
+    got = _coplan("plan", *job, "--strategy", "learned", "--policy", str(model), "--json")
+    assert got.returncode == 0, got.stderr
+    plan = json.loads(got.stdout)
+    assert plan["strategy"] == "learned" and plan["fits"] and plan["violations"] == []
+    got = _coplan(
+        "compare", *job, "--strategies", "sequential,learned-greedy", "--policy", str(model), "--json"
+    )
+    assert got.returncode == 0, got.stderr
+    cmp = json.loads(got.stdout)["strategies"]
+    assert set(cmp["learned-greedy"]) == set(cmp["sequential"])
+    (tmp_path / "bad.pt").write_text("x")
+    for bad, why in (
+        (
+            ("plan", *job, "--strategy", "learned", "--policy", str(tmp_path / "bad.pt")),
+            "not a coplan policy",
+        ),
+        (("plan", *job, "--strategy", "joint", "--policy", str(model)), "--policy"),
+        (("learn", "eval", "--data", str(tmp_path), "--policy", str(model)), "manifest"),
+        (("learn", "train", "--data", str(data), "--out", str(tmp_path)), "directory"),
+    ):
+        got = _coplan(*bad)
+        assert got.returncode == 2, (bad, got.stderr)
+        assert got.stderr.count("\n") == 1 and why in got.stderr and "Traceback" not in got.stderr
