@@ -178,7 +178,6 @@ def _header(seed: int, n: int, shard_size: int) -> dict[str, Any]:
         "teacher": TEACHER,
         "fallback": FALLBACK,
         "baseline": BASELINE,
-        "stack": "coplan",
         "splits": SPLIT_DOC,
         "coplan": coplan_version,
     }

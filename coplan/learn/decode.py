@@ -25,6 +25,7 @@ the policy ranks low may be the only one that fits the budget.
 
 from __future__ import annotations
 
+import math
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -38,8 +39,10 @@ from coplan.plan.types import ParallelPlan, Plan, PrecisionPlan
 
 __all__ = ["LEARNED_K", "decode", "default_policy", "plan_with_policy", "repair"]
 
-#: layouts the ``learned`` strategy decodes and prices
+#: plans the ``learned`` strategy prices with the analytic model (layouts, without a cost model)
 LEARNED_K = 8
+#: layouts decoded per plan priced when a learned cost model ranks them first
+COST_POOL = 4
 #: the policy that ships with coplan (``benchmarks/train_policy.py`` makes it)
 DEFAULT_POLICY = Path(__file__).with_name("policy.pt")
 
@@ -139,57 +142,79 @@ def repair(plan: Plan, ctx: Any, order: list[str]) -> Plan:
     return at(lo)
 
 
-def plan_with_policy(ctx: Any, net: PolicyNet, k: int) -> tuple[Plan, int, list[str]]:
-    """The best of the policy's ``k`` best-scored layouts, decoded, repaired and priced: (plan,
-    plans priced, notes)."""
-    from coplan.learn.train import layout_candidates
-    from coplan.passes.base import score
+def _variants(ctx: Any, plan: Plan, per_op: bool, k: int) -> list[Plan]:
+    """``plan`` as the stack runs it: under each kernel set of a stack with its own kernels;
+    with the policy's kernels and (``k`` > 1) with the plain greedy fusion where it compiles the
+    plan's own."""
     from coplan.passes.remat import with_remat
     from coplan.search.space import SearchSpace, fusion_option
+
+    names = plan.remat.all_names
+    if not per_op:
+        return [with_remat(plan.with_(fusion=f), names, ctx) for f in SearchSpace().fusions(ctx)]
+    out = [plan]
+    if k > 1:
+        out.append(with_remat(plan.with_(fusion=fusion_option(ctx, "greedy")), names, ctx))
+    return out
+
+
+def plan_with_policy(ctx: Any, net: PolicyNet, k: int) -> tuple[Plan, int, list[str]]:
+    """The policy's plan for ``ctx``'s job: (plan, plans priced by the cost model, notes).
+
+    Without a learned cost model: the ``k`` best-scored layouts decoded, repaired and priced. With
+    one (``net.cost``), as an autotuner: ``COST_POOL * k`` best-scored layouts decoded, ranked by
+    the learned cost model (predicted to fit first, then by predicted step time), and only the
+    ``k`` it ranks first repaired and priced by the analytic model. Past those, on down the
+    policy's ranking one layout at a time while no plan fits. The best priced plan is kept."""
+    from coplan.learn.costnet import plan_node_features
+    from coplan.learn.train import layout_candidates
+    from coplan.passes.base import score
 
     jg = job_graph(ctx, anchors=_anchors(ctx))
     per_op = "greedy" in ctx.stack.fusion  # the stack compiles the plan's own kernels
     cands = layout_candidates(ctx)
     feats = torch.tensor([layout_features(p, q) for p, q in cands], dtype=torch.float32)
+    k = max(1, k)
+    priced: list[Plan] = []
     with torch.no_grad():
         first = net(jg, feats, 0)
         ranked = torch.argsort(first.layout, descending=True).tolist()
-        plans: list[Plan] = []
-        decoded = 0
-        for i in ranked:
-            # the k best-scored layouts; past them, on down the ranking only until a plan fits
-            if decoded >= max(1, k) and any(ctx.fits(ctx.price(p)) and is_valid(p, ctx) for p in plans):
-                break
-            decoded += 1
-            par, prec = cands[i]
+
+        def decoded(i: int) -> tuple[list[Plan], list[str]]:
             out = net(jg, feats, i)
             probs = torch.sigmoid(out.recompute).tolist()
-            rank = sorted(
-                (
-                    (p, n)
-                    for p, ns, s in zip(probs, jg.saved_names, jg.saved.tolist(), strict=True)
-                    if s
-                    for n in ns
-                ),
-                reverse=True,
+            order = sorted(
+                ((p, n) for p, ns in zip(probs, jg.saved_names, strict=True) for n in ns), reverse=True
             )
-            names = [n for _, n in rank]
-            plan = decode(ctx, out, par, prec)
-            if not per_op:
-                # the stack runs its own kernels: the policy's recompute set and dtypes under each
-                # kernel set it offers
-                for fusion in SearchSpace().fusions(ctx):
-                    p = with_remat(plan.with_(fusion=fusion), plan.remat.all_names, ctx)
-                    plans.append(repair(p, ctx, names))
-                continue
-            plans.append(repair(plan, ctx, names))
-            if k > 1:
-                greedy = with_remat(
-                    plan.with_(fusion=fusion_option(ctx, "greedy")), plan.remat.all_names, ctx
-                )
-                plans.append(repair(greedy, ctx, names))
-    valid = [p for p in plans if not check(p, ctx, memory=False)]
-    pool = valid or plans
-    best = min(pool, key=lambda p: score(p, ctx))
-    notes = [f"policy: {decoded} of {len(cands)} layouts decoded, {len(plans)} plans priced"]
-    return best, len(plans), notes
+            plan = decode(ctx, out, *cands[i])
+            return _variants(ctx, plan, per_op, k), [n for _, n in order]
+
+        start = 0
+        if net.cost is not None and k > 1:
+            pool: list[tuple[bool, float, int, Plan, list[str]]] = []
+            log_budget = math.log(ctx.budget)
+            for i in ranked[: COST_POOL * k]:
+                plans, names = decoded(i)
+                for p in plans:
+                    log_step, log_peak = net.cost(jg, plan_node_features(jg, p), feats[i]).tolist()
+                    pool.append((log_peak > log_budget, log_step, len(pool), p, names))
+            pool.sort(key=lambda t: t[:3])
+            priced = [repair(p, ctx, names) for *_, p, names in pool[:k]]
+            start = COST_POOL * k
+        else:
+            for i in ranked[:k]:
+                plans, names = decoded(i)
+                priced.extend(repair(p, ctx, names) for p in plans)
+            start = k
+        for i in ranked[start:]:
+            if any(ctx.fits(ctx.price(p)) and is_valid(p, ctx) for p in priced):
+                break
+            plans, names = decoded(i)
+            priced.extend(repair(p, ctx, names) for p in plans)
+    valid = [p for p in priced if not check(p, ctx, memory=False)]
+    best = min(valid or priced, key=lambda p: score(p, ctx))
+    how = "ranked by the learned cost model" if net.cost is not None and k > 1 else "decoded"
+    notes = [
+        f"policy: {len(priced)} plans priced of its best-scored layouts ({how}), {len(cands)} layouts in all"
+    ]
+    return best, len(priced), notes

@@ -45,7 +45,7 @@ DTYPE_CLASSES = ("", "fp32", "bf16", "fp16", "fp8")
 _COMPUTE = ("fp32", "tf32", "bf16", "fp16", "fp8")
 NODE_DIM = len(_KINDS) + 10
 EDGE_DIM = 4
-GLOBAL_DIM = 26
+GLOBAL_DIM = 29
 LAYOUT_DIM = 12 + len(_COMPUTE)
 
 
@@ -116,12 +116,16 @@ def _global(ctx: Any) -> list[float]:
         _lg(spec.n_experts if spec is not None else 0, 6),
         float(spec is not None and spec.norm == "rmsnorm"),
         float(spec is not None and spec.activation == "swiglu"),
+        # the stack: what it can run (per-op kernels, GEMM epilogues, the whole parallel space)
+        float("greedy" in ctx.stack.fusion),
+        float("epilogue" in ctx.stack.fusion),
+        float(ctx.stack.name == "megatron"),
     ]
 
 
 def job_graph(ctx: Any, *, anchors: bool = True) -> JobGraph:
     """The graph of ``ctx``'s job (a ``PlanContext``), memoised on it."""
-    from coplan.passes.remat import saved_names
+    from coplan.passes.remat import saved_names as recomputable
     from coplan.search.opspace import regions
 
     key = ("learn.job_graph", anchors)
@@ -130,7 +134,7 @@ def job_graph(ctx: Any, *, anchors: bool = True) -> JobGraph:
         return got
     graph = ctx.index.graph
     regs = regions(ctx, anchors=anchors)
-    allowed = set(saved_names(ctx))  # what a recompute set may name
+    allowed = set(recomputable(ctx))  # what a recompute set may name
     ops: list[int] = []
     weight: list[float] = []
     for r in regs:
@@ -144,7 +148,7 @@ def job_graph(ctx: Any, *, anchors: bool = True) -> JobGraph:
     seen_in_block: dict[int | None, int] = {}
     rows = []
     saved = []
-    saved_names = []
+    saved_names: list[tuple[str, ...]] = []
     for o in ops:
         op = graph.ops[o]
         kind = [float(op.kind is k) for k in _KINDS]

@@ -16,9 +16,13 @@ What is sampled, and why:
   exist, each of matrix and vector throughput, memory bandwidth, capacity and the links scaled
   by its own factor in [1/2, 2] (log-uniform), so the policy is conditioned on the device
   description rather than on its name;
-- **jobs**: GPU counts 1 to 64, global batches a multiple of the GPU count, and memory budgets
-  from the default (capacity less the reserve) down to a third of it, where recomputation and
-  sharding must be chosen; some budgets fit nothing, which is an answer the policy must learn.
+- **jobs**: GPU counts 1 to 1,024 (mostly up to 64, where labelling takes seconds), global
+  batches a multiple of the GPU count, and memory budgets from the default (capacity less the
+  reserve) down to a third of it, where recomputation and sharding must be chosen; some budgets
+  fit nothing, which is an answer the policy must learn;
+- **stacks**: ``coplan`` (coplan's runner: every decision per op), ``megatron`` (coplan's default:
+  Megatron's kernels and checkpointing policies, the widest parallel space) and ``torchtitan``,
+  so the policy learns what each stack can run (the stack is one of its global features).
 """
 
 from __future__ import annotations
@@ -39,6 +43,7 @@ __all__ = [
     "HELDOUT_FAMILIES",
     "HELDOUT_WIDTHS",
     "SPLITS",
+    "STACKS",
     "Job",
     "sample_job",
 ]
@@ -56,6 +61,10 @@ _WIDTHS = (512, 768, 1024, 1536, 2048, 2560, 3072, 4096, 5120, 8192)
 _DEPTHS = (2, 4, 6, 8, 12, 16, 24, 32, 48)
 _SEQS = (512, 1024, 2048, 4096)
 _GPUS = (1, 2, 4, 8, 16, 32, 64)
+_MANY_GPUS = (128, 256, 512, 1024)
+MANY_GPUS_P = 0.15
+STACKS = ("coplan", "megatron", "torchtitan")
+_STACK_WEIGHTS = (0.5, 0.3, 0.2)
 _CLUSTERS = ("dgx-a100-40gb", "dgx-a100-80gb", "dgx-h100", "dgx-h200", "dgx-b200", "mi300x-node")
 _BUDGETS = (1.0, 1.0, 0.6, 0.35)
 #: parameters per job at most, so that labelling one job stays within seconds
@@ -76,12 +85,15 @@ class Job:
     seq: int
     budget_fraction: float
     hypothetical: bool
+    stack: str = "coplan"
 
     def __post_init__(self) -> None:
         if self.family not in FAMILIES:
             raise ValueError(f"family must be one of {', '.join(FAMILIES)}, got {self.family!r}")
         if self.split not in SPLITS:
             raise ValueError(f"split must be one of {', '.join(SPLITS)}, got {self.split!r}")
+        if self.stack not in STACKS:
+            raise ValueError(f"stack must be one of {', '.join(STACKS)}, got {self.stack!r}")
         if not 0.0 < self.budget_fraction <= 1.0:
             raise ValueError(f"budget_fraction must be in (0, 1], got {self.budget_fraction!r}")
 
@@ -96,8 +108,7 @@ class Job:
         return hashlib.sha256(blob).hexdigest()[:16]
 
     def context(self) -> Any:
-        """The ``PlanContext`` of this job (the ``coplan`` stack: what coplan's runner executes,
-        every decision per op)."""
+        """The ``PlanContext`` of this job, planned for its stack."""
         from coplan.cost import CostModel, load_stack
         from coplan.plan import PlanContext
         from coplan.plan.context import default_budget
@@ -110,7 +121,7 @@ class Job:
             self.global_batch,
             self.seq,
             budget_bytes=budget,
-            stack=load_stack("coplan"),
+            stack=load_stack(self.stack),
         )
 
     def to_dict(self) -> dict[str, Any]:
@@ -124,6 +135,7 @@ class Job:
             "seq": self.seq,
             "budget_fraction": self.budget_fraction,
             "hypothetical": self.hypothetical,
+            "stack": self.stack,
         }
 
     @classmethod
@@ -138,6 +150,7 @@ class Job:
             seq=int(data["seq"]),
             budget_fraction=float(data["budget_fraction"]),
             hypothetical=bool(data["hypothetical"]),
+            stack=str(data.get("stack", "coplan")),
         )
 
 
@@ -227,7 +240,7 @@ def sample_job(seed: int, index: int) -> Job:
         split = "heldout"
     else:
         split = "val" if rng.random() < VAL_SHARE else "train"
-    gpus = rng.choice(_GPUS)
+    gpus = rng.choice(_MANY_GPUS if rng.random() < MANY_GPUS_P else _GPUS)
     cluster = load_cluster(rng.choice(_CLUSTERS), gpus)
     hypothetical = rng.random() < HYPOTHETICAL_P
     if hypothetical:
@@ -243,4 +256,5 @@ def sample_job(seed: int, index: int) -> Job:
         seq=seq,
         budget_fraction=rng.choice(_BUDGETS),
         hypothetical=hypothetical,
+        stack=rng.choices(STACKS, weights=_STACK_WEIGHTS)[0],
     )

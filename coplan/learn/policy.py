@@ -32,6 +32,7 @@ POLICY_VERSION = 1
 class PolicyConfig:
     hidden: int = 64
     layers: int = 3
+    cost: bool = False  # carries a learned cost model (``costnet.CostNet``) beside the policy
 
     def __post_init__(self) -> None:
         if self.hidden < 4 or self.layers < 1:
@@ -68,6 +69,11 @@ class PolicyNet(nn.Module):
         self.fuse_head = _mlp(3 * h + EDGE_DIM, h, 1)
         self.rec_head = _mlp(2 * h, h, 1)
         self.dtype_head = _mlp(2 * h, h, len(DTYPE_CLASSES))
+        self.cost: nn.Module | None = None
+        if self.config.cost:
+            from coplan.learn.costnet import CostNet
+
+            self.cost = CostNet(h, self.config.layers)
 
     def encode(self, jg: JobGraph) -> tuple[torch.Tensor, torch.Tensor]:
         """(node embeddings (N, h), the global embedding (h,))."""

@@ -33,7 +33,16 @@ from coplan.learn.jobs import Job
 from coplan.learn.policy import POLICY_VERSION, PolicyConfig, PolicyNet
 from coplan.plan.types import ParallelPlan, Plan, PrecisionPlan
 
-__all__ = ["Example", "PolicyError", "examples", "layout_candidates", "load_policy", "save_policy", "train"]
+__all__ = [
+    "Example",
+    "PolicyError",
+    "attach_cost",
+    "examples",
+    "layout_candidates",
+    "load_policy",
+    "save_policy",
+    "train",
+]
 
 POLICY_FORMAT = "coplan-learn-policy"
 
@@ -91,21 +100,23 @@ class Example:
     layouts: torch.Tensor  # (L, LAYOUT_DIM)
     target: int  # the teacher's layout among them (-1: not among them or no fitting teacher)
     labels: Labels | None  # the teacher's per-op decisions (None: no fitting teacher)
+    per_op: bool = True  # the job's stack compiles per-op kernels (else fusion is the stack's)
 
 
 def example(record: dict[str, Any]) -> Example:
     job = Job.from_dict(record["job"])
     ctx = job.context()
-    jg = job_graph(ctx)
+    jg = job_graph(ctx, anchors="epilogue" in ctx.stack.fusion)
     cands = layout_candidates(ctx)
     layouts = torch.tensor([layout_features(p, q) for p, q in cands], dtype=torch.float32)
     teacher = record.get("labels", {}).get("teacher")
+    per_op = "greedy" in ctx.stack.fusion
     if not teacher or not teacher["fits"]:
-        return Example(job, jg, layouts, -1, None)
+        return Example(job, jg, layouts, -1, None, per_op)
     plan = Plan.from_dict(teacher["plan"])
     want = _layout_key(plan.parallel, plan.precision)
     target = next((i for i, (p, q) in enumerate(cands) if _layout_key(p, q) == want), -1)
-    return Example(job, jg, layouts, target, plan_labels(jg, plan))
+    return Example(job, jg, layouts, target, plan_labels(jg, plan), per_op)
 
 
 def examples(
@@ -129,7 +140,7 @@ def _losses(net: PolicyNet, ex: Example) -> dict[str, torch.Tensor]:
         losses["layout"] = nn.functional.cross_entropy(out.layout.unsqueeze(0), torch.tensor([ex.target]))
     if ex.labels is not None:
         lab = ex.labels
-        if lab.fuse.numel():
+        if lab.fuse.numel() and ex.per_op:  # a stack with its own kernels teaches no fusion
             src = ex.graph.edge_index[0, : ex.graph.n_data]
             w = ex.graph.weight[src]
             losses["fuse"] = (
@@ -194,6 +205,20 @@ def train(
     return net, last
 
 
+def attach_cost(net: PolicyNet, cost: nn.Module) -> PolicyNet:
+    """``net`` carrying the learned cost model ``cost`` (of the same width and depth)."""
+    from dataclasses import replace
+
+    out = PolicyNet(replace(net.config, cost=True))
+    missing, unexpected = out.load_state_dict(net.state_dict(), strict=False)
+    if unexpected or any(not k.startswith("cost.") for k in missing):
+        raise ValueError(f"policy weights do not fit: missing {missing[:3]}, unexpected {unexpected[:3]}")
+    assert out.cost is not None
+    out.cost.load_state_dict(cost.state_dict())
+    out.eval()
+    return out
+
+
 def save_policy(net: PolicyNet, path: Path, meta: dict[str, Any]) -> None:
     """Write ``net`` to ``path`` atomically (a temporary file renamed over it)."""
     import os
@@ -202,7 +227,7 @@ def save_policy(net: PolicyNet, path: Path, meta: dict[str, Any]) -> None:
     blob = {
         "format": POLICY_FORMAT,
         "version": POLICY_VERSION,
-        "config": {"hidden": net.config.hidden, "layers": net.config.layers},
+        "config": {"hidden": net.config.hidden, "layers": net.config.layers, "cost": net.config.cost},
         "state": net.state_dict(),
         "meta": meta,
     }

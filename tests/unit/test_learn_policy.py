@@ -169,3 +169,40 @@ def test_cli_train_eval_and_plan_with_a_policy(data, tmp_path):
         got = _coplan(*bad)
         assert got.returncode == 2, (bad, got.stderr)
         assert got.stderr.count("\n") == 1 and why in got.stderr and "Traceback" not in got.stderr
+
+
+def test_kendall_tau_is_exact_on_known_rankings():
+    from coplan.learn.costnet import kendall_tau
+
+    assert kendall_tau([1, 2, 3, 4], [10, 20, 30, 40]) == 1.0
+    assert kendall_tau([1, 2, 3, 4], [40, 30, 20, 10]) == -1.0
+    # one swapped pair of six: (5 - 1) / 6
+    assert kendall_tau([1, 2, 3, 4], [1, 2, 4, 3]) == pytest.approx(4 / 6)
+    assert kendall_tau([1.0], [2.0]) is None
+
+
+def test_the_learned_cost_model_fits_its_labels_and_rides_in_the_policy_file(data, tmp_path):
+    from coplan.learn.costnet import CostNet, cost_examples, rank_report, train_costnet
+    from coplan.learn.train import attach_cost
+
+    recs = [r for r in open_dataset(data).records() if "error" not in r]
+    items = cost_examples(recs, 4, seed=0)
+    assert len(items) >= 2 * len(recs)  # at least the teacher's and the baseline's plan per job
+    _, first = train_costnet(items, epochs=1, hidden=16, layers=1)
+    cost, last = train_costnet(items, epochs=10, hidden=16, layers=1)
+    assert last < first
+    report = rank_report(cost, items)
+    assert report["kendall_tau"] is not None and -1.0 <= report["kendall_tau"] <= 1.0
+    assert report["top1_regret"] is not None and report["top1_regret"] >= 0.0
+    net = attach_cost(PolicyNet(PolicyConfig(hidden=16, layers=1)), cost)
+    path = tmp_path / "with_cost.pt"
+    save_policy(net, path, {})
+    back, _ = load_policy(path)
+    assert isinstance(back.cost, CostNet)
+    ex = items[0]
+    with torch.no_grad():
+        assert torch.equal(back.cost(ex.graph, ex.plan_x, ex.layout), cost(ex.graph, ex.plan_x, ex.layout))
+    # the autotuner: decoded plans ranked by the cost model, the best few priced and checked
+    ctx = ctx_for()
+    plan, priced, notes = plan_with_policy(ctx, back, 2)
+    assert 1 <= priced and check(plan, ctx, memory=False) == [] and "learned cost model" in notes[0]

@@ -1,0 +1,257 @@
+"""The learned cost model: a GNN that predicts a plan's step time and peak memory.
+
+Input: the job's graph (``features.job_graph``) with each op's decisions under the plan added to
+its features (in a kernel of several ops, the kernel's size, recomputed, its dtype class), and the
+plan's layout (``features.layout_features``) beside the job's global features. Output: the log
+of the step time and the log of the peak bytes per GPU. Trained on the analytic cost model's
+prices of plans sampled around each job (``sample_plans``: the teacher's and the baseline's
+plans, and plans of random layouts, random recompute sets and random kernels, each checked and
+priced by coplan); measured runs can be added as (job, plan, seconds) examples the same way.
+
+Reported against the analytic model on held-out jobs (``rank_report``): Kendall's tau between
+the two rankings of each job's sampled plans (mean over jobs), the top-1 regret (the analytic
+step time of the plan the learned model ranks first, over the best, less 1) and the mean absolute
+percentage error of the step time.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from coplan.learn.features import (
+    DTYPE_CLASSES,
+    EDGE_DIM,
+    GLOBAL_DIM,
+    LAYOUT_DIM,
+    NODE_DIM,
+    JobGraph,
+    job_graph,
+)
+from coplan.learn.features import layout_features as _layout
+from coplan.plan.types import Plan
+
+__all__ = ["COSTNET_VERSION", "CostExample", "CostNet", "plan_node_features", "rank_report", "sample_plans"]
+
+COSTNET_VERSION = 1
+PLAN_DIM = 3 + len(DTYPE_CLASSES)
+
+
+def plan_node_features(jg: JobGraph, plan: Plan) -> torch.Tensor:
+    """(N, PLAN_DIM): per op, whether it shares a kernel, log2 of that kernel's size over 3, whether
+    an output is recomputed, and its dtype class (one-hot)."""
+    size = {n: len(g) for g in plan.fusion.groups for n in g}
+    dropped = plan.remat.all_names
+    over = dict(plan.precision.ops)
+    rows = []
+    for name, saved in zip(jg.names, jg.saved_names, strict=True):
+        k = size.get(name, 1)
+        d = over.get(name, "")
+        rows.append(
+            [
+                float(k > 1),
+                math.log2(k) / 3,
+                float(any(t in dropped for t in saved)),
+                *(float(d == c) for c in DTYPE_CLASSES),
+            ]
+        )
+    return torch.tensor(rows, dtype=torch.float32)
+
+
+class CostNet(nn.Module):
+    def __init__(self, hidden: int = 64, layers: int = 3) -> None:
+        from torch_geometric.nn import GINEConv
+
+        super().__init__()
+        self.hidden, self.layers = hidden, layers
+        h = hidden
+        self.glob = nn.Sequential(nn.Linear(GLOBAL_DIM + LAYOUT_DIM, h), nn.ReLU(), nn.Linear(h, h))
+        self.embed = nn.Linear(NODE_DIM + PLAN_DIM + h, h)
+        self.convs = nn.ModuleList(
+            GINEConv(nn.Sequential(nn.Linear(h, h), nn.ReLU(), nn.Linear(h, h)), edge_dim=EDGE_DIM + 1)
+            for _ in range(layers)
+        )
+        self.norms = nn.ModuleList(nn.LayerNorm(h) for _ in range(layers))
+        self.head = nn.Sequential(nn.Linear(3 * h, h), nn.ReLU(), nn.Linear(h, 2))
+
+    def forward(self, jg: JobGraph, plan_x: torch.Tensor, layout: torch.Tensor) -> torch.Tensor:
+        """(log step seconds, log peak bytes)."""
+        g = self.glob(torch.cat([jg.u, layout]))
+        x = self.embed(torch.cat([jg.x, plan_x, g.expand(jg.x.shape[0], -1)], dim=1))
+        ei, ea = jg.edge_index, jg.edge_attr
+        both = torch.cat([ei, ei.flip(0)], dim=1)
+        flag = torch.cat([torch.zeros(ea.shape[0], 1), torch.ones(ea.shape[0], 1)])
+        attr = torch.cat([torch.cat([ea, ea]), flag], dim=1)
+        for conv, norm in zip(self.convs, self.norms, strict=True):
+            x = norm(x + torch.relu(conv(x, both, attr)))
+        return self.head(torch.cat([x.mean(0), x.max(0).values, g]))
+
+
+@dataclass(frozen=True, slots=True)
+class CostExample:
+    job_index: int
+    graph: JobGraph
+    plan_x: torch.Tensor
+    layout: torch.Tensor
+    step_s: float
+    peak_bytes: float
+
+
+def sample_plans(ctx: Any, seeds: list[Plan], n: int, rng: random.Random) -> list[Plan]:
+    """``seeds`` and ``n`` random valid plans of ``ctx``'s job: a random layout of the space, a
+    random recompute set (each saved tensor with one probability drawn per plan) and random
+    kernels (a random network's fusion decisions, decoded legally)."""
+    from coplan.learn.decode import decode
+    from coplan.learn.policy import Outputs
+    from coplan.learn.train import layout_candidates
+    from coplan.passes.remat import with_remat
+    from coplan.plan.checker import is_valid
+
+    jg = job_graph(ctx, anchors="epilogue" in ctx.stack.fusion)
+    cands = layout_candidates(ctx)
+    out = list(seeds)
+    tries = 0
+    while len(out) < len(seeds) + n and tries < 4 * n:
+        tries += 1
+        par, prec = cands[rng.randrange(len(cands))]
+        q = rng.random()
+        fuse_p = rng.random()
+        outputs = Outputs(
+            layout=torch.zeros(1),
+            fuse=torch.tensor([1.0 if rng.random() < fuse_p else -1.0 for _ in range(jg.n_data)]),
+            recompute=torch.tensor([1.0 if rng.random() < q else -1.0 for _ in jg.names]),
+            dtype=torch.zeros(len(jg.names), len(DTYPE_CLASSES)),
+        )
+        p = decode(ctx, outputs, par, prec)
+        if "greedy" not in ctx.stack.fusion:
+            from coplan.search.space import SearchSpace
+
+            opts = SearchSpace().fusions(ctx)
+            p = with_remat(p.with_(fusion=opts[rng.randrange(len(opts))]), p.remat.all_names, ctx)
+        if is_valid(p, ctx):
+            out.append(p)
+    return out
+
+
+def cost_examples(
+    records: list[dict[str, Any]],
+    per_job: int,
+    seed: int = 0,
+    progress: Callable[[int, int, str], None] | None = None,
+) -> list[CostExample]:
+    """Priced plans around each record's job (the teacher's, the baseline's and ``per_job`` random
+    ones), labelled by the analytic cost model."""
+    from coplan.learn.jobs import Job
+
+    rng = random.Random(seed)
+    out = []
+    for i, r in enumerate(records):
+        job = Job.from_dict(r["job"])
+        ctx = job.context()
+        jg = job_graph(ctx, anchors="epilogue" in ctx.stack.fusion)
+        seeds = [Plan.from_dict(lab["plan"]) for lab in r["labels"].values()]
+        for p in sample_plans(ctx, seeds, per_job, rng):
+            e = ctx.price(p)
+            out.append(
+                CostExample(
+                    job.index,
+                    jg,
+                    plan_node_features(jg, p),
+                    torch.tensor(_layout(p.parallel, p.precision), dtype=torch.float32),
+                    e.step_time_s,
+                    e.memory.peak_bytes,
+                )
+            )
+        if progress:
+            progress(i + 1, len(records), job.spec.name)
+    return out
+
+
+def train_costnet(
+    data: list[CostExample],
+    *,
+    epochs: int = 20,
+    seed: int = 0,
+    lr: float = 3e-3,
+    hidden: int = 64,
+    layers: int = 3,
+    progress: Callable[[int, int, str], None] | None = None,
+) -> tuple[CostNet, float]:
+    """A cost network fitted to ``data`` (mean squared error of the two logs); the last epoch's
+    mean loss."""
+    torch.manual_seed(seed)
+    rng = random.Random(seed)
+    net = CostNet(hidden, layers)
+    opt = torch.optim.Adam(net.parameters(), lr=lr)
+    last = 0.0
+    for epoch in range(epochs):
+        order = list(range(len(data)))
+        rng.shuffle(order)
+        total = 0.0
+        for i in order:
+            ex = data[i]
+            y = torch.tensor([math.log(ex.step_s), math.log(ex.peak_bytes)])
+            loss = nn.functional.mse_loss(net(ex.graph, ex.plan_x, ex.layout), y)
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            total += float(loss.detach())
+        last = total / max(1, len(data))
+        if progress:
+            progress(epoch + 1, epochs, f"loss {last:.4f}")
+    net.eval()
+    return net, last
+
+
+def kendall_tau(a: list[float], b: list[float]) -> float | None:
+    """Kendall's tau-b of two rankings (None for fewer than two items)."""
+    n = len(a)
+    if n < 2:
+        return None
+    conc = disc = ta = tb = 0
+    for i in range(n):
+        for j in range(i + 1, n):
+            da, db = a[i] - a[j], b[i] - b[j]
+            if da == 0 and db == 0:
+                continue
+            if da == 0:
+                ta += 1
+            elif db == 0:
+                tb += 1
+            elif (da > 0) == (db > 0):
+                conc += 1
+            else:
+                disc += 1
+    denom = math.sqrt((conc + disc + ta) * (conc + disc + tb))
+    return (conc - disc) / denom if denom else None
+
+
+def rank_report(net: CostNet, data: list[CostExample]) -> dict[str, float | None]:
+    """Kendall's tau (mean over jobs), top-1 regret (mean over jobs) and the step time's MAPE of
+    ``net`` against the analytic labels of ``data``."""
+    by_job: dict[int, list[tuple[float, float]]] = {}
+    errs = []
+    with torch.no_grad():
+        for ex in data:
+            pred = math.exp(float(net(ex.graph, ex.plan_x, ex.layout)[0]))
+            by_job.setdefault(ex.job_index, []).append((pred, ex.step_s))
+            errs.append(abs(pred - ex.step_s) / ex.step_s)
+    taus, regrets = [], []
+    for pairs in by_job.values():
+        t = kendall_tau([p for p, _ in pairs], [s for _, s in pairs])
+        if t is not None:
+            taus.append(t)
+        best = min(s for _, s in pairs)
+        picked = min(pairs)[1]
+        regrets.append(picked / best - 1)
+    return {
+        "kendall_tau": sum(taus) / len(taus) if taus else None,
+        "top1_regret": sum(regrets) / len(regrets) if regrets else None,
+        "mape": sum(errs) / len(errs) if errs else None,
+    }
