@@ -430,6 +430,10 @@ def _emit(ctx: PlanContext, r: StrategyResult, target: Emit, out: Path | None, m
     )
 
 
+class WarmStart(enum.StrEnum):
+    learned = "learned"
+
+
 PolicyOpt = Annotated[
     Path | None,
     typer.Option(
@@ -491,6 +495,14 @@ def plan(
         ),
     ] = None,
     policy: PolicyOpt = None,
+    warm_start: Annotated[
+        WarmStart | None,
+        typer.Option(
+            "--warm-start",
+            help="Joint: also seed the search with this strategy's plan (learned: the policy's).",
+            show_default=False,
+        ),
+    ] = None,
     json: JsonOpt = False,
 ) -> None:
     """Plan fusion, recomputation, parallelism and precision of a training job."""
@@ -500,13 +512,17 @@ def plan(
     steps, kinds = _order(order), _dtypes(dtypes)
     check_output("--out", out)
     check_output("--html", html)
-    _check_policy(policy, [name])
+    _check_policy(policy, [name, *(["learned"] if warm_start is not None else [])])
     the_stack = resolve_stack(stack, stack_file)
     ctx = make_context(model, cluster, gpus, global_batch, seq, memory_budget_gb, tolerance, the_stack, kinds)
     _runnable_dtypes(ctx, kinds)
     names = [name]
     if name == "joint":
         names = ["sequential", "hierarchical", "joint"]  # warm starts for joint
+        if warm_start is WarmStart.learned:
+            names.insert(0, "learned")
+    elif warm_start is not None:
+        raise SpecError("--warm-start", None, "applies to --strategy joint")
     results = run_all(ctx, names, steps, kinds, policy)
     r = results[name]
     # an infeasible answer writes nothing: a plan that does not fit is not one to run

@@ -9,6 +9,10 @@ both plans fit. ``feasible_rate`` is the share of the jobs with a fitting teache
 learned plan is valid and fits. Planning times are medians (the labels' were measured when the
 dataset was written, on the machine that wrote it).
 
+``vs_random`` compares with random search plus local search given, job by job, the wall-clock
+time the learned strategy took (``randsearch.random_local_search``); a job where only one of the
+two fits counts as a win or a loss.
+
 The verdict is ``validated`` when the learned plans beat the baseline at the median (ratio below
 1) and win more jobs than they lose; otherwise ``killed`` (Claim 2 is killed if the policy cannot
 beat sequential optimization even on its training data, so the train split is the kill test).
@@ -29,6 +33,7 @@ from coplan.learn.dataset import Dataset
 from coplan.learn.decode import LEARNED_K, plan_with_policy
 from coplan.learn.jobs import Job
 from coplan.learn.policy import PolicyNet
+from coplan.learn.randsearch import random_local_search
 
 __all__ = ["evaluate"]
 
@@ -68,6 +73,7 @@ def evaluate(
     k: int = LEARNED_K,
     limit: int | None = None,
     cost_plans: int = COST_PLANS,
+    random_baseline: bool = True,
     progress: Callable[[int, int, str], None] | None = None,
 ) -> dict[str, Any]:
     from coplan.passes.base import score
@@ -83,6 +89,8 @@ def evaluate(
     t_seq: list[float] = []
     feasible = 0
     possible = 0
+    vs_random: list[float] = []
+    random_only: list[bool] = []  # jobs where one of the two fits: whether it is random search
     per_job = []
     for i, r in enumerate(records):
         job = Job.from_dict(r["job"])
@@ -92,6 +100,13 @@ def evaluate(
         dt = time.perf_counter() - t0
         est = ctx.price(plan)
         ok = not check(plan, ctx)
+        if random_baseline:
+            rplan, _ = random_local_search(ctx, dt, seed=i)
+            rok = not check(rplan, ctx)
+            if ok and rok:
+                vs_random.append(est.step_time_s / ctx.price(rplan).step_time_s)
+            elif ok != rok:
+                random_only.append(rok)
         teacher, base = r["labels"]["teacher"], r["labels"]["baseline"]
         t_learned.append(dt)
         t_joint.append(teacher["plan_time_s"])
@@ -130,6 +145,13 @@ def evaluate(
             "losses": losses,
         },
         "vs_joint": {"median_ratio": _quantile(vs_joint, 0.5), "p90_ratio": _quantile(vs_joint, 0.9)},
+        "vs_random": {
+            "median_ratio": _quantile(vs_random, 0.5),
+            "wins": sum(1 for x in vs_random if x < 1 - TIE) + sum(1 for r in random_only if not r),
+            "losses": sum(1 for x in vs_random if x > 1 + TIE) + sum(1 for r in random_only if r),
+        }
+        if random_baseline
+        else None,
         "feasible_rate": feasible / possible if possible else None,
         "plan_time_s": {
             "learned": statistics.median(t_learned) if t_learned else None,
