@@ -24,8 +24,9 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from coplan.learn.costnet import cost_examples, rank_report, train_costnet  # noqa: E402
+from coplan.learn.costnet import rank_report, train_costnet  # noqa: E402
 from coplan.learn.dataset import open_dataset  # noqa: E402
+from coplan.learn.samples import cost_examples  # noqa: E402
 from coplan.learn.train import attach_cost, load_policy, save_policy  # noqa: E402
 
 

@@ -31,15 +31,25 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from coplan import procs  # noqa: E402
 from coplan.learn.dataset import open_dataset, write_dataset  # noqa: E402
 from coplan.learn.evaluate import evaluate  # noqa: E402
 from coplan.learn.jobs import SPLITS  # noqa: E402
-from coplan.learn.train import examples, save_policy, train  # noqa: E402
+from coplan.learn.train import examples, load_policy, save_policy, train  # noqa: E402
 
 
 def _say(done: int, total: int, what: str) -> None:
     if done == total or done % 25 == 0:
         print(f"  [{done}/{total}] {what}", flush=True)
+
+
+def _evaluate(data: Path, policy: Path, split: str, limit: int | None) -> dict[str, object]:
+    torch.set_num_threads(1)
+    net, _ = load_policy(policy)
+    t0 = time.perf_counter()
+    res = evaluate(open_dataset(data), net, split, limit=limit)
+    res["seconds"] = time.perf_counter() - t0
+    return res
 
 
 def main() -> None:
@@ -52,6 +62,9 @@ def main() -> None:
     ap.add_argument("--out", type=Path, default=ROOT / "coplan" / "learn" / "policy.pt")
     ap.add_argument("--results", type=Path, default=ROOT / "benchmarks" / "results" / "learned.json")
     ap.add_argument("--eval-limit", type=int, default=None, help="jobs per split to evaluate")
+    ap.add_argument(
+        "--eval-only", action="store_true", help="evaluate the policy in --out on the dataset in --data"
+    )
     args = ap.parse_args()
 
     t0 = time.perf_counter()
@@ -61,32 +74,38 @@ def main() -> None:
     ds = open_dataset(args.data)
 
     torch.set_num_threads(1)
-    t1 = time.perf_counter()
-    items = examples(ds, "train")
-    net, losses = train(items, epochs=args.epochs, seed=args.seed, progress=_say)
-    t_train = time.perf_counter() - t1
-    meta = {
-        "dataset": {k: ds.manifest[k] for k in ("seed", "n", "teacher", "baseline", "counts")},
-        "train_jobs": len(items),
-        "epochs": args.epochs,
-        "seed": args.seed,
-        "losses": losses,
-        "seconds": t_train,
-    }
-    save_policy(net, args.out, meta)
-    print(f"policy: {len(items)} train jobs, {args.epochs} epochs, {t_train:.0f} s -> {args.out}", flush=True)
+    if args.eval_only:
+        net, meta = load_policy(args.out)
+    else:
+        t1 = time.perf_counter()
+        items = examples(ds, "train")
+        net, losses = train(items, epochs=args.epochs, seed=args.seed, progress=_say)
+        t_train = time.perf_counter() - t1
+        meta = {
+            "dataset": {k: ds.manifest[k] for k in ("seed", "n", "teacher", "baseline", "counts")},
+            "train_jobs": len(items),
+            "epochs": args.epochs,
+            "seed": args.seed,
+            "losses": losses,
+            "seconds": t_train,
+        }
+        save_policy(net, args.out, meta)
+        print(
+            f"policy: {len(items)} train jobs, {args.epochs} epochs, {t_train:.0f} s -> {args.out}",
+            flush=True,
+        )
 
-    splits = {}
-    for split in ("train", *[s for s in SPLITS if s != "train"]):
-        t2 = time.perf_counter()
-        res = evaluate(ds, net, split, limit=args.eval_limit, progress=_say)
-        res["seconds"] = time.perf_counter() - t2
-        splits[split] = res
+    # the splits in parallel, one per worker process
+    order = ["train", *[s for s in SPLITS if s != "train"]]
+    with procs.Pool(max(1, min(args.jobs, len(order)))) as pool:
+        futures = {s: pool.submit(_evaluate, args.data, args.out, s, args.eval_limit) for s in order}
+        splits = {s: f.result() for s, f in futures.items()}
+    for split, res in splits.items():
         s, j = res["vs_sequential"], res["vs_joint"]
         print(
             f"{split:15s} n={res['n']:4d}  vs sequential median {s['median_ratio']}  wins {s['wins']} "
             f"losses {s['losses']}  vs joint-exact median {j['median_ratio']} p90 {j['p90_ratio']}  "
-            f"feasible {res['feasible_rate']}  verdict {res['verdict']}",
+            f"feasible {res['feasible_rate']}  vs random {res['vs_random']}  verdict {res['verdict']}",
             flush=True,
         )
     out = {

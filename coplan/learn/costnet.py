@@ -20,48 +20,22 @@ import math
 import random
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 from torch import nn
 
 from coplan.learn.features import (
-    DTYPE_CLASSES,
     EDGE_DIM,
     GLOBAL_DIM,
     LAYOUT_DIM,
     NODE_DIM,
+    PLAN_DIM,
     JobGraph,
-    job_graph,
 )
-from coplan.learn.features import layout_features as _layout
-from coplan.plan.types import Plan
 
-__all__ = ["COSTNET_VERSION", "CostExample", "CostNet", "plan_node_features", "rank_report", "sample_plans"]
+__all__ = ["COSTNET_VERSION", "CostExample", "CostNet", "kendall_tau", "rank_report", "train_costnet"]
 
 COSTNET_VERSION = 1
-PLAN_DIM = 3 + len(DTYPE_CLASSES)
-
-
-def plan_node_features(jg: JobGraph, plan: Plan) -> torch.Tensor:
-    """(N, PLAN_DIM): per op, whether it shares a kernel, log2 of that kernel's size over 3, whether
-    an output is recomputed, and its dtype class (one-hot)."""
-    size = {n: len(g) for g in plan.fusion.groups for n in g}
-    dropped = plan.remat.all_names
-    over = dict(plan.precision.ops)
-    rows = []
-    for name, saved in zip(jg.names, jg.saved_names, strict=True):
-        k = size.get(name, 1)
-        d = over.get(name, "")
-        rows.append(
-            [
-                float(k > 1),
-                math.log2(k) / 3,
-                float(any(t in dropped for t in saved)),
-                *(float(d == c) for c in DTYPE_CLASSES),
-            ]
-        )
-    return torch.tensor(rows, dtype=torch.float32)
 
 
 class CostNet(nn.Module):
@@ -101,76 +75,6 @@ class CostExample:
     layout: torch.Tensor
     step_s: float
     peak_bytes: float
-
-
-def sample_plans(ctx: Any, seeds: list[Plan], n: int, rng: random.Random) -> list[Plan]:
-    """``seeds`` and ``n`` random valid plans of ``ctx``'s job: a random layout of the space, a
-    random recompute set (each saved tensor with one probability drawn per plan) and random
-    kernels (a random network's fusion decisions, decoded legally)."""
-    from coplan.learn.decode import decode
-    from coplan.learn.policy import Outputs
-    from coplan.learn.train import layout_candidates
-    from coplan.passes.remat import with_remat
-    from coplan.plan.checker import is_valid
-
-    jg = job_graph(ctx, anchors="epilogue" in ctx.stack.fusion)
-    cands = layout_candidates(ctx)
-    out = list(seeds)
-    tries = 0
-    while len(out) < len(seeds) + n and tries < 4 * n:
-        tries += 1
-        par, prec = cands[rng.randrange(len(cands))]
-        q = rng.random()
-        fuse_p = rng.random()
-        outputs = Outputs(
-            layout=torch.zeros(1),
-            fuse=torch.tensor([1.0 if rng.random() < fuse_p else -1.0 for _ in range(jg.n_data)]),
-            recompute=torch.tensor([1.0 if rng.random() < q else -1.0 for _ in jg.names]),
-            dtype=torch.zeros(len(jg.names), len(DTYPE_CLASSES)),
-        )
-        p = decode(ctx, outputs, par, prec)
-        if "greedy" not in ctx.stack.fusion:
-            from coplan.search.space import SearchSpace
-
-            opts = SearchSpace().fusions(ctx)
-            p = with_remat(p.with_(fusion=opts[rng.randrange(len(opts))]), p.remat.all_names, ctx)
-        if is_valid(p, ctx):
-            out.append(p)
-    return out
-
-
-def cost_examples(
-    records: list[dict[str, Any]],
-    per_job: int,
-    seed: int = 0,
-    progress: Callable[[int, int, str], None] | None = None,
-) -> list[CostExample]:
-    """Priced plans around each record's job (the teacher's, the baseline's and ``per_job`` random
-    ones), labelled by the analytic cost model."""
-    from coplan.learn.jobs import Job
-
-    rng = random.Random(seed)
-    out = []
-    for i, r in enumerate(records):
-        job = Job.from_dict(r["job"])
-        ctx = job.context()
-        jg = job_graph(ctx, anchors="epilogue" in ctx.stack.fusion)
-        seeds = [Plan.from_dict(lab["plan"]) for lab in r["labels"].values()]
-        for p in sample_plans(ctx, seeds, per_job, rng):
-            e = ctx.price(p)
-            out.append(
-                CostExample(
-                    job.index,
-                    jg,
-                    plan_node_features(jg, p),
-                    torch.tensor(_layout(p.parallel, p.precision), dtype=torch.float32),
-                    e.step_time_s,
-                    e.memory.peak_bytes,
-                )
-            )
-        if progress:
-            progress(i + 1, len(records), job.spec.name)
-    return out
 
 
 def train_costnet(

@@ -166,8 +166,7 @@ def plan_with_policy(ctx: Any, net: PolicyNet, k: int) -> tuple[Plan, int, list[
     the learned cost model (predicted to fit first, then by predicted step time), and only the
     ``k`` it ranks first repaired and priced by the analytic model. Past those, on down the
     policy's ranking one layout at a time while no plan fits. The best priced plan is kept."""
-    from coplan.learn.costnet import plan_node_features
-    from coplan.learn.train import layout_candidates
+    from coplan.learn.features import layout_candidates, plan_node_features
     from coplan.passes.base import score
 
     jg = job_graph(ctx, anchors=_anchors(ctx))
@@ -177,11 +176,11 @@ def plan_with_policy(ctx: Any, net: PolicyNet, k: int) -> tuple[Plan, int, list[
     k = max(1, k)
     priced: list[Plan] = []
     with torch.no_grad():
-        first = net(jg, feats, 0)
-        ranked = torch.argsort(first.layout, descending=True).tolist()
+        x, g = net.encode(jg)  # once: the layouts differ only in what the heads read
+        ranked = torch.argsort(net.scores(x, g, feats), descending=True).tolist()
 
         def decoded(i: int) -> tuple[list[Plan], list[str]]:
-            out = net(jg, feats, i)
+            out = Outputs(torch.zeros(0), *net.decisions(jg, x, g, feats[i]))
             probs = torch.sigmoid(out.recompute).tolist()
             order = sorted(
                 ((p, n) for p, ns in zip(probs, jg.saved_names, strict=True) for n in ns), reverse=True

@@ -58,7 +58,8 @@ COST_PLANS = 6
 def _cost_model(net: PolicyNet, records: list[dict[str, Any]], per_job: int) -> dict[str, float | None]:
     """The learned cost model against the analytic one on plans sampled around the split's jobs
     (``costnet.rank_report``); nulls where the policy file carries none."""
-    from coplan.learn.costnet import CostNet, cost_examples, rank_report
+    from coplan.learn.costnet import CostNet, rank_report
+    from coplan.learn.samples import cost_examples
 
     if not isinstance(net.cost, CostNet) or not records:
         return {"kendall_tau": None, "top1_regret": None, "mape": None}

@@ -33,10 +33,13 @@ __all__ = [
     "GLOBAL_DIM",
     "LAYOUT_DIM",
     "NODE_DIM",
+    "PLAN_DIM",
     "JobGraph",
     "job_graph",
+    "layout_candidates",
     "layout_features",
     "plan_labels",
+    "plan_node_features",
 ]
 
 _KINDS = tuple(OpKind)
@@ -260,3 +263,67 @@ def plan_labels(jg: JobGraph, plan: Plan) -> Labels:
         recompute=torch.tensor(recompute, dtype=torch.float32),
         dtype=torch.tensor(dtype, dtype=torch.long),
     )
+
+
+def _layout_key(par: ParallelPlan, prec: PrecisionPlan) -> tuple[object, ...]:
+    return (
+        par.tp,
+        par.pp,
+        par.dp,
+        par.vpp,
+        par.sequence_parallel,
+        par.zero,
+        par.microbatch,
+        prec.compute,
+        prec.fp8_params,
+    )
+
+
+def layout_candidates(ctx: Any) -> list[tuple[ParallelPlan, PrecisionPlan]]:
+    """Every parallel layout x compute precision of the job's search space, memoised on ``ctx``
+    (the per-op precision overrides are left to the dtype head)."""
+    from coplan.search.space import SearchSpace
+
+    key = "learn.layouts"
+    got = ctx.memo.get(key)
+    if got is not None:
+        return got
+    space = SearchSpace()
+    seen: dict[tuple[object, ...], tuple[ParallelPlan, PrecisionPlan]] = {}
+    precs = {
+        (p.compute, p.fp8_params): PrecisionPlan(
+            compute=p.compute, loss_scaling=p.loss_scaling, fp8_params=p.fp8_params
+        )
+        for p in space.precisions(ctx)
+    }
+    for par in space.parallel(ctx):
+        for prec in precs.values():
+            seen.setdefault(_layout_key(par, prec), (par, prec))
+    out = list(seen.values())
+    ctx.memo[key] = out
+    return out
+
+
+#: per-op features of a plan's decisions (``plan_node_features``)
+PLAN_DIM = 3 + len(DTYPE_CLASSES)
+
+
+def plan_node_features(jg: JobGraph, plan: Plan) -> torch.Tensor:
+    """(N, PLAN_DIM): per op, whether it shares a kernel, log2 of that kernel's size over 3, whether
+    an output is recomputed, and its dtype class (one-hot)."""
+    size = {n: len(g) for g in plan.fusion.groups for n in g}
+    dropped = plan.remat.all_names
+    over = dict(plan.precision.ops)
+    rows = []
+    for name, saved in zip(jg.names, jg.saved_names, strict=True):
+        k = size.get(name, 1)
+        d = over.get(name, "")
+        rows.append(
+            [
+                float(k > 1),
+                math.log2(k) / 3,
+                float(any(t in dropped for t in saved)),
+                *(float(d == c) for c in DTYPE_CLASSES),
+            ]
+        )
+    return torch.tensor(rows, dtype=torch.float32)

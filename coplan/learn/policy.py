@@ -88,17 +88,28 @@ class PolicyNet(nn.Module):
             x = norm(x + torch.relu(conv(x, both, attr)))
         return x, g
 
-    def forward(self, jg: JobGraph, layouts: torch.Tensor, chosen: int) -> Outputs:
-        """Scores of ``layouts`` (L, LAYOUT_DIM) and the per-op decisions under ``layouts[chosen]``."""
-        x, g = self.encode(jg)
+    def scores(self, x: torch.Tensor, g: torch.Tensor, layouts: torch.Tensor) -> torch.Tensor:
+        """(L,) scores of ``layouts`` (L, LAYOUT_DIM) for the encoded job ``x``, ``g``."""
         pooled = torch.cat([x.mean(0), x.max(0).values, g])
         lay = self.lay(layouts)
-        scores = self.layout_head(torch.cat([pooled.expand(lay.shape[0], -1), lay], dim=1)).squeeze(-1)
-        mine = lay[chosen]
+        return self.layout_head(torch.cat([pooled.expand(lay.shape[0], -1), lay], dim=1)).squeeze(-1)
+
+    def decisions(
+        self, jg: JobGraph, x: torch.Tensor, g: torch.Tensor, layout: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(fuse logits per data edge, recompute logits per op, dtype logits per op) under the
+        layout whose features are ``layout`` (LAYOUT_DIM,)."""
+        mine = self.lay(layout)
         cond = x + mine  # the per-op heads see the layout they decide under
         src, dst = jg.edge_index[:, : jg.n_data]
         fuse = self.fuse_head(
             torch.cat([cond[src], cond[dst], mine.expand(src.shape[0], -1), jg.edge_attr[: jg.n_data]], dim=1)
         ).squeeze(-1)
         both = torch.cat([cond, g.expand(x.shape[0], -1)], dim=1)
-        return Outputs(scores, fuse, self.rec_head(both).squeeze(-1), self.dtype_head(both))
+        return fuse, self.rec_head(both).squeeze(-1), self.dtype_head(both)
+
+    def forward(self, jg: JobGraph, layouts: torch.Tensor, chosen: int) -> Outputs:
+        """Scores of ``layouts`` (L, LAYOUT_DIM) and the per-op decisions under ``layouts[chosen]``."""
+        x, g = self.encode(jg)
+        fuse, rec, dtype = self.decisions(jg, x, g, layouts[chosen])
+        return Outputs(self.scores(x, g, layouts), fuse, rec, dtype)

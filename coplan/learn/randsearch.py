@@ -22,8 +22,8 @@ __all__ = ["random_local_search"]
 
 def random_local_search(ctx: Any, seconds: float, seed: int = 0) -> tuple[Plan, int]:
     """The best plan found in ``seconds`` (at least one sample): (plan, plans priced)."""
-    from coplan.learn.costnet import sample_plans
     from coplan.learn.decode import repair
+    from coplan.learn.samples import sample_plans
     from coplan.passes.base import score
     from coplan.passes.remat import saved_names, with_remat
     from coplan.plan.checker import is_valid

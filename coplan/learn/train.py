@@ -28,10 +28,18 @@ from torch import nn
 
 from coplan.errors import CoplanError
 from coplan.learn.dataset import Dataset
-from coplan.learn.features import JobGraph, Labels, job_graph, layout_features, plan_labels
+from coplan.learn.features import (
+    JobGraph,
+    Labels,
+    _layout_key,
+    job_graph,
+    layout_candidates,
+    layout_features,
+    plan_labels,
+)
 from coplan.learn.jobs import Job
 from coplan.learn.policy import POLICY_VERSION, PolicyConfig, PolicyNet
-from coplan.plan.types import ParallelPlan, Plan, PrecisionPlan
+from coplan.plan.types import Plan
 
 __all__ = [
     "Example",
@@ -52,45 +60,6 @@ class PolicyError(CoplanError):
 
     def __init__(self, where: Path | str, message: str) -> None:
         super().__init__(f"policy {where}: {message}")
-
-
-def _layout_key(par: ParallelPlan, prec: PrecisionPlan) -> tuple[object, ...]:
-    return (
-        par.tp,
-        par.pp,
-        par.dp,
-        par.vpp,
-        par.sequence_parallel,
-        par.zero,
-        par.microbatch,
-        prec.compute,
-        prec.fp8_params,
-    )
-
-
-def layout_candidates(ctx: Any) -> list[tuple[ParallelPlan, PrecisionPlan]]:
-    """Every parallel layout x compute precision of the job's search space, memoised on ``ctx``
-    (the per-op precision overrides are left to the dtype head)."""
-    from coplan.search.space import SearchSpace
-
-    key = "learn.layouts"
-    got = ctx.memo.get(key)
-    if got is not None:
-        return got
-    space = SearchSpace()
-    seen: dict[tuple[object, ...], tuple[ParallelPlan, PrecisionPlan]] = {}
-    precs = {
-        (p.compute, p.fp8_params): PrecisionPlan(
-            compute=p.compute, loss_scaling=p.loss_scaling, fp8_params=p.fp8_params
-        )
-        for p in space.precisions(ctx)
-    }
-    for par in space.parallel(ctx):
-        for prec in precs.values():
-            seen.setdefault(_layout_key(par, prec), (par, prec))
-    out = list(seen.values())
-    ctx.memo[key] = out
-    return out
 
 
 @dataclass(frozen=True, slots=True)

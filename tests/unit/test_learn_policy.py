@@ -22,11 +22,12 @@ from coplan.learn.features import (
     LAYOUT_DIM,
     NODE_DIM,
     job_graph,
+    layout_candidates,
     layout_features,
     plan_labels,
 )
 from coplan.learn.policy import PolicyConfig, PolicyNet
-from coplan.learn.train import PolicyError, examples, layout_candidates, load_policy, save_policy, train
+from coplan.learn.train import PolicyError, examples, load_policy, save_policy, train
 from coplan.models.spec import PRESETS
 from coplan.plan import PlanContext, check
 from coplan.search import run_strategy
@@ -187,7 +188,8 @@ def test_kendall_tau_is_exact_on_known_rankings():
 
 
 def test_the_learned_cost_model_fits_its_labels_and_rides_in_the_policy_file(data, tmp_path):
-    from coplan.learn.costnet import CostNet, cost_examples, rank_report, train_costnet
+    from coplan.learn.costnet import CostNet, rank_report, train_costnet
+    from coplan.learn.samples import cost_examples
     from coplan.learn.train import attach_cost
 
     recs = [r for r in open_dataset(data).records() if "error" not in r]
@@ -211,3 +213,18 @@ def test_the_learned_cost_model_fits_its_labels_and_rides_in_the_policy_file(dat
     ctx = ctx_for()
     plan, priced, notes = plan_with_policy(ctx, back, 2)
     assert priced >= 1 and check(plan, ctx, memory=False) == [] and "learned cost model" in notes[0]
+
+
+def test_the_shipped_policy_plans_without_training():
+    from coplan.learn.decode import DEFAULT_POLICY
+
+    assert DEFAULT_POLICY.is_file(), (
+        "coplan/learn/policy.pt ships with the package (benchmarks/train_policy.py)"
+    )
+    assert DEFAULT_POLICY.stat().st_size < 8 * 2**20  # a few MB at most
+    got = _coplan(
+        "plan", "--model", "gpt-tiny", "--gpus", "2", "--global-batch", "8", "--strategy", "learned", "--json"
+    )
+    assert got.returncode == 0, got.stderr
+    body = json.loads(got.stdout)
+    assert body["strategy"] == "learned" and body["fits"] and 0 < body["mfu"] <= 1
