@@ -202,8 +202,11 @@ def save_policy(net: PolicyNet, path: Path, meta: dict[str, Any]) -> None:
     }
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     os.close(fd)
+    mask = os.umask(0)
+    os.umask(mask)
     try:
         torch.save(blob, tmp)
+        os.chmod(tmp, 0o666 & ~mask)  # as ``open`` would make it (mkstemp's file is private)
         os.replace(tmp, path)
     finally:
         if os.path.exists(tmp):

@@ -5,9 +5,8 @@ manifest, resumption, and the CLI's contract."""
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
@@ -124,15 +123,24 @@ def test_a_folder_holding_other_files_is_refused(tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["notes.txt"]  # nothing written
 
 
-def _coplan(*args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-m", "coplan.cli", *args], capture_output=True, text=True, timeout=300
-    )
+def _coplan(capsys: pytest.CaptureFixture[str], *args: str) -> SimpleNamespace:
+    """``coplan ARGS`` run in this process (as the console script runs it): exit code and output."""
+    from coplan.cli import main
+
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as exc:
+        main(list(args))
+    code = exc.value.code
+    out, err = capsys.readouterr()
+    rc = code if isinstance(code, int) else (0 if code is None else 1)
+    return SimpleNamespace(returncode=rc, stdout=out, stderr=err)
 
 
-def test_cli_contract(tmp_path):
+def test_cli_contract(tmp_path, capsys):
     out = tmp_path / "d"
-    got = _coplan("learn", "dataset", "--out", str(out), "--n", "2", "--seed", "4", "--jobs", "1", "--json")
+    got = _coplan(
+        capsys, "learn", "dataset", "--out", str(out), "--n", "2", "--seed", "4", "--jobs", "1", "--json"
+    )
     assert got.returncode == 0, got.stderr
     data = json.loads(got.stdout)
     assert data["n"] == 2 and data["written"] == 2 and data["complete"] is True
@@ -143,7 +151,7 @@ def test_cli_contract(tmp_path):
         (["--out", str(tmp_path / "e"), "--n", "0"], "--n"),
         (["--out", str(tmp_path / "e"), "--ray", "auto", "--jobs", "2"], "--jobs"),
     ):
-        got = _coplan("learn", "dataset", *bad)
+        got = _coplan(capsys, "learn", "dataset", *bad)
         assert got.returncode == 2, (bad, got.stderr)
         assert got.stderr.count("\n") == 1 and why in got.stderr and "Traceback" not in got.stderr
     assert not (tmp_path / "e").exists()

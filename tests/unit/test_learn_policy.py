@@ -5,9 +5,8 @@ policy files round-trip and bad ones are refused in one line, and the CLI's cont
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -67,7 +66,7 @@ def test_features_have_their_documented_shapes_and_labels_match_the_plan():
         assert len(layout_features(par, prec)) == LAYOUT_DIM
 
 
-@pytest.mark.parametrize("seed", [0, 1, 2])
+@pytest.mark.parametrize("seed", [0, 1])
 @pytest.mark.parametrize("stack", ["coplan", "megatron"])
 def test_any_network_decodes_to_a_valid_plan_that_fits_where_one_can(seed, stack):
     """Untrained networks (random outputs) still yield checked, legal plans: the decoder only
@@ -118,18 +117,29 @@ def test_training_lowers_the_imitation_loss_and_files_round_trip(data, tmp_path)
         load_policy(tmp_path / "none.pt")
 
 
-def _coplan(*args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-m", "coplan.cli", *args], capture_output=True, text=True, timeout=600
-    )
+def _coplan(capsys: pytest.CaptureFixture[str], *args: str) -> SimpleNamespace:
+    """``coplan ARGS`` run in this process (as the console script runs it): exit code and output."""
+    from coplan.cli import main
+
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as exc:
+        main(list(args))
+    code = exc.value.code
+    out, err = capsys.readouterr()
+    rc = code if isinstance(code, int) else (0 if code is None else 1)
+    return SimpleNamespace(returncode=rc, stdout=out, stderr=err)
 
 
-def test_cli_train_eval_and_plan_with_a_policy(data, tmp_path):
+def test_cli_train_eval_and_plan_with_a_policy(data, tmp_path, capsys):
     model = tmp_path / "m.pt"
-    got = _coplan("learn", "train", "--data", str(data), "--out", str(model), "--epochs", "2", "--json")
+    got = _coplan(
+        capsys, "learn", "train", "--data", str(data), "--out", str(model), "--epochs", "2", "--json"
+    )
     assert got.returncode == 0, got.stderr
     assert json.loads(got.stdout)["train_jobs"] >= 1 and model.is_file()
-    got = _coplan("learn", "eval", "--data", str(data), "--policy", str(model), "--split", "train", "--json")
+    got = _coplan(
+        capsys, "learn", "eval", "--data", str(data), "--policy", str(model), "--split", "train", "--json"
+    )
     assert got.returncode == 0, got.stderr
     res = json.loads(got.stdout)
     assert set(res) >= {
@@ -147,16 +157,23 @@ def test_cli_train_eval_and_plan_with_a_policy(data, tmp_path):
     assert set(res["cost_model"]) == {"kendall_tau", "top1_regret", "mape"}
     assert res["verdict"] in ("validated", "killed") and res["split"] == "train"
     job = ("--model", "gpt-tiny", "--gpus", "2", "--global-batch", "8", "--stack", "coplan")
-    got = _coplan("plan", *job, "--strategy", "learned", "--policy", str(model), "--json")
+    got = _coplan(capsys, "plan", *job, "--strategy", "learned", "--policy", str(model), "--json")
     assert got.returncode == 0, got.stderr
     plan = json.loads(got.stdout)
     assert plan["strategy"] == "learned" and plan["fits"] and plan["violations"] == []
-    got = _coplan("plan", *job, "--warm-start", "learned", "--policy", str(model), "--json")
+    got = _coplan(capsys, "plan", *job, "--warm-start", "learned", "--policy", str(model), "--json")
     assert got.returncode == 0, got.stderr
     # learned, sequential and hierarchical seed joint
     assert "warm-started from 3 plans" in json.loads(got.stdout)["notes"]
     got = _coplan(
-        "compare", *job, "--strategies", "sequential,learned-greedy", "--policy", str(model), "--json"
+        capsys,
+        "compare",
+        *job,
+        "--strategies",
+        "sequential,learned-greedy",
+        "--policy",
+        str(model),
+        "--json",
     )
     assert got.returncode == 0, got.stderr
     cmp = json.loads(got.stdout)["strategies"]
@@ -172,7 +189,7 @@ def test_cli_train_eval_and_plan_with_a_policy(data, tmp_path):
         (("learn", "eval", "--data", str(tmp_path), "--policy", str(model)), "manifest"),
         (("learn", "train", "--data", str(data), "--out", str(tmp_path)), "directory"),
     ):
-        got = _coplan(*bad)
+        got = _coplan(capsys, *bad)
         assert got.returncode == 2, (bad, got.stderr)
         assert got.stderr.count("\n") == 1 and why in got.stderr and "Traceback" not in got.stderr
 
@@ -215,7 +232,7 @@ def test_the_learned_cost_model_fits_its_labels_and_rides_in_the_policy_file(dat
     assert priced >= 1 and check(plan, ctx, memory=False) == [] and "learned cost model" in notes[0]
 
 
-def test_the_shipped_policy_plans_without_training():
+def test_the_shipped_policy_plans_without_training(capsys):
     from coplan.learn.decode import DEFAULT_POLICY
 
     assert DEFAULT_POLICY.is_file(), (
@@ -223,7 +240,17 @@ def test_the_shipped_policy_plans_without_training():
     )
     assert DEFAULT_POLICY.stat().st_size < 8 * 2**20  # a few MB at most
     got = _coplan(
-        "plan", "--model", "gpt-tiny", "--gpus", "2", "--global-batch", "8", "--strategy", "learned", "--json"
+        capsys,
+        "plan",
+        "--model",
+        "gpt-tiny",
+        "--gpus",
+        "2",
+        "--global-batch",
+        "8",
+        "--strategy",
+        "learned",
+        "--json",
     )
     assert got.returncode == 0, got.stderr
     body = json.loads(got.stdout)
