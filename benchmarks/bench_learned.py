@@ -6,7 +6,8 @@ planned for the default ``megatron`` stack and for ``coplan``'s own runner.
 
 Each strategy runs on a fresh planning context, as ``coplan plan`` runs it (joint with its warm
 starts, sequential and hierarchical, timed apart); times are wall-clock seconds of the strategy
-alone, context construction excluded; step times are the analytic cost model's.
+alone, imports, policy loading and context construction excluded; step times are the analytic cost
+model's.
 """
 
 from __future__ import annotations
@@ -46,6 +47,9 @@ def main() -> None:
     ap.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "learned_speed.json")
     args = ap.parse_args()
     torch.set_num_threads(1)
+    from coplan.learn.decode import default_policy
+
+    default_policy(args.policy)  # imports (PyTorch Geometric) and loading excluded, as for joint
     rows = []
     for model, gpus, batch, seq in JOBS:
         for stack in ("megatron", "coplan"):

@@ -219,6 +219,10 @@ def run_all(
         raise SpecError(
             "--strategy", None, f"unknown strategy {unknown[0]!r}; choose from {', '.join(STRATEGIES)}"
         )
+    if any(n.startswith("learned") for n in names):
+        from coplan.learn.decode import default_policy
+
+        default_policy(policy)  # loaded (PyTorch Geometric imported) before planning is timed
     bar = _Bar()
     results: dict[str, StrategyResult] = {}
     try:
