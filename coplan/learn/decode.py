@@ -161,11 +161,12 @@ def _variants(ctx: Any, plan: Plan, per_op: bool, k: int) -> list[Plan]:
 def plan_with_policy(ctx: Any, net: PolicyNet, k: int) -> tuple[Plan, int, list[str]]:
     """The policy's plan for ``ctx``'s job: (plan, plans priced by the cost model, notes).
 
-    Without a learned cost model: the ``k`` best-scored layouts decoded, repaired and priced. With
-    one (``net.cost``), as an autotuner: ``COST_POOL * k`` best-scored layouts decoded, ranked by
-    the learned cost model (predicted to fit first, then by predicted step time), and only the
-    ``k`` it ranks first repaired and priced by the analytic model. Past those, on down the
-    policy's ranking one layout at a time while no plan fits. The best priced plan is kept."""
+    The ``k`` best-scored layouts decoded, repaired and priced. With a learned cost model
+    (``net.cost``) and ``k`` > 1, as an autotuner besides: the layouts ranked ``k`` to
+    ``COST_POOL * k`` decoded, ranked by the learned cost model (predicted to fit first, then by
+    predicted step time), and the ``k // 2`` it ranks first repaired and priced too. While no plan
+    fits, the rest are priced in that order, then on down the policy's ranking one layout at a
+    time. The best priced plan is kept."""
     from coplan.learn.features import layout_candidates, plan_node_features
     from coplan.passes.base import score
 
@@ -188,31 +189,42 @@ def plan_with_policy(ctx: Any, net: PolicyNet, k: int) -> tuple[Plan, int, list[
             plan = decode(ctx, out, *cands[i])
             return _variants(ctx, plan, per_op, k), [n for _, n in order]
 
-        start = 0
+        for i in ranked[:k]:
+            plans, names = decoded(i)
+            priced.extend(repair(p, ctx, names) for p in plans)
+        rest: list[tuple[Plan, list[str]]] = []  # decoded, not priced, best first
+        start = k
         if net.cost is not None and k > 1:
+            # the autotuner: the next layouts decoded and ranked by the learned cost model (predicted
+            # to fit first, then by predicted step time); the best few priced besides
             pool: list[tuple[bool, float, int, Plan, list[str]]] = []
             log_budget = math.log(ctx.budget)
-            for i in ranked[: COST_POOL * k]:
+            for i in ranked[k : COST_POOL * k]:
                 plans, names = decoded(i)
                 for p in plans:
                     log_step, log_peak = net.cost(jg, plan_node_features(jg, p), feats[i]).tolist()
                     pool.append((log_peak > log_budget, log_step, len(pool), p, names))
             pool.sort(key=lambda t: t[:3])
-            priced = [repair(p, ctx, names) for *_, p, names in pool[:k]]
+            extra = max(1, k // 2)
+            priced.extend(repair(p, ctx, names) for *_, p, names in pool[:extra])
+            rest = [(p, names) for *_, p, names in pool[extra:]]
             start = COST_POOL * k
-        else:
-            for i in ranked[:k]:
-                plans, names = decoded(i)
-                priced.extend(repair(p, ctx, names) for p in plans)
-            start = k
+
+        def fits_somewhere() -> bool:
+            return any(ctx.fits(ctx.price(p)) and is_valid(p, ctx) for p in priced)
+
+        for p, names in rest:  # nothing fits yet: what was decoded first, in the cost model's order
+            if fits_somewhere():
+                break
+            priced.append(repair(p, ctx, names))
         for i in ranked[start:]:
-            if any(ctx.fits(ctx.price(p)) and is_valid(p, ctx) for p in priced):
+            if fits_somewhere():
                 break
             plans, names = decoded(i)
             priced.extend(repair(p, ctx, names) for p in plans)
     valid = [p for p in priced if not check(p, ctx, memory=False)]
     best = min(valid or priced, key=lambda p: score(p, ctx))
-    how = "ranked by the learned cost model" if net.cost is not None and k > 1 else "decoded"
+    how = "and the learned cost model's picks" if net.cost is not None and k > 1 else "decoded"
     notes = [
         f"policy: {len(priced)} plans priced of its best-scored layouts ({how}), {len(cands)} layouts in all"
     ]
