@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from types import SimpleNamespace
 
 import pytest
 
@@ -123,26 +122,13 @@ def test_a_folder_holding_other_files_is_refused(tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["notes.txt"]  # nothing written
 
 
-def _coplan(capsys: pytest.CaptureFixture[str], *args: str) -> SimpleNamespace:
-    """``coplan ARGS`` run in this process (as the console script runs it): exit code and output."""
-    from coplan.cli import main
-
-    capsys.readouterr()
-    with pytest.raises(SystemExit) as exc:
-        main(list(args))
-    code = exc.value.code
-    out, err = capsys.readouterr()
-    rc = code if isinstance(code, int) else (0 if code is None else 1)
-    return SimpleNamespace(returncode=rc, stdout=out, stderr=err)
-
-
-def test_cli_contract(tmp_path, capsys):
+def test_cli_contract(tmp_path, cli):
     out = tmp_path / "d"
-    got = _coplan(
-        capsys, "learn", "dataset", "--out", str(out), "--n", "2", "--seed", "4", "--jobs", "1", "--json"
+    code, stdout, err = cli(
+        "learn", "dataset", "--out", str(out), "--n", "2", "--seed", "4", "--jobs", "1", "--json"
     )
-    assert got.returncode == 0, got.stderr
-    data = json.loads(got.stdout)
+    assert code == 0, err
+    data = json.loads(stdout)
     assert data["n"] == 2 and data["written"] == 2 and data["complete"] is True
     assert set(data) >= {"out", "n", "shards", "written", "skipped", "splits", "feasible", "complete"}
     for bad, why in (
@@ -151,9 +137,9 @@ def test_cli_contract(tmp_path, capsys):
         (["--out", str(tmp_path / "e"), "--n", "0"], "--n"),
         (["--out", str(tmp_path / "e"), "--ray", "auto", "--jobs", "2"], "--jobs"),
     ):
-        got = _coplan(capsys, "learn", "dataset", *bad)
-        assert got.returncode == 2, (bad, got.stderr)
-        assert got.stderr.count("\n") == 1 and why in got.stderr and "Traceback" not in got.stderr
+        code, stdout, err = cli("learn", "dataset", *bad)
+        assert code == 2, (bad, err)
+        assert err.count("\n") == 1 and why in err and "Traceback" not in err
     assert not (tmp_path / "e").exists()
 
 

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from types import SimpleNamespace
 
 import pytest
 import torch
@@ -117,31 +116,18 @@ def test_training_lowers_the_imitation_loss_and_files_round_trip(data, tmp_path)
         load_policy(tmp_path / "none.pt")
 
 
-def _coplan(capsys: pytest.CaptureFixture[str], *args: str) -> SimpleNamespace:
-    """``coplan ARGS`` run in this process (as the console script runs it): exit code and output."""
-    from coplan.cli import main
-
-    capsys.readouterr()
-    with pytest.raises(SystemExit) as exc:
-        main(list(args))
-    code = exc.value.code
-    out, err = capsys.readouterr()
-    rc = code if isinstance(code, int) else (0 if code is None else 1)
-    return SimpleNamespace(returncode=rc, stdout=out, stderr=err)
-
-
-def test_cli_train_eval_and_plan_with_a_policy(data, tmp_path, capsys):
+def test_cli_train_eval_and_plan_with_a_policy(data, tmp_path, cli):
     model = tmp_path / "m.pt"
-    got = _coplan(
-        capsys, "learn", "train", "--data", str(data), "--out", str(model), "--epochs", "2", "--json"
+    code, stdout, err = cli(
+        "learn", "train", "--data", str(data), "--out", str(model), "--epochs", "2", "--json"
     )
-    assert got.returncode == 0, got.stderr
-    assert json.loads(got.stdout)["train_jobs"] >= 1 and model.is_file()
-    got = _coplan(
-        capsys, "learn", "eval", "--data", str(data), "--policy", str(model), "--split", "train", "--json"
+    assert code == 0, err
+    assert json.loads(stdout)["train_jobs"] >= 1 and model.is_file()
+    code, stdout, err = cli(
+        "learn", "eval", "--data", str(data), "--policy", str(model), "--split", "train", "--json"
     )
-    assert got.returncode == 0, got.stderr
-    res = json.loads(got.stdout)
+    assert code == 0, err
+    res = json.loads(stdout)
     assert set(res) >= {
         "split",
         "n",
@@ -157,16 +143,15 @@ def test_cli_train_eval_and_plan_with_a_policy(data, tmp_path, capsys):
     assert set(res["cost_model"]) == {"kendall_tau", "top1_regret", "mape"}
     assert res["verdict"] in ("validated", "killed") and res["split"] == "train"
     job = ("--model", "gpt-tiny", "--gpus", "2", "--global-batch", "8", "--stack", "coplan")
-    got = _coplan(capsys, "plan", *job, "--strategy", "learned", "--policy", str(model), "--json")
-    assert got.returncode == 0, got.stderr
-    plan = json.loads(got.stdout)
+    code, stdout, err = cli("plan", *job, "--strategy", "learned", "--policy", str(model), "--json")
+    assert code == 0, err
+    plan = json.loads(stdout)
     assert plan["strategy"] == "learned" and plan["fits"] and plan["violations"] == []
-    got = _coplan(capsys, "plan", *job, "--warm-start", "learned", "--policy", str(model), "--json")
-    assert got.returncode == 0, got.stderr
+    code, stdout, err = cli("plan", *job, "--warm-start", "learned", "--policy", str(model), "--json")
+    assert code == 0, err
     # learned, sequential and hierarchical seed joint
-    assert "warm-started from 3 plans" in json.loads(got.stdout)["notes"]
-    got = _coplan(
-        capsys,
+    assert "warm-started from 3 plans" in json.loads(stdout)["notes"]
+    code, stdout, err = cli(
         "compare",
         *job,
         "--strategies",
@@ -175,8 +160,8 @@ def test_cli_train_eval_and_plan_with_a_policy(data, tmp_path, capsys):
         str(model),
         "--json",
     )
-    assert got.returncode == 0, got.stderr
-    cmp = json.loads(got.stdout)["strategies"]
+    assert code == 0, err
+    cmp = json.loads(stdout)["strategies"]
     assert set(cmp["learned-greedy"]) == set(cmp["sequential"])
     (tmp_path / "bad.pt").write_text("x")
     for bad, why in (
@@ -189,9 +174,9 @@ def test_cli_train_eval_and_plan_with_a_policy(data, tmp_path, capsys):
         (("learn", "eval", "--data", str(tmp_path), "--policy", str(model)), "manifest"),
         (("learn", "train", "--data", str(data), "--out", str(tmp_path)), "directory"),
     ):
-        got = _coplan(capsys, *bad)
-        assert got.returncode == 2, (bad, got.stderr)
-        assert got.stderr.count("\n") == 1 and why in got.stderr and "Traceback" not in got.stderr
+        code, stdout, err = cli(*bad)
+        assert code == 2, (bad, err)
+        assert err.count("\n") == 1 and why in err and "Traceback" not in err
 
 
 def test_kendall_tau_is_exact_on_known_rankings():
@@ -232,15 +217,14 @@ def test_the_learned_cost_model_fits_its_labels_and_rides_in_the_policy_file(dat
     assert priced >= 1 and check(plan, ctx, memory=False) == [] and "learned cost model" in notes[0]
 
 
-def test_the_shipped_policy_plans_without_training(capsys):
+def test_the_shipped_policy_plans_without_training(cli):
     from coplan.learn.decode import DEFAULT_POLICY
 
     assert DEFAULT_POLICY.is_file(), (
         "coplan/learn/policy.pt ships with the package (benchmarks/train_policy.py)"
     )
     assert DEFAULT_POLICY.stat().st_size < 8 * 2**20  # a few MB at most
-    got = _coplan(
-        capsys,
+    code, stdout, err = cli(
         "plan",
         "--model",
         "gpt-tiny",
@@ -252,6 +236,6 @@ def test_the_shipped_policy_plans_without_training(capsys):
         "learned",
         "--json",
     )
-    assert got.returncode == 0, got.stderr
-    body = json.loads(got.stdout)
+    assert code == 0, err
+    body = json.loads(stdout)
     assert body["strategy"] == "learned" and body["fits"] and 0 < body["mfu"] <= 1
