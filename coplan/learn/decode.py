@@ -67,10 +67,31 @@ def _anchors(ctx: Any) -> bool:
     return "epilogue" in ctx.stack.fusion
 
 
+def _candidate_edges(ctx: Any) -> list[tuple[Any, list[tuple[tuple[int, ...], list[tuple[int, int]]]]]]:
+    """Each fusion region with its candidate kernels and the data edges inside each (candidates
+    holding none left out), memoised on ``ctx``: the same for every layout decoded."""
+    from coplan.search.opspace import regions
+
+    key = ("learn.candidate_edges", _anchors(ctx))
+    got = ctx.memo.get(key)
+    if got is None:
+        got = []
+        for reg in regions(ctx, anchors=_anchors(ctx)):
+            per = []
+            for c in reg.candidates:
+                members = set(c)
+                edges = [(a, b) for a, b in reg.edges if a in members and b in members]
+                if edges:
+                    per.append((c, edges))
+            got.append((reg, per))
+        ctx.memo[key] = got
+    return got
+
+
 def decode(ctx: Any, out: Outputs, par: ParallelPlan, prec: PrecisionPlan) -> Plan:
     """The plan of ``out`` (outputs under layout ``par`` x ``prec``) for ``ctx``'s job."""
     from coplan.passes.remat import with_remat
-    from coplan.search.opspace import as_fusion, regions
+    from coplan.search.opspace import as_fusion
 
     jg = job_graph(ctx, anchors=_anchors(ctx))
     graph = ctx.index.graph
@@ -78,13 +99,8 @@ def decode(ctx: Any, out: Outputs, par: ParallelPlan, prec: PrecisionPlan) -> Pl
     fuse = (out.fuse > 0).tolist()
     wanted = {(jg.ops[a], jg.ops[b]) for a, b, f in zip(src, dst, fuse, strict=True) if f}
     kernels: list[tuple[int, ...]] = []
-    for reg in regions(ctx, anchors=_anchors(ctx)):
-        inner: dict[tuple[int, ...], int] = {}
-        for c in reg.candidates:
-            members = set(c)
-            edges = [(a, b) for a, b in reg.edges if a in members and b in members]
-            if edges and all(e in wanted for e in edges):
-                inner[c] = len(edges)
+    for reg, cand_edges in _candidate_edges(ctx):
+        inner = {c: len(edges) for c, edges in cand_edges if all(e in wanted for e in edges)}
         taken: set[int] = set()
         chosen: list[tuple[int, ...]] = []
         for c in sorted(inner, key=lambda c: (-len(c), -inner[c], c)):
@@ -189,9 +205,17 @@ def plan_with_policy(ctx: Any, net: PolicyNet, k: int) -> tuple[Plan, int, list[
             plan = decode(ctx, out, *cands[i])
             return _variants(ctx, plan, per_op, k), [n for _, n in order]
 
+        fitting = False  # whether a priced plan is valid and fits
+
+        def price(plans: list[Plan], names: list[str]) -> None:
+            nonlocal fitting
+            for p in plans:
+                p = repair(p, ctx, names)
+                priced.append(p)
+                fitting = fitting or (ctx.fits(ctx.price(p)) and is_valid(p, ctx))
+
         for i in ranked[:k]:
-            plans, names = decoded(i)
-            priced.extend(repair(p, ctx, names) for p in plans)
+            price(*decoded(i))
         rest: list[tuple[Plan, list[str]]] = []  # decoded, not priced, best first
         start = k
         if net.cost is not None and k > 1:
@@ -206,22 +230,19 @@ def plan_with_policy(ctx: Any, net: PolicyNet, k: int) -> tuple[Plan, int, list[
                     pool.append((log_peak > log_budget, log_step, len(pool), p, names))
             pool.sort(key=lambda t: t[:3])
             extra = max(1, k // 2)
-            priced.extend(repair(p, ctx, names) for *_, p, names in pool[:extra])
+            for *_, p, names in pool[:extra]:
+                price([p], names)
             rest = [(p, names) for *_, p, names in pool[extra:]]
             start = COST_POOL * k
 
-        def fits_somewhere() -> bool:
-            return any(ctx.fits(ctx.price(p)) and is_valid(p, ctx) for p in priced)
-
         for p, names in rest:  # nothing fits yet: what was decoded first, in the cost model's order
-            if fits_somewhere():
+            if fitting:
                 break
-            priced.append(repair(p, ctx, names))
+            price([p], names)
         for i in ranked[start:]:
-            if fits_somewhere():
+            if fitting:
                 break
-            plans, names = decoded(i)
-            priced.extend(repair(p, ctx, names) for p in plans)
+            price(*decoded(i))
     valid = [p for p in priced if not check(p, ctx, memory=False)]
     best = min(valid or priced, key=lambda p: score(p, ctx))
     how = "and the learned cost model's picks" if net.cost is not None and k > 1 else "decoded"
