@@ -25,13 +25,13 @@ import torch
 from torch import nn
 
 from coplan.learn.features import (
-    EDGE_DIM,
     GLOBAL_DIM,
     LAYOUT_DIM,
     NODE_DIM,
     PLAN_DIM,
     JobGraph,
 )
+from coplan.learn.gnn import gine_layers, propagate
 
 __all__ = ["COSTNET_VERSION", "CostExample", "CostNet", "kendall_tau", "rank_report", "train_costnet"]
 
@@ -40,30 +40,19 @@ COSTNET_VERSION = 1
 
 class CostNet(nn.Module):
     def __init__(self, hidden: int = 64, layers: int = 3) -> None:
-        from torch_geometric.nn import GINEConv
-
         super().__init__()
         self.hidden, self.layers = hidden, layers
         h = hidden
         self.glob = nn.Sequential(nn.Linear(GLOBAL_DIM + LAYOUT_DIM, h), nn.ReLU(), nn.Linear(h, h))
         self.embed = nn.Linear(NODE_DIM + PLAN_DIM + h, h)
-        self.convs = nn.ModuleList(
-            GINEConv(nn.Sequential(nn.Linear(h, h), nn.ReLU(), nn.Linear(h, h)), edge_dim=EDGE_DIM + 1)
-            for _ in range(layers)
-        )
-        self.norms = nn.ModuleList(nn.LayerNorm(h) for _ in range(layers))
+        self.convs, self.norms = gine_layers(h, layers)
         self.head = nn.Sequential(nn.Linear(3 * h, h), nn.ReLU(), nn.Linear(h, 2))
 
     def forward(self, jg: JobGraph, plan_x: torch.Tensor, layout: torch.Tensor) -> torch.Tensor:
         """(log step seconds, log peak bytes)."""
         g = self.glob(torch.cat([jg.u, layout]))
         x = self.embed(torch.cat([jg.x, plan_x, g.expand(jg.x.shape[0], -1)], dim=1))
-        ei, ea = jg.edge_index, jg.edge_attr
-        both = torch.cat([ei, ei.flip(0)], dim=1)
-        flag = torch.cat([torch.zeros(ea.shape[0], 1), torch.ones(ea.shape[0], 1)])
-        attr = torch.cat([torch.cat([ea, ea]), flag], dim=1)
-        for conv, norm in zip(self.convs, self.norms, strict=True):
-            x = norm(x + torch.relu(conv(x, both, attr)))
+        x = propagate(self.convs, self.norms, x, jg)
         return self.head(torch.cat([x.mean(0), x.max(0).values, g]))
 
 

@@ -22,6 +22,7 @@ import torch
 from torch import nn
 
 from coplan.learn.features import DTYPE_CLASSES, EDGE_DIM, GLOBAL_DIM, LAYOUT_DIM, NODE_DIM, JobGraph
+from coplan.learn.gnn import gine_layers, propagate
 
 __all__ = ["POLICY_VERSION", "Outputs", "PolicyConfig", "PolicyNet"]
 
@@ -53,17 +54,12 @@ def _mlp(i: int, h: int, o: int) -> nn.Sequential:
 
 class PolicyNet(nn.Module):
     def __init__(self, config: PolicyConfig | None = None) -> None:
-        from torch_geometric.nn import GINEConv
-
         super().__init__()
         self.config = config or PolicyConfig()
         h = self.config.hidden
         self.glob = _mlp(GLOBAL_DIM, h, h)
         self.embed = nn.Linear(NODE_DIM + h, h)
-        self.convs = nn.ModuleList(
-            GINEConv(_mlp(h, h, h), edge_dim=EDGE_DIM + 1) for _ in range(self.config.layers)
-        )
-        self.norms = nn.ModuleList(nn.LayerNorm(h) for _ in range(self.config.layers))
+        self.convs, self.norms = gine_layers(h, self.config.layers)
         self.lay = _mlp(LAYOUT_DIM, h, h)
         self.layout_head = _mlp(3 * h + h, h, 1)
         self.fuse_head = _mlp(3 * h + EDGE_DIM, h, 1)
@@ -79,14 +75,7 @@ class PolicyNet(nn.Module):
         """(node embeddings (N, h), the global embedding (h,))."""
         g = self.glob(jg.u)
         x = self.embed(torch.cat([jg.x, g.expand(jg.x.shape[0], -1)], dim=1))
-        ei = jg.edge_index
-        ea = jg.edge_attr
-        both = torch.cat([ei, ei.flip(0)], dim=1)
-        flag = torch.cat([torch.zeros(ea.shape[0], 1), torch.ones(ea.shape[0], 1)])
-        attr = torch.cat([torch.cat([ea, ea]), flag], dim=1)
-        for conv, norm in zip(self.convs, self.norms, strict=True):
-            x = norm(x + torch.relu(conv(x, both, attr)))
-        return x, g
+        return propagate(self.convs, self.norms, x, jg), g
 
     def scores(self, x: torch.Tensor, g: torch.Tensor, layouts: torch.Tensor) -> torch.Tensor:
         """(L,) scores of ``layouts`` (L, LAYOUT_DIM) for the encoded job ``x``, ``g``."""
