@@ -25,12 +25,13 @@ from collections.abc import Callable
 from coplan.cost.parts import NV, ZERO, Vec
 from coplan.ir.types import Graph, Op, OpKind, Tensor
 
-__all__ = ["PERSISTENT_ROWS", "loop_reads", "reduced_extent"]
+__all__ = ["PERSISTENT_ROWS", "loop_reads", "reduced_extent", "reduces"]
 
 #: The widest row Inductor's Triton backend reduces in registers (inner reductions).
 PERSISTENT_ROWS = 1024
 
 _ROW_KINDS = frozenset({OpKind.REDUCTION, OpKind.NORM, OpKind.SOFTMAX, OpKind.LOSS})
+#: ops Inductor computes with a row reduction although the IR calls them elementwise
 _ROW_TARGETS = frozenset({"log_softmax", "_log_softmax", "log_softmax_bwd", "softmax", "_softmax"})
 #: row ops whose reduction loop reads only their first input (``_log_softmax_backward_data``
 #: decomposes to ``grad - exp(out) * sum(grad)``: the saved output is read when writing rows only);
@@ -40,7 +41,9 @@ _REDUCES_FIRST_ONLY = frozenset({"log_softmax_bwd", "_log_softmax_backward_data"
 _INLINED = frozenset({OpKind.ELEMENTWISE, OpKind.COPY, OpKind.VIEW, OpKind.CREATION})
 
 
-def _reducing(op: Op) -> bool:
+def reduces(op: Op) -> bool:
+    """Whether ``op`` reduces (a sum, a norm, a softmax, a loss, decomposed or not): what a
+    generated kernel can hold only as a reduction (the plan checker's rules use it too)."""
     return op.kind in _ROW_KINDS or op.target.removeprefix("aten.") in _ROW_TARGETS
 
 
@@ -48,7 +51,7 @@ def reduced_extent(graph: Graph, op: Op) -> tuple[int, bool]:
     """(elements reduced per output, whether the op's own output needs its reduction's result): a
     row op (norm, softmax) whose output has its input's shape reduces the last dimension and then
     writes rows from the result; a reduction with a smaller output reduces the ratio of sizes."""
-    if not _reducing(op) or not op.inputs or not op.outputs:
+    if not reduces(op) or not op.inputs or not op.outputs:
         return 0, False
     src = graph.tensors[op.inputs[0]]
     out = graph.tensors[op.outputs[0]]

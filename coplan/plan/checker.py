@@ -19,6 +19,7 @@ from dataclasses import dataclass
 
 from coplan.cost import ConfigError, check_against
 from coplan.cost.fusion import source_op
+from coplan.cost.looped import reduces as _reduces
 from coplan.ir.types import Graph, Op, OpKind, Phase
 from coplan.plan.context import PlanContext, binary_bytes
 from coplan.plan.types import FusionPlan, Plan, PlanError
@@ -163,14 +164,8 @@ def group_problem(graph: Graph, ids: tuple[int, ...]) -> str | None:
     return None
 
 
-#: ops Inductor computes with a row reduction although the IR calls them elementwise
 #: scheduler nodes Inductor puts in one kernel at most (``torch._inductor.config.max_fusion_size``)
 INDUCTOR_MAX_FUSION = 64
-_ROW_REDUCING = frozenset({"log_softmax", "_log_softmax", "log_softmax_bwd", "softmax", "_softmax"})
-
-
-def _reduces(op: Op) -> bool:
-    return op.kind in REDUCTIONS or op.target.removeprefix("aten.") in _ROW_REDUCING
 
 
 def duplicable(graph: Graph, op: Op) -> bool:
