@@ -25,12 +25,13 @@ from collections.abc import Callable
 from coplan.cost.parts import NV, ZERO, Vec
 from coplan.ir.types import Graph, Op, OpKind, Tensor
 
-__all__ = ["PERSISTENT_ROWS", "loop_reads", "reduced_extent", "reduces"]
+__all__ = ["PERSISTENT_ROWS", "ROW_KINDS", "loop_reads", "reduced_extent", "reduces"]
 
 #: The widest row Inductor's Triton backend reduces in registers (inner reductions).
 PERSISTENT_ROWS = 1024
 
-_ROW_KINDS = frozenset({OpKind.REDUCTION, OpKind.NORM, OpKind.SOFTMAX, OpKind.LOSS})
+#: reductions a generated kernel can hold (row-wise: norms, softmax, loss, sums)
+ROW_KINDS = frozenset({OpKind.REDUCTION, OpKind.NORM, OpKind.SOFTMAX, OpKind.LOSS})
 #: ops Inductor computes with a row reduction although the IR calls them elementwise
 _ROW_TARGETS = frozenset({"log_softmax", "_log_softmax", "log_softmax_bwd", "softmax", "_softmax"})
 #: row ops whose reduction loop reads only their first input (``_log_softmax_backward_data``
@@ -44,7 +45,7 @@ _INLINED = frozenset({OpKind.ELEMENTWISE, OpKind.COPY, OpKind.VIEW, OpKind.CREAT
 def reduces(op: Op) -> bool:
     """Whether ``op`` reduces (a sum, a norm, a softmax, a loss, decomposed or not): what a
     generated kernel can hold only as a reduction (the plan checker's rules use it too)."""
-    return op.kind in _ROW_KINDS or op.target.removeprefix("aten.") in _ROW_TARGETS
+    return op.kind in ROW_KINDS or op.target.removeprefix("aten.") in _ROW_TARGETS
 
 
 def reduced_extent(graph: Graph, op: Op) -> tuple[int, bool]:

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 
 from coplan.cost import ConfigError, check_against
 from coplan.cost.fusion import source_op
+from coplan.cost.looped import ROW_KINDS
 from coplan.cost.looped import reduces as _reduces
 from coplan.ir.types import Graph, Op, OpKind, Phase
 from coplan.plan.context import PlanContext, binary_bytes
@@ -29,7 +30,7 @@ ANCHORS = frozenset({OpKind.MATMUL, OpKind.ATTENTION})
 #: ops a code generator can put into any kernel's prologue or epilogue
 POINTWISE = frozenset({OpKind.ELEMENTWISE, OpKind.COPY, OpKind.VIEW, OpKind.CREATION})
 #: reductions a generated kernel can hold (row-wise: norms, softmax, loss, sums)
-REDUCTIONS = frozenset({OpKind.REDUCTION, OpKind.NORM, OpKind.SOFTMAX, OpKind.LOSS})
+REDUCTIONS = ROW_KINDS
 #: ops numerics rules keep in fp32 unless a stated tolerance allows less
 SENSITIVE = frozenset(
     {OpKind.SOFTMAX, OpKind.NORM, OpKind.LOSS, OpKind.REDUCTION, OpKind.OPTIMIZER, OpKind.COLLECTIVE}
