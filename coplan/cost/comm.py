@@ -34,19 +34,33 @@ class Group:
     intra: InterconnectLevel
     inter: InterconnectLevel | None
     efficiency: float
+    per_node: int = 0  # devices per node (0: ``local``)
 
     @classmethod
     def of(cls, cluster: ClusterSpec, size: int, stride: int, efficiency: float) -> Group:
         first = cluster.groups[0]
         per_node = first.devices_per_node
         if size <= 1:
-            return cls(1, 1, 1, first.intra_node, cluster.inter_node, efficiency)
+            return cls(1, 1, 1, first.intra_node, cluster.inter_node, efficiency, per_node)
         local = max(1, min(size, per_node // stride)) if stride < per_node else 1
         nodes = math.ceil(size / local)
         inter = cluster.inter_node
         if nodes > 1 and inter is None:  # a single-node cluster cannot span nodes; keep it inside
             local, nodes = size, 1
-        return cls(size, local, nodes, first.intra_node, inter, efficiency)
+        return cls(size, local, nodes, first.intra_node, inter, efficiency, per_node)
+
+    @property
+    def comm_sms(self) -> int:
+        """SMs one collective over the group holds on each member (``InterconnectLevel.comm_sms``):
+        the node's links' inside a node; once the ring crosses nodes, the network's channels, which
+        NCCL opens two per NIC the node's members drive (its maintainer, NVIDIA/nccl issue #689: 2
+        SMs for one NIC, 16 for a DGX's 8), so a group with ``local`` of a node's devices (one
+        NIC each) holds that share of a full node's, at least the two of one NIC."""
+        if self.nodes > 1 and self.inter is not None:
+            full = self.inter.comm_sms
+            share = full * self.local / max(self.local, self.per_node or self.local)
+            return min(full, max(2, round(share)))
+        return self.intra.comm_sms
 
     def _ring_latency(self) -> float:
         """Latency of one ring pass (all-gather, reduce-scatter): ``n - 1`` steps, of which

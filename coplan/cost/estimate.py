@@ -27,6 +27,7 @@ from typing import cast
 from coplan.cost.buckets import StageBuckets, queued_exposure, serial_time
 from coplan.cost.comm import Group, p2p_time
 from coplan.cost.config import TrainingConfig
+from coplan.cost.contention import slowdown, sm_share
 from coplan.cost.eager import eager_kernels, shard_class
 from coplan.cost.fp8 import fp8_cost, runs_fp8
 from coplan.cost.fusion import readers
@@ -219,9 +220,12 @@ def estimate(profile: GraphProfile, cluster: ClusterSpec, config: TrainingConfig
             if config.fsdp_units and config.overlap_zero:
                 root = p_local - block_local
                 fsdp = (block_local, root, units, param_bytes, grad_bytes, fwd, bwd + recompute, gathers)
-                zero_comm = _fsdp_comm(cluster, config, net, *fsdp)
+                zero_comm = _fsdp_comm(cluster, config, net, device, *fsdp)
             else:
-                zero_comm = zero3_exposed(dp_group, p_local, units, param_bytes, grad_bytes, hide, gathers)
+                share = sm_share(dp_group, device) if config.overlap_zero else 0.0
+                zero_comm = zero3_exposed(
+                    dp_group, p_local, units, param_bytes, grad_bytes, hide, gathers, share
+                )
             if config.fsdp_units:
                 # FSDP's units: one per block and the root (embedding, final norm, head), which
                 # stays gathered from the start of forward to the end of backward
@@ -259,8 +263,11 @@ def estimate(profile: GraphProfile, cluster: ClusterSpec, config: TrainingConfig
             # cooldown); stage s ends its backward s chunk-backwards before stage 0 does, which
             # its reduction may use
             back = (bwd + recompute) / v
+            share = sm_share(dp_group, device)
             if config.overlap_grad_reduce:
                 per_mb = queued_exposure(bk, reduce, grad_bytes, back, p * back)
+                # the hidden reductions slow the backward they run beside (``contention.py``)
+                per_mb += slowdown(back, serial_time(bk, reduce, grad_bytes) - per_mb, share)
                 dp_comm = max(0.0, per_mb - s * back)
             else:
                 per_mb = dp_comm = serial_time(bk, reduce, grad_bytes)
@@ -281,6 +288,8 @@ def estimate(profile: GraphProfile, cluster: ClusterSpec, config: TrainingConfig
                     # chunk k's first forward starts k p chunk-forwards later
                     ahead = fwd / v
                     param_gather = queued_exposure(bk, gather, param_bytes, ahead, p * ahead)
+                    hidden = serial_time(bk, gather, param_bytes) - param_gather
+                    param_gather += slowdown(ahead, hidden, share)
                     param_gather = max(0.0, param_gather - s * ahead)
                 else:
                     param_gather = serial_time(bk, gather, param_bytes)
@@ -628,6 +637,7 @@ def _fsdp_comm(
     cluster: ClusterSpec,
     config: TrainingConfig,
     net: float,
+    device: DeviceSpec,
     blocks: float,
     root: float,
     units: int,
@@ -642,7 +652,8 @@ def _fsdp_comm(
     before the first block (the root is not resharded after forward) and its reduce-scatter after
     the last. With a sharding group smaller than the data-parallel ranks (HYBRID_SHARD) the
     collectives stay in the group and each unit's gradient shard is all-reduced across the
-    replicas."""
+    replicas. Compute beside a collective runs on the SMs the collective leaves (``contention.py``;
+    the larger of the two groups' shares where the replicas' all-reduce runs too)."""
     shard = config.shard_ranks
     group = Group.of(cluster, shard, config.tp, net)
     replicas = Group.of(cluster, config.dp // shard, config.tp * shard, net)
@@ -654,7 +665,8 @@ def _fsdp_comm(
     if replicas.size > 1:
         repl = replicas.all_reduce(per_unit * grad_bytes / shard)
         edges += replicas.all_reduce(root * grad_bytes / shard)
-    return edges + fsdp_schedule(units, gather, scatter, fwd, bwd, gathers, repl)
+    share = max(sm_share(group, device), sm_share(replicas, device) if repl else 0.0)
+    return edges + fsdp_schedule(units, gather, scatter, fwd, bwd, gathers, repl, share)
 
 
 def _saved(profile: GraphProfile, part: Part, mode: str | frozenset[str], per_op: bool = False) -> Vec:

@@ -25,6 +25,7 @@ So, per microbatch:
 from __future__ import annotations
 
 from coplan.cost.comm import Group
+from coplan.cost.contention import run_beside, slowdown
 
 
 def zero3_exposed(
@@ -35,11 +36,14 @@ def zero3_exposed(
     grad_bytes: float,
     compute: float,
     gathers: int = 2,
+    share: float = 0.0,
 ) -> float:
     """Seconds of ZeRO-3 communication one microbatch cannot hide behind ``compute`` seconds of
     its own forward and backward, for ``p_local`` parameters (this GPU's tensor-parallel share,
     before the data-parallel sharding) split evenly into ``units`` units. ``gathers`` all-gathers
-    per unit: 2 for ZeRO-3 (forward and backward), 1 for FSDP without resharding after forward."""
+    per unit: 2 for ZeRO-3 (forward and backward), 1 for FSDP without resharding after forward.
+    The hidden collectives take ``share`` of the device from the compute beside them
+    (``contention.py``): that compute's extra time counts here too."""
     if group.size <= 1 or p_local <= 0:
         return 0.0
     units = max(1, units)
@@ -48,7 +52,8 @@ def zero3_exposed(
     scatter = group.reduce_scatter(per_unit * grad_bytes)
     total = units * (gathers * gather + scatter)
     edges = gather + scatter  # the first unit's gather and the last unit's reduce-scatter
-    return edges + max(0.0, total - edges - compute)
+    extra = slowdown(compute, total - edges, share)
+    return edges + extra + max(0.0, total - edges - compute - extra)
 
 
 def fsdp_transient(
@@ -82,6 +87,7 @@ def fsdp_schedule(
     backward: float,
     gathers: int = 2,
     replicate: float = 0.0,
+    share: float = 0.0,
 ) -> float:
     """Seconds one microbatch of PyTorch FSDP takes beyond its compute, from the schedule itself:
     ``units`` equal units, each all-gathering its parameters (``gather`` seconds) before its
@@ -99,7 +105,9 @@ def fsdp_schedule(
     two units gathered), and a unit computes once its all-gather is done. In backward the order
     on the group is the prefetched all-gather of unit ``i - 1``, then unit ``i``'s reduce-scatter
     once its backward ends. So the first all-gather and the last reduce-scatter always show, and
-    a unit whose collectives outlast its neighbour's compute stalls the next one."""
+    a unit whose collectives outlast its neighbour's compute stalls the next one. A unit's compute
+    runs on ``1 - share`` of the device while a collective it overlaps is in flight
+    (``contention.run_beside``)."""
     if units <= 0:
         return 0.0
     f, b = forward / units, backward / units
@@ -112,7 +120,7 @@ def fsdp_schedule(
         start = max(compute_end, done)
         if i + 1 < units:
             done = comm = max(comm, start) + gather
-        compute_end = start + f
+        compute_end = run_beside(start, f, comm, share)
     # backward, in reverse unit order
     if gathers >= 2:
         done = comm = max(comm, compute_end) + gather
@@ -123,7 +131,7 @@ def fsdp_schedule(
         start = max(compute_end, done)
         if gathers >= 2 and i + 1 < units:
             done = comm = max(comm, start) + gather
-        compute_end = start + b
+        compute_end = run_beside(start, b, max(comm, repl), share)
         comm = max(comm, compute_end) + scatter
         if replicate:
             repl = max(repl, comm) + replicate

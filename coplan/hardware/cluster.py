@@ -50,6 +50,10 @@ class InterconnectLevel:
         oversubscription: leaf downlink over uplink bandwidth (1: a non-blocking fat tree; 2: a 2:1
             tree): a group spanning more than ``leaf_nodes`` nodes gets ``bandwidth /
             oversubscription`` per device, the share its uplinks carry when every device sends.
+        comm_sms: streaming multiprocessors one collective over this level occupies on each device
+            while it runs (NCCL runs one thread block per channel and never shares an SM with a
+            compute kernel): compute overlapping the collective runs on the others. 0: the level's
+            collectives take no compute units (a CPU's gloo, copy engines, unknown).
     """
 
     name: str
@@ -60,6 +64,7 @@ class InterconnectLevel:
     efficiency: float = 1.0
     leaf_nodes: int | None = None
     oversubscription: float = 1.0
+    comm_sms: int = 0
 
     def __post_init__(self) -> None:
         src = f"interconnect {self.name!r}" if isinstance(self.name, str) else "interconnect"
@@ -80,6 +85,7 @@ class InterconnectLevel:
                 src, "oversubscription", f"must be >= 1 (downlink over uplink), got {self.oversubscription!r}"
             )
         object.__setattr__(self, "oversubscription", over)
+        check_int(src, "comm_sms", self.comm_sms, minimum=0)
 
     def bandwidth_across(self, nodes: int) -> float:
         """Bytes/s per device for a collective over ``nodes`` nodes: the link rate within a leaf,
@@ -104,6 +110,7 @@ class InterconnectLevel:
             "efficiency": self.efficiency,
             **({"leaf_nodes": self.leaf_nodes} if self.leaf_nodes is not None else {}),
             **({"oversubscription": self.oversubscription} if self.oversubscription != 1.0 else {}),
+            **({"comm_sms": self.comm_sms} if self.comm_sms else {}),
         }
 
     @classmethod
@@ -111,15 +118,16 @@ class InterconnectLevel:
         r = Reader(data, source, path)
         r.check_keys(
             ("name", "bandwidth", "latency_s", "topology", "scope"),
-            ("efficiency", "leaf_nodes", "oversubscription"),
+            ("efficiency", "leaf_nodes", "oversubscription", "comm_sms"),
         )
         name, bandwidth = r.text("name"), r.number("bandwidth")
         latency, topology, scope = r.number("latency_s", strict=False), r.text("topology"), r.text("scope")
         eff = r.number("efficiency") if "efficiency" in r.data else 1.0
         leaf = r.data.get("leaf_nodes")
         over = r.number("oversubscription") if "oversubscription" in r.data else 1.0
+        sms = r.integer("comm_sms", minimum=0) if "comm_sms" in r.data else 0
         with anchored(source, path):
-            return cls(name, bandwidth, latency, topology, scope, eff, leaf, over)
+            return cls(name, bandwidth, latency, topology, scope, eff, leaf, over, sms)
 
 
 #: Assumed between devices of a bare device spec asked to form a multi-device node, when no preset
