@@ -9,7 +9,8 @@ evidence), the stack's loss kernels (``loss_fusion``), pipeline-send
 and gradient-reduction settings (``overlap.p2p``, ``grad_reduce_fp32``), fp8 primary weights
 (``fp8_params``), an eagerly run MLP activation (``activation_fusion``), the Transformer Engine
 userbuffers settings its recipe tunes (``ub_cfg``, slot -> method, num_sm, num_splits,
-set_sm_margin; absent: TE's defaults), and the step time its
+set_sm_margin; absent: TE's defaults), data-parallel buffers registered with NCCL (``nccl_ub``),
+and the step time its
 source measured. The same device presets price every run (one
 profile per device, nothing fitted per run). Prints a table and the mean and worst absolute error
 (Megatron-Core stacks, all and on the A100/H100 clusters the accuracy target names, and newer GPUs
@@ -108,6 +109,8 @@ def run_config(run: dict) -> TrainingConfig:
         # the fused-attention kernel the run's stack ran where it is not the device profile's
         # (Transformer Engine with NVTE_FUSED_ATTN=0 runs FlashAttention-2 on Hopper)
         attention_kernel=run.get("attention", {}).get("kernel", "auto"),
+        # data-parallel buffers registered with NCCL where the recipe sets ``nccl_ub``
+        nccl_ub=run.get("nccl_ub", False),
     )
 
 

@@ -176,6 +176,14 @@ def estimate(
             "no 16-bit copy of block weights, parameter all-gathers in fp8.",
         ),
     ] = False,
+    nccl_ub: Annotated[
+        bool,
+        typer.Option(
+            "--nccl-ub",
+            help="Data-parallel buffers registered with NCCL (Megatron-Core ddp_config.nccl_ub): its "
+            "collectives hold fewer SMs beside the compute they overlap.",
+        ),
+    ] = False,
     activation_fusion: Annotated[
         bool,
         typer.Option(
@@ -308,6 +316,7 @@ def estimate(
         overlap_p2p=overlap_p2p,
         grad_reduce_fp32=grad_reduce_fp32,
         fp8_params=fp8_params,
+        nccl_ub=nccl_ub,
         activation_fusion=activation_fusion,
         loss_fusion=loss_fusion.value,
         stage_layers=_stage_layers(stage_layers),

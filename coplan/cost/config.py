@@ -141,6 +141,9 @@ class TrainingConfig:
         overlap_zero: ZeRO-3 / FSDP unit collectives are prefetched behind compute (GPUs: NCCL on
             its own stream); off where communication and compute share the same cores (gloo on
             a CPU), so every collective shows.
+        nccl_ub: the data-parallel parameter and gradient buffers are registered with NCCL
+            (Megatron-Core's ``ddp_config.nccl_ub``), whose SM-efficient algorithms hold fewer SMs
+            beside the compute they overlap (``coplan.cost.contention``).
         op_dtypes: (op id, dtype) overrides of the precision each op runs in; a backward op
             follows its forward op. ``"fp32"`` stores the op's outputs in fp32 (autocast's fp32
             list), ``"bf16"``/``"fp16"`` runs it in 16 bits, ``"fp8"`` (GEMMs) quantises its
@@ -185,6 +188,7 @@ class TrainingConfig:
     kernels: str = "megatron"
     eager_loss: bool = False
     fsdp_shard: int | None = None
+    nccl_ub: bool = False
 
     def __post_init__(self) -> None:
         for name, bound in (
@@ -377,6 +381,7 @@ class TrainingConfig:
             **({"kernels": self.kernels} if self.kernels != "megatron" else {}),
             **({"eager_loss": True} if self.eager_loss else {}),
             **({"fsdp_shard": self.fsdp_shard} if self.fsdp_shard is not None else {}),
+            **({"nccl_ub": True} if self.nccl_ub else {}),
         }
 
 

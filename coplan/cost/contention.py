@@ -32,12 +32,25 @@ from coplan.hardware.device import DeviceSpec
 MAX_SHARE = 0.9
 
 
-def sm_share(group: Group, device: DeviceSpec) -> float:
+#: SMs an all-gather or reduce-scatter holds on registered buffers (Megatron-Core's ``nccl_ub``),
+#: the larger of the two, by the group's communication domain: inside an NVLink domain, across
+#: NVLink and the network, over the network alone (one GPU per node). From the option's docstring
+#: (NVIDIA/Megatron-LM megatron/core/distributed/distributed_data_parallel_config.py, ``nccl_ub``:
+#: "SM usage of AG/RS" without SHARP: NVL 4 / 5, NVL+IB 16 / 16, IB 1 / 4).
+REGISTERED_SMS = {"nvl": 5, "nvl+ib": 16, "ib": 4}
+
+
+def sm_share(group: Group, device: DeviceSpec, registered: bool = False) -> float:
     """Share of ``device``'s compute a collective over ``group`` occupies while it runs (0 where
-    either count is unknown or the group is one device)."""
+    either count is unknown or the group is one device); ``registered``: on NCCL-registered
+    buffers (``REGISTERED_SMS``)."""
     if group.size <= 1 or not device.compute_units:
         return 0.0
-    return min(MAX_SHARE, group.comm_sms / device.compute_units)
+    sms = group.comm_sms
+    if registered and sms:
+        domain = "nvl" if group.nodes <= 1 else ("nvl+ib" if group.local > 1 else "ib")
+        sms = min(sms, REGISTERED_SMS[domain])
+    return min(MAX_SHARE, sms / device.compute_units)
 
 
 def run_beside(start: float, work: float, busy_until: float, share: float) -> float:

@@ -222,7 +222,7 @@ def estimate(profile: GraphProfile, cluster: ClusterSpec, config: TrainingConfig
                 fsdp = (block_local, root, units, param_bytes, grad_bytes, fwd, bwd + recompute, gathers)
                 zero_comm = _fsdp_comm(cluster, config, net, device, *fsdp)
             else:
-                share = sm_share(dp_group, device) if config.overlap_zero else 0.0
+                share = sm_share(dp_group, device, config.nccl_ub) if config.overlap_zero else 0.0
                 zero_comm = zero3_exposed(
                     dp_group, p_local, units, param_bytes, grad_bytes, hide, gathers, share
                 )
@@ -263,7 +263,7 @@ def estimate(profile: GraphProfile, cluster: ClusterSpec, config: TrainingConfig
             # cooldown); stage s ends its backward s chunk-backwards before stage 0 does, which
             # its reduction may use
             back = (bwd + recompute) / v
-            share = sm_share(dp_group, device)
+            share = sm_share(dp_group, device, config.nccl_ub)
             if config.overlap_grad_reduce:
                 per_mb = queued_exposure(bk, reduce, grad_bytes, back, p * back)
                 # the hidden reductions slow the backward they run beside (``contention.py``)
@@ -665,7 +665,8 @@ def _fsdp_comm(
     if replicas.size > 1:
         repl = replicas.all_reduce(per_unit * grad_bytes / shard)
         edges += replicas.all_reduce(root * grad_bytes / shard)
-    share = max(sm_share(group, device), sm_share(replicas, device) if repl else 0.0)
+    ub = config.nccl_ub
+    share = max(sm_share(group, device, ub), sm_share(replicas, device, ub) if repl else 0.0)
     return edges + fsdp_schedule(units, gather, scatter, fwd, bwd, gathers, repl, share)
 
 

@@ -116,3 +116,21 @@ def test_fsdp_step_pays_for_the_collectives_sms() -> None:
     slow, fast = _fsdp_step(cluster), _fsdp_step(free)
     assert slow > fast
     assert slow - fast < 24 / 132 * slow
+
+
+def test_registered_buffers_hold_fewer_sms() -> None:
+    """Megatron-Core's ``nccl_ub`` table: 5 SMs inside NVLink, 16 across NVLink and IB, 4 over IB."""
+    cluster = load_cluster("dgx-h100", 64)
+    h100 = cluster.groups[0].device
+    assert sm_share(Group.of(cluster, 8, 1, 1.0), h100, registered=True) == pytest.approx(5 / 132)
+    assert sm_share(Group.of(cluster, 64, 1, 1.0), h100, registered=True) == pytest.approx(16 / 132)
+    # one GPU per node: NCCL's own 2 channels are already fewer than the table's 4
+    assert sm_share(Group.of(cluster, 8, 8, 1.0), h100, registered=True) == pytest.approx(2 / 132)
+    model = CostModel(spec=PRESETS["llama2-7b"])
+    one = load_cluster("dgx-h100", 8)
+    base = TrainingConfig(dp=8, microbatch=1, global_batch=64, seq=4096, zero=3, dtype="bf16")
+    plain = model.estimate(one, base).step_time_s
+    registered = model.estimate(one, base.with_(nccl_ub=True)).step_time_s
+    assert registered < plain
+    assert base.with_(nccl_ub=True).to_dict()["nccl_ub"] is True
+    assert "nccl_ub" not in base.to_dict()
