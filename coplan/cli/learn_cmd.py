@@ -215,3 +215,97 @@ def eval_cmd(
         f"sequential {f(t['sequential'])} s"
     )
     console.print(f"verdict (Claim 2 on this split): [bold]{result['verdict']}[/bold]")
+
+
+@app.command("distill")
+def distill_cmd(
+    out: Annotated[Path, typer.Option("--out", "-o", help="Write the fine-tuned policy here (a .pt file).")],
+    policy: Annotated[
+        Path | None,
+        typer.Option(
+            "--policy", help="Policy to improve \\[default: the one coplan ships].", show_default=False
+        ),
+    ] = None,
+    data: Annotated[
+        Path | None,
+        typer.Option(
+            "--data",
+            help="Dataset whose train split is replayed beside the improved plans, so that the policy "
+            "keeps what it imitated \\[default: none].",
+            show_default=False,
+        ),
+    ] = None,
+    n: Annotated[int, typer.Option("--n", help="Large jobs sampled (a quarter is held out).")] = 48,
+    rounds: Annotated[int, typer.Option("--rounds", help="Rounds of search and fine-tuning.")] = 2,
+    seconds: Annotated[float, typer.Option("--seconds", help="Search budget per job, in seconds.")] = 20.0,
+    replay: Annotated[int, typer.Option("--replay", help="Imitation examples replayed (with --data).")] = 200,
+    seed: Annotated[int, typer.Option("--seed", help="Seed of the large jobs.")] = 0,
+    json: JsonOpt = False,
+) -> None:
+    """Improve the policy with the cost model as its reward (search distillation): large jobs planned
+    by the policy, improved by a policy-guided local search, and the policy fine-tuned on them."""
+    import time
+
+    import torch
+
+    from coplan.errors import SpecError
+    from coplan.fileio import check_output
+    from coplan.learn.dataset import open_dataset
+    from coplan.learn.decode import default_policy
+    from coplan.learn.distill import distill, sample_large_job
+    from coplan.learn.train import example, save_policy
+
+    positive("--n", n)
+    positive("--rounds", rounds)
+    positive("--replay", replay)
+    if not seconds > 0:
+        raise SpecError("--seconds", None, f"must be positive, got {seconds!r}")
+    if isinstance(seed, bool) or seed < 0:
+        raise SpecError("--seed", None, f"must be a non-negative integer, got {seed!r}")
+    out = Path(os.path.expanduser(str(out)))
+    check_output("--out", out)
+    source = Path(os.path.expanduser(str(policy))) if policy is not None else None
+    net = default_policy(source)
+    ds = open_dataset(Path(os.path.expanduser(str(data)))) if data is not None else None
+    torch.set_num_threads(1)
+    t0 = time.perf_counter()
+    reports = []
+    bar = _Bar("replay")
+    try:
+        with interruptible("learn distill stopped; nothing written"):
+            items = []
+            if ds is not None:
+                records = [r for r in ds.records("train") if "error" not in r][:replay]
+                for i, r in enumerate(records):
+                    items.append(example(r))
+                    bar(i + 1, len(records), r["id"])
+            bar.close()
+            jobs = [j for j in (sample_large_job(seed, i) for i in range(n)) if j.split == "large_train"]
+            for k in range(rounds):
+                bar = _Bar(f"round {k + 1}/{rounds} ({len(jobs)} jobs)")
+                net, rep = distill(net, jobs, items, seconds=seconds, seed=seed + k, progress=bar)
+                bar.close()
+                reports.append(rep.to_dict())
+    finally:
+        bar.close()
+    meta = {
+        "distilled": {
+            "from": str(source) if source is not None else "shipped",
+            "large_jobs": len(jobs),
+            "replayed": len(items),
+            "rounds": reports,
+        },
+        "seconds": time.perf_counter() - t0,
+    }
+    save_policy(net, out, meta)
+    if json:
+        print_json({"out": str(out), **meta})
+        return
+    console = stdout()
+    for k, got in enumerate(reports, start=1):
+        med = got["gain_median"]
+        console.print(
+            f"round {k}: the search improved {got['improved']} of {got['jobs']} plans "
+            f"(median gain {'n/a' if med is None else f'{med:.3f}x'})"
+        )
+    console.print(f"policy written to {out} ({meta['seconds']:.0f} s)")

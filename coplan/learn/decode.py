@@ -37,7 +37,7 @@ from coplan.learn.policy import Outputs, PolicyNet
 from coplan.plan.checker import _kernel_graph_ok, check, is_valid
 from coplan.plan.types import ParallelPlan, Plan, PrecisionPlan
 
-__all__ = ["LEARNED_K", "decode", "default_policy", "plan_with_policy", "repair"]
+__all__ = ["LEARNED_K", "decode", "default_policy", "layout_plan", "plan_with_policy", "repair"]
 
 #: plans the ``learned`` strategy prices with the analytic model (layouts, without a cost model)
 LEARNED_K = 8
@@ -174,6 +174,29 @@ def _variants(ctx: Any, plan: Plan, per_op: bool, k: int) -> list[Plan]:
     return out
 
 
+def layout_plan(
+    ctx: Any,
+    net: PolicyNet,
+    jg: Any,
+    enc: tuple[torch.Tensor, torch.Tensor],
+    layout: torch.Tensor,
+    i: int,
+    k: int,
+) -> tuple[list[Plan], list[str]]:
+    """Layout ``i`` of ``layout_candidates(ctx)`` (features ``layout``) decoded from the policy's
+    per-op heads (``enc``: ``net.encode(jg)``): its plans as the stack runs them (``_variants``)
+    and the saved tensors, likeliest recomputed first (``repair``'s order)."""
+    from coplan.learn.features import layout_candidates
+
+    x, g = enc
+    out = Outputs(torch.zeros(0), *net.decisions(jg, x, g, layout))
+    probs = torch.sigmoid(out.recompute).tolist()
+    order = sorted(((p, n) for p, ns in zip(probs, jg.saved_names, strict=True) for n in ns), reverse=True)
+    plan = decode(ctx, out, *layout_candidates(ctx)[i])
+    per_op = "greedy" in ctx.stack.fusion  # the stack compiles the plan's own kernels
+    return _variants(ctx, plan, per_op, k), [n for _, n in order]
+
+
 def plan_with_policy(ctx: Any, net: PolicyNet, k: int) -> tuple[Plan, int, list[str]]:
     """The policy's plan for ``ctx``'s job: (plan, plans priced by the cost model, notes).
 
@@ -187,7 +210,6 @@ def plan_with_policy(ctx: Any, net: PolicyNet, k: int) -> tuple[Plan, int, list[
     from coplan.passes.base import score
 
     jg = job_graph(ctx, anchors=_anchors(ctx))
-    per_op = "greedy" in ctx.stack.fusion  # the stack compiles the plan's own kernels
     cands = layout_candidates(ctx)
     feats = torch.tensor([layout_features(p, q) for p, q in cands], dtype=torch.float32)
     k = max(1, k)
@@ -197,13 +219,7 @@ def plan_with_policy(ctx: Any, net: PolicyNet, k: int) -> tuple[Plan, int, list[
         ranked = torch.argsort(net.scores(x, g, feats), descending=True).tolist()
 
         def decoded(i: int) -> tuple[list[Plan], list[str]]:
-            out = Outputs(torch.zeros(0), *net.decisions(jg, x, g, feats[i]))
-            probs = torch.sigmoid(out.recompute).tolist()
-            order = sorted(
-                ((p, n) for p, ns in zip(probs, jg.saved_names, strict=True) for n in ns), reverse=True
-            )
-            plan = decode(ctx, out, *cands[i])
-            return _variants(ctx, plan, per_op, k), [n for _, n in order]
+            return layout_plan(ctx, net, jg, (x, g), feats[i], i, k)
 
         fitting = False  # whether a priced plan is valid and fits
 

@@ -42,6 +42,7 @@ __all__ = [
     "FAMILIES",
     "HELDOUT_FAMILIES",
     "HELDOUT_WIDTHS",
+    "LARGE_SPLITS",
     "SPLITS",
     "STACKS",
     "Job",
@@ -54,6 +55,8 @@ HELDOUT_FAMILIES = ("moe",)
 HELDOUT_WIDTHS = (1536, 3072)
 #: train, validation, held-out graphs of trained families, held-out families
 SPLITS = ("train", "val", "heldout", "heldout_family")
+#: the large jobs search distillation fine-tunes on and holds out (``distill.sample_large_job``)
+LARGE_SPLITS = ("large_train", "large_heldout")
 VAL_SHARE = 0.1
 HYPOTHETICAL_P = 0.3
 
@@ -90,8 +93,8 @@ class Job:
     def __post_init__(self) -> None:
         if self.family not in FAMILIES:
             raise ValueError(f"family must be one of {', '.join(FAMILIES)}, got {self.family!r}")
-        if self.split not in SPLITS:
-            raise ValueError(f"split must be one of {', '.join(SPLITS)}, got {self.split!r}")
+        if self.split not in SPLITS + LARGE_SPLITS:
+            raise ValueError(f"split must be one of {', '.join(SPLITS + LARGE_SPLITS)}, got {self.split!r}")
         if self.stack not in STACKS:
             raise ValueError(f"stack must be one of {', '.join(STACKS)}, got {self.stack!r}")
         if not 0.0 < self.budget_fraction <= 1.0:

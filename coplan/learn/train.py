@@ -15,6 +15,7 @@ another format or version, or a file that is not one, in one line (``PolicyError
 
 from __future__ import annotations
 
+import copy
 import math
 import random
 import time
@@ -74,15 +75,21 @@ class Example:
 
 def example(record: dict[str, Any]) -> Example:
     job = Job.from_dict(record["job"])
-    ctx = job.context()
+    teacher = record.get("labels", {}).get("teacher")
+    fitting = bool(teacher) and bool(teacher["fits"])
+    return example_of(job, Plan.from_dict(teacher["plan"]) if fitting else None)
+
+
+def example_of(job: Job, plan: Plan | None, ctx: Any = None) -> Example:
+    """``job`` with ``plan`` as its label (None: no plan fits the job), on ``ctx`` where the caller
+    holds the job's planning context already."""
+    ctx = ctx if ctx is not None else job.context()
     jg = job_graph(ctx, anchors="epilogue" in ctx.stack.fusion)
     cands = layout_candidates(ctx)
     layouts = torch.tensor([layout_features(p, q) for p, q in cands], dtype=torch.float32)
-    teacher = record.get("labels", {}).get("teacher")
     per_op = "greedy" in ctx.stack.fusion
-    if not teacher or not teacher["fits"]:
+    if plan is None:
         return Example(job, jg, layouts, -1, None, per_op)
-    plan = Plan.from_dict(teacher["plan"])
     want = _layout_key(plan.parallel, plan.precision)
     target = next((i for i, (p, q) in enumerate(cands) if _layout_key(p, q) == want), -1)
     return Example(job, jg, layouts, target, plan_labels(jg, plan), per_op)
@@ -143,12 +150,18 @@ def train(
     config: PolicyConfig | None = None,
     lr: float = 3e-3,
     progress: Callable[[int, int, str], None] | None = None,
+    start: PolicyNet | None = None,
 ) -> tuple[PolicyNet, dict[str, float]]:
     """A policy trained on ``data`` (Adam, one job per step, cosine learning rate): the network
-    and its mean losses over the last epoch."""
+    and its mean losses over the last epoch. ``start``: fine-tune a copy of that network instead
+    of a fresh one (its configuration wins over ``config``; its learned cost model is kept)."""
     torch.manual_seed(seed)
     rng = random.Random(seed)
-    net = PolicyNet(config)
+    if start is not None:
+        net = copy.deepcopy(start)
+        net.train()
+    else:
+        net = PolicyNet(config)
     opt = torch.optim.Adam(net.parameters(), lr=lr)
     steps = max(1, epochs * len(data))
     sched = torch.optim.lr_scheduler.LambdaLR(

@@ -239,3 +239,57 @@ def test_the_shipped_policy_plans_without_training(cli):
     assert code == 0, err
     body = json.loads(stdout)
     assert body["strategy"] == "learned" and body["fits"] and 0 < body["mfu"] <= 1
+
+
+def test_large_jobs_are_deterministic_and_beyond_the_imitation_data():
+    from coplan.learn.distill import sample_large_job
+    from coplan.learn.jobs import LARGE_SPLITS, _params
+
+    jobs = [sample_large_job(3, i) for i in range(12)]
+    assert [j.to_dict() for j in jobs] == [sample_large_job(3, i).to_dict() for i in range(12)]
+    assert all(2.0e10 <= _params(j.spec) <= 8.0e10 for j in jobs)
+    assert all(64 <= j.cluster.num_devices <= 1024 and j.split in LARGE_SPLITS for j in jobs)
+
+
+def test_neighbouring_layouts_differ_in_one_or_two_fields():
+    from coplan.learn.distill import _neighbours
+
+    keys = [(1, 1, 8), (2, 1, 4), (1, 2, 4), (2, 2, 2), (1, 1, 8)[:2] + (9,)]
+    # one field first (the last key differs in dp alone), then two; (2, 2, 2) differs in three
+    assert _neighbours(keys, 0) == [4, 1, 2]
+
+
+def test_the_policy_guided_search_never_returns_a_worse_plan():
+    from coplan.learn.decode import default_policy
+    from coplan.learn.distill import improve
+    from coplan.passes.base import score
+
+    ctx = ctx_for("megatron", budget=3e9)
+    got = improve(ctx, default_policy(), 2, 5.0)
+    assert got.key <= got.proposed_key
+    assert got.key == score(got.plan, ctx) and not check(got.plan, ctx, memory=False)
+    assert got.gain >= 1.0 and got.priced >= 1
+
+
+def test_distillation_fine_tunes_a_copy(data, tmp_path, cli):
+    from coplan.learn.distill import distill
+    from coplan.learn.jobs import Job
+
+    items = examples(open_dataset(data), None)
+    net, _ = train(items, epochs=1, seed=0, config=PolicyConfig(hidden=16, layers=1))
+    before = {k: v.clone() for k, v in net.state_dict().items()}
+    jobs = [Job.from_dict(r["job"]) for r in open_dataset(data).records(None)][:2]
+    tuned, report = distill(net, jobs, items, k=1, seconds=1.0, epochs=1)
+    assert report.jobs == 2 and len(report.gains) <= 2 and all(g >= 1.0 for g in report.gains)
+    assert all(torch.equal(before[k], v) for k, v in net.state_dict().items())  # the input is kept
+    assert any(not torch.equal(before[k], v) for k, v in tuned.state_dict().items())
+    out = tmp_path / "d.pt"
+    code, stdout, err = cli(
+        "learn", "distill", "--out", str(out), "--data", str(data), "--replay", "2",
+        "--n", "3", "--rounds", "1", "--seconds", "1", "--json",
+    )  # fmt: skip
+    assert code == 0, err
+    res = json.loads(stdout)
+    assert res["distilled"]["rounds"][0]["jobs"] == res["distilled"]["large_jobs"] and out.is_file()
+    code, _, err = cli("learn", "distill", "--out", str(tmp_path / "x.pt"), "--n", "0")
+    assert code == 2 and err.strip().count("\n") == 0 and not (tmp_path / "x.pt").exists()
