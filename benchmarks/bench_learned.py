@@ -60,7 +60,7 @@ def main() -> None:
                 "seq": seq,
                 "stack": stack,
             }
-            for name in ("learned-greedy", "learned", "joint"):
+            for name in ("learned-greedy", "learned", "learned-search", "joint"):
                 ctx = _ctx(model, gpus, batch, seq, stack)
                 warm = []
                 t_warm = 0.0
@@ -83,7 +83,7 @@ def main() -> None:
                     flush=True,
                 )
             j = row["joint"]
-            for name in ("learned-greedy", "learned"):
+            for name in ("learned-greedy", "learned", "learned-search"):
                 mine = row[name]
                 assert isinstance(mine, dict) and isinstance(j, dict)
                 mine["speedup_vs_joint"] = (j["plan_time_s"] + j["warm_start_s"]) / mine["plan_time_s"]

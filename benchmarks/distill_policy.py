@@ -2,7 +2,7 @@
 
     python benchmarks/distill_policy.py [--data /tmp/coplan-learn] [--policy coplan/learn/policy.pt]
         [--out /tmp/policy-distilled.pt] [--n-large 48] [--rounds 2] [--seconds 20] [--replay 200]
-        [--heldout 40] [--results benchmarks/results/distill.json]
+        [--heldout 40] [--epochs 8] [--lr 1e-3] [--repeat 4] [--results benchmarks/results/distill.json]
 
 1. ``--n-large`` large jobs (``distill.sample_large_job``: GPT and LLaMA of 20B to 80B on 64 to
    1,024 GPUs, real and hypothetical devices, three stacks), split into the ones fine-tuned on and
@@ -11,7 +11,8 @@
    policy and improved by the policy-guided local search under the cost model, the policy
    fine-tuned on the improved plans with ``--replay`` imitation examples of the dataset in
    ``--data`` (``train_policy.py`` makes it) replayed beside them;
-3. judged, the policy alone (``plan_with_policy``, no search) before and after: on the held-out
+3. judged, the policy alone (``plan_with_policy``, no search) before and after, and the
+   fine-tuned policy guiding the search (the ``learned-search`` strategy): on the held-out
    large jobs and LLaMA-2 70B on 1,024 H100 (``bench_learned.py``'s job) against ``joint``, and on
    ``--heldout`` jobs of the dataset's held-out split against the teacher's plans re-priced by
    today's cost model. Step times are the analytic cost model's.
@@ -38,7 +39,7 @@ from coplan.cost import CostModel, load_stack  # noqa: E402
 from coplan.hardware import load_cluster  # noqa: E402
 from coplan.learn.dataset import open_dataset  # noqa: E402
 from coplan.learn.decode import LEARNED_K, plan_with_policy  # noqa: E402
-from coplan.learn.distill import distill, sample_large_job  # noqa: E402
+from coplan.learn.distill import SEARCH_S, distill, improve, sample_large_job  # noqa: E402
 from coplan.learn.jobs import Job  # noqa: E402
 from coplan.learn.train import example, load_policy, save_policy  # noqa: E402
 from coplan.models.spec import PRESETS  # noqa: E402
@@ -86,10 +87,18 @@ def _judge_large(ctxs: list[tuple[str, Any]], base: Any, tuned: Any) -> list[dic
             row[f"{label}_s"] = time.perf_counter() - t0
             row[label] = _step(ctx, plan)
         t0 = time.perf_counter()
+        got = improve(ctx, tuned, LEARNED_K, SEARCH_S)  # the learned-search strategy
+        row["search_s"] = time.perf_counter() - t0
+        row["search"] = _step(ctx, got.plan)
+        t0 = time.perf_counter()
         res = run_strategy("joint", ctx)
         row["joint_plan_s"] = time.perf_counter() - t0
         row["joint"] = res.estimate.step_time_s if res.fits else None
-        print(f"  {name:40s} before {row['before']}  after {row['after']}  joint {row['joint']}", flush=True)
+        print(
+            f"  {name:40s} before {row['before']}  after {row['after']}  search {row['search']}  "
+            f"joint {row['joint']}",
+            flush=True,
+        )
         rows.append(row)
     return rows
 
@@ -119,6 +128,9 @@ def main() -> None:
     ap.add_argument("--seconds", type=float, default=20.0, help="search budget per job")
     ap.add_argument("--replay", type=int, default=200, help="imitation examples replayed")
     ap.add_argument("--heldout", type=int, default=40, help="held-out dataset jobs judged")
+    ap.add_argument("--epochs", type=int, default=8, help="fine-tuning epochs per round")
+    ap.add_argument("--lr", type=float, default=1e-3, help="fine-tuning learning rate")
+    ap.add_argument("--repeat", type=int, default=4, help="times each improved plan is seen per epoch")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--results", type=Path, default=ROOT / "benchmarks" / "results" / "distill.json")
     args = ap.parse_args()
@@ -135,7 +147,17 @@ def main() -> None:
     net = base
     rounds = []
     for k in range(args.rounds):
-        net, rep = distill(net, fit_on, replay, seconds=args.seconds, seed=args.seed + k, progress=_say)
+        net, rep = distill(
+            net,
+            fit_on,
+            replay,
+            seconds=args.seconds,
+            epochs=args.epochs,
+            lr=args.lr,
+            repeat=args.repeat,
+            seed=args.seed + k,
+            progress=_say,
+        )
         rounds.append(rep.to_dict())
         print(f"round {k + 1}: {rep.to_dict()}", flush=True)
     save_policy(
@@ -164,8 +186,10 @@ def main() -> None:
             "after_vs_before": _ratios(large, "after", "before"),
             "before_vs_joint": _ratios(large, "before", "joint"),
             "after_vs_joint": _ratios(large, "after", "joint"),
+            "search_vs_joint": _ratios(large, "search", "joint"),
             "plan_time_s": {
                 "policy": statistics.median(r["after_s"] for r in large),
+                "learned_search": statistics.median(r["search_s"] for r in large),
                 "joint": statistics.median(r["joint_plan_s"] for r in large),
             },
             "jobs": large,

@@ -48,6 +48,7 @@ class Strategy(enum.StrEnum):  # coplan.search.STRATEGIES
     exhaustive = "exhaustive"
     learned = "learned"
     learned_greedy = "learned-greedy"
+    learned_search = "learned-search"
 
 
 class StackName(enum.StrEnum):  # coplan.cost.stacks.stack_names()

@@ -453,7 +453,9 @@ def _check_policy(policy: Path | None, names: list[str]) -> None:
     if policy is None:
         return
     if not any(n.startswith("learned") for n in names):
-        raise SpecError("--policy", None, "applies to the learned strategies (learned, learned-greedy)")
+        raise SpecError(
+            "--policy", None, "applies to the learned strategies (learned, learned-greedy, learned-search)"
+        )
     from coplan.learn.decode import default_policy
 
     default_policy(policy)

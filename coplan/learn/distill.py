@@ -9,9 +9,10 @@ search's choices the same way):
 
 1. the policy proposes (``decode.plan_with_policy``);
 2. a local search guided by it improves the proposal under the cost model (``improve``): the
-   layouts next to the best one (one or two of TP, PP, DP, virtual stages, sequence parallelism,
-   ZeRO stage, microbatch, precision changed) decoded by the policy's own per-op heads, repaired
-   to fit and priced, climbing while a neighbour scores better (fits first, then step time);
+   layouts next to the best one (up to ``MOVE_FIELDS`` of TP, PP, DP, virtual stages, sequence
+   parallelism, ZeRO stage, microbatch, precision changed) decoded by the policy's own per-op
+   heads, repaired to fit and priced, climbing while a neighbour scores better (fits first, then
+   step time). The ``learned-search`` strategy is steps 1 and 2;
 3. the policy is fine-tuned to imitate the improved plans, with the imitation examples it was
    trained on replayed beside them so that it keeps what it knew (``distill``).
 
@@ -35,7 +36,7 @@ from coplan.learn.jobs import LARGE_SPLITS, Job, _hypothetical, _params, _spec
 from coplan.learn.policy import PolicyNet
 from coplan.plan.types import Plan
 
-__all__ = ["LARGE_SPLITS", "Improved", "distill", "improve", "sample_large_job"]
+__all__ = ["MOVE_FIELDS", "SEARCH_S", "Improved", "distill", "improve", "sample_large_job"]
 
 LARGE_HELDOUT_P = 0.25
 _LARGE_WIDTHS = (5120, 6144, 8192)
@@ -100,9 +101,18 @@ class Improved:
         return 1.0
 
 
-def _neighbours(keys: list[tuple[object, ...]], at: int, limit: int = 2) -> list[int]:
-    """Layouts differing from layout ``at`` in one or two of their fields, the one-field ones
-    first (TP x PP x DP is the GPU count, so most moves change two)."""
+#: fields of a layout (TP, PP, DP, virtual stages, SP, ZeRO, microbatch, precision, fp8 weights) a
+#: search move may change at once: TP x PP x DP is the GPU count, so most moves change two, and
+#: moving TP and PP against each other with interleaving (LLaMA-2 70B on 1,024 H100: TP2 DP512 ->
+#: TP2 PP2 DP256 with 40 chunks) changes three
+MOVE_FIELDS = 3
+#: seconds the ``learned-search`` strategy's search may take at most
+SEARCH_S = 10.0
+
+
+def _neighbours(keys: list[tuple[object, ...]], at: int, limit: int = MOVE_FIELDS) -> list[int]:
+    """Layouts differing from layout ``at`` in at most ``limit`` of their fields, the fewest
+    first."""
     base = keys[at]
     near = [(sum(a != b for a, b in zip(k, base, strict=True)), i) for i, k in enumerate(keys) if i != at]
     return [i for d, i in sorted(near) if d <= limit]
@@ -187,15 +197,17 @@ def distill(
     *,
     k: int = 8,
     seconds: float = 20.0,
-    epochs: int = 6,
-    lr: float = 5e-4,
+    epochs: int = 8,
+    lr: float = 1e-3,
+    repeat: int = 4,
     seed: int = 0,
     progress: Callable[[int, int, str], None] | None = None,
 ) -> tuple[PolicyNet, DistillReport]:
     """One round of expert iteration: each job improved by the policy-guided search (``improve``),
     then a copy of ``net`` fine-tuned on the improved plans and on ``replay`` (the imitation
     examples, ``train.Example``), with a small learning rate so that it moves toward the search's
-    choices without forgetting the teacher's."""
+    choices without forgetting the teacher's; each improved plan is seen ``repeat`` times an epoch
+    (the replayed examples outnumber them)."""
     from coplan.learn.train import example_of, train
 
     t0 = time.perf_counter()
@@ -214,6 +226,6 @@ def distill(
             progress(n + 1, len(jobs), f"{job.spec.name} x{got.gain:.3f}")
     search_s = time.perf_counter() - t0
     t1 = time.perf_counter()
-    tuned, losses = train([*found, *replay], epochs=epochs, seed=seed, lr=lr, start=net)
+    tuned, losses = train([*found * max(1, repeat), *replay], epochs=epochs, seed=seed, lr=lr, start=net)
     report = DistillReport(len(jobs), improved, gains, search_s, time.perf_counter() - t1, losses)
     return tuned, report

@@ -1,5 +1,7 @@
 """The learned strategies, registered with the others (``search.strategies``): ``learned`` and
-``learned-greedy`` (``decode.py``). Importing this module registers them; the CLI does."""
+``learned-greedy`` (``decode.py``), and ``learned-search``, the policy's plan improved by the
+local search it guides (``distill.improve``, at most ``distill.SEARCH_S`` seconds). Importing this
+module registers them; the CLI does."""
 
 from __future__ import annotations
 
@@ -24,3 +26,15 @@ def learned(ctx: PlanContext, opts: Options) -> tuple[Plan, list[PassRecord], li
 @strategy("learned-greedy")
 def learned_greedy(ctx: PlanContext, opts: Options) -> tuple[Plan, list[PassRecord], list[str]]:
     return _run(ctx, opts, 1)
+
+
+@strategy("learned-search")
+def learned_search(ctx: PlanContext, opts: Options) -> tuple[Plan, list[PassRecord], list[str]]:
+    from coplan.learn.distill import SEARCH_S, improve
+
+    got = improve(ctx, default_policy(opts.policy), LEARNED_K, SEARCH_S)
+    note = (
+        f"policy-guided search: {got.priced} plans priced, {got.steps} moves, "
+        f"{got.gain:.3f}x the policy's own plan"
+    )
+    return got.plan, [], [note]

@@ -251,12 +251,15 @@ def test_large_jobs_are_deterministic_and_beyond_the_imitation_data():
     assert all(64 <= j.cluster.num_devices <= 1024 and j.split in LARGE_SPLITS for j in jobs)
 
 
-def test_neighbouring_layouts_differ_in_one_or_two_fields():
-    from coplan.learn.distill import _neighbours
+def test_neighbouring_layouts_differ_in_at_most_three_fields_fewest_first():
+    from coplan.learn.distill import MOVE_FIELDS, _neighbours
 
-    keys = [(1, 1, 8), (2, 1, 4), (1, 2, 4), (2, 2, 2), (1, 1, 8)[:2] + (9,)]
-    # one field first (the last key differs in dp alone), then two; (2, 2, 2) differs in three
-    assert _neighbours(keys, 0) == [4, 1, 2]
+    keys = [(1, 1, 8, 0), (2, 1, 4, 0), (1, 2, 4, 0), (2, 2, 2, 1), (1, 1, 9, 0), (2, 2, 2, 0)]
+    # one field first (the fifth key differs in its third alone), then two, then three; (2, 2, 2, 1)
+    # differs in four
+    assert MOVE_FIELDS == 3
+    assert _neighbours(keys, 0) == [4, 1, 2, 5]
+    assert _neighbours(keys, 0, limit=2) == [4, 1, 2]
 
 
 def test_the_policy_guided_search_never_returns_a_worse_plan():
@@ -293,3 +296,17 @@ def test_distillation_fine_tunes_a_copy(data, tmp_path, cli):
     assert res["distilled"]["rounds"][0]["jobs"] == res["distilled"]["large_jobs"] and out.is_file()
     code, _, err = cli("learn", "distill", "--out", str(tmp_path / "x.pt"), "--n", "0")
     assert code == 2 and err.strip().count("\n") == 0 and not (tmp_path / "x.pt").exists()
+
+
+def test_learned_search_is_a_strategy_never_worse_than_learned(cli):
+    args = ("plan", "--model", "gpt-tiny", "--cluster", "h100", "--gpus", "8", "--global-batch", "16")
+    args += ("--seq", "64", "--json")
+    code, out, err = cli(*args, "--strategy", "learned")
+    assert code == 0, err
+    plain = json.loads(out)
+    code, out, err = cli(*args, "--strategy", "learned-search")
+    assert code == 0, err
+    searched = json.loads(out)
+    assert searched["strategy"] == "learned-search" and searched["fits"]
+    assert any("policy-guided search" in n for n in searched["notes"])
+    assert searched["step_time_s"] <= plain["step_time_s"] * (1 + 1e-9)
