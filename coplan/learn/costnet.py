@@ -16,6 +16,7 @@ percentage error of the step time.
 
 from __future__ import annotations
 
+import copy
 import math
 import random
 from collections.abc import Callable
@@ -75,12 +76,18 @@ def train_costnet(
     hidden: int = 64,
     layers: int = 3,
     progress: Callable[[int, int, str], None] | None = None,
+    start: CostNet | None = None,
 ) -> tuple[CostNet, float]:
     """A cost network fitted to ``data`` (mean squared error of the two logs); the last epoch's
-    mean loss."""
+    mean loss. ``start``: fine-tune a copy of that network instead (measured runs on top of the
+    analytic labels: ``measured.run_examples``)."""
     torch.manual_seed(seed)
     rng = random.Random(seed)
-    net = CostNet(hidden, layers)
+    if start is not None:
+        net = copy.deepcopy(start)
+        net.train()
+    else:
+        net = CostNet(hidden, layers)
     opt = torch.optim.Adam(net.parameters(), lr=lr)
     last = 0.0
     for epoch in range(epochs):

@@ -310,3 +310,23 @@ def test_learned_search_is_a_strategy_never_worse_than_learned(cli):
     assert searched["strategy"] == "learned-search" and searched["fits"]
     assert any("policy-guided search" in n for n in searched["notes"])
     assert searched["step_time_s"] <= plain["step_time_s"] * (1 + 1e-9)
+
+
+def test_measured_runs_become_cost_examples_labelled_with_what_was_measured(tmp_path):
+    from coplan.learn.measured import accuracy, measured_report, read_runs, run_examples
+
+    recorded = Path(__file__).parents[2] / "benchmarks" / "results" / "apply_runs.jsonl"
+    lines = recorded.read_text().splitlines()[:3]
+    bad = json.loads(lines[0]) | {"grad_check": {"ok": False}}
+    path = tmp_path / "runs.jsonl"
+    path.write_text("\n".join([*lines, json.dumps(bad)]) + "\n")
+    runs = read_runs([path])
+    assert len(runs) == 3  # the run whose gradients failed their check is left out
+    data, analytic = run_examples(runs)
+    for r, ex, a in zip(runs, data, analytic, strict=True):
+        assert ex.step_s == r["measured"]["step_time_s"]
+        # priced today on the context the runner prices it in: what the run recorded as predicted
+        assert a == pytest.approx(r["predicted"]["step_time_s"], rel=1e-6)
+    exact = accuracy([ex.step_s for ex in data], data)
+    assert exact["mape"] == 0.0 and exact["top1_regret"] == 0.0
+    assert set(measured_report(None, data, analytic)) == {"analytic"}

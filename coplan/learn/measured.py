@@ -1,0 +1,112 @@
+"""Measured runs as examples of the learned cost model, and its error against them.
+
+``coplan run --record FILE`` appends one JSON line per run: the model, the plan, the cluster it ran
+on, the measured step time and peak memory, and the analytic model's prediction. Each becomes a
+``CostExample`` labelled with what was measured (``run_examples``), planned on the context the
+runner prices it in (``apply.predict``: coplan's runner stack on the run's own cluster), so the
+learned cost model can be judged against real steps beside the analytic model
+(``measured_report``) and fine-tuned on them (``costnet.train_costnet(start=...)``). Runs of the
+same model, cluster, batch and sequence under different plans form one job: Kendall's tau and
+the top-1 regret are taken within a job, as in ``costnet.rank_report``.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Iterable
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from coplan.learn.costnet import CostExample, CostNet, kendall_tau
+
+__all__ = ["accuracy", "measured_report", "predictions", "read_runs", "run_examples"]
+
+
+def read_runs(paths: Iterable[Path]) -> list[dict[str, Any]]:
+    """The runs recorded in ``paths`` (JSON lines), those whose gradients passed their check."""
+    out = []
+    for path in paths:
+        for line in Path(path).read_text(encoding="utf-8").splitlines():
+            if line.strip():
+                r = json.loads(line)
+                if r.get("grad_check", {}).get("ok", True) and r.get("mode", "plan") == "plan":
+                    out.append(r)
+    return out
+
+
+def _job_key(r: dict[str, Any]) -> tuple[Any, ...]:
+    return (r["model"]["name"], r["cluster"], r["nproc"], r["global_batch"], r["seq"])
+
+
+def run_examples(runs: list[dict[str, Any]]) -> tuple[list[CostExample], list[float]]:
+    """Each run as a cost example labelled with its measured step time and peak bytes, and the
+    analytic model's step time for it today (same order)."""
+    from coplan.apply.predict import make_context, run_cluster
+    from coplan.hardware.cluster import ClusterSpec
+    from coplan.learn.features import job_graph, layout_features, plan_node_features
+    from coplan.models.spec import ModelSpec
+    from coplan.plan.types import Plan
+
+    jobs: dict[tuple[Any, ...], int] = {}
+    examples, analytic = [], []
+    for r in runs:
+        index = jobs.setdefault(_job_key(r), len(jobs))
+        cluster = run_cluster(ClusterSpec.from_dict(r["cluster_spec"]), r["nproc"], r["device"])
+        spec = ModelSpec(**{k: v for k, v in r["model"].items() if v is not None})
+        ctx = make_context(spec, cluster, r["global_batch"], r["seq"], r["device"])
+        plan = Plan.from_dict(r["plan"])
+        jg = job_graph(ctx, anchors="epilogue" in ctx.stack.fusion)
+        layout = torch.tensor(layout_features(plan.parallel, plan.precision), dtype=torch.float32)
+        measured = r["measured"]
+        examples.append(
+            CostExample(
+                index,
+                jg,
+                plan_node_features(jg, plan),
+                layout,
+                float(measured["step_time_s"]),
+                float(measured.get("peak_bytes") or r["predicted"]["peak_bytes"]),
+            )
+        )
+        analytic.append(ctx.price(plan).step_time_s)
+    return examples, analytic
+
+
+def accuracy(pred: list[float], data: list[CostExample]) -> dict[str, float | None]:
+    """Kendall's tau (mean over jobs), top-1 regret and MAPE of the step times ``pred`` against
+    the measured ones of ``data``."""
+    by_job: dict[int, list[tuple[float, float]]] = {}
+    for p, ex in zip(pred, data, strict=True):
+        by_job.setdefault(ex.job_index, []).append((p, ex.step_s))
+    taus, regrets = [], []
+    for pairs in by_job.values():
+        t = kendall_tau([p for p, _ in pairs], [s for _, s in pairs])
+        if t is not None:
+            taus.append(t)
+        regrets.append(min(pairs)[1] / min(s for _, s in pairs) - 1)
+    errs = [abs(p - ex.step_s) / ex.step_s for p, ex in zip(pred, data, strict=True)]
+    return {
+        "kendall_tau": sum(taus) / len(taus) if taus else None,
+        "top1_regret": sum(regrets) / len(regrets) if regrets else None,
+        "mape": sum(errs) / len(errs) if errs else None,
+        "jobs": float(len(by_job)),
+        "runs": float(len(data)),
+    }
+
+
+def predictions(net: CostNet, data: list[CostExample]) -> list[float]:
+    """``net``'s step seconds for each example."""
+    with torch.no_grad():
+        return [math.exp(float(net(ex.graph, ex.plan_x, ex.layout)[0])) for ex in data]
+
+
+def measured_report(net: CostNet | None, data: list[CostExample], analytic: list[float]) -> dict[str, Any]:
+    """Kendall's tau (mean over jobs), top-1 regret and MAPE against the measured step times: of
+    the learned cost model (``net``, where given) and of the analytic model (``analytic``)."""
+    out: dict[str, Any] = {"analytic": accuracy(analytic, data)}
+    if net is not None:
+        out["learned"] = accuracy(predictions(net, data), data)
+    return out
