@@ -1,11 +1,12 @@
 """The learned cost model against measured training steps, and fine-tuned on them.
 
-    python benchmarks/costnet_measured.py [--runs benchmarks/results/apply_runs.jsonl ...]
+    python benchmarks/costnet_measured.py [--runs RUNS.jsonl ...]
         [--data /tmp/coplan-learn] [--policy coplan/learn/policy.pt] [--replay 50] [--repeat 8]
         [--epochs 6] [--write] [--results benchmarks/results/costnet_measured.json]
 
-The runs recorded by ``coplan run --record`` (``benchmarks/bench_apply.py`` writes the default
-files: real training steps on this machine's CPU) become examples labelled with what was measured
+The runs recorded by ``coplan run --record`` (``benchmarks/bench_apply.py`` and
+``benchmarks/record_runs.py`` write the default files: real training steps of small GPT and
+LLaMA-style models on this machine's CPU) become examples labelled with what was measured
 (``coplan.learn.measured``). Reported, each against the measured step times (Kendall's tau within
 each job's plans, top-1 regret, MAPE):
 
@@ -40,6 +41,7 @@ from coplan.learn.train import attach_cost, load_policy, save_policy  # noqa: E4
 RUNS = (
     ROOT / "benchmarks" / "results" / "apply_runs.jsonl",
     ROOT / "benchmarks" / "results" / "apply_sweep_runs.jsonl",
+    ROOT / "benchmarks" / "results" / "llama_runs.jsonl",
 )
 
 
