@@ -10,7 +10,8 @@
 2. SMs taken by a communication kernel (TE's bulk and pipelined overlaps run their collectives on
    ``num_sm`` SMs): a GEMM beside a copy kernel of k thread blocks, one per SM, that streams memory
    for about as long as the GEMM. coplan prices the GEMM slower by ``k / (SMs - k)`` for as long as
-   the collective runs.
+   the collective runs (TE's overlaps), and an NCCL collective's neighbour as running at
+   ``1 - k / SMs`` of its rate while it runs (``coplan/cost/contention.py``): both are printed.
 
 Each record carries the measured seconds and what coplan's H100 preset predicts for the same case,
 so the gap can be read directly. Needs CUDA and Triton (shipped with PyTorch's CUDA
@@ -24,6 +25,8 @@ import sys
 
 import torch
 from h100_microbench import timed  # this folder's: the same CUDA-event timing as the microbenchmarks
+
+from coplan.cost.contention import run_beside
 
 #: (M tokens, N, K) of forward GEMMs TE splits: QKV and FC1 of the 177B model at TP8 (mb 1, seq
 #: 4096), the same at TP4, Nemotron-8B's at TP2 (mb 4); the projection and FC2 for the pipelined
@@ -141,6 +144,9 @@ def sm_sharing(sms: int) -> list[dict]:
                 "together_s": timed(both),
                 # coplan (no SM margin): the GEMM loses the k SMs while the collective runs
                 "predicted_together_s": max(gemm + min(comm, gemm) * blocks / (sms - blocks), comm),
+                # NCCL collectives beside compute (coplan/cost/contention.py): the GEMM runs at
+                # 1 - k / SMs of its rate while the copy runs, at its full rate after
+                "predicted_contention_s": max(run_beside(0.0, gemm, comm, blocks / sms), comm),
             }
         )
     return out
