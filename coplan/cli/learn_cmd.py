@@ -34,6 +34,14 @@ app = typer.Typer(
 )
 
 
+def _check_seed(seed: int) -> None:
+    """``--seed`` is a non-negative integer (one line, exit 2, otherwise)."""
+    from coplan.errors import SpecError
+
+    if isinstance(seed, bool) or seed < 0:
+        raise SpecError("--seed", None, f"must be a non-negative integer, got {seed!r}")
+
+
 @app.command("dataset")
 def dataset(
     out: Annotated[Path, typer.Option("--out", "-o", help="Folder of the dataset (made if missing).")],
@@ -61,8 +69,7 @@ def dataset(
 
     positive("--n", n)
     positive("--shard-size", shard_size)
-    if isinstance(seed, bool) or seed < 0:
-        raise SpecError("--seed", None, f"must be a non-negative integer, got {seed!r}")
+    _check_seed(seed)
     workers = positive("--jobs", jobs, optional=True) or os.cpu_count() or 1
     if ray is not None and jobs is not None:
         raise SpecError("--jobs", None, "applies to local workers, not with --ray (Ray schedules its own)")
@@ -113,8 +120,7 @@ def train_cmd(
     from coplan.learn.train import examples, save_policy, train
 
     positive("--epochs", epochs)
-    if isinstance(seed, bool) or seed < 0:
-        raise SpecError("--seed", None, f"must be a non-negative integer, got {seed!r}")
+    _check_seed(seed)
     out = Path(os.path.expanduser(str(out)))
     check_output("--out", out)
     ds = open_dataset(Path(os.path.expanduser(str(data))))
@@ -251,21 +257,20 @@ def distill_cmd(
     from coplan.errors import SpecError
     from coplan.fileio import check_output
     from coplan.learn.dataset import open_dataset
-    from coplan.learn.decode import default_policy
+    from coplan.learn.decode import DEFAULT_POLICY
     from coplan.learn.distill import distill, sample_large_job
-    from coplan.learn.train import example, save_policy
+    from coplan.learn.train import example, load_policy, save_policy
 
     positive("--n", n)
     positive("--rounds", rounds)
     positive("--replay", replay)
     if not seconds > 0:
         raise SpecError("--seconds", None, f"must be positive, got {seconds!r}")
-    if isinstance(seed, bool) or seed < 0:
-        raise SpecError("--seed", None, f"must be a non-negative integer, got {seed!r}")
+    _check_seed(seed)
     out = Path(os.path.expanduser(str(out)))
     check_output("--out", out)
     source = Path(os.path.expanduser(str(policy))) if policy is not None else None
-    net = default_policy(source)
+    net, source_meta = load_policy(source or DEFAULT_POLICY)  # its provenance goes into the new file
     ds = open_dataset(Path(os.path.expanduser(str(data)))) if data is not None else None
     torch.set_num_threads(1)
     t0 = time.perf_counter()
@@ -297,7 +302,7 @@ def distill_cmd(
         },
         "seconds": time.perf_counter() - t0,
     }
-    save_policy(net, out, meta)
+    save_policy(net, out, source_meta | meta)
     if json:
         print_json({"out": str(out), **meta})
         return

@@ -294,6 +294,8 @@ def test_distillation_fine_tunes_a_copy(data, tmp_path, cli):
     assert code == 0, err
     res = json.loads(stdout)
     assert res["distilled"]["rounds"][0]["jobs"] == res["distilled"]["large_jobs"] and out.is_file()
+    written = load_policy(out)[1]  # the source policy's provenance, and what distillation did
+    assert written["distilled"] == res["distilled"] and "train_jobs" in written and "cost_model" in written
     code, _, err = cli("learn", "distill", "--out", str(tmp_path / "x.pt"), "--n", "0")
     assert code == 2 and err.strip().count("\n") == 0 and not (tmp_path / "x.pt").exists()
 
