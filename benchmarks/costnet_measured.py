@@ -32,9 +32,9 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from coplan.learn.costnet import CostNet, train_costnet  # noqa: E402
+from coplan.learn.costnet import CostNet, predict_steps, train_costnet  # noqa: E402
 from coplan.learn.dataset import open_dataset  # noqa: E402
-from coplan.learn.measured import accuracy, measured_report, predictions, read_runs, run_examples  # noqa: E402
+from coplan.learn.measured import accuracy, measured_report, read_runs, run_examples  # noqa: E402
 from coplan.learn.samples import cost_examples  # noqa: E402
 from coplan.learn.train import attach_cost, load_policy, save_policy  # noqa: E402
 
@@ -75,7 +75,7 @@ def main() -> None:
             train * args.repeat + replay, epochs=args.epochs, lr=1e-3, seed=job, start=net.cost
         )
         idx = [i for i, e in enumerate(data) if e.job_index == job]
-        for i, p in zip(idx, predictions(tuned, [data[i] for i in idx]), strict=True):
+        for i, p in zip(idx, predict_steps(tuned, [data[i] for i in idx]), strict=True):
             held[i] = p
         print(f"  job {job}: {len(idx)} runs held out", flush=True)
 

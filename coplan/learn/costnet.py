@@ -34,7 +34,16 @@ from coplan.learn.features import (
 )
 from coplan.learn.gnn import gine_layers, propagate
 
-__all__ = ["COSTNET_VERSION", "CostExample", "CostNet", "kendall_tau", "rank_report", "train_costnet"]
+__all__ = [
+    "COSTNET_VERSION",
+    "CostExample",
+    "CostNet",
+    "kendall_tau",
+    "predict_steps",
+    "rank_accuracy",
+    "rank_report",
+    "train_costnet",
+]
 
 COSTNET_VERSION = 1
 
@@ -132,16 +141,12 @@ def kendall_tau(a: list[float], b: list[float]) -> float | None:
     return (conc - disc) / denom if denom else None
 
 
-def rank_report(net: CostNet, data: list[CostExample]) -> dict[str, float | None]:
+def rank_accuracy(pred: list[float], data: list[CostExample]) -> dict[str, float | None]:
     """Kendall's tau (mean over jobs), top-1 regret (mean over jobs) and the step time's MAPE of
-    ``net`` against the analytic labels of ``data``."""
+    the step times ``pred`` against the labels of ``data`` (same order)."""
     by_job: dict[int, list[tuple[float, float]]] = {}
-    errs = []
-    with torch.no_grad():
-        for ex in data:
-            pred = math.exp(float(net(ex.graph, ex.plan_x, ex.layout)[0]))
-            by_job.setdefault(ex.job_index, []).append((pred, ex.step_s))
-            errs.append(abs(pred - ex.step_s) / ex.step_s)
+    for p, ex in zip(pred, data, strict=True):
+        by_job.setdefault(ex.job_index, []).append((p, ex.step_s))
     taus, regrets = [], []
     for pairs in by_job.values():
         t = kendall_tau([p for p, _ in pairs], [s for _, s in pairs])
@@ -150,8 +155,21 @@ def rank_report(net: CostNet, data: list[CostExample]) -> dict[str, float | None
         best = min(s for _, s in pairs)
         picked = min(pairs)[1]
         regrets.append(picked / best - 1)
+    errs = [abs(p - ex.step_s) / ex.step_s for p, ex in zip(pred, data, strict=True)]
     return {
         "kendall_tau": sum(taus) / len(taus) if taus else None,
         "top1_regret": sum(regrets) / len(regrets) if regrets else None,
         "mape": sum(errs) / len(errs) if errs else None,
     }
+
+
+def predict_steps(net: CostNet, data: list[CostExample]) -> list[float]:
+    """``net``'s step seconds for each example."""
+    with torch.no_grad():
+        return [math.exp(float(net(ex.graph, ex.plan_x, ex.layout)[0])) for ex in data]
+
+
+def rank_report(net: CostNet, data: list[CostExample]) -> dict[str, float | None]:
+    """Kendall's tau (mean over jobs), top-1 regret (mean over jobs) and the step time's MAPE of
+    ``net`` against the analytic labels of ``data``."""
+    return rank_accuracy(predict_steps(net, data), data)

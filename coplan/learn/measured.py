@@ -13,16 +13,15 @@ the top-1 regret are taken within a job, as in ``costnet.rank_report``.
 from __future__ import annotations
 
 import json
-import math
 from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from coplan.learn.costnet import CostExample, CostNet, kendall_tau
+from coplan.learn.costnet import CostExample, CostNet, predict_steps, rank_accuracy
 
-__all__ = ["accuracy", "measured_report", "predictions", "read_runs", "run_examples"]
+__all__ = ["accuracy", "measured_report", "read_runs", "run_examples"]
 
 
 def read_runs(paths: Iterable[Path]) -> list[dict[str, Any]]:
@@ -77,30 +76,11 @@ def run_examples(runs: list[dict[str, Any]]) -> tuple[list[CostExample], list[fl
 
 def accuracy(pred: list[float], data: list[CostExample]) -> dict[str, float | None]:
     """Kendall's tau (mean over jobs), top-1 regret and MAPE of the step times ``pred`` against
-    the measured ones of ``data``."""
-    by_job: dict[int, list[tuple[float, float]]] = {}
-    for p, ex in zip(pred, data, strict=True):
-        by_job.setdefault(ex.job_index, []).append((p, ex.step_s))
-    taus, regrets = [], []
-    for pairs in by_job.values():
-        t = kendall_tau([p for p, _ in pairs], [s for _, s in pairs])
-        if t is not None:
-            taus.append(t)
-        regrets.append(min(pairs)[1] / min(s for _, s in pairs) - 1)
-    errs = [abs(p - ex.step_s) / ex.step_s for p, ex in zip(pred, data, strict=True)]
-    return {
-        "kendall_tau": sum(taus) / len(taus) if taus else None,
-        "top1_regret": sum(regrets) / len(regrets) if regrets else None,
-        "mape": sum(errs) / len(errs) if errs else None,
-        "jobs": float(len(by_job)),
+    the measured ones of ``data`` (``costnet.rank_accuracy``), with the counts of jobs and runs."""
+    return rank_accuracy(pred, data) | {
+        "jobs": float(len({ex.job_index for ex in data})),
         "runs": float(len(data)),
     }
-
-
-def predictions(net: CostNet, data: list[CostExample]) -> list[float]:
-    """``net``'s step seconds for each example."""
-    with torch.no_grad():
-        return [math.exp(float(net(ex.graph, ex.plan_x, ex.layout)[0])) for ex in data]
 
 
 def measured_report(net: CostNet | None, data: list[CostExample], analytic: list[float]) -> dict[str, Any]:
@@ -108,5 +88,5 @@ def measured_report(net: CostNet | None, data: list[CostExample], analytic: list
     the learned cost model (``net``, where given) and of the analytic model (``analytic``)."""
     out: dict[str, Any] = {"analytic": accuracy(analytic, data)}
     if net is not None:
-        out["learned"] = accuracy(predictions(net, data), data)
+        out["learned"] = accuracy(predict_steps(net, data), data)
     return out
