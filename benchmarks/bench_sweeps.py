@@ -46,9 +46,13 @@ _PROVENANCE = ("id", "source", "measured", "assumptions", "held_out", "pair")
 
 
 def _uncited(value: object) -> object:
-    """``value`` without its citations (``source``/``sources`` at any depth)."""
+    """``value`` without its citations (``source``/``sources``/``*_source`` at any depth)."""
     if isinstance(value, dict):
-        return {k: _uncited(v) for k, v in value.items() if k not in ("source", "sources")}
+        return {
+            k: _uncited(v)
+            for k, v in value.items()
+            if k not in ("source", "sources") and not k.endswith("_source")
+        }
     if isinstance(value, list):
         return [_uncited(v) for v in value]
     return value

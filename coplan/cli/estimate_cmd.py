@@ -77,6 +77,11 @@ class LossFusion(enum.StrEnum):  # coplan.cost.config.LOSS_FUSIONS
     inductor = "inductor"
 
 
+class Fp8Scaling(enum.StrEnum):  # coplan.cost.config.FP8_SCALINGS
+    tensorwise = "tensorwise"
+    rowwise = "rowwise"
+
+
 def estimate(
     model: ModelOpt = DEFAULT_MODEL,
     cluster: ClusterOpt = DEFAULT_CLUSTER,
@@ -176,6 +181,14 @@ def estimate(
             "no 16-bit copy of block weights, parameter all-gathers in fp8.",
         ),
     ] = False,
+    fp8_scaling: Annotated[
+        Fp8Scaling,
+        typer.Option(
+            "--fp8-scaling",
+            help="With --dtype fp8: one scale per tensor (Transformer Engine, torchao tensorwise) or "
+            "per row (torchao rowwise: casts along both axes, rescaled backward GEMMs, 16-bit TP gathers).",
+        ),
+    ] = Fp8Scaling.tensorwise,
     nccl_ub: Annotated[
         bool,
         typer.Option(
@@ -316,6 +329,7 @@ def estimate(
         overlap_p2p=overlap_p2p,
         grad_reduce_fp32=grad_reduce_fp32,
         fp8_params=fp8_params,
+        fp8_scaling=fp8_scaling.value,
         nccl_ub=nccl_ub,
         activation_fusion=activation_fusion,
         loss_fusion=loss_fusion.value,
@@ -474,7 +488,8 @@ def render(est: Estimate, title: str) -> None:
     console.print(
         f"tp={c.tp} pp={c.pp} dp={c.dp} vpp={c.vpp} microbatch={c.microbatch} global batch={c.global_batch} "
         f"({c.num_microbatches} microbatches) recompute={rec} sp={'on' if c.sequence_parallel else 'off'} "
-        f"zero={c.zero} dtype={c.dtype}{' (fp8 params)' if c.fp8_params else ''} "
+        f"zero={c.zero} dtype={c.dtype}{' (fp8 params)' if c.fp8_params else ''}"
+        f"{' (rowwise)' if c.fp8_scaling == 'rowwise' and c.dtype == 'fp8' else ''} "
         f"flash={'on' if c.flash_attention else 'off'}"
         f"{'' if c.attention_kernel == 'auto' else f' ({c.attention_kernel})'} fusion={c.fusion}",
         soft_wrap=True,

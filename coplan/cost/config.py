@@ -44,6 +44,10 @@ LOSS_FUSIONS: tuple[str, ...] = ("none", "native", "te", "inductor")
 #: Ampere); a kernel name prices that kernel where the device has rates for it
 #: (``DeviceSpec.attention_kernels``), and is an error elsewhere.
 ATTENTION_KERNEL_CHOICES: tuple[str, ...] = ("auto", *ATTENTION_KERNELS)
+#: How fp8 GEMM operands are scaled (``TrainingConfig.fp8_scaling``): one scale per tensor
+#: (Transformer Engine's recipes, torchao's ``tensorwise``) or one per row of each operand along its
+#: reduction axis (torchao's ``rowwise`` recipe, ``Float8LinearRecipeName.ROWWISE``).
+FP8_SCALINGS: tuple[str, ...] = ("tensorwise", "rowwise")
 #: PyTorch DDP's default ``bucket_cap_mb`` (25 MiB of gradients).
 DDP_BUCKET_BYTES = 25 * 2**20
 
@@ -102,6 +106,11 @@ class TrainingConfig:
         fp8_params: under fp8, the block GEMMs' weights are fp8 themselves (Transformer Engine's
             ``fp8_model_init``; NeMo ``fp8_params``, Megatron ``--fp8-param-gather``): no 16-bit copy
             beside TE's fp8 one, and the distributed optimizer all-gathers them in fp8.
+        fp8_scaling: how fp8 GEMM operands are scaled (``FP8_SCALINGS``). ``"tensorwise"``: one scale
+            per tensor, the casts Transformer Engine runs (``coplan.cost.fp8``). ``"rowwise"``:
+            torchao's rowwise recipe: every operand cast along its own axis in forward and again
+            along the other in backward, the backward GEMMs rescaled by a kernel of their own, and
+            tensor-parallel gathers in 16 bits (``coplan.cost.fp8.rowwise_bytes``).
         stage_layers: layers held by each pipeline stage (default: an even split).
         recompute_per_stage: one recompute mode or set per pipeline stage, overriding ``recompute``
             (the first stage holds the most in-flight microbatches and may recompute more).
@@ -173,6 +182,7 @@ class TrainingConfig:
     overlap_p2p: bool = True
     grad_reduce_fp32: bool = True
     fp8_params: bool = False
+    fp8_scaling: str = "tensorwise"
     activation_fusion: bool = True
     stage_layers: tuple[int, ...] | None = None
     recompute_per_stage: tuple[str | frozenset[str], ...] | None = None
@@ -266,6 +276,12 @@ class TrainingConfig:
             raise ConfigError("fsdp_shard", f"must be a positive divisor of dp ({self.dp}), got {n!r}")
         if not isinstance(self.eager_loss, bool):
             raise ConfigError("eager_loss", f"must be true or false, got {self.eager_loss!r}")
+        if self.fp8_scaling not in FP8_SCALINGS:
+            raise ConfigError(
+                "fp8_scaling", f"must be one of {', '.join(FP8_SCALINGS)}, got {self.fp8_scaling!r}"
+            )
+        if self.fp8_params and self.fp8_scaling != "tensorwise":
+            raise ConfigError("fp8_params", "fp8 primary weights need tensorwise scaling")
         if self.fp8_params and self.dtype != "fp8":
             raise ConfigError("fp8_params", f"needs dtype fp8, got {self.dtype!r}")
         if self.vpp > 1 and self.pp == 1:
@@ -382,6 +398,7 @@ class TrainingConfig:
             **({"eager_loss": True} if self.eager_loss else {}),
             **({"fsdp_shard": self.fsdp_shard} if self.fsdp_shard is not None else {}),
             **({"nccl_ub": True} if self.nccl_ub else {}),
+            **({"fp8_scaling": self.fp8_scaling} if self.fp8_scaling != "tensorwise" else {}),
         }
 
 

@@ -576,8 +576,10 @@ class _Priced:
         # fp8 with sequence parallelism: Transformer Engine quantises a GEMM input before gathering
         # it (the fused norm writes fp8, the output gradient is cast before its all-gather), so the
         # block's all-gathers move 1-byte elements; reductions stay in 16 bits, and the embedding
-        # and LM head run in 16 bits anyway
-        ag = 1 if runs_fp8(c.dtype, self.cost.device) and part.blocks else ab
+        # and LM head run in 16 bits anyway. Rowwise scaling gathers in 16 bits and casts after
+        # (torchtitan's ``Float8ColwiseParallel`` serves tensorwise scaling only)
+        fp8_gather = runs_fp8(c.dtype, self.cost.device) and c.fp8_scaling == "tensorwise"
+        ag = 1 if fp8_gather and part.blocks else ab
         if c.tp_comm_overlap and c.sequence_parallel and part.blocks:
             # Transformer Engine's userbuffers: each collective beside the GEMM it feeds or
             # drains, at the cost of its overlap method (``tp_overlap.py``); kept on the part for

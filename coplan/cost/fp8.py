@@ -17,8 +17,9 @@ kernels of their own (``quant_bytes``): only the norm before QKV and FC1 writes 
 outside TE, are cast by the next GEMM's module. Weights are cast once per step
 (``weight_cast_bytes``), and their fp8 copies stay allocated through it (``weight_cache_bytes``).
 This follows TE v1.8 (Jul 2024); TE 2 reorganises the casts around quantizer objects, and is
-priced the same. MoE experts (batched 3-D weights) run at the fp8 rate without these casts, and the
-router is not an fp8 GEMM.
+priced the same. torchao's ``tensorwise`` recipe casts the same operands with one scale each, and
+is priced the same way; its ``rowwise`` recipe is priced by ``rowwise_bytes``. MoE experts
+(batched 3-D weights) run at the fp8 rate without these casts, and the router is not an fp8 GEMM.
 """
 
 from __future__ import annotations
@@ -180,6 +181,59 @@ def weight_cast_bytes(gemms: Sequence[QuantGemm], tp: int) -> float:
     return sum(4 * g.weight_elems / tp for g in gemms if g.dtype in ("", "fp8"))
 
 
+#: Bytes per element of torchao's rowwise casts (``torchao/testing/training/roofline_utils.py``,
+#: ``get_tensor_memory_traffic_ovhd_s`` for ``rowwise``, the recipe's own roofline): an activation
+#: or an output gradient is cast along its rows (read 2, write 1) and, for the other GEMM that reads
+#: it, transposed in 16 bits and cast along the other axis (read 2, write 2 + 1; read 2, write 1):
+#: 8 bytes, the first cast in forward for an input. A weight: cast (2 + 1) in forward, transposed
+#: (2 + 2) and cast (2 + 1) in backward: 10 bytes.
+ROWWISE_ACT_BYTES = (3.0, 5.0)  # (cast along rows, transpose and cast along columns)
+ROWWISE_WEIGHT_BYTES = (3.0, 7.0)  # (forward, backward)
+#: Bytes per element of the rescale after each backward GEMM: torchao runs the gradients' GEMMs
+#: without fast accumulation through cuBLAS's tensorwise kernel with unit scales and multiplies the
+#: output by the row scales in a kernel of its own (``torchao/float8/float8_ops.py``
+#: ``addmm_float8_unwrapped``: "The rowwise CUTLASS-based kernel is so slow without fast-accum",
+#: pytorch/ao#1325, Dec 2024, until pytorch/ao#2595, Jul 2025; pytorch/ao#2184: Inductor codegens at
+#: least one extra kernel per GEMM for it): read 2, write 2.
+ROWWISE_RESCALE_BYTES = 4.0
+
+
+def rowwise_bytes(gemms: Sequence[QuantGemm], tp: int) -> tuple[float, float, int, int]:
+    """(forward bytes, backward bytes, forward kernels, backward kernels) per GPU of torchao's
+    rowwise casts and rescales around a block's fp8 GEMMs in one microbatch, weights included:
+    ``Float8Linear`` casts its weight at every forward call and again in backward
+    (``torchao/float8/float8_linear.py``, ``matmul_with_hp_or_float8_args``), keeping no fp8 copy.
+
+    Tensor parallelism without fp8 gathers (torchtitan enables ``Float8ColwiseParallel`` only for
+    tensorwise scaling, ``torchtitan/models/llama3/infra/parallelize.py`` ``apply_tp``) casts what
+    each rank holds after the 16-bit collectives: a column-parallel GEMM's whole input and a
+    row-parallel GEMM's whole output gradient on every rank, the sharded ones on their shard. Casts
+    of one input shared by several GEMMs are one (torch.compile's graph CSE)."""
+    act_fwd, act_bwd = ROWWISE_ACT_BYTES
+    w_fwd, w_bwd = ROWWISE_WEIGHT_BYTES
+    fwd = bwd = 0.0
+    nf = nb = 0
+    seen: set[int] = set()
+    for g in gemms:
+        if g.dtype not in ("", "fp8"):
+            continue  # kept in 16 bits by a precision override
+        x = g.input_elems / tp if g.row_parallel else g.input_elems
+        dy = g.output_elems if g.row_parallel else g.output_elems / tp
+        w = g.weight_elems / tp
+        if g.input_key not in seen:
+            seen.add(g.input_key)
+            fwd += act_fwd * x
+            bwd += act_bwd * x
+            nf += 1
+            nb += 2  # the column amax, then the transposing cast
+        bwd += (act_fwd + act_bwd) * dy + ROWWISE_RESCALE_BYTES * (x + w)
+        fwd += w_fwd * w
+        bwd += w_bwd * w
+        nf += 1
+        nb += 3 + 2 + 3  # output gradient's casts; two rescales; weight's transpose, amax, cast
+    return fwd, bwd, nf, nb
+
+
 def runs_fp8(dtype: str, device: DeviceSpec) -> bool:
     """Whether training in ``dtype`` runs Transformer Engine's fp8 on ``device`` (a device without
     fp8 matrix units runs the GEMMs in 16 bits, and TE none of its fp8 machinery)."""
@@ -202,6 +256,10 @@ def fp8_cost(
     gemms: Sequence[QuantGemm], config: TrainingConfig, bandwidth: float, launch_s: float
 ) -> Fp8Cost:
     """The block's fp8 casts at ``bandwidth`` bytes/s and ``launch_s`` per kernel."""
+    if config.fp8_scaling == "rowwise":
+        # weights cast at every use, inside the forward and backward (``rowwise_bytes``)
+        fb, bb, nf, nb = rowwise_bytes(gemms, config.tp)
+        return Fp8Cost(fb / bandwidth + nf * launch_s, bb / bandwidth + nb * launch_s, nf, nb, 0.0, 0.0)
     fb, bb, nf, nb = quant_bytes(gemms, config.tp, config.sequence_parallel)
     cast = weight_cast_bytes(gemms, config.tp) / bandwidth
     if config.fp8_params:

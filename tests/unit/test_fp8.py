@@ -209,3 +209,54 @@ def test_a_mixed_cluster_takes_mfu_against_what_each_device_really_runs():
     a100 = next(d for d in cluster.devices if d.name == "a100-sxm-80gb")
     assert est.peak_flops == a100.peak("bf16") and 0 < est.mfu < 1
     assert [n.split(" ")[0] for n in est.notes] == ["a100-sxm-80gb"]
+
+
+def test_rowwise_cast_bytes_of_a_gpt_block():
+    # torchao's rowwise recipe: each distinct input cast along rows in forward (2 + 1) and along
+    # columns, transposed, in backward (2 + 2 + 1); each output gradient both ways (8); each weight
+    # cast at every use (3 forward, 7 backward); each backward GEMM's output rescaled (2 + 2).
+    # Under TP a column-parallel input and a row-parallel output gradient are whole on every rank.
+    from coplan.cost.fp8 import rowwise_bytes
+
+    part = _block(GPT)
+    t, h = B * S, GPT.d_model
+    for tp in (1, 2):
+        fwd, bwd, nf, nb = rowwise_bytes(part.fp8_gemms, tp)
+        # inputs: QKV (t h, whole), projection (t h / tp), FC1 (t h, whole), FC2 (4 t h / tp)
+        inputs = t * h + t * h / tp + t * h + 4 * t * h / tp
+        # output gradients: QKV (3 t h / tp), projection (t h, whole), FC1 (4 t h / tp), FC2 (t h)
+        grads = 3 * t * h / tp + t * h + 4 * t * h / tp + t * h
+        weights = 12 * h * h / tp
+        assert fwd == pytest.approx(3 * inputs + 3 * weights)
+        assert bwd == pytest.approx(5 * inputs + 8 * grads + 7 * weights + 4 * (inputs + weights))
+        assert (nf, nb) == (4 + 4, 4 * 2 + 4 * 8)
+
+
+def test_rowwise_scaling_costs_more_than_tensorwise_and_gathers_in_16_bits(cli):
+    from coplan.cost import ConfigError
+
+    cluster = load_cluster("dgx-h100", 2)
+    config = TrainingConfig(
+        tp=2, sequence_parallel=True, microbatch=B, global_batch=4 * B, seq=S, dtype="fp8"
+    )
+    cm = CostModel(spec=GPT)
+    tw, rw = cm.estimate(cluster, config), cm.estimate(cluster, config.with_(fp8_scaling="rowwise"))
+    bf16 = cm.estimate(cluster, config.with_(dtype="bf16"))
+    assert rw.stages[0].forward_s > tw.stages[0].forward_s
+    assert rw.stages[0].backward_s > tw.stages[0].backward_s
+    # the block's all-gathers move 16-bit elements, as bf16's do; tensorwise gathers fp8
+    assert rw.breakdown_s["tp_comm"] == pytest.approx(bf16.breakdown_s["tp_comm"])
+    assert tw.breakdown_s["tp_comm"] < bf16.breakdown_s["tp_comm"]
+    # a bf16 configuration ignores the scaling: nothing runs in fp8
+    assert cm.estimate(cluster, config.with_(dtype="bf16", fp8_scaling="rowwise")).step_time_s == (
+        pytest.approx(bf16.step_time_s)
+    )
+    with pytest.raises(ConfigError, match="fp8_scaling"):
+        TrainingConfig(fp8_scaling="blockwise")
+    with pytest.raises(ConfigError, match="fp8_params"):
+        TrainingConfig(dtype="fp8", fp8_params=True, fp8_scaling="rowwise")
+    args = ("estimate", "--model", "gpt-tiny", "--dtype", "fp8", "--json")
+    code, out, _ = cli(*args, "--fp8-scaling", "rowwise")
+    assert code == 0 and '"fp8_scaling": "rowwise"' in out
+    code, out, err = cli(*args, "--fp8-scaling", "blockwise")
+    assert code == 2 and out == "" and "blockwise" in err
