@@ -73,6 +73,9 @@ def price(run: dict, stack: str) -> tuple[float, float, bool]:
         # the run's own version of the stack says whether torch.compile covered the loss
         spec_of_stack = replace(spec_of_stack, eager_loss=not r["stack_settings"]["loss_compiled"])
     config = spec_of_stack.configure(run_config(r))
+    if r["stack_settings"].get("async_tp"):
+        # PyTorch's async TP (``coplan.cost.tp_overlap.async_tp_slots``)
+        config = config.with_(async_tp=True)
     if r["stack_settings"].get("float8") == "rowwise":
         # torchao's rowwise recipe (``coplan.cost.fp8.rowwise_bytes``)
         config = config.with_(fp8_scaling="rowwise")

@@ -150,6 +150,15 @@ def estimate(
             show_default=False,
         ),
     ] = None,
+    async_tp: Annotated[
+        bool,
+        typer.Option(
+            "--async-tp",
+            help="Overlap tensor-parallel collectives as PyTorch's async TP does (torchtitan "
+            "enable_async_tensor_parallel: the pairs Inductor's micro-pipeline pass fuses; needs "
+            "--sequence-parallel; instead of userbuffers).",
+        ),
+    ] = False,
     tp_overlap_cfg: Annotated[
         Path | None,
         typer.Option(
@@ -304,7 +313,7 @@ def estimate(
     # what the user left unsaid, a production Megatron-Core stack decides (``production_overlaps``)
     auto = production_overlaps(hw.devices, tp, sequence_parallel, zero)
     if tp_comm_overlap is None:
-        tp_comm_overlap = auto["tp_comm_overlap"] and the_stack.tp_comm_overlap
+        tp_comm_overlap = auto["tp_comm_overlap"] and the_stack.tp_comm_overlap and not async_tp
     if overlap_param_gather is None:
         overlap_param_gather = auto["overlap_param_gather"]
     config = TrainingConfig(
@@ -325,6 +334,7 @@ def estimate(
         overlap_grad_reduce=overlap_grad_reduce,
         overlap_param_gather=overlap_param_gather,
         tp_comm_overlap=tp_comm_overlap,
+        async_tp=async_tp,
         tp_overlap_cfg=_ub_cfg(tp_overlap_cfg),
         overlap_p2p=overlap_p2p,
         grad_reduce_fp32=grad_reduce_fp32,
@@ -506,6 +516,8 @@ def render(est: Estimate, title: str) -> None:
         n = len(c.tp_overlap_cfg)
         tuned = f"{n} userbuffers slot{'s' if n != 1 else ''} tuned, the rest TE's defaults"
         shown["tp-comm"] = "on (" + (tuned if n else "TE's userbuffers defaults") + ")"
+    if c.async_tp and c.tp > 1:
+        shown["tp-comm"] = "async TP (the pairs PyTorch's micro-pipeline pass fuses)"
     console.print("overlaps: " + " ".join(f"{k}={v}" for k, v in shown.items()), soft_wrap=True)
     head = Table(box=box.SIMPLE_HEAD, show_header=False)
     head.add_column(style="bold")

@@ -90,6 +90,10 @@ class TrainingConfig:
             step's forward (Megatron ``--overlap-param-gather``).
         tp_comm_overlap: tensor-parallel collectives overlap GEMMs (Transformer Engine userbuffers),
             each as its slot's method prices it (``coplan.cost.tp_overlap``).
+        async_tp: tensor-parallel collectives overlapped as PyTorch's async TP does it (torchtitan's
+            ``enable_async_tensor_parallel``: Inductor's micro-pipeline pass over symmetric memory,
+            ``coplan.cost.tp_overlap.async_tp_slots``): only the pairs that pass fuses, the rest
+            exposed. Needs sequence parallelism; not with ``tp_comm_overlap``.
         tp_overlap_cfg: a recipe's userbuffers settings, ``(slot, method, num_sm, num_splits,
             set_sm_margin)`` per slot it sets (NeMo's ``ub_cfg_*.yaml``); the rest are TE's defaults.
         overlap_p2p: under the interleaved schedule, pipeline sends and receives overlap the next
@@ -178,6 +182,7 @@ class TrainingConfig:
     overlap_grad_reduce: bool = True
     overlap_param_gather: bool = False
     tp_comm_overlap: bool = False
+    async_tp: bool = False
     tp_overlap_cfg: tuple[tuple[str, str, int, int, bool], ...] = ()
     overlap_p2p: bool = True
     grad_reduce_fp32: bool = True
@@ -295,6 +300,12 @@ class TrainingConfig:
                 "needs sequence parallelism (Transformer Engine overlaps the all-gathers and "
                 "reduce-scatters of sequence parallelism, not all-reduces)",
             )
+        if self.async_tp and self.tp > 1 and not self.sequence_parallel:
+            # torchtitan refuses it too: the pass matches sequence parallelism's all-gathers and
+            # reduce-scatters
+            raise ConfigError("async_tp", "needs sequence parallelism (tp > 1 with sequence_parallel)")
+        if self.async_tp and self.tp_comm_overlap:
+            raise ConfigError("async_tp", "is another overlap of the same collectives than tp_comm_overlap")
         per_step = self.microbatch * self.dp
         if self.global_batch % per_step:
             raise ConfigError(
@@ -399,6 +410,7 @@ class TrainingConfig:
             **({"fsdp_shard": self.fsdp_shard} if self.fsdp_shard is not None else {}),
             **({"nccl_ub": True} if self.nccl_ub else {}),
             **({"fp8_scaling": self.fp8_scaling} if self.fp8_scaling != "tensorwise" else {}),
+            **({"async_tp": True} if self.async_tp else {}),
         }
 
 

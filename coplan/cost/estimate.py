@@ -69,7 +69,13 @@ from coplan.cost.stages import (
     stage_parts,
     static_bytes,
 )
-from coplan.cost.tp_overlap import block_overlap, ub_slots, with_rows
+from coplan.cost.tp_overlap import (
+    async_tp_reduce_bytes,
+    async_tp_slots,
+    block_overlap,
+    ub_slots,
+    with_rows,
+)
 from coplan.cost.zero import fsdp_schedule, fsdp_transient, zero3_exposed, zero3_transient
 from coplan.hardware.cluster import ClusterSpec
 from coplan.hardware.device import DeviceSpec
@@ -580,14 +586,29 @@ class _Priced:
         # (torchtitan's ``Float8ColwiseParallel`` serves tensorwise scaling only)
         fp8_gather = runs_fp8(c.dtype, self.cost.device) and c.fp8_scaling == "tensorwise"
         ag = 1 if fp8_gather and part.blocks else ab
-        if c.tp_comm_overlap and c.sequence_parallel and part.blocks:
-            # Transformer Engine's userbuffers: each collective beside the GEMM it feeds or
-            # drains, at the cost of its overlap method (``tp_overlap.py``); kept on the part for
-            # every estimate that prices it alike (a search prices thousands)
+        overlapped = c.tp_comm_overlap or c.async_tp
+        if overlapped and c.sequence_parallel and part.blocks:
+            # Transformer Engine's userbuffers, or PyTorch's async TP: each collective beside the
+            # GEMM it feeds or drains, at the cost of its overlap method (``tp_overlap.py``); kept
+            # on the part for every estimate that prices it alike (a search prices thousands)
             cost = self.cost
             # (the kernels priced depend on the activation's fusion where the part has a variant)
             eager = not c.activation_fusion and bool(part.eager_activation)
-            key = ("userbuffers", cost.device, c.dtype, cost.s, g, c.tp_overlap_cfg, eager)
+            key = (
+                "userbuffers",
+                cost.device,
+                c.dtype,
+                cost.s,
+                g,
+                c.tp_overlap_cfg,
+                eager,
+                c.kernels,
+                c.fp8_scaling,
+                c.async_tp,
+            )
+            # (async TP fuses no all-gather under rowwise fp8: a cast sits between it and the GEMM)
+            rowwise = runs_fp8(c.dtype, cost.device) and c.fp8_scaling == "rowwise"
+            slots = async_tp_slots(not rowwise) if c.async_tp else None
             if key not in part.cache:
                 part.cache[key] = block_overlap(
                     self.fwd_kernels,
@@ -598,12 +619,15 @@ class _Priced:
                     lambda n: g.reduce_scatter(n * ab),
                     c.tp,
                     cost.device.compute_units,
-                    cost.ub_slots,
+                    slots or cost.ub_slots,
                     lambda k, rows: cost.time(with_rows(k, rows)),
                 )
             got = cast("tuple[float, float] | None", part.cache[key])
             if got is not None:
                 fwd, bwd = got
+                if c.async_tp:
+                    # the fused reduce-scatters' partial sums, reduced by a kernel of their own
+                    fwd += async_tp_reduce_bytes(part.tp_exits, c.tp, ab) / cost.r.bandwidth
                 return fwd + bwd + (fwd if mode == "full" else 0.0)
         # each collective's own time: without userbuffers, or where they do not apply
         fwd = bwd = 0.0

@@ -26,6 +26,11 @@ losses, SMs taken, and communication the GEMM is too short to cover. The default
 (``TE_DEFAULTS``); recipes that tune them (NeMo's ``ub_cfg_*.yaml``) pass their values
 (``TrainingConfig.tp_overlap_cfg``). The input- and weight-gradient GEMMs are priced at their
 forward GEMM's time (the same FLOPs over the same three sizes).
+
+PyTorch's async TP (torchtitan's ``enable_async_tensor_parallel``: Inductor's micro-pipeline pass,
+``torch/_inductor/fx_passes/micro_pipeline_tp.py``, over ``torch/distributed/_symmetric_memory``)
+overlaps only what that pass matches (``async_tp_slots``), each fused pair a ring of copy-engine
+copies beside ``TP`` chunks of the GEMM on two streams; every other collective stays exposed.
 """
 
 from __future__ import annotations
@@ -50,6 +55,8 @@ UB_SLOTS: tuple[str, ...] = (
     "fc1_wgrad",
 )
 UB_METHODS: tuple[str, ...] = ("ring_exchange", "pipeline", "bulk")
+#: A collective no GEMM hides (async TP's unmatched patterns); not a Transformer Engine method.
+EXPOSED = "exposed"
 
 #: Compute streams a split GEMM's chunks are spread over (TE ``_NUM_MAX_UB_STREAMS``).
 COMPUTE_STREAMS = 3
@@ -63,9 +70,10 @@ class UbSlot:
     num_sm: int = 16
     num_splits: int = 4
     set_sm_margin: bool = False
+    streams: int = COMPUTE_STREAMS  # compute streams a split GEMM's chunks run on
 
     def __post_init__(self) -> None:
-        if self.method not in UB_METHODS:
+        if self.method not in (*UB_METHODS, EXPOSED):
             raise ValueError(f"overlap method must be one of {', '.join(UB_METHODS)}, got {self.method!r}")
         if not isinstance(self.num_sm, int) or self.num_sm < 0:
             raise ValueError(f"num_sm must be a non-negative integer, got {self.num_sm!r}")
@@ -95,11 +103,47 @@ def _te_slot(slot: str) -> UbSlot:
 #: TE's configuration where a recipe gives none (``initialize_ub`` with ``ub_cfgs=None``).
 TE_DEFAULTS: dict[str, UbSlot] = {s: _te_slot(s) for s in UB_SLOTS}
 
+#: The forward pairs async TP's pass fuses whatever the precision: a GEMM feeding a reduce-scatter
+#: (``fuse_matmul_reduce_scatter``: the scatter's input is one ``mm`` or ``_scaled_mm``).
+_ASYNC_SCATTERS = ("proj_fprop", "fc2_fprop")
+#: The all-gathers it fuses where the gathered tensor feeds the GEMMs directly
+#: (``fuse_all_gather_matmul``: its consumers must be ``mm``/``_scaled_mm`` reading it as A): in 16
+#: bits, and in fp8 where the shard is cast before the gather (tensorwise fp8 TP); with rowwise
+#: scaling a cast sits between the gather and the GEMM, and nothing is fused.
+_ASYNC_GATHERS = ("qkv_fprop", "fc1_fprop", "proj_dgrad", "fc2_dgrad")
+
+
+def async_tp_slots(gathers_fused: bool) -> dict[str, UbSlot]:
+    """How async TP runs each slot. A fused all-gather is a ring: the local shard's GEMM first, then
+    each peer's shard copied by copy engine (``_pipelined_all_gather_and_consume``) and consumed,
+    the steps alternating between two streams; a fused reduce-scatter computes each peer's chunk
+    and lets the peer pull it (``_pipelined_produce_and_all2all``), the partial sums reduced by a
+    kernel after (``async_tp_reduce_bytes``). The input gradients' reduce-scatters are never
+    fused: each is a sum of GEMM outputs (Q, K and V; SwiGLU's gate and up), not one GEMM's, so they
+    and the unmatched all-gathers are ``EXPOSED``. No SMs are held (copy engines); there is no
+    backward re-gather for the weight gradient (the gathered input is saved or recomputed)."""
+    out = {}
+    for slot in UB_SLOTS:
+        if slot in _ASYNC_SCATTERS or (gathers_fused and slot in _ASYNC_GATHERS):
+            out[slot] = UbSlot("ring_exchange", num_sm=0, num_splits=0, streams=2)
+        else:
+            out[slot] = UbSlot(EXPOSED, num_sm=0, num_splits=0)
+    return out
+
+
+def async_tp_reduce_bytes(exits: Sequence[float], tp: int, element_bytes: float) -> float:
+    """Bytes one GPU's reduction kernels move after async TP's fused reduce-scatters of a block's
+    forward (``_fused_matmul_reduce_scatter_impl``: ``torch.sum`` over the ``tp`` stacked partial
+    chunks): each reads its GEMM's whole output and writes its shard."""
+    return sum(n * element_bytes * (1 + 1 / tp) for n in exits)
+
 
 def _slot(slot: str, method: str, num_sm: int, num_splits: int, set_sm_margin: bool) -> UbSlot:
     """One recipe entry, checked; errors name the slot."""
     if slot not in UB_SLOTS:
         raise ValueError(f"unknown overlap slot {slot!r} (expected one of {', '.join(UB_SLOTS)})")
+    if method not in UB_METHODS:
+        raise ValueError(f"{slot}: overlap method must be one of {', '.join(UB_METHODS)}, got {method!r}")
     try:
         return UbSlot(method, num_sm, num_splits, set_sm_margin)
     except ValueError as exc:
@@ -135,6 +179,8 @@ def with_rows(k: Kernel, rows: float) -> Kernel:
 def _pair(slot: UbSlot, gemm: Kernel, t: float, comm: float, tp: int, sms: int, chunk: ChunkTime) -> float:
     """Seconds a GEMM of ``t`` seconds and its overlapped collective of ``comm`` seconds take
     beyond ``t``."""
+    if slot.method == EXPOSED:
+        return comm
     rows = float(gemm.dims[0])
     share = slot.num_sm / sms if sms > slot.num_sm else 0.0
     if slot.method == "bulk":
@@ -144,7 +190,7 @@ def _pair(slot: UbSlot, gemm: Kernel, t: float, comm: float, tp: int, sms: int, 
         compute = margin if slot.set_sm_margin else t + min(comm, t) * share / (1.0 - share)
         return max(compute, comm) - t
     n = tp if slot.method == "ring_exchange" else slot.num_splits
-    streams = min(COMPUTE_STREAMS, n)
+    streams = min(slot.streams, n)
     compute = n / streams * chunk(gemm, rows * streams / n)
     if slot.set_sm_margin:
         compute /= 1.0 - share
@@ -205,7 +251,10 @@ def block_overlap(
     bwd = pair("proj_dgrad", proj, gather(x_attn)) + pair("fc2_dgrad", fc2, gather(x_mlp))
     for layer, gemm, n in (("qkv", qkv, e_attn), ("fc1", fc1, e_mlp)):
         dgrad = slots[f"{layer}_dgrad"]
-        if dgrad.method == "bulk":
+        if dgrad.method == EXPOSED:
+            # async TP: the input gradient's reduce-scatter shows whole; no re-gather
+            bwd += scatter(n)
+        elif dgrad.method == "bulk":
             bwd += pair(f"{layer}_dgrad", gemm, gather(n)) + pair(f"{layer}_wgrad", gemm, scatter(n))
         else:
             # the input gradient's reduce-scatter overlaps its own GEMM instead (TE moves it off

@@ -207,3 +207,67 @@ def test_an_overlap_never_saves_time_and_more_traffic_never_costs_less(
     base = _pair(slot, gemm, t, comm * t, tp, 132, _rate)
     assert base >= -1e-12 * t
     assert _pair(slot, gemm, t, (comm + more) * t, tp, 132, _rate) >= base - 1e-12 * t
+
+
+def test_async_tp_with_nothing_fused_is_the_exposed_collectives():
+    # every slot exposed: the block pays each collective whole, as without any overlap: forward
+    # two all-gathers and two reduce-scatters, backward the same (no re-gather for the weight gradient)
+    from coplan.cost.tp_overlap import EXPOSED, block_overlap
+    from coplan.models.spec import PRESETS
+
+    spec = PRESETS["llama-tiny"]
+    part = CostModel(spec=spec).profile(1, spec.seq_len).templates[0]
+    times = [1e-4] * len(part.forward)
+    gather = lambda n: 1e-9 * n  # noqa: E731
+    scatter = lambda n: 2e-9 * n  # noqa: E731
+    slots = {s: UbSlot(EXPOSED, 0, 0) for s in TE_DEFAULTS}
+    fwd, bwd = block_overlap(
+        part.forward, times, part.tp_entries, part.tp_exits, gather, scatter, 2, 132, slots, _rate
+    )
+    want = sum(gather(n) for n in part.tp_entries) + sum(scatter(n) for n in part.tp_exits)
+    assert fwd == pytest.approx(want)
+    assert bwd == pytest.approx(
+        sum(gather(n) for n in part.tp_exits) + sum(scatter(n) for n in part.tp_entries)
+    )
+
+
+def test_async_tp_fuses_what_the_micro_pipeline_pass_matches():
+    from coplan.cost.tp_overlap import EXPOSED, async_tp_slots
+
+    fused = {s for s, v in async_tp_slots(True).items() if v.method != EXPOSED}
+    assert fused == {"qkv_fprop", "fc1_fprop", "proj_fprop", "fc2_fprop", "proj_dgrad", "fc2_dgrad"}
+    # rowwise fp8 casts between each all-gather and its GEMM: only the forward reduce-scatters fuse
+    assert {s for s, v in async_tp_slots(False).items() if v.method != EXPOSED} == {"proj_fprop", "fc2_fprop"}
+    # a recipe cannot name the exposed method (it is not Transformer Engine's)
+    with pytest.raises(ValueError, match="overlap method"):
+        ub_slots((("qkv_wgrad", EXPOSED, 0, 0, False),))
+
+
+def test_async_tp_hides_less_than_userbuffers_and_more_under_tensorwise_than_rowwise_fp8():
+    exposed = _tp_comm()
+    te = _tp_comm(tp_comm_overlap=True)
+    asynctp = _tp_comm(async_tp=True)
+    assert te < asynctp < exposed
+    cm, cluster = CostModel(spec=SPEC), load_cluster("dgx-h100", 8)
+    base = TrainingConfig(tp=8, global_batch=1, sequence_parallel=True, dtype="fp8")
+
+    def saved(scaling: str) -> float:
+        c = base.with_(fp8_scaling=scaling)
+        plain = cm.estimate(cluster, c).step_time_s
+        return plain - cm.estimate(cluster, c.with_(async_tp=True)).step_time_s
+
+    assert saved("tensorwise") > saved("rowwise") > 0.0
+    with pytest.raises(ConfigError, match="async_tp"):
+        TrainingConfig(tp=8, async_tp=True)
+    with pytest.raises(ConfigError, match="async_tp"):
+        TrainingConfig(tp=8, sequence_parallel=True, async_tp=True, tp_comm_overlap=True)
+
+
+def test_async_tp_from_the_command_line(cli):
+    args = ("estimate", "--model", "llama-tiny", "--gpus", "2", "--tp", "2", "--sequence-parallel")
+    code, out, _ = cli(*args, "--async-tp", "--json")
+    assert code == 0 and '"async_tp": true' in out and '"tp_comm_overlap": false' in out
+    code, out, _ = cli(*args, "--async-tp")
+    assert code == 0 and "tp-comm=async TP" in out
+    code, out, err = cli("estimate", "--model", "llama-tiny", "--gpus", "2", "--tp", "2", "--async-tp")
+    assert code == 2 and out == "" and len(err.strip().splitlines()) == 1 and "sequence" in err
