@@ -32,6 +32,9 @@ class CostModel:
     spec: ModelSpec | None = None
     graph: Graph | None = None
     _profiles: dict[tuple[int, int, object, object], GraphProfile] = field(default_factory=dict, repr=False)
+    # one graph per (microbatch, seq), shared by its profiles under every fusion and precision
+    # (profiling reads a graph, never changes it; building a 70B graph takes ~0.2 s)
+    _graphs: dict[tuple[int, int], Graph] = field(default_factory=dict, repr=False)
 
     def __post_init__(self) -> None:
         if (self.spec is None) == (self.graph is None):
@@ -61,7 +64,9 @@ class CostModel:
         if got is not None:
             return got
         if self.spec is not None:
-            graph = build_graph(self.spec, microbatch, seq)
+            graph = self._graphs.get((microbatch, seq))
+            if graph is None:
+                graph = self._graphs[(microbatch, seq)] = build_graph(self.spec, microbatch, seq)
         else:
             assert self.graph is not None
             meta = self.graph.meta
