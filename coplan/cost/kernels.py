@@ -35,7 +35,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from coplan.cost.config import ConfigError, TrainingConfig
-from coplan.cost.parts import CAUSAL_FRACTION, TP, Kernel, Vec, vdot
+from coplan.cost.parts import TP, Kernel, Vec, vdot
 from coplan.hardware.device import VECTOR_FAMILIES, DeviceSpec
 from coplan.hardware.tiling import AttentionTiling
 
@@ -311,17 +311,18 @@ def _attention(k: Kernel, r: Rates, s: Scale) -> float:
             # which carries what the shape derating would (small tiles, per-call overhead)
             tile_s = r.attn_bwd_tile_s if backward else r.attn_tile_s
             tiles = bh / div * r.attn_tiling.tiles(sq, sk)
-            compute = CAUSAL_FRACTION * k.mm_flops / div / rate + tiles * tile_s
+            compute = k.share * k.mm_flops / div / rate + tiles * tile_s
         else:
             # a causal flash kernel skips the blocks above the diagonal: half the counted FLOPs
-            # (``CAUSAL_FRACTION``, which model FLOPs count too)
+            # (``k.share``: ``CAUSAL_FRACTION``, which model FLOPs count too; all of them without
+            # a causal mask)
             shape = shape_factor((sq, sk), r.half_dim) * shape_factor((d,), r.attn_head_half)
             half = r.attn_bwd_par_half if backward else r.attn_par_half
             if half > 0:
                 # one thread block per 128-row query tile of each local (batch, head): few tiles
                 # leave SMs idle in the last, unequal (causal) wave
                 shape *= shape_factor((bh / div * math.ceil(sq / ATTN_TILE_ROWS),), half)
-            compute = CAUSAL_FRACTION * k.mm_flops / div / (rate * shape)
+            compute = k.share * k.mm_flops / div / (rate * shape)
         if k.dropout:
             compute *= 1.0 + r.attn_dropout
         return max(compute, memory) + first_touch(k, r, s) + r.launch_s

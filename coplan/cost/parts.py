@@ -11,6 +11,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+from coplan.ir.oprules import attention_causal
 from coplan.ir.types import Graph, Op, OpKind, Phase
 
 # Element-vector layout: index = precision class * 2 + shard class.
@@ -24,17 +25,23 @@ ZERO: Vec = (0.0, 0.0, 0.0, 0.0, 0.0, 0.0)
 #: ``torch.utils.flop_counter`` does, the full q x k score matrix (4 * b * h * s_q * s_k * d forward);
 #: under a causal mask a flash kernel skips the tiles above the diagonal, so the cost model prices,
 #: and model FLOPs (MFU) count, half of it: s^2/2 scores per (batch, head), not s(s+1)/2, the
-#: diagonal's s/2 being below any tile. Every attention the cost model sees is causal (decoder-only
-#: models, ``is_causal=True``).
+#: diagonal's s/2 being below any tile. A bidirectional attention (an encoder's, ``is_causal=False``)
+#: computes all of it (``attention_share``).
 CAUSAL_FRACTION = 0.5
 
 
+def attention_share(op: Op) -> float:
+    """The share of attention op ``op``'s counted FLOPs a step computes: ``CAUSAL_FRACTION`` under a
+    causal mask, all of them without (``coplan.ir.oprules.attention_causal``)."""
+    return CAUSAL_FRACTION if attention_causal(op) else 1.0
+
+
 def model_flops(ops: Sequence[Op]) -> float:
-    """Matrix FLOPs of the forward and backward ops among ``ops``, attention at its causal share:
-    the work a step needs, whatever its kernels spend (MFU's numerator)."""
+    """Matrix FLOPs of the forward and backward ops among ``ops``, attention at the share its mask
+    computes: the work a step needs, whatever its kernels spend (MFU's numerator)."""
     return float(
         sum(
-            op.flops * (CAUSAL_FRACTION if op.kind is OpKind.ATTENTION else 1.0)
+            op.flops * (attention_share(op) if op.kind is OpKind.ATTENTION else 1.0)
             for op in ops
             if op.phase is not Phase.OPTIMIZER
         )
@@ -79,6 +86,7 @@ class Kernel:
     fresh: tuple[Vec, ...] = ()
     dtype: str = ""  # the precision it runs in when overridden ("": the training dtype)
     dropout: float = 0.0  # attention kernels: dropout probability on the attention probabilities
+    share: float = CAUSAL_FRACTION  # attention kernels: the share of counted FLOPs its mask computes
     tn: bool = False
     # generated kernels with a reduction too wide for registers: what their later loops load again
     # (``looped.loop_reads``; paid where ``Rates.looped_reductions``)

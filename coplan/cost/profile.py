@@ -29,6 +29,7 @@ from coplan.cost.looped import loop_reads
 from coplan.cost.loss import LOSS_FUSIONS, loss_ops, megatron_loss
 from coplan.cost.parts import (
     ACT,
+    CAUSAL_FRACTION,
     F32,
     FIX,
     NV,
@@ -40,6 +41,7 @@ from coplan.cost.parts import (
     Part,
     Precision,
     Vec,
+    attention_share,
     model_flops,
     vadd,
 )
@@ -625,11 +627,12 @@ class _Ctx:
         # one launched kernel: a library attention or GEMM (with any fused epilogue), or generated
         # vector code; only the anchor's geometry differs between them
         attn, dims, sdim = (0, 0, 0, 0), (0, 0, 0), -1
-        drop, tn, looped = 0.0, False, ZERO
+        drop, tn, looped, share = 0.0, False, ZERO, CAUSAL_FRACTION
         if at is not None:
             fwd_op = g.ops[at.forward_op] if at.phase is Phase.BACKWARD and at.forward_op is not None else at
             kind, attn, core = "attention", attn_geometry(g, fwd_op), True
             drop = attention_dropout(fwd_op)
+            share = attention_share(fwd_op)
         elif mm is not None:
             kind, core = "matmul", False
             dims, sdim = mm_dims(g, mm, shard, self.tokens)
@@ -655,6 +658,7 @@ class _Ctx:
             fresh=tuple(fresh),
             dtype=dtype,
             dropout=drop,
+            share=share,
             tn=tn,
             loop_reads=looped,
         )

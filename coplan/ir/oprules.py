@@ -268,6 +268,57 @@ register("native_dropout", kind=OpKind.ELEMENTWISE, flops_per_element=4)
 register("native_dropout_backward", kind=OpKind.ELEMENTWISE, flops_per_element=2)
 
 
+#: Position of ``is_causal`` among the positional arguments of PyTorch's attention ops (their ATen
+#: schemas, aten/src/ATen/native/native_functions.yaml; tests/unit/test_attention_mask.py checks
+#: them against the installed PyTorch's).
+IS_CAUSAL_AT: dict[str, int] = {
+    "_scaled_dot_product_flash_attention": 4,
+    "_scaled_dot_product_flash_attention_for_cpu": 4,
+    "_scaled_dot_product_efficient_attention": 6,
+    "_scaled_dot_product_cudnn_attention": 6,
+    "_flash_attention_forward": 8,
+    "_scaled_dot_product_flash_attention_backward": 11,
+    "_scaled_dot_product_flash_attention_for_cpu_backward": 7,
+    "_scaled_dot_product_efficient_attention_backward": 11,
+    "_scaled_dot_product_cudnn_attention_backward": 14,
+    "_flash_attention_backward": 11,
+}
+
+
+def _positional(args: str) -> list[str]:
+    """The positional arguments of an op's canonical argument text, lists kept whole."""
+    text = args.partition(";")[0]
+    out: list[str] = []
+    cur: list[str] = []
+    depth = 0
+    for ch in text:
+        if ch == "," and depth == 0:
+            out.append("".join(cur))
+            cur = []
+            continue
+        depth += ch == "["
+        depth -= ch == "]"
+        cur.append(ch)
+    out.append("".join(cur))
+    return out
+
+
+def attention_causal(op: Op) -> bool:
+    """Whether an attention op applies a causal mask: a captured op's ``is_causal`` argument (by
+    keyword, or at its schema's position, ``IS_CAUSAL_AT``); the synthetic builder's attention,
+    which models decoders, and ops of unknown schema are causal."""
+    for part in op.args.partition(";")[2].split(","):
+        if part.startswith("is_causal="):
+            return part.split("=", 1)[1] == "True"
+    name = op.target.removeprefix("aten.").rsplit(".", 1)[0]
+    at = IS_CAUSAL_AT.get(name)
+    if at is None:
+        return True
+    pos = _positional(op.args)
+    # a trailing default the call left out is PyTorch's default, False
+    return at < len(pos) and pos[at] == "True"
+
+
 #: Attention ops whose fourth positional argument is ``dropout_p`` (PyTorch's flash SDPA schema).
 _DROPOUT_P_ARG3 = ("_scaled_dot_product_flash_attention", "_flash_attention_forward")
 
