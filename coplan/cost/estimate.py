@@ -455,6 +455,59 @@ class _PartCost:
         return got
 
 
+#: ``_base_prices``' answer
+_Base = tuple[
+    Vec, tuple[Vec, ...], tuple[Kernel, ...], tuple[float, ...], float, float, float, int, float, float
+]
+
+
+def _base_prices(cost: _PartCost, part: Part, fp8: bool) -> _Base:
+    """What ``_Priced`` reads of ``part`` under ``cost``'s rates, scale and kernels: saved vector,
+    transient points, forward kernels and their times, forward, backward and optimizer seconds,
+    launches, and the fp8 weights' cast seconds and cache bytes."""
+    c, s = cost.c, cost.s
+    saved: Vec = part.saved["none"]
+    points = part.transient
+    for name, _, _, delta, pts in part.loss_variants:
+        if name == c.loss_fusion:  # Megatron's own loss kernels (``loss.py``)
+            saved, points = vadd(saved, delta), pts
+    fwd, bwd = run_kernels(part, c.loss_fusion, c.activation_fusion)
+    if c.kernels == "eager" or (c.eager_loss and part is cost.profile.post):
+        # eager PyTorch's decompositions of the ops a model writes in Python (``eager.py``)
+        key = ("eager", c.loss_fusion, c.activation_fusion)
+        got = part.cache.get(key)
+        if got is None:
+            got = part.cache[key] = eager_kernels(cost.profile.graph, fwd, bwd, shard_class)
+        fwd, bwd = got  # type: ignore[misc]
+    fwd_times = tuple(cost.time(k) for k in fwd)
+    forward = sum(fwd_times)
+    backward = sum(cost.time(k) for k in bwd)
+    # optimizer kernels: everything scales with the local (TP-sharded) parameters
+    optimizer = sum(cost.time(k) for k in part.optimizer)
+    kernels = sum(launches(k, s) for k in (*fwd, *bwd, *part.optimizer))
+    weight_cast = weight_cache = 0.0
+    if fp8:
+        # Transformer Engine's casts and transposes around the block's fp8 GEMMs (``fp8.py``):
+        # memory-bound kernels, in the forward time so full recompute re-runs them too
+        f8 = fp8_cost(part.fp8_gemms, c, cost.r.bandwidth, cost.r.launch_s)
+        forward += f8.forward_s
+        backward += f8.backward_s
+        kernels += f8.forward_kernels + f8.backward_kernels
+        weight_cast, weight_cache = f8.weight_cast_s, f8.weight_cache_bytes
+    return (
+        saved,
+        points,
+        tuple(fwd),
+        fwd_times,
+        forward,
+        backward,
+        optimizer,
+        kernels,
+        weight_cast,
+        weight_cache,
+    )
+
+
 class _Priced:
     __slots__ = (
         "backward",
@@ -471,42 +524,55 @@ class _Priced:
         "weight_cache",
         "weight_cast",
     )
+    saved: Vec
+    points: tuple[Vec, ...]
+    fwd_kernels: tuple[Kernel, ...]
+    fwd_times: tuple[float, ...]
+    forward: float
+    backward: float
+    optimizer: float
+    kernels: int
+    weight_cast: float
+    weight_cache: float
 
     def __init__(self, cost: _PartCost, part: Part) -> None:
-        s = cost.s
+        c = cost.c
+        fp8 = runs_fp8(c.dtype, cost.device) and bool(part.fp8_gemms)
+        # what the part's kernel times depend on: kept on the part, so the thousands of estimates
+        # of a search that share a stage's rates and scale price its kernels once
+        key = (
+            "priced",
+            cost.r,
+            cost.s,
+            cost.device,
+            c.attention_kernel,
+            c.loss_fusion,
+            c.activation_fusion,
+            c.kernels,
+            c.eager_loss and part is cost.profile.post,
+            (c.tp, c.sequence_parallel, c.fp8_params, c.fp8_scaling, c.gathers_per_unit, c.num_microbatches)
+            if fp8
+            else None,
+        )
+        got = cast("_Base | None", part.cache.get(key))
+        if got is None:
+            got = _base_prices(cost, part, fp8)
+            part.cache[key] = got
+        (
+            self.saved,
+            self.points,
+            self.fwd_kernels,
+            self.fwd_times,
+            self.forward,
+            self.backward,
+            self.optimizer,
+            self.kernels,
+            self.weight_cast,  # seconds per microbatch of casting the part's fp8 weights
+            self.weight_cache,  # bytes of the fp8 weight copies kept through the step
+        ) = got
         self.cost = cost
-        self.saved: Vec = part.saved["none"]
-        self.points = part.transient
-        for name, _, _, delta, points in part.loss_variants:
-            if name == cost.c.loss_fusion:  # Megatron's own loss kernels (``loss.py``)
-                self.saved, self.points = vadd(self.saved, delta), points
-        fwd, bwd = run_kernels(part, cost.c.loss_fusion, cost.c.activation_fusion)
-        if cost.c.kernels == "eager" or (cost.c.eager_loss and part is cost.profile.post):
-            # eager PyTorch's decompositions of the ops a model writes in Python (``eager.py``)
-            key = ("eager", cost.c.loss_fusion, cost.c.activation_fusion)
-            got = part.cache.get(key)
-            if got is None:
-                got = part.cache[key] = eager_kernels(cost.profile.graph, fwd, bwd, shard_class)
-            fwd, bwd = got  # type: ignore[misc]
-        self.fwd_kernels = fwd
-        self.fwd_times = [cost.time(k) for k in fwd]
-        self.forward = sum(self.fwd_times)
-        self.backward = sum(cost.time(k) for k in bwd)
-        # optimizer kernels: everything scales with the local (TP-sharded) parameters
-        self.optimizer = sum(cost.time(k) for k in part.optimizer)
-        self.kernels = sum(launches(k, s) for k in (*fwd, *bwd, *part.optimizer))
         self.tp_memo: dict[str | frozenset[str], float] = {}
         self.skip_memo: dict[frozenset[str], float] = {}
-        self.weight_cast = 0.0  # seconds per microbatch of casting the part's fp8 weights
-        self.weight_cache = 0.0  # bytes of the fp8 weight copies kept through the step
-        if runs_fp8(cost.c.dtype, cost.device) and part.fp8_gemms:
-            # Transformer Engine's casts and transposes around the block's fp8 GEMMs (``fp8.py``):
-            # memory-bound kernels, in the forward time so full recompute re-runs them too
-            f8 = fp8_cost(part.fp8_gemms, cost.c, cost.r.bandwidth, cost.r.launch_s)
-            self.forward += f8.forward_s
-            self.backward += f8.backward_s
-            self.kernels += f8.forward_kernels + f8.backward_kernels
-            self.weight_cast, self.weight_cache = f8.weight_cast_s, f8.weight_cache_bytes
 
     def recompute(self, part: Part, mode: str | frozenset[str]) -> float:
         if mode == "none":
