@@ -33,6 +33,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from functools import lru_cache
 
 from coplan.cost.config import ConfigError, TrainingConfig
 from coplan.cost.parts import TP, Kernel, Vec, vdot
@@ -89,7 +90,12 @@ class Rates:
     @classmethod
     def of(cls, device: DeviceSpec, dtype: str, attention: str = "auto") -> Rates:
         """``device``'s rates for training in ``dtype``, fused attention by kernel ``attention``
-        (``"auto"``: the one the device's ``attention`` efficiencies describe)."""
+        (``"auto"``: the one the device's ``attention`` efficiencies describe). Memoised: a search
+        asks for the same few thousands of times (devices are immutable values)."""
+        return _rates_of(device, dtype, attention)
+
+    @classmethod
+    def _of(cls, device: DeviceSpec, dtype: str, attention: str) -> Rates:
         mm_dtype = matmul_dtype(device, dtype)
         peak = device.peak(mm_dtype)
         # attention stays in 16 bits under fp8 training (Transformer Engine's default recipe)
@@ -172,6 +178,11 @@ def precision_notes(devices: Sequence[DeviceSpec], dtype: str, fp8_params: bool)
                 )
             out.append(note)
     return tuple(out)
+
+
+@lru_cache(maxsize=4096)
+def _rates_of(device: DeviceSpec, dtype: str, attention: str) -> Rates:
+    return Rates._of(device, dtype, attention)
 
 
 @dataclass(frozen=True, slots=True)
