@@ -397,8 +397,7 @@ def _kernels(cm: CostModel, hw: ClusterSpec, est: Estimate, top: int) -> tuple[i
 
     c = est.config
     stage = max(est.stages, key=lambda st: st.microbatch_s).index
-    profile = cm.profile(c.microbatch, cm.seq_of(c), c.fusion, (c.dtype, c.op_dtypes))
-    return stage, list(kernel_costs(profile, hw, c, stage)[:top])
+    return stage, list(kernel_costs(cm.profile_for(c), hw, c, stage)[:top])
 
 
 def render_kernels(est: Estimate, stage: int, rows: list[KernelCost]) -> None:

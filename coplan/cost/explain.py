@@ -79,7 +79,9 @@ def kernel_costs(
     for part, n in stage_parts(profile, config, stage):
         base = part_dtype(part, config.dtype)
         fwd, bwd = run_kernels(part, config.loss_fusion, config.activation_fusion)
-        if config.kernels == "eager":  # eager PyTorch's decompositions (``eager.py``), as priced
+        if config.kernels == "eager" or (config.eager_loss and part is profile.post):
+            # eager PyTorch's decompositions (``eager.py``), as ``estimate`` prices them: every
+            # part, or the loss side beside compiled blocks
             fwd, bwd = eager_kernels(g, fwd, bwd, shard_class)
         for k in (*fwd, *bwd):
             if k.kind == "free":

@@ -91,8 +91,8 @@ class CostModel:
         check_against(config, gpus=cluster.num_devices, n_heads=heads, n_layers=layers, n_kv_heads=kv)
         self.seq_of(config)
 
-    def estimate(self, cluster: ClusterSpec, config: TrainingConfig) -> Estimate:
-        self.check(cluster, config)
+    def profile_for(self, config: TrainingConfig) -> GraphProfile:
+        """The profile ``estimate`` prices ``config`` with (``coplan.cost.explain`` lists its kernels)."""
         seq, precision = self.seq_of(config), (config.dtype, config.op_dtypes)
         prof = self.profile(config.microbatch, seq, config.fusion, precision)
         if config.eager_loss and prof.fusion != "none":
@@ -101,4 +101,8 @@ class CostModel:
             eager = self.profile(config.microbatch, seq, "none", precision)
             if len(eager.graph.ops) == len(prof.graph.ops):
                 prof = replace(prof, post=eager.post)
-        return estimate(prof, cluster, config)
+        return prof
+
+    def estimate(self, cluster: ClusterSpec, config: TrainingConfig) -> Estimate:
+        self.check(cluster, config)
+        return estimate(self.profile_for(config), cluster, config)

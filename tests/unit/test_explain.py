@@ -29,14 +29,21 @@ RELU2 = ModelSpec(
         (GPT, TrainingConfig(dp=4, microbatch=2, global_batch=8, fusion="none", dtype="fp32")),
         # NeMo 2.x's eager squared ReLU: the kernels listed are the eager ones the estimate prices
         (RELU2, TrainingConfig(microbatch=2, global_batch=2, activation_fusion=False)),
+        # torch.compile on the blocks, the loss side eager (torchtitan-compile before 2025-04)
+        (
+            PRESETS["llama-tiny"],
+            TrainingConfig(
+                microbatch=2, global_batch=2, kernels="inductor", eager_loss=True, flash_attention=True
+            ),
+        ),
+        (PRESETS["llama-tiny"], TrainingConfig(microbatch=2, global_batch=2, kernels="eager", fusion="none")),
     ],
 )
 def test_kernels_add_up_to_each_stages_compute(spec, config):
     cluster = load_cluster("dgx-h100", config.gpus)
     cm = CostModel(spec=spec)
     est = cm.estimate(cluster, config)
-    c = config
-    profile = cm.profile(c.microbatch, cm.seq_of(c), c.fusion, (c.dtype, c.op_dtypes))
+    profile = cm.profile_for(config)
     for st in est.stages:
         rows = kernel_costs(profile, cluster, config, st.index)
         assert sum(r.total_s for r in rows) == pytest.approx(st.forward_s + st.backward_s, rel=1e-9)
