@@ -461,6 +461,9 @@ def _torchtitan(plan: Plan, spec: ModelSpec) -> Emitted:
             f"fusion: torch.compile (Inductor) fuses by its own rules; the plan's "
             f"{len(plan.fusion.groups)} fusion groups are not applied as planned"
         )
+    # a plan priced with torch.compile's kernels (the ``compiled`` option, torchtitan-compile's)
+    # runs compiled; one priced with eager kernels runs eager
+    compiled = fused or plan.fusion.label == "compiled"
     if not plan.flash_attention:
         notes.append("torchtitan runs attention through scaled_dot_product_attention (flash where it can)")
     sections: list[tuple[str, dict[str, Any]]] = [
@@ -469,7 +472,7 @@ def _torchtitan(plan: Plan, spec: ModelSpec) -> Emitted:
         ("training", training),
         ("parallelism", par),
         ("activation_checkpoint", ac),
-        ("compile", {"enable": fused, "components": ["model", "loss"]}),
+        ("compile", {"enable": compiled, "components": ["model", "loss"]}),
     ]
     if c.compute == "fp8":
         float8: dict[str, Any] = {"recipe_name": "tensorwise", "filter_fqns": ["output"]}

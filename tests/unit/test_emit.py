@@ -247,6 +247,22 @@ def test_torchtitan_toml_has_the_planned_degrees(planned: tuple[Plan, ModelSpec]
     assert cfg["compile"]["enable"] == bool(plan.fusion.groups)
 
 
+def test_a_plan_priced_compiled_runs_compiled() -> None:
+    # torchtitan-compile's plans are priced with torch.compile's kernels: their recipe compiles
+    from coplan.cost import CostModel, load_stack
+    from coplan.hardware import load_cluster
+    from coplan.models.spec import PRESETS
+    from coplan.plan import PlanContext
+    from coplan.search import run_strategy
+
+    spec = PRESETS["llama-tiny"]
+    for stack, compiled in (("torchtitan-compile", True), ("torchtitan", False)):
+        ctx = PlanContext(CostModel(spec=spec), load_cluster("dgx-h100", 2), 4, 64, stack=load_stack(stack))
+        plan = run_strategy("sequential", ctx).plan
+        assert plan.fusion.label == ("compiled" if compiled else "eager")
+        assert _toml(emit(plan, spec, "torchtitan"))["compile"]["enable"] is compiled
+
+
 def test_torchtitan_pipeline_fp8_and_checkpointing() -> None:
     spec = load_model_spec("gpt2-124m")
     plan = _plan(
