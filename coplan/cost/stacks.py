@@ -59,6 +59,7 @@ SETTINGS: tuple[str, ...] = (
     "recompute_sets",
     "reduce_16bit",
     "fp8_params",
+    "async_tp",
 )
 #: How a stack runs fp8 GEMMs: natively, emulated (runs, not faster) or not at all.
 FP8_MODES: tuple[str, ...] = ("native", "emulated", "none")
@@ -114,6 +115,8 @@ class StackSpec:
             dtype instead of fp32, which a plan then may choose.
         fp8_params: under native fp8 it can keep the GEMMs' weights in fp8 (and gather them so),
             which a plan then may choose.
+        async_tp: a plan with sequence-parallel TP runs PyTorch's async TP (Inductor's
+            micro-pipeline pass; ``TrainingConfig.async_tp``), which the plan's recipe turns on.
         reserved_fraction: the caching allocator's reserved bytes beyond the allocated peak, as a
             fraction of it (what ``torch.cuda.max_memory_reserved`` reports over
             ``max_memory_allocated``); 0 prices the allocated peak.
@@ -144,6 +147,7 @@ class StackSpec:
     recompute_sets: bool = True
     reduce_16bit: bool = True
     fp8_params: bool = True
+    async_tp: bool = False
     about: str = ""
     sources: tuple[tuple[str, str], ...] = ()
 
@@ -170,6 +174,7 @@ class StackSpec:
             "recompute_sets",
             "reduce_16bit",
             "fp8_params",
+            "async_tp",
         ):
             if not isinstance(getattr(self, flag), bool):
                 raise StackError(src, flag, f"must be true or false, got {getattr(self, flag)!r}")

@@ -439,6 +439,9 @@ def _torchtitan(plan: Plan, spec: ModelSpec) -> Emitted:
         training["local_batch_size"] = p.microbatch
     if p.tp > 1 and not p.sequence_parallel:
         notes.append("torchtitan's tensor parallelism always shards norms and residuals by sequence")
+    if p.tp > 1 and p.sequence_parallel and plan.fusion.label == "compiled":
+        # priced as async TP where the stack compiles (``StackSpec.async_tp``): the recipe runs it
+        par["enable_async_tensor_parallel"] = True
     training["mixed_precision_param"] = "float32" if c.compute in ("fp32", "tf32") else "bfloat16"
     training["mixed_precision_reduce"] = "float32"
     if c.compute == "fp16":

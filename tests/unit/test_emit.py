@@ -377,3 +377,29 @@ def test_torchtitan_ddp_alone() -> None:
     par = par["parallelism"]
     assert par["data_parallel_replicate_degree"] == 4 and par["data_parallel_shard_degree"] == 1
     assert "fsdp_reshard_after_forward" not in par
+
+
+def test_torchtitan_compile_plans_run_async_tp_where_tp_is_sequence_parallel() -> None:
+    from coplan.cost import CostModel, load_stack
+    from coplan.hardware import load_cluster
+    from coplan.models.spec import PRESETS
+    from coplan.plan import PlanContext
+    from coplan.plan.types import ParallelPlan
+    from coplan.search import run_strategy
+
+    spec = PRESETS["llama-tiny"]
+    ctx = PlanContext(
+        CostModel(spec=spec), load_cluster("dgx-h100", 2), 4, 64, stack=load_stack("torchtitan-compile")
+    )
+    plan = run_strategy("sequential", ctx).plan
+    tp = plan.with_(parallel=ParallelPlan(tp=2, pp=1, dp=1, sequence_parallel=True, microbatch=4))
+    assert ctx.config_of(tp).async_tp
+    assert _toml(emit(tp, spec, "torchtitan"))["parallelism"]["enable_async_tensor_parallel"] is True
+    plain = plan.with_(parallel=ParallelPlan(tp=1, pp=1, dp=2, microbatch=2))
+    assert not ctx.config_of(plain).async_tp
+    assert "enable_async_tensor_parallel" not in _toml(emit(plain, spec, "torchtitan"))["parallelism"]
+    # eager torchtitan cannot (async TP needs torch.compile)
+    eager = PlanContext(
+        CostModel(spec=spec), load_cluster("dgx-h100", 2), 4, 64, stack=load_stack("torchtitan")
+    )
+    assert not eager.config_of(tp.with_(fusion=run_strategy("sequential", eager).plan.fusion)).async_tp
