@@ -25,11 +25,11 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import sys
 
 import torch
 import torch.nn.functional as F
+from h100_microbench import timed  # this folder's: the same CUDA-event timing as the microbenchmarks
 from torch import nn
 
 from coplan.cost import CostModel, TrainingConfig, load_stack
@@ -166,14 +166,7 @@ def measured(spec: ModelSpec, mb: int, compiled: bool, steps: int) -> dict:
         step()
     torch.cuda.synchronize()
     torch.cuda.reset_peak_memory_stats()
-    times = []
-    for _ in range(steps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        step()
-        b.record()
-        torch.cuda.synchronize()
-        times.append(a.elapsed_time(b) / 1e3)
+    step_s = timed(step, repeat=steps, warmup=0)  # warmed up above
     peak = torch.cuda.max_memory_allocated()
     from torch.profiler import ProfilerActivity, profile
 
@@ -191,7 +184,7 @@ def measured(spec: ModelSpec, mb: int, compiled: bool, steps: int) -> dict:
         kernels[evt.key] = kernels.get(evt.key, 0.0) + us / 1e6 / steps
     top = sorted(kernels.items(), key=lambda kv: -kv[1])[:25]
     return {
-        "step_s": statistics.median(times),
+        "step_s": step_s,
         "peak_bytes": peak,
         "by_class_s": by_class,
         "top_kernels_s": top,
