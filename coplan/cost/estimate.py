@@ -21,6 +21,8 @@ warm-up count) and the largest transient working set found by liveness over the 
 
 from __future__ import annotations
 
+from typing import Any
+
 from coplan.cost.buckets import StageBuckets, queued_exposure, serial_time
 from coplan.cost.comm import Group, p2p_time
 from coplan.cost.config import TrainingConfig
@@ -41,6 +43,7 @@ from coplan.cost.parts import (
     REPL,
     TP,
     GraphProfile,
+    Part,
     Vec,
     part_dtype,
     vadd,
@@ -105,14 +108,14 @@ def estimate(profile: GraphProfile, cluster: ClusterSpec, config: TrainingConfig
             got = costs[device, dtype] = PartCost(rates, scale, config, tp_group, profile, device)
         return got
 
-    for s in range(p):
-        device = devices[s]
-        cost = cost_of(device, config.dtype)
-        rates = cost.r
-        rec = config.recompute_of(s)
-        # this stage's layers (all chunks of the stage), and its parts by template
-        mine = stage_blocks(profile, config, s, layout)
-        parts = stage_parts(profile, config, s, mine)
+    def sum_parts(device: DeviceSpec, rec: Any, parts: list[tuple[Part, float]]) -> tuple[Any, ...]:
+        """One microbatch's time, kernels, parameters and memory of ``parts`` on ``device`` under
+        recompute ``rec``. Interior pipeline stages usually run the same parts on the same device:
+        each distinct (device, recompute, parts) is priced once per estimate."""
+        key = (device, rec, tuple((id(part), n) for part, n in parts))
+        got = sums.get(key)
+        if got is not None:
+            return got
         fwd = bwd = recompute = tp_comm = opt = 0.0
         kern = 0
         params = [0.0, 0.0]
@@ -169,6 +172,26 @@ def estimate(profile: GraphProfile, cluster: ClusterSpec, config: TrainingConfig
                 tp_comm += n * pc.tp_comm(part, "none")
                 saved_head = vadd(saved_head, pc.saved)
                 transient = max(transient, pc.transient(part))
+        got = sums[key] = (
+            fwd, bwd, recompute, tp_comm, opt, kern, params, saved, saved_head, transient,
+            weight_cache, block_local,
+        )  # fmt: skip
+        return got
+
+    sums: dict[Any, tuple[Any, ...]] = {}
+    dp_memo: dict[Any, tuple[float, float]] = {}
+    for s in range(p):
+        device = devices[s]
+        cost = cost_of(device, config.dtype)
+        rates = cost.r
+        rec = config.recompute_of(s)
+        # this stage's layers (all chunks of the stage), and its parts by template
+        mine = stage_blocks(profile, config, s, layout)
+        parts = stage_parts(profile, config, s, mine)
+        (
+            fwd, bwd, recompute, tp_comm, opt, kern, params, saved, saved_head, transient,
+            weight_cache, block_local,
+        ) = sum_parts(device, rec, parts)  # fmt: skip
         # pipeline sends: the block output, forward and backward, once per chunk boundary
         pp_comm = 0.0
         if p > 1:
@@ -235,30 +258,19 @@ def estimate(profile: GraphProfile, cluster: ClusterSpec, config: TrainingConfig
                 if v > 1
                 else (0.0, 0.0)
             )
-            bk = StageBuckets.of(
-                s,
-                v,
-                (first_layers, first_extra),
-                other,
-                layer_params,
-                config.bucket_params,
-                config.dp_bucket_scope,
-                config.overlap_grad_reduce,
-            )
-            reduce = dp_group.all_reduce if config.zero == 0 else dp_group.reduce_scatter
-            # chunk 0's buckets under its last microbatch's backward, the other chunks' reductions
-            # ahead of them, chunk k's k p chunk-backwards before the end (the interleaved
-            # cooldown); stage s ends its backward s chunk-backwards before stage 0 does, which
-            # its reduction may use
             back = (bwd + recompute) / v
-            share = sm_share(dp_group, device, config.nccl_ub)
-            if config.overlap_grad_reduce:
-                per_mb = queued_exposure(bk, reduce, grad_bytes, back, p * back)
-                # the hidden reductions slow the backward they run beside (``contention.py``)
-                per_mb += slowdown(back, serial_time(bk, reduce, grad_bytes) - per_mb, share)
-                dp_comm = max(0.0, per_mb - s * back)
-            else:
-                per_mb = dp_comm = serial_time(bk, reduce, grad_bytes)
+            ahead = fwd / v
+            key = (s == 0, first_layers, first_extra, other, layer_params, back, ahead, device)
+            got = dp_memo.get(key)
+            if got is None:
+                got = dp_memo[key] = _dp_exposure(
+                    config, dp_group, device, s, (first_layers, first_extra), other, layer_params,
+                    back, ahead, grad_bytes, param_bytes,
+                )  # fmt: skip
+            per_mb, param_gather = got
+            # stage s ends its backward s chunk-backwards before stage 0 does, and starts its
+            # first forward s chunk-forwards later, which its collectives may use
+            dp_comm = max(0.0, per_mb - s * back) if config.overlap_grad_reduce else per_mb
             if config.zero == 2 and m > 1:
                 # ZeRO-2 keeps only this rank's shard of the gradients (its memory is priced so),
                 # so it cannot accumulate whole gradients over microbatches: every microbatch's
@@ -269,18 +281,8 @@ def estimate(profile: GraphProfile, cluster: ClusterSpec, config: TrainingConfig
                 # the tail above; the other m - 1 each show what their own backward cannot hide,
                 # spread over the m microbatches the pipeline times
                 zero_comm += per_mb * (m - 1) / m
-            if config.zero >= 1:
-                gather = dp_group.all_gather
-                if config.overlap_param_gather:
-                    # the mirror image: chunk 0's first forward needs its buckets one by one,
-                    # chunk k's first forward starts k p chunk-forwards later
-                    ahead = fwd / v
-                    param_gather = queued_exposure(bk, gather, param_bytes, ahead, p * ahead)
-                    hidden = serial_time(bk, gather, param_bytes) - param_gather
-                    param_gather += slowdown(ahead, hidden, share)
-                    param_gather = max(0.0, param_gather - s * ahead)
-                else:
-                    param_gather = serial_time(bk, gather, param_bytes)
+            if config.zero >= 1 and config.overlap_param_gather:
+                param_gather = max(0.0, param_gather - s * ahead)
         opt_div = config.shard_ranks if config.zero >= 1 else 1
         opt /= opt_div
         # memory
@@ -440,3 +442,55 @@ def cluster_latency(cluster: ClusterSpec, cross_node: bool) -> float:
 
 
 __all__ = ["BREAKDOWN_KEYS", "Estimate", "MemoryEstimate", "StageEstimate", "estimate"]
+
+
+def _dp_exposure(
+    config: TrainingConfig,
+    dp_group: Group,
+    device: DeviceSpec,
+    stage: int,
+    first: tuple[float, float],
+    other: tuple[float, float],
+    layer_params: float,
+    back: float,
+    ahead: float,
+    grad_bytes: float,
+    param_bytes: float,
+) -> tuple[float, float]:
+    """A stage's data-parallel gradient reduction and parameter gather per microbatch, as stage 0
+    would see them: (what the last microbatch's backward leaves exposed of the reduction, or all of
+    it without overlap; what the first forward waits for of the gather, 0 without ZeRO). Stage
+    ``s`` subtracts the ``s`` chunk-steps it ends earlier or starts later."""
+    p, v = config.pp, config.vpp
+    bk = StageBuckets.of(
+        stage,
+        v,
+        first,
+        other,
+        layer_params,
+        config.bucket_params,
+        config.dp_bucket_scope,
+        config.overlap_grad_reduce,
+    )
+    reduce = dp_group.all_reduce if config.zero == 0 else dp_group.reduce_scatter
+    # chunk 0's buckets under its last microbatch's backward, the other chunks' reductions
+    # ahead of them, chunk k's k p chunk-backwards before the end (the interleaved cooldown)
+    share = sm_share(dp_group, device, config.nccl_ub)
+    if config.overlap_grad_reduce:
+        per_mb = queued_exposure(bk, reduce, grad_bytes, back, p * back)
+        # the hidden reductions slow the backward they run beside (``contention.py``)
+        per_mb += slowdown(back, serial_time(bk, reduce, grad_bytes) - per_mb, share)
+    else:
+        per_mb = serial_time(bk, reduce, grad_bytes)
+    param_gather = 0.0
+    if config.zero >= 1:
+        gather = dp_group.all_gather
+        if config.overlap_param_gather:
+            # the mirror image: chunk 0's first forward needs its buckets one by one, chunk k's
+            # first forward starts k p chunk-forwards later
+            param_gather = queued_exposure(bk, gather, param_bytes, ahead, p * ahead)
+            hidden = serial_time(bk, gather, param_bytes) - param_gather
+            param_gather += slowdown(ahead, hidden, share)
+        else:
+            param_gather = serial_time(bk, gather, param_bytes)
+    return per_mb, param_gather
