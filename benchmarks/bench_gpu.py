@@ -1,4 +1,11 @@
-"""GPT-2 124M trained on one GPU under coplan's plans and the baselines they are compared with.
+"""GPT-2 124M (and Llama 3.2 1B) trained on one GPU under coplan's plans and the baselines they
+are compared with.
+
+    # the prepared benchmark (``gpu_all.py``): five runs per model at a tight and a loose batch
+    python benchmarks/bench_gpu.py all-plans                      # here: plan them (OR-Tools)
+    python benchmarks/bench_gpu.py all --out DIR [--model NAME]   # on the GPU: DIR/bench_gpu.json
+    python benchmarks/bench_gpu.py all --device cpu --out DIR     # the same end to end on a CPU
+    python benchmarks/bench_gpu.py all-table DIR/bench_gpu.json   # the markdown tables
 
     # here (planning needs OR-Tools): write the plans the GPU runs apply
     python benchmarks/bench_gpu.py plans
@@ -34,6 +41,7 @@ from pathlib import Path
 from typing import Any
 
 HERE = Path(__file__).parent
+sys.path.insert(0, str(HERE))  # gpu_all, beside this file
 PLANS = HERE / "data" / "gpu"
 MODEL, CLUSTER = "gpt2-124m", "dgx-h100"
 BATCH, SEQ, STEPS = 128, 1024, 6
@@ -178,11 +186,33 @@ def table(src: Path) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("part", choices=("plans", "apply", "corners", "table"))
+    ap.add_argument("part", choices=("plans", "apply", "corners", "table", "all", "all-plans", "all-table"))
     ap.add_argument("src", nargs="?", default=".")
     ap.add_argument("--out", default=".")
     ap.add_argument("--case", type=int, default=None, help="apply: run only this case (a process each)")
+    ap.add_argument("--device", choices=("cuda", "cpu"), default="cuda", help="all: where to run")
+    ap.add_argument("--model", action="append", help="all: this model only (repeatable) [default: all]")
+    ap.add_argument("--steps", type=int, default=STEPS, help="all: steps per run")
+    ap.add_argument("--plans", default=None, help="all: the plans' folder [default: benchmarks/data/gpu/all]")
     args = ap.parse_args(argv)
+    if args.part.startswith("all"):
+        import gpu_all
+
+        models = args.model or gpu_all.DEFAULT[args.device]
+        unknown = [m for m in models if m not in gpu_all.MODELS[args.device]]
+        if unknown:
+            ap.error(
+                f"--model {unknown[0]}: not one of {', '.join(gpu_all.MODELS[args.device])} on {args.device}"
+            )
+        plan_dir = Path(args.plans) if args.plans else gpu_all.PLAN_DIR
+        if args.part == "all-plans":
+            gpu_all.write_plans(models, args.device, plan_dir)
+        elif args.part == "all-table":
+            print(gpu_all.table(json.loads(Path(args.src).read_text())))
+        else:
+            result = gpu_all.run_all(models, args.device, Path(args.out), args.steps, plan_dir)
+            print(gpu_all.table(result))
+        return 0
     if args.part == "plans":
         write_plans()
     elif args.part == "table":

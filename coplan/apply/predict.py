@@ -146,11 +146,12 @@ def plan_for(
     )
 
 
-def baseline_plan(plan: Plan, ctx: PlanContext, mode: str) -> Plan:
+def baseline_plan(plan: Plan, ctx: PlanContext, mode: str, *, keep_recompute: bool = False) -> Plan:
     """What a baseline run (``Job.mode``) executes, as a plan the cost model can price: the plan's
-    layout and batch, no recomputation, autocast to the plan's 16-bit compute dtype (fp8 plans:
-    bf16, which autocast offers; fp32 plans: fp32), and kernels as ``torch.compile``'s defaults
-    fuse them (greedy pointwise fusion) or, eagerly, one per op."""
+    layout and batch, no recomputation (``keep_recompute``: the plan's recompute set, for a
+    compiled baseline given the plan's memory budget), autocast to the plan's 16-bit compute dtype
+    (fp8 plans: bf16, which autocast offers; fp32 plans: fp32), and kernels as ``torch.compile``'s
+    defaults fuse them (greedy pointwise fusion) or, eagerly, one per op."""
     from coplan.passes.precision import precision_variant
     from coplan.plan.types import RematPlan
     from coplan.search.space import fusion_option
@@ -161,7 +162,8 @@ def baseline_plan(plan: Plan, ctx: PlanContext, mode: str) -> Plan:
     prec = precision_variant(ctx, compute, "autocast") or precision_variant(ctx, compute, "fused")
     assert prec is not None
     fusion = fusion_option(ctx, "greedy" if mode == "compile" else "eager")
-    return plan.with_(fusion=fusion, remat=RematPlan(), precision=prec)
+    remat = plan.remat if keep_recompute else RematPlan()
+    return plan.with_(fusion=fusion, remat=remat, precision=prec)
 
 
 def megatron_recompute(ctx: PlanContext, mode: str) -> frozenset[str]:

@@ -3,6 +3,7 @@ ones), and put measured and predicted side by side (the object ``coplan run --js
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import os
@@ -70,6 +71,10 @@ class RunRequest:
     seed: int = 0
     mode: str = "plan"  # or a baseline: "compile" (torch.compile defaults), "eager" (``Job.mode``)
     host_allocator: str = "pinned"  # or "default" (``Job.host_allocator``, ``coplan.hardware.allocator``)
+    # mode "compile": torch.compile with PyTorch's memory-budgeted partitioner at this fraction
+    # (``Job.activation_budget``); the prediction keeps the plan's recompute set, the cost model's
+    # stand-in for what the partitioner recomputes to meet the plan's memory
+    activation_budget: float | None = None
 
 
 def run_plan(req: RunRequest) -> dict[str, Any]:
@@ -77,17 +82,34 @@ def run_plan(req: RunRequest) -> dict[str, Any]:
     size, batch or sequence), price it, train, and return the report."""
     cluster = run_cluster(req.cluster, req.nproc, req.device)
     ctx = make_context(req.spec, cluster, req.global_batch, req.seq, req.device)
+    if req.mode == "compile":
+        # torch.compile's own path runs Inductor's joint-graph passes, which pad unaligned GEMMs
+        # (``shape_padding``); coplan's backend and eager PyTorch run the shapes as they are
+        ctx.stack = dataclasses.replace(ctx.stack, gemm_padding=True)
     notes = refuse(req.plan, ctx, req.nproc)
     if req.mode not in MODES:
         raise PlanError("mode", f"must be one of {', '.join(MODES)}, got {req.mode!r}", "run")
     if req.host_allocator not in HOST_ALLOCATORS:
         got = req.host_allocator
         raise SpecError("--host-allocator", None, f"must be one of {', '.join(HOST_ALLOCATORS)}, got {got!r}")
-    ran = baseline_plan(req.plan, ctx, req.mode)
+    if req.activation_budget is not None:
+        if req.mode != "compile":
+            raise PlanError("mode", f"an activation budget needs mode 'compile', got {req.mode!r}", "run")
+        if not 0.0 <= req.activation_budget <= 1.0:
+            raise PlanError(
+                "activation_budget", f"must be between 0 and 1, got {req.activation_budget}", "run"
+            )
+    ran = baseline_plan(req.plan, ctx, req.mode, keep_recompute=req.activation_budget is not None)
     if req.mode != "plan":
+        recomputing = (
+            f"the plan's {len(ran.remat.recompute)} recomputed tensors for activation budget "
+            f"{req.activation_budget:g}"
+            if req.activation_budget is not None
+            else "no recomputation"
+        )
         notes.append(
             f"baseline {req.mode!r}: the plan's layout and batch only; predicted for "
-            f"{ran.fusion.label} kernels, no recomputation, {ran.precision.compute} autocast"
+            f"{ran.fusion.label} kernels, {recomputing}, {ran.precision.compute} autocast"
         )
     pred = predict(ran, ctx)
     threads = req.threads
@@ -104,6 +126,7 @@ def run_plan(req: RunRequest) -> dict[str, Any]:
         seed=req.seed,
         mode=req.mode,
         host_allocator=req.host_allocator,
+        activation_budget=req.activation_budget,
     )
     res = execute(job, req.nproc)
     return report(req, cluster, pred.figures(), pred.breakdown_s, res, notes)
@@ -174,6 +197,7 @@ def report(
             "device": req.device,
             "device_name": device_name(req.device),
             "mode": req.mode,
+            "activation_budget": req.activation_budget,
             "nproc": req.nproc,
             "cluster": cluster.name,
             "global_batch": req.global_batch,

@@ -69,6 +69,11 @@ class Job:
     # "pinned": on a CPU, hold glibc malloc's thresholds at their steady state for the run
     # (``coplan.hardware.allocator``); "default": leave the allocator as the process found it
     host_allocator: str = "pinned"
+    # mode "compile" only: PyTorch's own memory-budgeted partitioner
+    # (``torch._functorch.config.activation_memory_budget``: 1 keeps the min-cut partitioner's
+    # saved set, 0 recomputes all it can, in between a knapsack of the cheapest recomputations by
+    # FLOPs); None leaves Inductor's default
+    activation_budget: float | None = None
 
 
 @dataclass
@@ -202,7 +207,13 @@ def run_rank(rank: int, world: int, job: Job) -> RankResult | None:
     if job.device == "cpu" and job.host_allocator == "pinned":
         pinned = pin_host_allocator()  # before the model exists, so every step sees the same heap
     try:
-        res = _run(rank, world, job)
+        if job.activation_budget is None:
+            res = _run(rank, world, job)
+        else:
+            from torch._functorch import config as functorch_config
+
+            with functorch_config.patch(activation_memory_budget=job.activation_budget):
+                res = _run(rank, world, job)
     except CoplanError as e:
         if job.result and rank == 0:
             Path(job.result).write_text(json.dumps({"error": str(e), "exit_code": e.exit_code}))

@@ -97,6 +97,16 @@ def run(
             "(torch.compile defaults) or eager; 16-bit plans' baselines run under autocast.",
         ),
     ] = Mode.plan,
+    activation_budget: Annotated[
+        float | None,
+        typer.Option(
+            "--activation-budget",
+            help="With --mode compile: PyTorch's memory-budgeted partitioner at this fraction "
+            "(torch._functorch.config.activation_memory_budget; 1 keeps its default saved set, 0 "
+            "recomputes all it can).",
+            show_default=False,
+        ),
+    ] = None,
     host_allocator: Annotated[
         HostAllocator,
         typer.Option(
@@ -125,6 +135,11 @@ def run(
     positive("--seq", seq, optional=True)
     if threads < 0:
         raise SpecError("--threads", None, f"must be >= 0, got {threads}")
+    if activation_budget is not None:
+        if mode != Mode.compile:
+            raise SpecError("--activation-budget", None, f"needs --mode compile, got --mode {mode.value}")
+        if not 0.0 <= activation_budget <= 1.0:
+            raise SpecError("--activation-budget", None, f"must be between 0 and 1, got {activation_budget}")
     check_output("--record", record)
     record_db = recording_to(history, db)
     dev = resolve_device(device.value)
@@ -142,6 +157,7 @@ def run(
         threads=threads,
         mode=mode.value,
         host_allocator=host_allocator.value,
+        activation_budget=activation_budget,
     )
     with interruptible("training stopped; nothing recorded"):
         out = run_plan(req)

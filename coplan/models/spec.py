@@ -304,14 +304,15 @@ _LLAMA3_SHAPES: dict[str, tuple[int, int, int, int]] = {
 
 # Published configurations: GPT-2 (Radford et al. 2019, nanoGPT's configs), LLaMA 2 (Touvron et al.
 # 2023), Llama 3 and 3.1 (Meta 2024, "The Llama 3 Herd of Models" Table 3: 8B, 70B, 405B; 3.1 keeps
-# the shapes), GPT-3 175B (Brown et al. 2020), the GPT-3 5B and 20B that NeMo's performance tables
-# train (NeMo-Framework-Launcher conf/training/gpt3/5b.yaml, 20b.yaml: 24 x 4096 x 32 heads, 44 x
-# 6144 x 48 heads, GPT-2's tokenizer, dropout 0.1), Nemotron-4 15B and 340B, Mixtral 8x7B (Jiang et
-# al. 2024), Megatron-LM's 1T configuration (Narayanan et al. 2021, table 1). The tiny presets are
-# for tests. The GPT-3 models and the 1T model carry the dropout published runs of them used
-# (hidden and attention 0.1: Megatron-LM's --hidden-dropout / --attention-dropout defaults, which
-# its GPT-3 and Table 1 scripts keep, and NeMo's GPT-3 recipes up to NeMo 1.x); the others train
-# without, as their recipes do.
+# the shapes), Llama 3.2 1B (Meta 2024, the released config.json of Llama-3.2-1B: 16 x 2048, 32 heads,
+# 8 KV heads, FFN 8192, the 128,256-token vocabulary tied to the embedding), GPT-3 175B (Brown et al.
+# 2020), the GPT-3 5B and 20B that NeMo's performance tables train (NeMo-Framework-Launcher
+# conf/training/gpt3/5b.yaml, 20b.yaml: 24 x 4096 x 32 heads, 44 x 6144 x 48 heads, GPT-2's tokenizer,
+# dropout 0.1), Nemotron-4 15B and 340B, Mixtral 8x7B (Jiang et al. 2024), Megatron-LM's 1T
+# configuration (Narayanan et al. 2021, table 1). The tiny presets are for tests. The GPT-3 models and
+# the 1T model carry the dropout published runs of them used (hidden and attention 0.1: Megatron-LM's
+# --hidden-dropout / --attention-dropout defaults, which its GPT-3 and Table 1 scripts keep, and
+# NeMo's GPT-3 recipes up to NeMo 1.x); the others train without, as their recipes do.
 PRESETS: dict[str, ModelSpec] = {
     s.name: s
     for s in (
@@ -326,6 +327,18 @@ PRESETS: dict[str, ModelSpec] = {
             _llama3(f"{family}-{size}", *shape)
             for family in ("llama3", "llama3.1")
             for size, shape in _LLAMA3_SHAPES.items()
+        ),
+        _llama(
+            "llama3.2-1b",
+            16,
+            2048,
+            32,
+            8192,
+            n_kv_heads=8,
+            vocab_size=128256,
+            seq_len=8192,
+            rope_theta=500000.0,
+            tied_embeddings=True,
         ),
         _megatron_gpt("gpt3-5b", 24, 4096, 32, 50257),
         _megatron_gpt("gpt3-20b", 44, 6144, 48, 50257),

@@ -1,0 +1,337 @@
+"""``bench_gpu.py all``: coplan's plans against torch.compile on one device, at a loose and a
+memory-tight batch, for GPT-2 124M and Llama 3.2 1B (a small GPT on a CPU).
+
+Per model and batch, five runs of ``coplan run``'s path (``coplan.apply.run.run_plan``):
+
+- ``eager``: plain PyTorch under bf16 autocast, the joint plan's layout and microbatching;
+- ``compile``: ``torch.compile`` with Inductor's defaults, the same;
+- ``compile_budget``: ``torch.compile`` with PyTorch's memory-budgeted partitioner
+  (``torch._functorch.config.activation_memory_budget``) at the fraction that gives it the joint
+  plan's saved activations: the joint run's measured saved bytes over the ``compile`` run's (the
+  partitioner's budget is a fraction of its own default saved set), from the cost model where a
+  run failed;
+- ``coplan_joint`` and ``coplan_sequential``: the ``joint`` and ``sequential`` strategies' plans
+  for coplan's runner (bf16: the runner emulates fp8).
+
+The batches come from the cost model, not a table: the tight batch is the smallest power of two
+at which ``torch.compile``'s defaults in one microbatch do not fit the device (the planner must
+microbatch or recompute), the loose one a quarter of it. A CPU's memory is not the constraint, so
+there the tight plans get a budget of 3/4 of that baseline's predicted peak.
+
+Plans are made where OR-Tools is installed (``plans``; the GPU machine has none) and written to
+``benchmarks/data/gpu/all/``; ``all`` plans any that are missing when it can. Results go to
+``OUT/bench_gpu.json`` after every run, so a run cut short keeps what finished.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+from pathlib import Path
+from typing import Any
+
+HERE = Path(__file__).parent
+PLAN_DIR = HERE / "data" / "gpu" / "all"
+RUNS = ("eager", "compile", "coplan_joint", "coplan_sequential", "compile_budget")
+STRATEGIES = {"coplan_joint": "joint", "coplan_sequential": "sequential"}
+
+#: model -> (spec: a preset or a file, cluster: a preset or a file, sequence length) per device
+#: kind; on a CPU the profile ``coplan calibrate`` fitted to this machine prices the runs
+#: (``gpt-tiny``: the quick end-to-end check the tests run, with the uncalibrated preset)
+MODELS: dict[str, dict[str, tuple[str, str, int]]] = {
+    "cuda": {
+        "gpt2-124m": ("gpt2-124m", "dgx-h100", 1024),
+        "llama3.2-1b": ("llama3.2-1b", "dgx-h100", 2048),
+    },
+    "cpu": {
+        "gpt-b": (str(HERE / "data" / "gpt-b.json"), str(HERE / "results" / "cpu_profile.json"), 256),
+        "gpt-tiny": ("gpt-tiny", "cpu", 64),
+    },
+}
+DEFAULT = {"cuda": ["gpt2-124m", "llama3.2-1b"], "cpu": ["gpt-b"]}
+CPU_BUDGET = 0.5  # of the one-microbatch compile baseline's predicted peak, on a CPU
+
+
+def _context(model: str, device: str, batch: int, budget: float | None = None) -> Any:
+    from coplan.apply.predict import make_context, run_cluster
+    from coplan.hardware import load_cluster
+    from coplan.models.spec import load_model_spec
+
+    spec, cluster, seq = MODELS[device][model]
+    ctx = make_context(
+        load_model_spec(spec), run_cluster(load_cluster(cluster), 1, device), batch, seq, device
+    )
+    if budget is not None:
+        ctx.budget_bytes = budget
+    return ctx
+
+
+def _baseline_peak(model: str, device: str, batch: int) -> tuple[float, float]:
+    """(predicted peak of ``torch.compile``'s defaults in one microbatch, the planner's budget)."""
+    from coplan.apply.predict import baseline_plan, plan_for
+
+    ctx = _context(model, device, batch)
+    base = baseline_plan(plan_for(ctx, compute="bf16", microbatch=batch), ctx, "compile")
+    return ctx.price(base).memory.peak_bytes, float(ctx.budget_bytes or 0.0)
+
+
+def batches(model: str, device: str) -> dict[str, int]:
+    """{"tight": ..., "loose": ...} for ``model`` on ``device`` (module docstring)."""
+    if device == "cpu":
+        return {"tight": 16, "loose": 4}
+    batch = 1
+    while batch < 4096:
+        peak, budget = _baseline_peak(model, device, batch)
+        if peak > budget:
+            break
+        batch *= 2
+    return {"tight": batch, "loose": max(1, batch // 4)}
+
+
+def write_plans(models: list[str], device: str, out: Path = PLAN_DIR) -> dict[str, Any]:
+    """Plan both strategies for each model and batch; a manifest of batches and budgets."""
+    from coplan.search import Options, run_strategy
+    from coplan.search.space import SearchSpace
+
+    out.mkdir(parents=True, exist_ok=True)
+    manifest: dict[str, Any] = {"device": device, "models": {}}
+    for model in models:
+        sizes = batches(model, device)
+        entry: dict[str, Any] = {"batch_tight": sizes["tight"], "batch_loose": sizes["loose"], "budgets": {}}
+        for kind, batch in sizes.items():
+            budget = None
+            if device == "cpu" and kind == "tight":
+                budget = CPU_BUDGET * _baseline_peak(model, device, batch)[0]
+            for run, strategy in STRATEGIES.items():
+                ctx = _context(model, device, batch, budget)
+                entry["budgets"][kind] = ctx.budget_bytes
+                opts = Options(space=SearchSpace(dtypes=("bf16",)))
+                t0 = time.perf_counter()
+                plan = run_strategy(strategy, ctx, opts).plan
+                (out / f"{model}_{kind}_{run}.json").write_text(plan.to_json() + "\n")
+                print(
+                    f"{model} {kind} (batch {batch}) {run}: planned in {time.perf_counter() - t0:.1f} s",
+                    flush=True,
+                )
+        manifest["models"][model] = entry
+    (out / f"manifest_{device}.json").write_text(json.dumps(manifest, indent=1) + "\n")
+    return manifest
+
+
+def _manifest(models: list[str], device: str, plan_dir: Path) -> dict[str, Any]:
+    path = plan_dir / f"manifest_{device}.json"
+    have = json.loads(path.read_text()) if path.exists() else {"models": {}}
+    missing = [
+        m
+        for m in models
+        if m not in have["models"]
+        or not all((plan_dir / f"{m}_{k}_{r}.json").exists() for k in ("tight", "loose") for r in STRATEGIES)
+    ]
+    if missing:
+        try:
+            import ortools  # noqa: F401
+        except ImportError:
+            raise SystemExit(
+                f"no plans for {', '.join(missing)} in {plan_dir}: run `bench_gpu.py plans` where OR-Tools is"
+            )
+        done = write_plans(missing, device, plan_dir)
+        have["models"].update(done["models"])
+        have["device"] = device
+        (plan_dir / f"manifest_{device}.json").write_text(json.dumps(have, indent=1) + "\n")
+    return have
+
+
+def _one(
+    model: str, device: str, batch: int, plan_file: Path, mode: str, steps: int, budget: float | None = None
+) -> dict[str, Any]:
+    from coplan.apply.run import RunRequest, run_plan
+    from coplan.hardware import load_cluster
+    from coplan.models.spec import load_model_spec
+    from coplan.plan.types import Plan
+
+    spec, cluster, seq = MODELS[device][model]
+    req = RunRequest(
+        plan=Plan.load(str(plan_file)),
+        spec=load_model_spec(spec),
+        steps=steps,
+        nproc=1,
+        global_batch=batch,
+        seq=seq,
+        cluster=load_cluster(cluster),
+        device=device,
+        mode=mode,
+        activation_budget=budget,
+    )
+    t0 = time.perf_counter()
+    try:
+        out = run_plan(req)
+    except Exception as e:  # an out-of-memory baseline is a result, not a crash of the benchmark
+        if device == "cuda":
+            import torch
+
+            torch.cuda.empty_cache()
+        return {
+            "batch": batch,
+            "error": f"{type(e).__name__}: {str(e)[:300]}",
+            "wall_s": time.perf_counter() - t0,
+        }
+    m, p = out["measured"], out["predicted"]
+    return {
+        "batch": batch,
+        "tokens_per_s": batch * seq / m["step_time_s"],
+        "step_time_s": m["step_time_s"],
+        "predicted_step_time_s": p["step_time_s"],
+        "peak_bytes": m["peak_bytes"],
+        "predicted_peak_bytes": p["peak_bytes"],
+        "saved_activation_bytes": m["saved_activation_bytes"],
+        "predicted_saved_activation_bytes": p["saved_activation_bytes"],
+        "grad_ok": out["grad_check"]["ok"],
+        "grad_max_rel_err": out["grad_check"]["max_rel_err"],
+        "activation_budget": budget,
+        "microbatch": Plan.load(str(plan_file)).parallel.microbatch,
+        "recomputed": len(out["run"]["recomputed"]),
+        "groups_planned": out["fusion"]["groups_planned"],
+        "groups_honoured": out["fusion"]["groups_honoured"],
+        "wall_s": time.perf_counter() - t0,
+    }
+
+
+def _budget(runs: dict[str, Any], kind: str) -> float:
+    """The partitioner's fraction giving ``compile`` the joint plan's saved activations."""
+    joint, comp = runs.get(f"coplan_joint@{kind}", {}), runs.get(f"compile@{kind}", {})
+    key = "saved_activation_bytes"
+    if key not in joint or key not in comp:  # a failed run: the cost model's figures
+        key = "predicted_saved_activation_bytes"
+    if not comp.get(key):
+        return 1.0
+    return max(0.0, min(1.0, joint.get(key, 0.0) / comp[key]))
+
+
+def run_all(
+    models: list[str],
+    device: str,
+    out_dir: Path,
+    steps: int,
+    plan_dir: Path = PLAN_DIR,
+    kinds: tuple[str, ...] = ("tight", "loose"),
+) -> dict[str, Any]:
+    import torch
+
+    manifest = _manifest(models, device, plan_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    name = torch.cuda.get_device_name() if device == "cuda" else "cpu"
+    result: dict[str, Any] = {"device": name, "torch": torch.__version__, "steps": steps, "models": {}}
+    target = out_dir / "bench_gpu.json"
+    for model in models:
+        entry = manifest["models"][model]
+        runs: dict[str, Any] = {}
+        result["models"][model] = {
+            "batch_tight": entry["batch_tight"],
+            "batch_loose": entry["batch_loose"],
+            "seq": MODELS[device][model][2],
+            "runs": runs,
+        }
+        t_model = time.perf_counter()
+        for kind in kinds:
+            batch = entry[f"batch_{kind}"]
+            joint = plan_dir / f"{model}_{kind}_coplan_joint.json"
+            for run in RUNS:
+                plan_file, mode, budget = joint, "plan", None
+                if run in STRATEGIES:
+                    plan_file = plan_dir / f"{model}_{kind}_{run}.json"
+                elif run == "compile_budget":
+                    mode, budget = "compile", _budget(runs, kind)
+                else:
+                    mode = run
+                got = runs[f"{run}@{kind}"] = _one(model, device, batch, plan_file, mode, steps, budget)
+                target.write_text(json.dumps(result, indent=1) + "\n")
+                shown = (
+                    "failed: " + got["error"]
+                    if "error" in got
+                    else (
+                        f"{got['step_time_s'] * 1e3:.1f} ms (pred {got['predicted_step_time_s'] * 1e3:.1f}), "
+                        f"{got['tokens_per_s']:,.0f} tok/s, peak {got['peak_bytes'] / 2**30:.2f} GiB"
+                    )
+                )
+                print(f"{model} {run}@{kind} b{batch}: {shown} [{got['wall_s']:.0f} s]", flush=True)
+        result["models"][model]["wall_s"] = time.perf_counter() - t_model
+        target.write_text(json.dumps(result, indent=1) + "\n")
+    return result
+
+
+def _rank(values: list[float]) -> list[int]:
+    order = sorted(range(len(values)), key=lambda i: values[i])
+    return [order.index(i) for i in range(len(values))]
+
+
+def summary(result: dict[str, Any]) -> list[dict[str, Any]]:
+    """Per model and batch: the comparisons the issue states, and whether the cost model ranks the
+    runs as measured."""
+    rows = []
+    for model, entry in result["models"].items():
+        for kind in ("tight", "loose"):
+            if not any(k.endswith(f"@{kind}") for k in entry["runs"]):
+                continue
+            runs = {r: entry["runs"].get(f"{r}@{kind}", {}) for r in RUNS}
+            ok = {r: v for r, v in runs.items() if "step_time_s" in v}
+
+            def ratio(a: str, b: str, ok: dict[str, Any] = ok) -> float:
+                if a in ok and b in ok:
+                    return ok[a]["tokens_per_s"] / ok[b]["tokens_per_s"]
+                return math.nan
+
+            names = list(ok)
+            meas = [ok[n]["step_time_s"] for n in names]
+            pred = [ok[n]["predicted_step_time_s"] for n in names]
+            errs = {n: ok[n]["predicted_step_time_s"] / ok[n]["step_time_s"] - 1 for n in names}
+            rows.append(
+                {
+                    "model": model,
+                    "batch": kind,
+                    "joint_vs_compile": ratio("coplan_joint", "compile"),
+                    "joint_vs_compile_budget": ratio("coplan_joint", "compile_budget"),
+                    "joint_vs_sequential": ratio("coplan_joint", "coplan_sequential"),
+                    "ranking_matches": _rank(meas) == _rank(pred),
+                    "errors": errs,
+                    "failed": [r for r in RUNS if r not in ok],
+                }
+            )
+    return rows
+
+
+def table(result: dict[str, Any]) -> str:
+    lines = [
+        f"device: {result['device']}, torch {result['torch']}, {result.get('steps')} steps (median of the timed ones)",
+        "",
+    ]
+    lines.append(
+        "| model | run | batch | step ms measured | predicted | error | tokens/s | peak GiB | saved GiB measured / predicted | recomputed | grad ok |"
+    )
+    lines.append("|---|---|---:|---:|---:|---:|---:|---:|---|---:|---|")
+    for model, entry in result["models"].items():
+        for key, r in entry["runs"].items():
+            if "error" in r:
+                lines.append(f"| {model} | {key} | {r['batch']} | failed: {r['error'][:60]} | | | | | | | |")
+                continue
+            budget = (
+                f" (budget {r['activation_budget']:.2f})" if r.get("activation_budget") is not None else ""
+            )
+            lines.append(
+                f"| {model} | {key}{budget} | {r['batch']} | {r['step_time_s'] * 1e3:.1f} | "
+                f"{r['predicted_step_time_s'] * 1e3:.1f} | {r['predicted_step_time_s'] / r['step_time_s'] - 1:+.1%} | "
+                f"{r['tokens_per_s']:,.0f} | {r['peak_bytes'] / 2**30:.2f} | "
+                f"{r['saved_activation_bytes'] / 2**30:.3f} / {r['predicted_saved_activation_bytes'] / 2**30:.3f} | "
+                f"{r['recomputed']} | {r['grad_ok']} |"
+            )
+    lines.append("")
+    lines.append(
+        "| model | batch | joint / compile | joint / compile with budget | joint / sequential | predicted ranking = measured |"
+    )
+    lines.append("|---|---|---:|---:|---:|---|")
+    for s in summary(result):
+        lines.append(
+            f"| {s['model']} | {s['batch']} | {s['joint_vs_compile']:.2f}x | {s['joint_vs_compile_budget']:.2f}x | "
+            f"{s['joint_vs_sequential']:.2f}x | {s['ranking_matches']} |"
+        )
+    return "\n".join(lines)

@@ -1,0 +1,95 @@
+"""The prepared GPU benchmark (``benchmarks/bench_gpu.py all``) runs end to end on this CPU, and
+``coplan run``'s memory-budgeted ``torch.compile`` baseline it relies on."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+BENCH = Path(__file__).resolve().parents[2] / "benchmarks"
+RUN_KEYS = {
+    "batch",
+    "tokens_per_s",
+    "step_time_s",
+    "predicted_step_time_s",
+    "peak_bytes",
+    "saved_activation_bytes",
+    "grad_ok",
+}
+
+
+@pytest.fixture
+def gpu_all():
+    sys.path.insert(0, str(BENCH))
+    try:
+        import gpu_all
+
+        yield gpu_all
+    finally:
+        sys.path.remove(str(BENCH))
+
+
+def test_activation_budget_needs_compile_mode(tmp_path, cli):
+    plan = tmp_path / "p.json"
+    job = ["--model", "gpt-tiny", "--cluster", "cpu", "--gpus", "1", "-b", "4", "--seq", "32"]
+    assert cli("plan", *job, "--stack", "coplan", "--out", str(plan))[0] == 0
+    base = ["run", "--model", "gpt-tiny", "--plan", str(plan), "--steps", "1", "--device", "cpu"]
+    code, _, err = cli(*base, "--mode", "eager", "--activation-budget", "0.5")
+    assert code == 2 and "--activation-budget: needs --mode compile" in err
+    code, _, err = cli(*base, "--mode", "compile", "--activation-budget", "1.5")
+    assert code == 2 and "between 0 and 1" in err
+
+
+def test_budget_gives_compile_the_joint_plans_saved_bytes(gpu_all):
+    runs = {
+        "coplan_joint@tight": {"saved_activation_bytes": 30.0, "predicted_saved_activation_bytes": 31.0},
+        "compile@tight": {"saved_activation_bytes": 40.0, "predicted_saved_activation_bytes": 50.0},
+        "coplan_joint@loose": {"predicted_saved_activation_bytes": 10.0},
+        "compile@loose": {"error": "OutOfMemoryError", "predicted_saved_activation_bytes": 5.0},
+    }
+    assert gpu_all._budget(runs, "tight") == pytest.approx(0.75)  # measured where both ran
+    assert gpu_all._budget(runs, "loose") == 1.0  # predicted otherwise, clamped to [0, 1]
+
+
+def test_summary_compares_and_ranks(gpu_all):
+    def run(ms, pred):
+        return {"step_time_s": ms, "predicted_step_time_s": pred, "tokens_per_s": 1.0 / ms}
+
+    result = {
+        "models": {
+            "m": {
+                "runs": {
+                    "eager@loose": run(4.0, 3.0),
+                    "compile@loose": run(2.0, 2.5),
+                    "coplan_joint@loose": run(1.0, 1.0),
+                    "coplan_sequential@loose": run(1.5, 1.2),
+                    "compile_budget@loose": {"batch": 4, "error": "OutOfMemoryError"},
+                }
+            }
+        }
+    }
+    (row,) = gpu_all.summary(result)
+    assert row["joint_vs_compile"] == pytest.approx(2.0)
+    assert row["joint_vs_sequential"] == pytest.approx(1.5)
+    assert row["ranking_matches"] is True
+    assert row["failed"] == ["compile_budget"]
+
+
+@pytest.mark.slow
+def test_all_runs_end_to_end_on_a_cpu(tmp_path, gpu_all):
+    """Five runs at each batch for a tiny GPT; the JSON the GPU session writes, in its shape."""
+    out = gpu_all.run_all(["gpt-tiny"], "cpu", tmp_path, steps=2, plan_dir=tmp_path / "plans")
+    written = json.loads((tmp_path / "bench_gpu.json").read_text())
+    assert written["models"].keys() == out["models"].keys() == {"gpt-tiny"}
+    model = written["models"]["gpt-tiny"]
+    assert model["batch_tight"] > model["batch_loose"]
+    assert set(model["runs"]) == {f"{r}@{k}" for r in gpu_all.RUNS for k in ("tight", "loose")}
+    for name, r in model["runs"].items():
+        assert set(r) >= RUN_KEYS, name
+        assert r["grad_ok"], name
+    budget = model["runs"]["compile_budget@tight"]["activation_budget"]
+    assert 0.0 <= budget <= 1.0
+    assert "| gpt-tiny | tight |" in gpu_all.table(written)
