@@ -154,6 +154,12 @@ class TrainingConfig:
         overlap_zero: ZeRO-3 / FSDP unit collectives are prefetched behind compute (GPUs: NCCL on
             its own stream); off where communication and compute share the same cores (gloo on
             a CPU), so every collective shows.
+        gemm_padding: GEMM dimensions the tensor cores' 16-byte loads cannot take are padded before
+            the GEMM runs, as Megatron-LM pads the vocabulary (``--make-vocab-size-divisible-by``,
+            128 x TP) and Inductor pads matrix multiplies (``torch._inductor.config.shape_padding``,
+            ``torch/_inductor/fx_passes/pad_mm.py``); false where the stack runs the model's shapes
+            as they are (eager PyTorch, coplan's runner), and an unaligned GEMM then runs at the
+            device's ``matmul_unaligned`` fraction of its rate (``coplan.cost.kernels``).
         nccl_ub: the data-parallel parameter and gradient buffers are registered with NCCL
             (Megatron-Core's ``ddp_config.nccl_ub``), whose SM-efficient algorithms hold fewer SMs
             beside the compute they overlap (``coplan.cost.contention``).
@@ -204,6 +210,7 @@ class TrainingConfig:
     eager_loss: bool = False
     fsdp_shard: int | None = None
     nccl_ub: bool = False
+    gemm_padding: bool = True
 
     def __post_init__(self) -> None:
         for name, bound in (
@@ -281,6 +288,8 @@ class TrainingConfig:
             raise ConfigError("fsdp_shard", f"must be a positive divisor of dp ({self.dp}), got {n!r}")
         if not isinstance(self.eager_loss, bool):
             raise ConfigError("eager_loss", f"must be true or false, got {self.eager_loss!r}")
+        if not isinstance(self.gemm_padding, bool):
+            raise ConfigError("gemm_padding", f"must be true or false, got {self.gemm_padding!r}")
         if self.fp8_scaling not in FP8_SCALINGS:
             raise ConfigError(
                 "fp8_scaling", f"must be one of {', '.join(FP8_SCALINGS)}, got {self.fp8_scaling!r}"
@@ -411,6 +420,7 @@ class TrainingConfig:
             **({"nccl_ub": True} if self.nccl_ub else {}),
             **({"fp8_scaling": self.fp8_scaling} if self.fp8_scaling != "tensorwise" else {}),
             **({"async_tp": True} if self.async_tp else {}),
+            **({"gemm_padding": False} if not self.gemm_padding else {}),
         }
 
 

@@ -60,6 +60,7 @@ SETTINGS: tuple[str, ...] = (
     "reduce_16bit",
     "fp8_params",
     "async_tp",
+    "gemm_padding",
 )
 #: How a stack runs fp8 GEMMs: natively, emulated (runs, not faster) or not at all.
 FP8_MODES: tuple[str, ...] = ("native", "emulated", "none")
@@ -117,6 +118,9 @@ class StackSpec:
             which a plan then may choose.
         async_tp: a plan with sequence-parallel TP runs PyTorch's async TP (Inductor's
             micro-pipeline pass; ``TrainingConfig.async_tp``), which the plan's recipe turns on.
+        gemm_padding: GEMM dimensions the tensor cores cannot load aligned are padded (Megatron's
+            vocabulary padding, Inductor's ``shape_padding``); false where the model's shapes run
+            as they are (``TrainingConfig.gemm_padding``).
         reserved_fraction: the caching allocator's reserved bytes beyond the allocated peak, as a
             fraction of it (what ``torch.cuda.max_memory_reserved`` reports over
             ``max_memory_allocated``); 0 prices the allocated peak.
@@ -148,6 +152,7 @@ class StackSpec:
     reduce_16bit: bool = True
     fp8_params: bool = True
     async_tp: bool = False
+    gemm_padding: bool = True
     about: str = ""
     sources: tuple[tuple[str, str], ...] = ()
 
@@ -175,6 +180,7 @@ class StackSpec:
             "reduce_16bit",
             "fp8_params",
             "async_tp",
+            "gemm_padding",
         ):
             if not isinstance(getattr(self, flag), bool):
                 raise StackError(src, flag, f"must be true or false, got {getattr(self, flag)!r}")
@@ -233,6 +239,8 @@ class StackSpec:
         none of its own (a fusion mode, not groups) and the loss they imply; its attention kernel
         and sharding units kept. How a planner prices a plan for this stack: the plan decides
         the layout and any fusion groups."""
+        if not self.gemm_padding:
+            config = config.with_(gemm_padding=False)
         if self.kernels == "megatron":
             return config
         changes: dict[str, Any] = {"kernels": self.kernels}

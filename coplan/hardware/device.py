@@ -39,9 +39,13 @@ from coplan.hardware.tiling import PHASES, AttentionTiling
 #: free); absent, no such tier is priced. ``matmul_tn`` is the fraction of the same dtype's
 #: ``matmul`` rate that a GEMM whose left operand is a transposed view reaches (a weight gradient,
 #: ``grad.T @ x``: a CPU BLAS packs such an operand on another, slower path in 16 bits); absent, 1.
+#: ``matmul_unaligned`` is the fraction of a GEMM's rate it keeps when an operand it loads has a
+#: leading dimension the tensor cores' 16-byte loads cannot take (8 elements of 16 bits), where the
+#: stack does not pad it (``TrainingConfig.gemm_padding``); absent, 1.
 EFFICIENCY_KINDS: tuple[str, ...] = (
     "matmul",
     "matmul_tn",
+    "matmul_unaligned",
     "attention",
     "attention_backward",
     "vector",

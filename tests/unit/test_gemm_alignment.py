@@ -1,0 +1,95 @@
+"""GEMMs whose loaded operands are not 16-byte aligned, and the stacks that pad them.
+
+An H100 ran GPT-2's LM-head gradient GEMMs over the 50,257-wide vocabulary at 0.20 of the rate of
+the aligned shape (``devices.json``, ``matmul_unaligned``); the forward, whose only unaligned
+dimension is its output's, ran as fast as priced. Stacks that pad (Megatron's vocabulary,
+Inductor's ``shape_padding``) pay nothing.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from coplan.cost import CostModel, TrainingConfig
+from coplan.cost.kernels import Rates, Scale, kernel_time, misaligned
+from coplan.cost.parts import ZERO, Kernel
+from coplan.cost.stacks import load_stack, stack_names
+from coplan.hardware import load_cluster
+from coplan.ir.types import Phase
+from coplan.models.spec import PRESETS
+
+
+def _gemm(m: int, n: int, k: int, tn: bool = False) -> Kernel:
+    return Kernel(Phase.BACKWARD, "matmul", 0, 2.0 * m * n * k, 0.0, ZERO, dims=(m, n, k), tn=tn)
+
+
+@pytest.mark.parametrize(
+    ("dims", "tn", "expected"),
+    [
+        ((65536, 768, 50257), False, True),  # input gradient: the output gradient's rows are K
+        ((50257, 768, 65536), True, True),  # weight gradient: grad.T's leading dimension is M
+        ((65536, 50257, 768), False, False),  # forward: only the output's N is unaligned
+        ((65536, 768, 50304), False, False),  # nanoGPT's padded vocabulary
+        ((50257, 768, 65536), False, False),  # M unaligned in a row-major left operand: its rows
+    ],
+)
+def test_which_gemms_load_a_misaligned_operand(dims, tn, expected):
+    assert misaligned(_gemm(*dims, tn=tn), dims, 2) is expected
+
+
+def test_alignment_is_sixteen_bytes_of_the_operand_dtype():
+    k = _gemm(64, 64, 12)
+    assert misaligned(k, k.dims, 2)  # 12 bf16 elements = 24 bytes
+    assert not misaligned(k, k.dims, 4)  # 12 fp32 elements = 48 bytes
+
+
+def test_unpadded_misaligned_gemm_runs_at_the_devices_fraction():
+    dev = load_cluster("dgx-h100").groups[0].device
+    r = Rates.of(dev, "bf16")
+    assert r.mm_unaligned == pytest.approx(0.2)
+    k = _gemm(65536, 768, 50257)
+    padded = Scale(1, False, (2.0, 2.0, 4.0, 4.0, 1.0, 1.0), 2, True, False, True)
+    unpadded = dataclasses.replace(padded, pads=False)
+    base = kernel_time(k, r, padded) - r.launch_s
+    assert kernel_time(k, r, unpadded) - r.launch_s == pytest.approx(base / 0.2)
+    fwd = _gemm(65536, 50257, 768)
+    assert kernel_time(fwd, r, unpadded) == kernel_time(fwd, r, padded)
+
+
+def test_devices_without_a_measurement_pay_nothing():
+    dev = load_cluster("dgx-a100-80gb").groups[0].device
+    assert Rates.of(dev, "bf16").mm_unaligned == 1.0
+
+
+def test_eager_pytorch_pays_for_gpt2s_vocabulary_on_hopper_and_megatron_does_not():
+    cm = CostModel(spec=PRESETS["gpt2-124m"])
+    cluster = load_cluster("dgx-h100", 1)
+    config = TrainingConfig(tp=1, pp=1, dp=1, microbatch=8, global_batch=8, seq=1024, dtype="bf16")
+    padded = cm.estimate(cluster, config).step_time_s
+    unpadded = cm.estimate(cluster, config.with_(gemm_padding=False)).step_time_s
+    # two of the LM head's three GEMMs (each 2 x 8192 x 768 x 50257 FLOPs) at a fifth of their rate
+    assert unpadded > padded * 1.05
+    llama = CostModel(spec=PRESETS["llama2-7b"])  # every dimension aligned: nothing to pad
+    c7 = config.with_(microbatch=1, global_batch=1, seq=4096)
+    assert llama.estimate(cluster, c7).step_time_s == llama.estimate(
+        cluster, c7.with_(gemm_padding=False)
+    ).step_time_s
+
+
+def test_stacks_say_whether_they_pad():
+    padding = {name: load_stack(name).gemm_padding for name in stack_names()}
+    assert padding["megatron"] and padding["torchtitan-compile"] and padding["deepspeed"]
+    assert not padding["eager"] and not padding["torchtitan"] and not padding["coplan"]
+    base = TrainingConfig(tp=1, pp=1, dp=1, microbatch=1, global_batch=1, seq=64)
+    assert load_stack("eager").with_kernels(base).gemm_padding is False
+    assert load_stack("coplan").with_kernels(base).gemm_padding is False
+    assert load_stack("megatron").with_kernels(base) == base
+
+
+def test_gemm_padding_must_be_a_bool():
+    from coplan.cost import ConfigError
+
+    with pytest.raises(ConfigError, match="gemm_padding"):
+        TrainingConfig(tp=1, pp=1, dp=1, microbatch=1, global_batch=1, seq=64, gemm_padding="no")  # type: ignore[arg-type]
