@@ -193,6 +193,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--device", choices=("cuda", "cpu"), default="cuda", help="all: where to run")
     ap.add_argument("--model", action="append", help="all: this model only (repeatable) [default: all]")
     ap.add_argument("--steps", type=int, default=STEPS, help="all: steps per run")
+    ap.add_argument("--batches", default="tight,loose", help="all: which batches (tight, loose)")
+    ap.add_argument("--runs", default=None, help="all: these runs only, comma-separated [default: all five]")
     ap.add_argument("--plans", default=None, help="all: the plans' folder [default: benchmarks/data/gpu/all]")
     args = ap.parse_args(argv)
     if args.part.startswith("all"):
@@ -210,7 +212,12 @@ def main(argv: list[str] | None = None) -> int:
         elif args.part == "all-table":
             print(gpu_all.table(json.loads(Path(args.src).read_text())))
         else:
-            result = gpu_all.run_all(models, args.device, Path(args.out), args.steps, plan_dir)
+            kinds = tuple(k for k in args.batches.split(",") if k)
+            only = tuple(args.runs.split(",")) if args.runs else gpu_all.RUNS
+            bad = [x for x in (*kinds, *only) if x not in ("tight", "loose", *gpu_all.RUNS)]
+            if bad:
+                ap.error(f"unknown batch or run {bad[0]!r}")
+            result = gpu_all.run_all(models, args.device, Path(args.out), args.steps, plan_dir, kinds, only)
             print(gpu_all.table(result))
         return 0
     if args.part == "plans":

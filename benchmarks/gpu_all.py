@@ -132,7 +132,7 @@ def _manifest(models: list[str], device: str, plan_dir: Path) -> dict[str, Any]:
         try:
             import ortools  # noqa: F401
         except ImportError:
-            raise SystemExit(
+            raise SystemExit(  # noqa: B904 (the missing plans are the message, not the import)
                 f"no plans for {', '.join(missing)} in {plan_dir}: run `bench_gpu.py plans` where OR-Tools is"
             )
         done = write_plans(missing, device, plan_dir)
@@ -215,6 +215,7 @@ def run_all(
     steps: int,
     plan_dir: Path = PLAN_DIR,
     kinds: tuple[str, ...] = ("tight", "loose"),
+    only: tuple[str, ...] = RUNS,
 ) -> dict[str, Any]:
     import torch
 
@@ -237,6 +238,8 @@ def run_all(
             batch = entry[f"batch_{kind}"]
             joint = plan_dir / f"{model}_{kind}_coplan_joint.json"
             for run in RUNS:
+                if run not in only:
+                    continue
                 plan_file, mode, budget = joint, "plan", None
                 if run in STRATEGIES:
                     plan_file = plan_dir / f"{model}_{kind}_{run}.json"
@@ -301,12 +304,12 @@ def summary(result: dict[str, Any]) -> list[dict[str, Any]]:
 
 
 def table(result: dict[str, Any]) -> str:
-    lines = [
-        f"device: {result['device']}, torch {result['torch']}, {result.get('steps')} steps (median of the timed ones)",
-        "",
-    ]
+    steps = result.get("steps")
+    head = f"device: {result['device']}, torch {result['torch']}, {steps} steps (median of the timed ones)"
+    lines = [head, ""]
     lines.append(
-        "| model | run | batch | step ms measured | predicted | error | tokens/s | peak GiB | saved GiB measured / predicted | recomputed | grad ok |"
+        "| model | run | batch | step ms measured | predicted | error | tokens/s | peak GiB "
+        "| saved GiB measured / predicted | recomputed | grad ok |"
     )
     lines.append("|---|---|---:|---:|---:|---:|---:|---:|---|---:|---|")
     for model, entry in result["models"].items():
@@ -314,24 +317,29 @@ def table(result: dict[str, Any]) -> str:
             if "error" in r:
                 lines.append(f"| {model} | {key} | {r['batch']} | failed: {r['error'][:60]} | | | | | | | |")
                 continue
-            budget = (
-                f" (budget {r['activation_budget']:.2f})" if r.get("activation_budget") is not None else ""
+            budget = r.get("activation_budget")
+            label = f"{key} (budget {budget:.2f})" if budget is not None else key
+            ms, pred = r["step_time_s"] * 1e3, r["predicted_step_time_s"] * 1e3
+            saved, saved_pred = (
+                r["saved_activation_bytes"] / 2**30,
+                r["predicted_saved_activation_bytes"] / 2**30,
             )
             lines.append(
-                f"| {model} | {key}{budget} | {r['batch']} | {r['step_time_s'] * 1e3:.1f} | "
-                f"{r['predicted_step_time_s'] * 1e3:.1f} | {r['predicted_step_time_s'] / r['step_time_s'] - 1:+.1%} | "
+                f"| {model} | {label} | {r['batch']} | {ms:.1f} | {pred:.1f} | {pred / ms - 1:+.1%} | "
                 f"{r['tokens_per_s']:,.0f} | {r['peak_bytes'] / 2**30:.2f} | "
-                f"{r['saved_activation_bytes'] / 2**30:.3f} / {r['predicted_saved_activation_bytes'] / 2**30:.3f} | "
+                f"{saved:.3f} / {saved_pred:.3f} | "
                 f"{r['recomputed']} | {r['grad_ok']} |"
             )
     lines.append("")
     lines.append(
-        "| model | batch | joint / compile | joint / compile with budget | joint / sequential | predicted ranking = measured |"
+        "| model | batch | joint / compile | joint / compile with budget | joint / sequential "
+        "| predicted ranking = measured |"
     )
     lines.append("|---|---|---:|---:|---:|---|")
     for s in summary(result):
         lines.append(
-            f"| {s['model']} | {s['batch']} | {s['joint_vs_compile']:.2f}x | {s['joint_vs_compile_budget']:.2f}x | "
-            f"{s['joint_vs_sequential']:.2f}x | {s['ranking_matches']} |"
+            f"| {s['model']} | {s['batch']} | {s['joint_vs_compile']:.2f}x | "
+            f"{s['joint_vs_compile_budget']:.2f}x | {s['joint_vs_sequential']:.2f}x | "
+            f"{s['ranking_matches']} |"
         )
     return "\n".join(lines)

@@ -272,11 +272,13 @@ def _executor_problem(ops: list[Op], anchor: Op) -> str | None:
     if anchor.kind is OpKind.ATTENTION and extra:
         e = extra[0]
         return f"{e.name} ({e.kind.value}) fused into attention {anchor.name}: it takes no other ops"
-    reduction = next((op for op in extra if op.kind in REDUCTIONS), None)
+    # a decomposed row op counts too: the IR calls log-softmax and its gradient elementwise, and
+    # each reduces a whole row (the vocabulary, after the LM head's GEMM)
+    reduction = next((op for op in extra if _reduces(op)), None)
     if reduction is not None:
         return (
-            f"{reduction.name} ({reduction.kind.value}) in the kernel of GEMM {anchor.name}: GEMM "
-            "epilogues and prologues hold pointwise ops only"
+            f"{reduction.name} ({reduction.kind.value}, a row reduction) in the kernel of GEMM "
+            f"{anchor.name}: GEMM epilogues and prologues hold pointwise ops only"
         )
     return None
 

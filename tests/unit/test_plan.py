@@ -332,9 +332,27 @@ def test_reduction_in_prologue_names_the_norm_and_the_gemm(gpt):
     norm, gemm = producer(gpt, "h.0.ln_2.out"), producer(gpt, "h.0.mlp.c_fc.out")
     plan = gpt.default_plan().with_(fusion=FusionPlan(groups=((norm, gemm),)))
     assert messages(plan, gpt, "fusion") == [
-        f"group [{', '.join(sorted((norm, gemm)))}] {norm} (norm) in the kernel of GEMM {gemm}: GEMM "
-        "epilogues and prologues hold pointwise ops only"
+        f"group [{', '.join(sorted((norm, gemm)))}] {norm} (norm, a row reduction) in the kernel of GEMM "
+        f"{gemm}: GEMM epilogues and prologues hold pointwise ops only"
     ]
+
+
+def test_log_softmax_over_the_vocabulary_is_no_gemm_epilogue(gpt):
+    # the IR calls log-softmax and its gradient elementwise, yet each reduces a whole row of the
+    # vocabulary: no GEMM epilogue holds it, forward (the LM head's output) or backward (the
+    # input gradient's GEMM reads the log-softmax gradient)
+    graph = gpt.index.graph
+    ops = {op.target.removeprefix("aten."): op for op in graph.ops if op.block is None}
+    fwd = ops["log_softmax"]
+    head = graph.ops[source_op(graph, fwd.inputs[0])]
+    bwd = ops["log_softmax_bwd"]
+    readers = [graph.ops[c] for o in bwd.outputs for c in graph.tensors[o].consumers]
+    grad_gemm = next(op for op in readers if op.kind is OpKind.MATMUL)
+    assert head.kind is OpKind.MATMUL and fwd.kind is OpKind.ELEMENTWISE
+    for row, gemm in ((fwd, head), (bwd, grad_gemm)):
+        plan = gpt.default_plan().with_(fusion=FusionPlan(groups=((row.name, gemm.name),)))
+        found = messages(plan, gpt, "fusion")
+        assert any(f"{row.name} (elementwise, a row reduction) in the kernel of GEMM" in m for m in found)
 
 
 def test_only_groups_an_executor_emits_pass(gpt):
