@@ -31,7 +31,7 @@ from torch import nn
 
 from coplan.apply.dist import LayoutError
 from coplan.models.spec import ModelSpec
-from coplan.models.transformer import Transformer
+from coplan.models.transformer import Head, Transformer
 from coplan.plan.types import ParallelPlan
 
 
@@ -65,7 +65,8 @@ class Stage(nn.Module):
         if last:
             self.ln_f, self.lm_head = model.ln_f, model.lm_head
             if model.lm_head.weight is model.wte.weight and not first:
-                self.lm_head = nn.Linear(model.spec.d_model, model.spec.vocab_size, bias=False)
+                self.lm_head = Head(model.spec.d_model, model.spec.vocab_size, bias=False)
+                self.lm_head.pad_to = model.lm_head.pad_to
                 with torch.no_grad():
                     self.lm_head.weight.copy_(model.wte.weight)
 
@@ -140,6 +141,7 @@ def run_pipeline(rank: int, world: int, job: Any) -> Any:
         batches,
         build,
         compile_for,
+        head_pad,
         peak_tracker,
         reference_grads,
         sync,
@@ -159,7 +161,7 @@ def run_pipeline(rank: int, world: int, job: Any) -> Any:
         )
     n_micro = job.global_batch // micro
     data = batches(spec, job.global_batch, job.seq, job.steps, job.seed)
-    whole = build(spec, job.seed)
+    whole = build(spec, job.seed, head_pad(job, r.device, par.tp))
     reference = copy.deepcopy(whole)
     stage_mod = build_stage(whole, par, rank).to(model_dtype(plan.precision)).to(r.device)
     tied = tied_copy(stage_mod)

@@ -82,10 +82,14 @@ def run_plan(req: RunRequest) -> dict[str, Any]:
     size, batch or sequence), price it, train, and return the report."""
     cluster = run_cluster(req.cluster, req.nproc, req.device)
     ctx = make_context(req.spec, cluster, req.global_batch, req.seq, req.device)
-    if req.mode == "compile":
-        # torch.compile's own path runs Inductor's joint-graph passes, which pad unaligned GEMMs
-        # (``shape_padding``); coplan's backend and eager PyTorch run the shapes as they are
-        ctx.stack = dataclasses.replace(ctx.stack, gemm_padding=True)
+    # torch.compile's own path runs Inductor's joint-graph passes, which pad unaligned GEMMs
+    # (``shape_padding``); eager PyTorch runs the shapes as they are; a plan pads its LM head
+    # where the runner does (``train.head_pad``: not under tensor parallelism)
+    pads = req.mode == "compile" or (
+        req.mode == "plan" and ctx.stack.gemm_padding and req.plan.parallel.tp == 1
+    )
+    if pads != ctx.stack.gemm_padding:
+        ctx.stack = dataclasses.replace(ctx.stack, gemm_padding=pads)
     notes = refuse(req.plan, ctx, req.nproc)
     if req.mode not in MODES:
         raise PlanError("mode", f"must be one of {', '.join(MODES)}, got {req.mode!r}", "run")

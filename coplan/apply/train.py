@@ -111,9 +111,24 @@ def batches(
     return out
 
 
-def build(spec: ModelSpec, seed: int) -> Transformer:
+#: The vocabulary rows a plan's LM head is padded to on a GPU (``Head.pad_to``): a multiple of 64,
+#: as nanoGPT pads GPT-2's 50,257 to 50,304, keeps every GEMM of the head on cuBLAS's aligned
+#: kernels (16 bytes) and its tiles whole. Off under tensor parallelism, whose head is a DTensor.
+HEAD_PAD = 64
+
+
+def build(spec: ModelSpec, seed: int, head_pad: int = 0) -> Transformer:
     torch.manual_seed(seed)
-    return Transformer(spec)
+    model = Transformer(spec)
+    model.lm_head.pad_to = head_pad
+    return model
+
+
+def head_pad(job: Job, device: torch.device, tp: int) -> int:
+    """How ``job``'s model pads its LM head: a plan on a GPU without tensor parallelism does what
+    the stack it is priced as does (``gemm_padding``); baselines run the model as it is (eager) or
+    as ``torch.compile`` pads it."""
+    return HEAD_PAD if job.mode == "plan" and device.type == "cuda" and tp == 1 else 0
 
 
 def reference_grads(
@@ -246,7 +261,7 @@ def _run(rank: int, world: int, job: Job) -> RankResult | None:
     n_micro = per_rank // micro
     data = batches(spec, job.global_batch, job.seq, job.steps, job.seed)
 
-    base = build(spec, job.seed)
+    base = build(spec, job.seed, head_pad(job, r.device, par.tp))
     reference = copy.deepcopy(base)  # fp32 eager, unparallelized
     # baselines keep fp32 weights and run 16-bit plans under autocast
     base = base.to(model_dtype(plan.precision) if job.mode == "plan" else torch.float32).to(r.device)

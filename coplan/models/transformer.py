@@ -175,6 +175,25 @@ class Block(nn.Module):
         return x + self.mlp(self.ln_2(x))
 
 
+class Head(nn.Linear):
+    """The LM head: ``nn.Linear`` over the vocabulary, whose weight GEMMs can run padded.
+
+    ``pad_to`` (settable; 0: off) pads the weight's vocabulary rows with zeros up to a multiple of
+    it inside ``forward`` and slices the logits back: the same function and gradients (the zero rows
+    produce logits that are sliced away, and their gradient rows are dropped), but the three GEMMs
+    load operands whose leading dimension is aligned where the vocabulary (GPT-2's 50,257) is not,
+    as Megatron-LM pads the vocabulary and Inductor's ``pad_mm`` pads matrix multiplies."""
+
+    pad_to: int = 0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        rows = self.weight.shape[0]
+        extra = -rows % self.pad_to if self.pad_to > 0 else 0
+        if not extra:
+            return super().forward(x)
+        return F.linear(x, F.pad(self.weight, (0, 0, 0, extra)))[..., :rows]
+
+
 class Transformer(nn.Module):
     """``forward(idx, targets)`` returns the mean cross-entropy loss of next-token prediction.
 
@@ -192,7 +211,7 @@ class Transformer(nn.Module):
         self.wpe = nn.Embedding(spec.seq_len, spec.d_model) if spec.position == "learned" else None
         self.h = nn.ModuleList(Block(spec) for _ in range(spec.n_layers))
         self.ln_f = _norm(spec)
-        self.lm_head = nn.Linear(spec.d_model, spec.vocab_size, bias=False)
+        self.lm_head = Head(spec.d_model, spec.vocab_size, bias=False)
         if spec.tied_embeddings:
             self.lm_head.weight = self.wte.weight
         self._init_weights()

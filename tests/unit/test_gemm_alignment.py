@@ -8,9 +8,11 @@ Inductor's ``shape_padding``) pay nothing.
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 
 import pytest
+import torch
 
 from coplan.cost import CostModel, TrainingConfig
 from coplan.cost.kernels import Rates, Scale, kernel_time, misaligned
@@ -18,7 +20,8 @@ from coplan.cost.parts import ZERO, Kernel
 from coplan.cost.stacks import load_stack, stack_names
 from coplan.hardware import load_cluster
 from coplan.ir.types import Phase
-from coplan.models.spec import PRESETS
+from coplan.models.spec import PRESETS, ModelSpec
+from coplan.models.transformer import Transformer
 
 
 def _gemm(m: int, n: int, k: int, tn: bool = False) -> Kernel:
@@ -73,19 +76,53 @@ def test_eager_pytorch_pays_for_gpt2s_vocabulary_on_hopper_and_megatron_does_not
     assert unpadded > padded * 1.05
     llama = CostModel(spec=PRESETS["llama2-7b"])  # every dimension aligned: nothing to pad
     c7 = config.with_(microbatch=1, global_batch=1, seq=4096)
-    assert llama.estimate(cluster, c7).step_time_s == llama.estimate(
-        cluster, c7.with_(gemm_padding=False)
-    ).step_time_s
+    assert (
+        llama.estimate(cluster, c7).step_time_s
+        == llama.estimate(cluster, c7.with_(gemm_padding=False)).step_time_s
+    )
 
 
 def test_stacks_say_whether_they_pad():
     padding = {name: load_stack(name).gemm_padding for name in stack_names()}
     assert padding["megatron"] and padding["torchtitan-compile"] and padding["deepspeed"]
-    assert not padding["eager"] and not padding["torchtitan"] and not padding["coplan"]
+    assert padding["coplan"]  # the runner pads its LM head (``Head.pad_to``)
+    assert not padding["eager"] and not padding["torchtitan"] and not padding["fsdp"]
     base = TrainingConfig(tp=1, pp=1, dp=1, microbatch=1, global_batch=1, seq=64)
     assert load_stack("eager").with_kernels(base).gemm_padding is False
-    assert load_stack("coplan").with_kernels(base).gemm_padding is False
     assert load_stack("megatron").with_kernels(base) == base
+
+
+def test_padded_head_is_the_same_function_and_gradients():
+    torch.manual_seed(0)
+    spec = ModelSpec(name="odd", n_layers=1, d_model=32, n_heads=4, vocab_size=509, seq_len=16)
+    plain = Transformer(spec)
+    padded = copy.deepcopy(plain)
+    padded.lm_head.pad_to = 64
+    assert padded.lm_head.weight is padded.wte.weight  # still tied
+    idx, tgt = torch.randint(0, 509, (2, 16)), torch.randint(0, 509, (2, 16))
+    losses = []
+    for model in (plain, padded):
+        loss = model(idx, tgt)
+        loss.backward()
+        losses.append(loss.detach())
+    assert torch.equal(losses[0], losses[1])
+    for (name, a), b in zip(plain.named_parameters(), padded.parameters(), strict=True):
+        assert a.grad is not None and b.grad is not None
+        torch.testing.assert_close(a.grad, b.grad, rtol=1e-6, atol=1e-7, msg=name)
+
+
+def test_runner_plans_pad_and_its_eager_baseline_does_not():
+    from coplan.apply.predict import make_context, run_cluster
+
+    def context():
+        cluster = run_cluster(load_cluster("dgx-h100"), 1, "cuda")
+        return make_context(PRESETS["gpt2-124m"], cluster, 8, 1024, "cuda")
+
+    runner, eager = context(), context()
+    eager.stack = dataclasses.replace(eager.stack, gemm_padding=False)  # as ``run_plan`` prices it
+    assert runner.stack.gemm_padding
+    plan = runner.default_plan()
+    assert eager.price(plan).step_time_s > runner.price(plan).step_time_s
 
 
 def test_gemm_padding_must_be_a_bool():
