@@ -167,15 +167,20 @@ def _one(
     try:
         out = run_plan(req)
     except Exception as e:  # an out-of-memory baseline is a result, not a crash of the benchmark
-        if device == "cuda":
-            import torch
-
-            torch.cuda.empty_cache()
         return {
             "batch": batch,
             "error": f"{type(e).__name__}: {str(e)[:300]}",
             "wall_s": time.perf_counter() - t0,
         }
+    finally:
+        # the next run starts from an empty cache: its peak is its own, not this run's segments
+        import gc
+
+        gc.collect()
+        if device == "cuda":
+            import torch
+
+            torch.cuda.empty_cache()
     m, p = out["measured"], out["predicted"]
     return {
         "batch": batch,

@@ -15,8 +15,9 @@ Parameters in bf16 (FSDP2's compute dtype), one microbatch forward and backward,
 each block compiled (torchtitan's ``apply_compile``; embedding, final norm, head and loss eager).
 
 For each mode: torch.profiler's CUDA kernel time summed by class (GEMM, attention, Triton-generated,
-other elementwise and reductions, copies), the step's wall time (CUDA events, median) and peak
-memory, beside coplan's listing of the same step's kernels (``coplan.cost.explain``) under the
+other elementwise and reductions, copies), the step's wall time (CUDA events, median), the time the
+GPU ran no kernel within it, the host's time to issue one step and the kernels it launches, and
+peak memory, beside coplan's listing of the same step's kernels (``coplan.cost.explain``) under the
 ``torchtitan`` / ``torchtitan-compile`` presets on the device's preset, per class, and its estimate.
 The class that misses most is where the stacks' gap lives. The last lines are a short table.
 """
@@ -183,8 +184,22 @@ def measured(spec: ModelSpec, mb: int, compiled: bool, steps: int) -> dict:
         by_class[kernel_class(evt.key)] += us / 1e6 / steps
         kernels[evt.key] = kernels.get(evt.key, 0.0) + us / 1e6 / steps
     top = sorted(kernels.items(), key=lambda kv: -kv[1])[:25]
+    # the host's side: time to issue one step without waiting for the GPU (an eager step whose
+    # host time exceeds its kernels' is launch-bound, which the wall time alone cannot tell)
+    import time
+
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    step()
+    issue_s = time.perf_counter() - t0
+    torch.cuda.synchronize()
+    launches = sum(e.count for e in prof.key_averages() if (getattr(e, "self_device_time_total", 0) or 0) > 0)
     return {
         "step_s": step_s,
+        # wall time the GPU ran no kernel: host-bound gaps, synchronisations
+        "gpu_idle_s": max(0.0, step_s - sum(by_class.values())),
+        "host_issue_s": issue_s,
+        "kernels_per_step": launches / steps,
         "peak_bytes": peak,
         "by_class_s": by_class,
         "top_kernels_s": top,
@@ -251,9 +266,17 @@ def main() -> None:
             print(f"{row['mode']:16} {cls:12} {ms} {p * 1e3:13.2f}", file=sys.stderr)
         step = row.get("measured", {}).get("step_s")
         step_txt = f"{step * 1e3:.1f}" if step is not None else "-"
+        got_m = row.get("measured", {})
+        idle = got_m.get("gpu_idle_s")
+        extra = (
+            f", GPU idle {idle * 1e3:.1f} ms, host issue {got_m['host_issue_s'] * 1e3:.1f} ms for "
+            f"{got_m['kernels_per_step']:.0f} kernels"
+            if idle is not None
+            else ""
+        )
         print(
             f"{row['mode']:16} step ms measured {step_txt}, "
-            f"priced compute {row['predicted']['compute_s'] * 1e3:.1f}",
+            f"priced compute {row['predicted']['compute_s'] * 1e3:.1f}{extra}",
             file=sys.stderr,
         )
 
