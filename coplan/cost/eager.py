@@ -25,6 +25,15 @@ statistics), which cost a launch. The IR's own kernel for the op is replaced by 
   its gradient casts back (fp32 read, 16-bit write). The IR prices the fp32 ``log_softmax`` itself.
 
 LayerNorm (``F.layer_norm``), SDPA, GEMMs and SiLU/GeLU are single ATen kernels either way.
+
+Grouped-query attention: models written for eager PyTorch repeat the key/value heads to the query
+heads before ``F.scaled_dot_product_attention`` (torchtitan's ``repeat_kv``, fms's ``expand``,
+Hugging Face's ``repeat_kv``): a copy kernel each for keys and values (the key/value heads read,
+all heads written) and, backward, the gradient of the expand (all heads read, summed into the
+key/value heads). SDPA then saves the repeated copies for its backward, so the block saves what it
+would with as many key/value heads as query heads (measured on this CPU: a torchtitan-style block's
+saved bytes per token are the same with 8 and with 2 key/value heads of 8,
+``tests/unit/test_eager.py``); ``repeat_kv_saved`` is that difference.
 """
 
 from __future__ import annotations
@@ -101,15 +110,58 @@ def op_kernels(graph: Graph, op: Op, shard: int, rows: float) -> list[Kernel]:
     return out
 
 
+def gqa_repeat(graph: Graph, op: Op) -> tuple[float, float] | None:
+    """(key/value elements, repeated elements) of one of keys or values for an attention op (forward
+    or backward) reading fewer key/value heads than query heads; None otherwise."""
+    fwd = graph.ops[op.forward_op] if op.forward_op is not None else op
+    if fwd.kind.name != "ATTENTION" or len(fwd.inputs) < 2:
+        return None
+    q, k = graph.tensors[fwd.inputs[0]].shape, graph.tensors[fwd.inputs[1]].shape
+    if len(q) != 4 or len(k) != 4 or k[1] >= q[1]:
+        return None
+    kv = float(k[0] * k[1] * k[2] * k[3])
+    return kv, kv * q[1] / k[1]
+
+
+def _repeat_kernels(graph: Graph, op: Op, shard: int) -> list[Kernel]:
+    """The copies of keys and values to every query head (forward) or the sums of their gradients
+    back into the key/value heads (backward)."""
+    got = gqa_repeat(graph, op)
+    if got is None:
+        return []
+    kv, full = got
+    return [Kernel(op.phase, "vector", shard, 0.0, full, _vec(kv + full, 0.0, shard), ops=(op.id,))] * 2
+
+
+def repeat_kv_saved(graph: Graph, op_ids: Sequence[int]) -> Vec:
+    """What SDPA keeps beyond the IR's saved set when eager PyTorch repeats the key/value heads
+    (module docstring): per grouped-query attention op, the saved set of as many key/value heads as
+    query heads, less the IR's: its rotated keys and the key and value columns of the fused QKV
+    output, 3 x (query heads - key/value heads) head rows per token."""
+    extra = 0.0
+    for i in op_ids:
+        op = graph.ops[i]
+        if op.phase.name == "FORWARD" and (got := gqa_repeat(graph, op)) is not None:
+            kv, full = got
+            extra += 3 * (full - kv)
+    return _vec(extra, 0.0, TP)
+
+
 def eager_kernels(
     graph: Graph, fwd: Sequence[Kernel], bwd: Sequence[Kernel], shard_of: Callable[[Op], int]
 ) -> tuple[tuple[Kernel, ...], tuple[Kernel, ...]]:
-    """``(fwd, bwd)`` with each single-op kernel of a ``PLANS`` op replaced by its eager kernels."""
+    """``(fwd, bwd)`` with each single-op kernel of a ``PLANS`` op replaced by its eager kernels, and
+    grouped-query attention's key/value repeats beside its kernels."""
 
     def swap(kernels: Sequence[Kernel]) -> tuple[Kernel, ...]:
         out: list[Kernel] = []
         for k in kernels:
             real = [graph.ops[i] for i in k.ops if graph.ops[i].kind.name != "VIEW"]
+            if len(real) == 1 and real[0].kind.name == "ATTENTION":
+                # forward: the repeats before the kernel; backward: the sums after it
+                reps = _repeat_kernels(graph, real[0], TP)
+                out.extend([*reps, k] if real[0].phase.name == "FORWARD" else [k, *reps])
+                continue
             if len(real) != 1 or not plan_key(graph, real[0]):
                 out.append(k)
                 continue
@@ -128,4 +180,4 @@ def shard_class(op: Op) -> int:
     return TP if op.target.startswith("rope") or op.target.startswith("log_softmax") else REPL
 
 
-__all__ = ["PLANS", "eager_kernels", "op_kernels", "plan_key", "shard_class"]
+__all__ = ["PLANS", "eager_kernels", "gqa_repeat", "op_kernels", "plan_key", "repeat_kv_saved", "shard_class"]

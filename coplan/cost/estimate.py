@@ -27,6 +27,7 @@ from coplan.cost.buckets import StageBuckets, queued_exposure, serial_time
 from coplan.cost.comm import Group, p2p_time
 from coplan.cost.config import TrainingConfig
 from coplan.cost.contention import slowdown, sm_share
+from coplan.cost.eager import repeat_kv_saved
 from coplan.cost.fp8 import runs_fp8
 from coplan.cost.kernels import (
     Rates,
@@ -147,6 +148,8 @@ def estimate(profile: GraphProfile, cluster: ClusterSpec, config: TrainingConfig
                     recompute += n * max(0.0, n / v - 1) / 2 * pc.forward
                 tp_comm += n * pc.tp_comm(part, mode)
                 sv = saved_under(profile, part, mode, per_op=config.kernels != "megatron")
+                if config.kernels == "eager" and _keeps_repeated_kv(mode):
+                    sv = vadd(sv, _repeat_kv_saved(profile, part))  # SDPA's repeated K/V (``eager.py``)
                 if runs_fp8(config.dtype, device) and mode in ("none", "selective"):
                     sv = vadd(sv, part.fp8_saved)  # GEMM inputs kept in fp8 (``fp8.py``)
                 saved = vadd(saved, tuple(x * n for x in sv))
@@ -494,3 +497,18 @@ def _dp_exposure(
         else:
             param_gather = serial_time(bk, gather, param_bytes)
     return per_mb, param_gather
+
+
+def _keeps_repeated_kv(mode: str | frozenset[str]) -> bool:
+    """Whether a block under recompute ``mode`` keeps attention's inputs for backward: not under
+    full recompute, nor where the set recomputes the rotated keys (and so their repeats)."""
+    if isinstance(mode, str):
+        return mode != "full"
+    return not any(name.endswith(".attn.k") for name in mode)
+
+
+def _repeat_kv_saved(profile: GraphProfile, part: Part) -> Vec:
+    got = part.cache.get("repeat_kv_saved")
+    if got is None:
+        got = part.cache["repeat_kv_saved"] = repeat_kv_saved(profile.graph, part.op_ids)
+    return got  # type: ignore[return-value]
