@@ -6,6 +6,8 @@ are compared with.
     python benchmarks/bench_gpu.py all --out DIR [--model NAME]   # on the GPU: DIR/bench_gpu.json
     python benchmarks/bench_gpu.py all --device cpu --out DIR     # the same end to end on a CPU
     python benchmarks/bench_gpu.py all-table DIR/bench_gpu.json   # the markdown tables
+    # on a lent GPU (coplan not installed there; one model, one batch per call fits its time):
+    PYTHONPATH=. python3 benchmarks/bench_gpu.py all --model gpt2-124m --batches tight --out $OUT
 
     # here (planning needs OR-Tools): write the plans the GPU runs apply
     python benchmarks/bench_gpu.py plans
