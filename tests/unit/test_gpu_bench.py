@@ -80,7 +80,7 @@ def test_summary_compares_and_ranks(gpu_all):
 
 @pytest.mark.slow
 def test_all_runs_end_to_end_on_a_cpu(tmp_path, gpu_all):
-    """Five runs at each batch for a tiny GPT; the JSON the GPU session writes, in its shape."""
+    """Five runs at each batch for a tiny GPT; the JSON a GPU run writes, in its shape."""
     out = gpu_all.run_all(["gpt-tiny"], "cpu", tmp_path, steps=2, plan_dir=tmp_path / "plans")
     written = json.loads((tmp_path / "bench_gpu.json").read_text())
     assert written["models"].keys() == out["models"].keys() == {"gpt-tiny"}
