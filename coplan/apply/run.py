@@ -3,7 +3,6 @@ ones), and put measured and predicted side by side (the object ``coplan run --js
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import math
 import os
@@ -16,7 +15,7 @@ from typing import Any
 from coplan.apply.dist import from_torchrun, launch
 from coplan.apply.fusion import honoured_total, not_honoured
 from coplan.apply.predict import baseline_plan, make_context, predict, refuse, run_cluster
-from coplan.apply.train import MODES, Job, RankResult, run_rank, step_time, tolerance_of
+from coplan.apply.train import MODES, Job, RankResult, pads_head, run_rank, step_time, tolerance_of
 from coplan.errors import CoplanError, SpecError
 from coplan.hardware.allocator import HOST_ALLOCATORS
 from coplan.hardware.cluster import ClusterSpec
@@ -84,12 +83,10 @@ def run_plan(req: RunRequest) -> dict[str, Any]:
     ctx = make_context(req.spec, cluster, req.global_batch, req.seq, req.device)
     # torch.compile's own path runs Inductor's joint-graph passes, which pad unaligned GEMMs
     # (``shape_padding``); eager PyTorch runs the shapes as they are; a plan pads its LM head
-    # where the runner does (``train.head_pad``: not under tensor parallelism)
-    pads = req.mode == "compile" or (
-        req.mode == "plan" and ctx.stack.gemm_padding and req.plan.parallel.tp == 1
-    )
+    # where the runner does (``train.pads_head``)
+    pads = req.mode == "compile" or (ctx.stack.gemm_padding and pads_head(req.mode, req.plan.parallel.tp))
     if pads != ctx.stack.gemm_padding:
-        ctx.stack = dataclasses.replace(ctx.stack, gemm_padding=pads)
+        ctx.stack = replace(ctx.stack, gemm_padding=pads)
     notes = refuse(req.plan, ctx, req.nproc)
     if req.mode not in MODES:
         raise PlanError("mode", f"must be one of {', '.join(MODES)}, got {req.mode!r}", "run")

@@ -117,18 +117,24 @@ def batches(
 HEAD_PAD = 64
 
 
-def build(spec: ModelSpec, seed: int, head_pad: int = 0) -> Transformer:
+def build(spec: ModelSpec, seed: int, pad_to: int = 0) -> Transformer:
     torch.manual_seed(seed)
     model = Transformer(spec)
-    model.lm_head.pad_to = head_pad
+    model.lm_head.pad_to = pad_to
     return model
 
 
+def pads_head(mode: str, tp: int) -> bool:
+    """Whether a run in ``mode`` pads its LM head itself: a plan without tensor parallelism (the
+    stack it is priced as pads, ``gemm_padding``); baselines run the model as it is (eager) or as
+    ``torch.compile`` pads it."""
+    return mode == "plan" and tp == 1
+
+
 def head_pad(job: Job, device: torch.device, tp: int) -> int:
-    """How ``job``'s model pads its LM head: a plan on a GPU without tensor parallelism does what
-    the stack it is priced as does (``gemm_padding``); baselines run the model as it is (eager) or
-    as ``torch.compile`` pads it."""
-    return HEAD_PAD if job.mode == "plan" and device.type == "cuda" and tp == 1 else 0
+    """The rows ``job``'s LM head is padded to (``pads_head``; on a GPU only, where alignment
+    matters), 0 for none."""
+    return HEAD_PAD if device.type == "cuda" and pads_head(job.mode, tp) else 0
 
 
 def reference_grads(
