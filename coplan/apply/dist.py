@@ -111,7 +111,8 @@ def _local_attention(self: Attention, x: torch.Tensor) -> torch.Tensor:
     v = v.view(b, t, self.kv_heads, self.hd).transpose(1, 2)
     if self.rotary is not None:
         q, k = self.rotary(q), self.rotary(k)
-    y = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=self.kv_heads != self.n_heads)
+    gqa = self.kv_heads != self.n_heads
+    y = F.scaled_dot_product_attention(q, k, v, is_causal=self.causal, enable_gqa=gqa)
     y = y.transpose(1, 2).contiguous().view(b, t, q_w)
     return self.c_proj(y)
 

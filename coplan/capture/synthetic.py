@@ -311,7 +311,7 @@ class _Model:
             mod,
             i,
             flops=fl,
-            args=f"dropout_p={p!r}" if p else "",
+            args=(f"dropout_p={p!r}" if p else "") + _mask_args(s),
         )
         out = res[0]
         self.tape.append(
@@ -577,6 +577,7 @@ class _Model:
                 flops=flops,
                 fwd=fwd.op,
                 vector_per_elem=8 if kind == "norm" else 1,
+                args=_mask_args(self.s) if kind == "attention" else "",
             )
             self._param_grads(fwd.params, grads[len(diff) :])
             for x, gx in zip(diff, grads, strict=False):
@@ -652,6 +653,12 @@ class _Model:
             ):
                 g.tensors[dst] = replace(g.tensors[dst], role=role, alias_of=src, updates=src)
             g.outputs.extend(outs)
+
+
+def _mask_args(spec: ModelSpec) -> str:
+    """An encoder's attention ops carry ``is_causal=False`` as a keyword, as a captured SDPA does
+    (``coplan.ir.oprules.attention_causal``); a decoder's carry nothing, causal by default."""
+    return "" if spec.causal else ";is_causal=False"
 
 
 def _block_of(module: str) -> int | None:

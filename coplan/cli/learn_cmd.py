@@ -160,6 +160,7 @@ def train_cmd(
 class Split(enum.StrEnum):
     heldout = "heldout"
     heldout_family = "heldout_family"
+    heldout_encoder = "heldout_encoder"
     train = "train"
     val = "val"
 

@@ -179,7 +179,7 @@ def _layout_notes(env: _Envelope, values: dict[str, int], zero: int) -> list[str
     return notes
 
 
-def _model_notes(env: _Envelope, params: int, seq: int, moe: bool) -> list[str]:
+def _model_notes(env: _Envelope, params: int, seq: int, moe: bool, causal: bool = True) -> list[str]:
     notes = []
     lo, hi = env.bounds["params"]
     if params < lo:
@@ -193,6 +193,8 @@ def _model_notes(env: _Envelope, params: int, seq: int, moe: bool) -> list[str]:
         notes.append(f"sequence {seq:,} above the longest validated ({shi:,})")
     if moe and not env.bounds["moe"]:
         notes.append("mixture of experts: the validated runs are all dense")
+    if not causal:
+        notes.append("bidirectional attention (an encoder): the validated runs are all decoders")
     return notes
 
 
@@ -259,7 +261,7 @@ def validated(estimate: Estimate, spec: ModelSpec | None, stack: str = "megatron
     else:
         values["params"] = spec.param_count()
         values["seq"] = cfg.seq if cfg.seq is not None else spec.seq_len
-        notes += _model_notes(env, values["params"], values["seq"], spec.is_moe)
+        notes += _model_notes(env, values["params"], values["seq"], spec.is_moe, spec.causal)
     mfu_note = _mfu_note(env, estimate.mfu, cfg.dtype)
     if mfu_note:
         notes.append(mfu_note)

@@ -350,7 +350,7 @@ def _attention(k: Kernel, r: Rates, s: Scale) -> float:
             # a tiled kernel (a CPU's): its FLOPs at the measured rate plus a fixed cost per tile,
             # which carries what the shape derating would (small tiles, per-call overhead)
             tile_s = r.attn_bwd_tile_s if backward else r.attn_tile_s
-            tiles = bh / div * r.attn_tiling.tiles(sq, sk)
+            tiles = bh / div * r.attn_tiling.tiles(sq, sk, causal=k.share < 1.0)
             compute = k.share * k.mm_flops / div / rate + tiles * tile_s
         else:
             # a causal flash kernel skips the blocks above the diagonal: half the counted FLOPs

@@ -34,7 +34,15 @@ from typing import Any
 
 from coplan.errors import CoplanError, SpecError
 from coplan.fileio import write_text
-from coplan.learn.jobs import FAMILIES, HELDOUT_FAMILIES, HELDOUT_WIDTHS, SPLITS, Job, sample_job
+from coplan.learn.jobs import (
+    FAMILIES,
+    FAMILY_SPLITS,
+    HELDOUT_FAMILIES,
+    HELDOUT_WIDTHS,
+    SPLITS,
+    Job,
+    sample_job,
+)
 
 __all__ = [
     "BASELINE",
@@ -50,7 +58,7 @@ __all__ = [
 ]
 
 DATASET_FORMAT = "coplan-learn-dataset"
-DATASET_VERSION = 1
+DATASET_VERSION = 2  # 2: the encoder family (its own held-out split)
 MANIFEST = "manifest.json"
 TEACHER = "joint-exact"
 FALLBACK = "joint"
@@ -63,7 +71,11 @@ SPLIT_DOC = {
     f"widths other than {', '.join(map(str, HELDOUT_WIDTHS))}; trained on",
     "val": "the same population as train, a held-aside tenth; for model selection",
     "heldout": f"the trained families at widths {', '.join(map(str, HELDOUT_WIDTHS))}; never trained on",
-    "heldout_family": f"families {', '.join(HELDOUT_FAMILIES)}; never trained on",
+    **{
+        split: f"family {family}; never trained on"
+        for family, split in FAMILY_SPLITS.items()
+        if family in HELDOUT_FAMILIES
+    },
 }
 
 

@@ -7,8 +7,10 @@ What is sampled, and why:
 
 - **families**: ``gpt`` (LayerNorm, GELU, learned positions, biases: GPT-2's shapes) and ``llama``
   (RMSNorm, SwiGLU, rotary positions, grouped-query attention) are trained on; ``moe`` (the
-  LLaMA block with routed experts) is a held-out family, never trained on, to test whether what
-  was learned carries to a block it has not seen;
+  LLaMA block with routed experts) and ``encoder`` (BERT's block: GPT's with bidirectional
+  attention, BERT's 30,522-token vocabulary and 512 positions at most) are held-out families,
+  never trained on, to test whether what was learned carries to a block, and to a model that is
+  not a decoder, it has not seen;
 - **sizes**: depth and width across the range coplan plans (2 to 48 layers, widths 512 to 8,192);
   widths in ``HELDOUT_WIDTHS`` are kept out of training for the trained families too, so the
   held-out graphs split asks for shapes the policy has not seen;
@@ -49,12 +51,14 @@ __all__ = [
     "sample_job",
 ]
 
-FAMILIES = ("gpt", "llama", "moe")
-HELDOUT_FAMILIES = ("moe",)
+FAMILIES = ("gpt", "llama", "moe", "encoder")
+HELDOUT_FAMILIES = ("moe", "encoder")
+#: the split each held-out family's jobs are in
+FAMILY_SPLITS = {"moe": "heldout_family", "encoder": "heldout_encoder"}
 #: widths of the trained families held out of training (the held-out graphs)
 HELDOUT_WIDTHS = (1536, 3072)
-#: train, validation, held-out graphs of trained families, held-out families
-SPLITS = ("train", "val", "heldout", "heldout_family")
+#: train, validation, held-out graphs of trained families, the held-out families (MoE; encoders)
+SPLITS = ("train", "val", "heldout", "heldout_family", "heldout_encoder")
 #: the large jobs search distillation fine-tunes on and holds out (``distill.sample_large_job``)
 LARGE_SPLITS = ("large_train", "large_heldout")
 VAL_SHARE = 0.1
@@ -63,6 +67,9 @@ HYPOTHETICAL_P = 0.3
 _WIDTHS = (512, 768, 1024, 1536, 2048, 2560, 3072, 4096, 5120, 8192)
 _DEPTHS = (2, 4, 6, 8, 12, 16, 24, 32, 48)
 _SEQS = (512, 1024, 2048, 4096)
+#: encoders train at BERT's lengths: 128 tokens for most of pre-training, 512 for the rest (Devlin
+#: et al. 2019, appendix A.2)
+_ENCODER_SEQS = (128, 256, 512)
 _GPUS = (1, 2, 4, 8, 16, 32, 64)
 _MANY_GPUS = (128, 256, 512, 1024)
 MANY_GPUS_P = 0.15
@@ -165,19 +172,20 @@ def _spec(rng: random.Random, family: str, width: int, depth: int, seq: int) -> 
     head_dim = 64 if width <= 2048 else 128
     heads = max(1, width // head_dim)
     name = f"{family}-{depth}x{width}"
-    if family == "gpt":
+    if family in ("gpt", "encoder"):
         return ModelSpec(
             name=name,
             n_layers=depth,
             d_model=width,
             n_heads=heads,
-            vocab_size=50257,
+            vocab_size=50257 if family == "gpt" else 30522,
             seq_len=seq,
+            causal=family == "gpt",
         )
     # LLaMA's FFN width: 8/3 of the model's, rounded up to a multiple of 256 (Touvron et al.)
     ffn = int(math.ceil(width * 8 / 3 / 256) * 256)
     kv = rng.choice([h for h in (heads, max(1, heads // 4), max(1, heads // 8)) if heads % h == 0])
-    experts = {"n_experts": rng.choice((4, 8)), "top_k": 2} if family == "moe" else {}
+    experts: dict[str, Any] = {"n_experts": rng.choice((4, 8)), "top_k": 2} if family == "moe" else {}
     if family == "moe":
         ffn = int(math.ceil(ffn / 2 / 256) * 256)  # finer experts, as Mixtral-style MoEs use
     return ModelSpec(
@@ -229,16 +237,16 @@ def _params(spec: ModelSpec) -> float:
 def sample_job(seed: int, index: int) -> Job:
     """Job ``index`` of the dataset of ``seed`` (deterministic; see the module doc)."""
     rng = random.Random(f"{seed}:{index}")
-    family = rng.choices(FAMILIES, weights=(0.45, 0.4, 0.15))[0]
+    family = rng.choices(FAMILIES, weights=(0.4, 0.35, 0.13, 0.12))[0]
     while True:
         width = rng.choice(_WIDTHS)
         depth = rng.choice(_DEPTHS)
-        seq = rng.choice(_SEQS)
+        seq = rng.choice(_SEQS if family != "encoder" else _ENCODER_SEQS)
         spec = _spec(rng, family, width, depth, seq)
         if _params(spec) <= _MAX_PARAMS:
             break
     if family in HELDOUT_FAMILIES:
-        split = "heldout_family"
+        split = FAMILY_SPLITS[family]
     elif width in HELDOUT_WIDTHS:
         split = "heldout"
     else:

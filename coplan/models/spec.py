@@ -34,7 +34,10 @@ POSITIONS = ("learned", "rope")
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class ModelSpec:
-    """A decoder-only transformer. Sizes are counts (not bytes); ``seq_len`` is the default context."""
+    """A transformer of pre-norm blocks: a decoder (causal attention, GPT/LLaMA), or with ``causal``
+    false an encoder (bidirectional attention, trained as a masked language model is: a prediction
+    over the vocabulary at every position). Sizes are counts (not bytes); ``seq_len`` is the
+    default context."""
 
     n_layers: int
     d_model: int
@@ -60,6 +63,9 @@ class ModelSpec:
     # the attention probabilities. 0.0 builds no dropout ops, so the graph is the same as without.
     hidden_dropout: float = 0.0
     attention_dropout: float = 0.0
+    # False: every position attends to every other (an encoder's attention, BERT's), which a flash
+    # kernel computes whole, twice the FLOPs of a causal one that skips the tiles above the diagonal
+    causal: bool = True
 
     def __post_init__(self) -> None:
         src = f"model '{self.name}'"
@@ -107,6 +113,8 @@ class ModelSpec:
         if _positive(src, "norm_eps", self.norm_eps) >= 1.0:
             raise SpecError(src, "norm_eps", f"must be in (0, 1), got {self.norm_eps!r}")
         _positive(src, "rope_theta", self.rope_theta)
+        if not isinstance(self.causal, bool):
+            raise SpecError(src, "causal", f"must be true or false, got {self.causal!r}")
         if self.position == "rope" and self.head_dim % 2:
             raise SpecError(src, "n_heads", f"rotary embeddings need an even head dim, got {self.head_dim}")
 
@@ -168,7 +176,10 @@ class ModelSpec:
         return emb + pos + self.n_layers * self.block_params() + final_norm + head
 
     def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
+        out = asdict(self)
+        if self.causal:  # a decoder's dict, and every fingerprint taken of one, reads as before
+            del out["causal"]
+        return out
 
     @classmethod
     def from_dict(cls, data: Any, source: str = "<dict>") -> ModelSpec:
@@ -228,6 +239,18 @@ def _positive(src: str, field: str, value: object) -> float:
 
 def _gpt2(name: str, n_layers: int, d_model: int, n_heads: int) -> ModelSpec:
     return ModelSpec(name=name, n_layers=n_layers, d_model=d_model, n_heads=n_heads, vocab_size=50257)
+
+
+def _bert(name: str, n_layers: int, d_model: int, n_heads: int) -> ModelSpec:
+    return ModelSpec(
+        name=name,
+        n_layers=n_layers,
+        d_model=d_model,
+        n_heads=n_heads,
+        vocab_size=30522,
+        seq_len=512,
+        causal=False,
+    )
 
 
 def _megatron_gpt(name: str, n_layers: int, d_model: int, n_heads: int, vocab_size: int) -> ModelSpec:
@@ -313,6 +336,12 @@ _LLAMA3_SHAPES: dict[str, tuple[int, int, int, int]] = {
 # the 1T model carry the dropout published runs of them used (hidden and attention 0.1: Megatron-LM's
 # --hidden-dropout / --attention-dropout defaults, which its GPT-3 and Table 1 scripts keep, and
 # NeMo's GPT-3 recipes up to NeMo 1.x); the others train without, as their recipes do.
+# The encoders: BERT-Base and BERT-Large's sizes (Devlin et al. 2019, section 3: L=12, H=768, A=12
+# and L=24, H=1024, A=16, FFN 4H, GELU, learned positions up to 512; the released WordPiece
+# vocabulary has 30,522 tokens, tied to the output layer), bidirectional attention and a prediction
+# at every position (BertForMaskedLM's head computes logits for every token). coplan's blocks are
+# pre-norm where BERT's are post-norm, the same kernels in another order; BERT's token-type
+# embeddings, pooler and the head's extra dense + norm (under 1% of BERT-Large's FLOPs) are not built.
 PRESETS: dict[str, ModelSpec] = {
     s.name: s
     for s in (
@@ -359,6 +388,11 @@ PRESETS: dict[str, ModelSpec] = {
             rope_theta=1e6,
         ),
         _llama("moe-small", 8, 512, 8, 1408, n_kv_heads=4, seq_len=1024, n_experts=8, top_k=2),
+        _bert("bert-base", 12, 768, 12),
+        _bert("bert-large", 24, 1024, 16),
+        ModelSpec(
+            name="encoder-tiny", n_layers=2, d_model=64, n_heads=4, vocab_size=512, seq_len=64, causal=False
+        ),
         ModelSpec(name="gpt-tiny", n_layers=2, d_model=64, n_heads=4, vocab_size=512, seq_len=64),
         _llama("llama-tiny", 2, 64, 4, 176, n_kv_heads=2, vocab_size=512, seq_len=64),
         _llama("moe-tiny", 2, 64, 4, 96, n_kv_heads=2, vocab_size=512, seq_len=64, n_experts=4, top_k=2),

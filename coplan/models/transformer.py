@@ -58,6 +58,7 @@ class Attention(nn.Module):
     def __init__(self, spec: ModelSpec) -> None:
         super().__init__()
         self.n_heads, self.kv_heads, self.hd = spec.n_heads, spec.kv_heads, spec.head_dim
+        self.causal = spec.causal
         self.checkpoint_core = False  # selective recomputation: re-run the attention core in backward
         kv = self.kv_heads * self.hd
         self.c_attn = nn.Linear(spec.d_model, spec.d_model + 2 * kv, bias=spec.bias)
@@ -76,10 +77,16 @@ class Attention(nn.Module):
         gqa = self.kv_heads != self.n_heads
         if self.checkpoint_core and torch.is_grad_enabled():
             y = checkpoint(
-                F.scaled_dot_product_attention, q, k, v, use_reentrant=False, is_causal=True, enable_gqa=gqa
+                F.scaled_dot_product_attention,
+                q,
+                k,
+                v,
+                use_reentrant=False,
+                is_causal=self.causal,
+                enable_gqa=gqa,
             )
         else:
-            y = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
+            y = F.scaled_dot_product_attention(q, k, v, is_causal=self.causal, enable_gqa=gqa)
         y = y.transpose(1, 2).contiguous().view(b, t, c)
         return self.c_proj(y)
 

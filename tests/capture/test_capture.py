@@ -18,7 +18,7 @@ from coplan.models.spec import PRESETS
 from coplan.models.transformer import Transformer, example_batch
 
 pytestmark = pytest.mark.capture
-TINY = ["gpt-tiny", "llama-tiny", "moe-tiny"]
+TINY = ["gpt-tiny", "llama-tiny", "moe-tiny", "encoder-tiny"]
 
 
 @pytest.fixture(scope="module", params=TINY)
@@ -119,7 +119,7 @@ def _autograd_saved_bytes(spec) -> int:
     return sum(storages.values())
 
 
-@pytest.mark.parametrize("name", ["gpt-tiny", "llama-tiny"])
+@pytest.mark.parametrize("name", ["gpt-tiny", "llama-tiny", "encoder-tiny"])
 def test_saved_activation_bytes_match_autograd(name: str) -> None:
     """For dense models the captured saved set is what eager autograd packs (saved_tensors_hooks)."""
     spec = PRESETS[name]
@@ -140,6 +140,31 @@ def test_synthetic_agrees_with_capture(name: str) -> None:
     assert syn.activation_bytes == cap.activation_bytes
     assert {p.param_name: p.shape for p in syn.parameters} == {p.param_name: p.shape for p in cap.parameters}
     assert len(syn.blocks) == len(cap.blocks)
+
+
+def test_encoder_attention_is_bidirectional_in_capture_and_synthetic() -> None:
+    """An encoder's attention, forward and backward, is priced whole (no causal mask) whether the
+    graph is captured or built from the spec, and the two agree on the step's model FLOPs; the
+    decoder of the same sizes computes the score matrix's causal half."""
+    from dataclasses import replace
+
+    from coplan.cost.parts import CAUSAL_FRACTION, attention_share, model_flops
+
+    enc = PRESETS["encoder-tiny"]
+    dec = replace(enc, causal=True, name="decoder-tiny")
+    graphs = {
+        "captured": capture_spec(enc, batch=2, seq=32),
+        "synthetic": build_graph(enc, batch=2, seq=32),
+    }
+    for how, g in graphs.items():
+        attn = [op for op in g.ops if op.kind is OpKind.ATTENTION]
+        assert {op.phase for op in attn} == {Phase.FORWARD, Phase.BACKWARD}, how
+        assert all(attention_share(op) == 1.0 for op in attn), how
+    cap, syn = (model_flops(g.ops) for g in graphs.values())
+    assert cap == syn
+    d = build_graph(dec, batch=2, seq=32)
+    attn_flops = sum(op.flops for op in d.ops if op.kind is OpKind.ATTENTION)
+    assert syn - model_flops(d.ops) == pytest.approx(attn_flops * (1 - CAUSAL_FRACTION))
 
 
 def test_fingerprint_stable_and_sensitive() -> None:

@@ -29,13 +29,16 @@ def test_jobs_are_deterministic_per_seed_and_index_and_split_as_documented():
     for j in jobs:
         assert Job.from_dict(json.loads(json.dumps(j.to_dict()))) == j
         if j.family in HELDOUT_FAMILIES:
-            assert j.split == "heldout_family"
+            assert j.split == {"moe": "heldout_family", "encoder": "heldout_encoder"}[j.family]
+            # the encoder family is the one that is not a decoder
+            assert j.spec.causal is (j.family != "encoder")
         elif j.spec.d_model in HELDOUT_WIDTHS:
             assert j.split == "heldout"
         else:
             assert j.split in ("train", "val")
         assert j.global_batch % j.gpus == 0
-    assert {j.split for j in jobs} == {"train", "val", "heldout", "heldout_family"}
+    assert {j.split for j in jobs} == {"train", "val", "heldout", "heldout_family", "heldout_encoder"}
+    assert all(j.spec.causal for j in jobs if j.split in ("train", "val", "heldout"))
     hypo = [j for j in jobs if j.hypothetical]
     assert hypo and all("~" in j.cluster.devices[0].name for j in hypo)
 
