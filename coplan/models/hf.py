@@ -1,7 +1,9 @@
 """Hugging Face ``transformers`` models built from a coplan spec (configs only: no weights, no network).
 
-GPT-2-family specs (LayerNorm, GELU, learned positions) become ``GPT2LMHeadModel``; LLaMA-family
-specs (RMSNorm, SwiGLU, RoPE) become ``LlamaForCausalLM``. Mixture-of-experts specs are refused:
+GPT-2-family specs (LayerNorm, GELU, learned positions) become ``GPT2LMHeadModel``, or
+``BertForMaskedLM`` where the spec is an encoder (``causal`` false: BERT's post-norm blocks, its
+token-type embeddings and its head's extra dense layer and norm, which coplan's own model leaves
+out); LLaMA-family specs (RMSNorm, SwiGLU, RoPE) become ``LlamaForCausalLM``. Mixture-of-experts specs are refused:
 ``transformers``' MoE layers route with data-dependent shapes (grouped GEMMs over per-expert
 offsets), which fake-tensor tracing cannot follow; the built-in MoE has static shapes instead.
 ``transformers`` is an optional dependency (extra ``hf``).
@@ -34,6 +36,29 @@ def hf_model(spec: ModelSpec) -> nn.Module:
     src = f"model '{spec.name}'"
     gpt_like = spec.norm == "layernorm" and spec.activation == "gelu" and spec.position == "learned"
     llama_like = spec.norm == "rmsnorm" and spec.activation == "swiglu" and spec.position == "rope"
+    if not spec.causal:
+        if not (gpt_like and spec.bias) or spec.is_moe:
+            raise SpecError(
+                src,
+                "causal",
+                "an encoder is built as BertForMaskedLM: layernorm, gelu, learned positions, biases",
+            )
+        return tf.BertForMaskedLM(
+            tf.BertConfig(
+                num_hidden_layers=spec.n_layers,
+                hidden_size=spec.d_model,
+                num_attention_heads=spec.n_heads,
+                intermediate_size=spec.ffn,
+                vocab_size=spec.vocab_size,
+                max_position_embeddings=spec.seq_len,
+                layer_norm_eps=spec.norm_eps,
+                hidden_dropout_prob=0.0,
+                attention_probs_dropout_prob=0.0,
+                tie_word_embeddings=spec.tied_embeddings,
+                pad_token_id=0,
+                attn_implementation="sdpa",
+            )
+        )
     if gpt_like and not spec.is_moe:
         if not spec.bias:
             raise SpecError(src, "bias", "GPT2LMHeadModel always has biases")

@@ -193,6 +193,24 @@ def test_hugging_face_models(name: str) -> None:
     assert g.flops == _flop_counter_total(lambda: hf_model(spec), call)
 
 
+def test_hugging_face_bert_is_the_encoder_plus_what_bert_adds() -> None:
+    """An encoder spec captures as ``BertForMaskedLM``: bidirectional attention both ways, and
+    exactly what BERT has beyond coplan's encoder: token-type embeddings (2 x d), the head's dense
+    layer (d x d + d) and norm (2d), the output bias (vocab); the dense layer's FLOPs, 6 n d^2."""
+    pytest.importorskip("transformers")
+    from coplan.cost.parts import attention_share
+
+    spec = PRESETS["encoder-tiny"]
+    d, n = spec.d_model, 2 * 32
+    g, own = capture_hf(spec, batch=2, seq=32), capture_spec(spec, batch=2, seq=32)
+    assert check(g) == []
+    assert len(g.blocks) == spec.n_layers
+    attn = [op for op in g.ops if op.kind is OpKind.ATTENTION]
+    assert len(attn) == 2 * spec.n_layers and all(attention_share(op) == 1.0 for op in attn)
+    assert g.param_count - own.param_count == 2 * d + d * d + d + 2 * d + spec.vocab_size
+    assert g.flops - own.flops == 6 * n * d * d
+
+
 def test_user_module_and_optimizer() -> None:
     """Any module + inputs + loss + optimizer: here a plain MLP trained with SGD and momentum."""
     model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.ReLU(), torch.nn.Linear(32, 4))
