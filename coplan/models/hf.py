@@ -4,8 +4,8 @@ GPT-2-family specs (LayerNorm, GELU, learned positions) become ``GPT2LMHeadModel
 ``BertForMaskedLM`` where the spec is an encoder (``causal`` false: BERT's post-norm blocks, its
 token-type embeddings and its head's extra dense layer and norm, which coplan's own model leaves
 out); LLaMA-family specs (RMSNorm, SwiGLU, RoPE) become ``LlamaForCausalLM``. Mixture-of-experts
-specs are refused: ``transformers``' MoE layers route with data-dependent shapes (grouped GEMMs over per-expert
-offsets), which fake-tensor tracing cannot follow; the built-in MoE has static shapes instead.
+specs are refused: ``transformers``' MoE layers route with data-dependent shapes (grouped GEMMs
+over per-expert offsets), which fake-tensor tracing cannot follow; the built-in MoE has static shapes instead.
 ``transformers`` is an optional dependency (extra ``hf``).
 """
 
