@@ -7,7 +7,8 @@ Each run of ``benchmarks/data/published_stack_runs.json`` is priced twice: as ``
 cost model before stacks were named: Megatron + Transformer Engine kernels, per-op checkpointing as
 Megatron's selective) and with the preset of its stack (``torchtitan``, ``fsdp``, ``deepspeed``,
 ``eager``; the ``-compile`` preset where ``stack_settings.compile``, its loss eager where
-``stack_settings.loss_compiled`` is false; HYBRID_SHARD shards within a node). Checkpointing follows
+``stack_settings.loss_compiled`` is false; HYBRID_SHARD shards within a node; torchtitan's fused
+RMSNorm where ``stack_settings.norm`` names ``fused_rmsnorm``). Checkpointing follows
 ``stack_settings.activation_checkpoint``: ``selective-op`` is torchtitan's per-op policy as a
 recompute set (``coplan.cost.checkpoint``); ``selective-layer:N`` / ``selective-fraction:p``
 checkpoint a share of the blocks fully, priced as that share of a fully checkpointed step and the
@@ -79,6 +80,9 @@ def price(run: dict, stack: str) -> tuple[float, float, bool]:
     if r["stack_settings"].get("float8") == "rowwise":
         # torchao's rowwise recipe (``coplan.cost.fp8.rowwise_bytes``)
         config = config.with_(fp8_scaling="rowwise")
+    if str(r["stack_settings"].get("norm", "")).startswith("fused_rmsnorm"):
+        # torchtitan's Triton RMSNorm (``TrainingConfig.fused_rmsnorm``)
+        config = config.with_(fused_rmsnorm=True)
     if r["stack_settings"].get("sharding") == "HYBRID_SHARD":
         # sharded within a node, replicated across nodes
         config = config.with_(fsdp_shard=cluster.groups[0].devices_per_node)

@@ -159,6 +159,14 @@ def estimate(
             "--sequence-parallel; instead of userbuffers).",
         ),
     ] = False,
+    fused_rmsnorm: Annotated[
+        bool,
+        typer.Option(
+            "--fused-rmsnorm",
+            help="RMSNorm runs as one fused kernel each way keeping its input and row statistics, "
+            "not the normalized tensor (torchtitan's norm_type fused_rmsnorm).",
+        ),
+    ] = False,
     tp_overlap_cfg: Annotated[
         Path | None,
         typer.Option(
@@ -335,6 +343,7 @@ def estimate(
         overlap_param_gather=overlap_param_gather,
         tp_comm_overlap=tp_comm_overlap,
         async_tp=async_tp,
+        fused_rmsnorm=fused_rmsnorm,
         tp_overlap_cfg=_ub_cfg(tp_overlap_cfg),
         overlap_p2p=overlap_p2p,
         grad_reduce_fp32=grad_reduce_fp32,

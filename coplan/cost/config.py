@@ -160,6 +160,12 @@ class TrainingConfig:
             ``torch/_inductor/fx_passes/pad_mm.py``); false where the stack runs the model's shapes
             as they are (eager PyTorch, coplan's runner), and an unaligned GEMM then runs at the
             device's ``matmul_unaligned`` fraction of its rate (``coplan.cost.kernels``).
+        fused_rmsnorm: RMSNorm runs as one fused kernel each way that keeps its input and row
+            statistics for backward, not the normalized tensor, and recomputes that inside its
+            backward kernel (torchtitan's ``norm_type = "fused_rmsnorm"``, a Triton kernel:
+            torchtitan/models/norms.py ``TritonFusedRMSNorm``, whose forward saves ``x, weight,
+            rstd``); off, a Python RMSNorm keeps ``x * rstd`` for the weight's gradient and,
+            under eager PyTorch, launches each of its ATen ops (``coplan.cost.eager``).
         nccl_ub: the data-parallel parameter and gradient buffers are registered with NCCL
             (Megatron-Core's ``ddp_config.nccl_ub``), whose SM-efficient algorithms hold fewer SMs
             beside the compute they overlap (``coplan.cost.contention``).
@@ -211,6 +217,7 @@ class TrainingConfig:
     fsdp_shard: int | None = None
     nccl_ub: bool = False
     gemm_padding: bool = True
+    fused_rmsnorm: bool = False
 
     def __post_init__(self) -> None:
         for name, bound in (
@@ -290,6 +297,8 @@ class TrainingConfig:
             raise ConfigError("eager_loss", f"must be true or false, got {self.eager_loss!r}")
         if not isinstance(self.gemm_padding, bool):
             raise ConfigError("gemm_padding", f"must be true or false, got {self.gemm_padding!r}")
+        if not isinstance(self.fused_rmsnorm, bool):
+            raise ConfigError("fused_rmsnorm", f"must be true or false, got {self.fused_rmsnorm!r}")
         if self.fp8_scaling not in FP8_SCALINGS:
             raise ConfigError(
                 "fp8_scaling", f"must be one of {', '.join(FP8_SCALINGS)}, got {self.fp8_scaling!r}"
@@ -421,6 +430,7 @@ class TrainingConfig:
             **({"fp8_scaling": self.fp8_scaling} if self.fp8_scaling != "tensorwise" else {}),
             **({"async_tp": True} if self.async_tp else {}),
             **({"gemm_padding": False} if not self.gemm_padding else {}),
+            **({"fused_rmsnorm": True} if self.fused_rmsnorm else {}),
         }
 
 

@@ -147,11 +147,20 @@ def repeat_kv_saved(graph: Graph, op_ids: Sequence[int]) -> Vec:
     return _vec(extra, 0.0, TP)
 
 
+#: the ``PLANS`` a fused RMSNorm kernel replaces (``TrainingConfig.fused_rmsnorm``)
+FUSED_RMSNORM = frozenset({"rms_norm", "norm_bwd:rms_norm"})
+
+
 def eager_kernels(
-    graph: Graph, fwd: Sequence[Kernel], bwd: Sequence[Kernel], shard_of: Callable[[Op], int]
+    graph: Graph,
+    fwd: Sequence[Kernel],
+    bwd: Sequence[Kernel],
+    shard_of: Callable[[Op], int],
+    fused: frozenset[str] = frozenset(),
 ) -> tuple[tuple[Kernel, ...], tuple[Kernel, ...]]:
     """``(fwd, bwd)`` with each single-op kernel of a ``PLANS`` op replaced by its eager kernels, and
-    grouped-query attention's key/value repeats beside its kernels."""
+    grouped-query attention's key/value repeats beside its kernels. ``fused``: plan keys the stack
+    runs as the IR's one kernel instead (``FUSED_RMSNORM``)."""
 
     def swap(kernels: Sequence[Kernel]) -> tuple[Kernel, ...]:
         out: list[Kernel] = []
@@ -162,7 +171,7 @@ def eager_kernels(
                 reps = _repeat_kernels(graph, real[0], TP)
                 out.extend([*reps, k] if real[0].phase.name == "FORWARD" else [k, *reps])
                 continue
-            if len(real) != 1 or not plan_key(graph, real[0]):
+            if len(real) != 1 or plan_key(graph, real[0]) in ("", *fused):
                 out.append(k)
                 continue
             op = real[0]
@@ -180,4 +189,13 @@ def shard_class(op: Op) -> int:
     return TP if op.target.startswith("rope") or op.target.startswith("log_softmax") else REPL
 
 
-__all__ = ["PLANS", "eager_kernels", "gqa_repeat", "op_kernels", "plan_key", "repeat_kv_saved", "shard_class"]
+__all__ = [
+    "FUSED_RMSNORM",
+    "PLANS",
+    "eager_kernels",
+    "gqa_repeat",
+    "op_kernels",
+    "plan_key",
+    "repeat_kv_saved",
+    "shard_class",
+]

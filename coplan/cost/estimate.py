@@ -43,6 +43,7 @@ from coplan.cost.parts import (
     NV,
     REPL,
     TP,
+    ZERO,
     GraphProfile,
     Part,
     Vec,
@@ -150,6 +151,10 @@ def estimate(profile: GraphProfile, cluster: ClusterSpec, config: TrainingConfig
                 sv = saved_under(profile, part, mode, per_op=config.kernels != "megatron")
                 if config.kernels == "eager" and _keeps_repeated_kv(mode):
                     sv = vadd(sv, _repeat_kv_saved(profile, part))  # SDPA's repeated K/V (``eager.py``)
+                if config.fused_rmsnorm:
+                    sv = vadd(
+                        sv, tuple(-x for x in _normed_saved(profile, part, mode))
+                    )  # fused: x, rstd kept
                 if runs_fp8(config.dtype, device) and mode in ("none", "selective"):
                     sv = vadd(sv, part.fp8_saved)  # GEMM inputs kept in fp8 (``fp8.py``)
                 saved = vadd(saved, tuple(x * n for x in sv))
@@ -505,6 +510,29 @@ def _keeps_repeated_kv(mode: str | frozenset[str]) -> bool:
     if isinstance(mode, str):
         return mode != "full"
     return not any(name.endswith(".attn.k") for name in mode)
+
+
+def _normed_saved(profile: GraphProfile, part: Part, mode: str | frozenset[str]) -> Vec:
+    """What a Python RMSNorm keeps for backward and a fused one does not
+    (``TrainingConfig.fused_rmsnorm``): its normalized tensor ``x * rstd``, where ``mode`` keeps it
+    (full recompute keeps none; a recompute set naming it has dropped it already)."""
+    if mode == "full":
+        return ZERO
+    items = part.cache.get("normed_saved")
+    if items is None:
+        g = profile.graph
+        items = part.cache["normed_saved"] = tuple(
+            (name, vec)
+            for tid, name, vec in part.saved_items
+            if (op := g.tensors[tid].producer) is not None
+            and g.ops[op].target == "rms_norm"
+            and g.ops[op].outputs.index(tid) == 1
+        )
+    out = ZERO
+    for name, vec in items:  # type: ignore[attr-defined]
+        if not (isinstance(mode, frozenset) and name in mode):
+            out = vadd(out, vec)
+    return out
 
 
 def _repeat_kv_saved(profile: GraphProfile, part: Part) -> Vec:

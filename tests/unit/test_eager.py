@@ -84,3 +84,25 @@ def test_repeat_kv_is_priced_only_for_grouped_query_attention():
         attn = [op for op in g.ops if op.kind.name == "ATTENTION" and op.forward_op is None]
         assert (gqa_repeat(g, attn[0]) is None) == (kv == 8)
         assert sum(repeat_kv_saved(g, [op.id for op in g.ops])) == expect
+
+
+def test_fused_rmsnorm_keeps_no_normalized_tensor_and_launches_one_kernel_each_way():
+    """torchtitan's fused RMSNorm (``TrainingConfig.fused_rmsnorm``) against the Python one under
+    eager PyTorch: each norm saves ``x * rstd`` (tokens x d, 16 bits) less, and launches 1 kernel
+    forward and 1 backward instead of 6 + 2 and 13 + 2 (``coplan.cost.eager.PLANS``)."""
+    from coplan.cost.eager import PLANS
+
+    layers, tokens, d = 3, MB * SEQ, 256
+    spec = _spec(layers, 8)
+    config = load_stack("torchtitan").configure(TrainingConfig(microbatch=MB, global_batch=MB, seq=SEQ))
+    cluster = load_cluster("dgx-h100", 1)
+    model = CostModel(spec=spec)
+    python, fused = (model.estimate(cluster, config.with_(fused_rmsnorm=f)) for f in (False, True))
+    norms = 2 * layers  # the final norm sits outside the blocks and is not counted here
+    assert python.memory.activations_bytes - fused.memory.activations_bytes == norms * tokens * d * 2
+    eager = sum(len(PLANS[k][0]) + PLANS[k][1] for k in ("rms_norm", "norm_bwd:rms_norm"))
+    assert python.kernels_per_step - fused.kernels_per_step == (norms + 1) * (eager - 2)
+    assert fused.step_time_s < python.step_time_s
+    # full recompute keeps no norm output either way
+    full = [model.estimate(cluster, config.with_(recompute="full", fused_rmsnorm=f)) for f in (False, True)]
+    assert full[0].memory.activations_bytes == full[1].memory.activations_bytes
