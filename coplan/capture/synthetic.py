@@ -116,8 +116,8 @@ class _Model:
     """Emits forward ops in order, records what each needs for backward, then emits backward in
     reverse order. One instance builds one graph."""
 
-    def __init__(self, spec: ModelSpec, batch: int, seq: int, dtype: str) -> None:
-        self.s, self.b, self.t = spec, batch, seq
+    def __init__(self, spec: ModelSpec, batch: int, seq: int, dtype: str, cp: int = 1) -> None:
+        self.s, self.b, self.t, self.cp = spec, batch, seq, cp
         self.n = batch * seq
         self.g = _Builder(dtype)
         self.dt = dtype
@@ -311,7 +311,7 @@ class _Model:
             mod,
             i,
             flops=fl,
-            args=(f"dropout_p={p!r}" if p else "") + _mask_args(s),
+            args=(f"dropout_p={p!r}" if p else "") + _mask_args(s, self.cp),
         )
         out = res[0]
         self.tape.append(
@@ -577,7 +577,7 @@ class _Model:
                 flops=flops,
                 fwd=fwd.op,
                 vector_per_elem=8 if kind == "norm" else 1,
-                args=_mask_args(self.s) if kind == "attention" else "",
+                args=_mask_args(self.s, self.cp) if kind == "attention" else "",
             )
             self._param_grads(fwd.params, grads[len(diff) :])
             for x, gx in zip(diff, grads, strict=False):
@@ -655,10 +655,13 @@ class _Model:
             g.outputs.extend(outs)
 
 
-def _mask_args(spec: ModelSpec) -> str:
+def _mask_args(spec: ModelSpec, cp: int = 1) -> str:
     """An encoder's attention ops carry ``is_causal=False`` as a keyword, as a captured SDPA does
-    (``coplan.ir.oprules.attention_causal``); a decoder's carry nothing, causal by default."""
-    return "" if spec.causal else ";is_causal=False"
+    (``coplan.ir.oprules.attention_causal``); a decoder's carry nothing, causal by default. Under
+    context parallelism (``cp`` > 1) they carry ``cp=N``: the rank's queries meet every rank's
+    keys and values (``coplan.ir.oprules.attention_cp``)."""
+    kw = ([] if spec.causal else ["is_causal=False"]) + ([f"cp={cp}"] if cp > 1 else [])
+    return ";" + ",".join(kw) if kw else ""
 
 
 def _block_of(module: str) -> int | None:
@@ -666,14 +669,18 @@ def _block_of(module: str) -> int | None:
     return int(parts[1]) if len(parts) > 1 and parts[0] == "h" and parts[1].isdigit() else None
 
 
-def build_graph(spec: ModelSpec, batch: int = 1, seq: int | None = None, dtype: str = "float32") -> Graph:
-    """The IR of one AdamW training step of ``spec``'s built-in model, built without tracing."""
+def build_graph(
+    spec: ModelSpec, batch: int = 1, seq: int | None = None, dtype: str = "float32", cp: int = 1
+) -> Graph:
+    """The IR of one AdamW training step of ``spec``'s built-in model, built without tracing.
+    ``cp`` > 1: the step of one context-parallel rank, ``seq`` its share of each sequence (its
+    attention ops say how many ranks share it)."""
     s = spec.resolve_seq(seq)
     if batch <= 0:
         raise SpecError(f"model '{spec.name}'", "batch", f"must be positive, got {batch}")
     dtype_bytes(dtype)
     t0 = time.perf_counter()
-    graph = _Model(spec, batch, s, dtype).build()
+    graph = _Model(spec, batch, s, dtype, cp).build()
     graph = mark_saved(graph, graph.outputs)
     meta = GraphMeta(
         model=spec.name,

@@ -88,6 +88,14 @@ def estimate(
     gpus: GpusOpt = DEFAULT_GPUS,
     tp: Annotated[int, typer.Option("--tp", help="Tensor-parallel degree.")] = 1,
     pp: Annotated[int, typer.Option("--pp", help="Pipeline-parallel degree.")] = 1,
+    cp: Annotated[
+        int,
+        typer.Option(
+            "--cp",
+            help="Context-parallel degree: ranks sharing each sequence, attention over a ring "
+            "(Megatron's --context-parallel-size).",
+        ),
+    ] = 1,
     dp: Annotated[
         int | None, typer.Option("--dp", help="Data-parallel degree \\[default: N / (tp x pp)].")
     ] = None,
@@ -290,7 +298,13 @@ def estimate(
     from coplan.models.spec import load_model_spec
 
     positive("--gpus", gpus)
-    for name, value in (("--tp", tp), ("--pp", pp), ("--vpp", vpp), ("--microbatch", microbatch)):
+    for name, value in (
+        ("--tp", tp),
+        ("--pp", pp),
+        ("--cp", cp),
+        ("--vpp", vpp),
+        ("--microbatch", microbatch),
+    ):
         positive(name, value)
     positive("--dp", dp, optional=True)
     positive("--global-batch", global_batch, optional=True)
@@ -315,9 +329,10 @@ def estimate(
     hw = load_cluster(cluster, gpus)
     n = hw.num_devices
     if dp is None:
-        if n % (tp * pp):
-            raise ConfigError("dp", f"tp x pp = {tp} x {pp} = {tp * pp} does not divide the {n} GPUs")
-        dp = n // (tp * pp)
+        if n % (tp * cp * pp):
+            what = f"tp x cp x pp = {tp} x {cp} x {pp}" if cp > 1 else f"tp x pp = {tp} x {pp}"
+            raise ConfigError("dp", f"{what} = {tp * cp * pp} does not divide the {n} GPUs")
+        dp = n // (tp * cp * pp)
     # what the user left unsaid, a production Megatron-Core stack decides (``production_overlaps``)
     auto = production_overlaps(hw.devices, tp, sequence_parallel, zero)
     if tp_comm_overlap is None:
@@ -328,6 +343,7 @@ def estimate(
         tp=tp,
         pp=pp,
         dp=dp,
+        cp=cp,
         vpp=vpp,
         microbatch=microbatch,
         global_batch=global_batch if global_batch is not None else default_global_batch(microbatch * dp),
@@ -503,8 +519,10 @@ def render(est: Estimate, title: str) -> None:
     c = est.config
     console.print(f"[bold]{title}[/bold]", soft_wrap=True)
     rec = c.recompute if isinstance(c.recompute, str) else f"{len(c.recompute)} tensors"
+    cp_text = f" cp={c.cp}" if c.cp > 1 else ""
     console.print(
-        f"tp={c.tp} pp={c.pp} dp={c.dp} vpp={c.vpp} microbatch={c.microbatch} global batch={c.global_batch} "
+        f"tp={c.tp} pp={c.pp} dp={c.dp}{cp_text} vpp={c.vpp} microbatch={c.microbatch} "
+        f"global batch={c.global_batch} "
         f"({c.num_microbatches} microbatches) recompute={rec} sp={'on' if c.sequence_parallel else 'off'} "
         f"zero={c.zero} dtype={c.dtype}{' (fp8 params)' if c.fp8_params else ''}"
         f"{' (rowwise)' if c.fp8_scaling == 'rowwise' and c.dtype == 'fp8' else ''} "

@@ -73,6 +73,12 @@ class TrainingConfig:
     """One point of the parallel / memory / precision space, validated on construction.
 
     Attributes:
+        cp: context-parallel ranks per sequence (Megatron-Core's ``--context-parallel-size``,
+            torchtitan's ``context_parallel_degree``): each holds ``seq / cp`` tokens of every
+            sequence of its microbatch, its attention meets the other ranks' keys and values passed
+            around a ring, and its gradients are reduced with the data-parallel ranks', over
+            ``dp x cp`` ranks (Megatron-Core's ``data_parallel_group_with_cp``). Ranks are ordered
+            TP, CP, DP, PP, TP fastest (Megatron-Core's default ``order="tp-cp-ep-dp-pp"``).
         recompute: ``"none"`` (save what autograd saves), ``"selective"`` (recompute the attention
             core, as Megatron-LM's selective recomputation), ``"full"`` (save each block's input and
             recompute the block), or a set of tensor names of block 0 (the template every block
@@ -180,6 +186,7 @@ class TrainingConfig:
     tp: int = 1
     pp: int = 1
     dp: int = 1
+    cp: int = 1
     vpp: int = 1
     microbatch: int = 1
     global_batch: int = 1
@@ -224,6 +231,7 @@ class TrainingConfig:
             ("tp", MAX_DEVICES),
             ("pp", MAX_DEVICES),
             ("dp", MAX_DEVICES),
+            ("cp", MAX_DEVICES),
             ("vpp", MAX_LAYERS),
             ("microbatch", MAX_GLOBAL_BATCH),
             ("global_batch", MAX_GLOBAL_BATCH),
@@ -291,8 +299,10 @@ class TrainingConfig:
         if self.kernels not in KERNEL_SETS:
             raise ConfigError("kernels", f"must be one of {', '.join(KERNEL_SETS)}, got {self.kernels!r}")
         n = self.fsdp_shard
-        if n is not None and (isinstance(n, bool) or not isinstance(n, int) or n < 1 or self.dp % n):
-            raise ConfigError("fsdp_shard", f"must be a positive divisor of dp ({self.dp}), got {n!r}")
+        if n is not None and (isinstance(n, bool) or not isinstance(n, int) or n < 1 or self.dp_cp % n):
+            raise ConfigError(
+                "fsdp_shard", f"must be a positive divisor of dp x cp ({self.dp_cp}), got {n!r}"
+            )
         if not isinstance(self.eager_loss, bool):
             raise ConfigError("eager_loss", f"must be true or false, got {self.eager_loss!r}")
         if not isinstance(self.gemm_padding, bool):
@@ -340,7 +350,13 @@ class TrainingConfig:
 
     @property
     def gpus(self) -> int:
-        return self.tp * self.pp * self.dp
+        return self.tp * self.cp * self.pp * self.dp
+
+    @property
+    def dp_cp(self) -> int:
+        """The ranks that hold the same parameters and reduce their gradients together: the
+        data-parallel ranks times the context-parallel ones."""
+        return self.dp * self.cp
 
     def recompute_of(self, stage: int) -> str | frozenset[str]:
         """The recompute mode or set of pipeline stage ``stage``."""
@@ -357,20 +373,20 @@ class TrainingConfig:
     def shard_ranks(self) -> int:
         """The ranks ZeRO / FSDP shards the model states over: every data-parallel rank, or FSDP's
         hybrid sharding group."""
-        return self.dp if self.fsdp_shard is None else self.fsdp_shard
+        return self.dp_cp if self.fsdp_shard is None else self.fsdp_shard
 
     @property
     def gathers_per_unit(self) -> bool:
         """Whether parameters are gathered layer by layer and freed after use (ZeRO-3, or ZeRO-1/2
         run as FSDP units) across more than one data-parallel rank."""
-        return (self.zero == 3 or (self.fsdp_units and self.zero >= 1)) and self.dp > 1
+        return (self.zero == 3 or (self.fsdp_units and self.zero >= 1)) and self.dp_cp > 1
 
     @property
     def bucket_params(self) -> int:
         """Parameters per data-parallel gradient bucket (Megatron-Core's rule unless set)."""
         if self.dp_bucket_params is not None:
             return self.dp_bucket_params
-        return default_bucket_params(self.dp)
+        return default_bucket_params(self.dp_cp)
 
     @property
     def mixed(self) -> bool:
@@ -392,6 +408,7 @@ class TrainingConfig:
             "tp": self.tp,
             "pp": self.pp,
             "dp": self.dp,
+            **({"cp": self.cp} if self.cp > 1 else {}),
             "vpp": self.vpp,
             "microbatch": self.microbatch,
             "global_batch": self.global_batch,
@@ -474,7 +491,12 @@ def check_against(
     if config.gpus != gpus:
         raise ConfigError(
             "dp",
-            f"tp x pp x dp = {config.tp} x {config.pp} x {config.dp} = {config.gpus} "
+            (
+                f"tp x cp x pp x dp = {config.tp} x {config.cp} x "
+                if config.cp > 1
+                else f"tp x pp x dp = {config.tp} x "
+            )
+            + f"{config.pp} x {config.dp} = {config.gpus} "
             f"does not equal the {gpus} GPUs",
         )
     if n_heads % config.tp:

@@ -255,6 +255,8 @@ def validated(estimate: Estimate, spec: ModelSpec | None, stack: str = "megatron
         notes.append(stack_note)
     notes += _device_notes(env, stack, devices, cfg.dtype)
     notes += _layout_notes(env, values, cfg.zero)
+    if cfg.cp > 1:
+        notes.append(f"context parallelism (cp {cfg.cp}): the validated runs all hold whole sequences")
     notes += _kernel_notes(env, cfg)
     if spec is None:
         notes.append("model: a traced graph, where the validated runs are transformer specs")

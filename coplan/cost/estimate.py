@@ -21,12 +21,14 @@ warm-up count) and the largest transient working set found by liveness over the 
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 from coplan.cost.buckets import StageBuckets, queued_exposure, serial_time
 from coplan.cost.comm import Group, p2p_time
 from coplan.cost.config import TrainingConfig
 from coplan.cost.contention import slowdown, sm_share
+from coplan.cost.context import kv_elements, ring_exposed
 from coplan.cost.eager import repeat_kv_saved
 from coplan.cost.fp8 import runs_fp8
 from coplan.cost.kernels import (
@@ -67,6 +69,7 @@ from coplan.cost.stages import (
 from coplan.cost.zero import fsdp_schedule, fsdp_transient, zero3_exposed, zero3_transient
 from coplan.hardware.cluster import ClusterSpec
 from coplan.hardware.device import DeviceSpec
+from coplan.ir.types import OpKind, Phase
 
 
 def estimate(profile: GraphProfile, cluster: ClusterSpec, config: TrainingConfig) -> Estimate:
@@ -80,7 +83,8 @@ def estimate(profile: GraphProfile, cluster: ClusterSpec, config: TrainingConfig
         raise ValueError(f"graph built for microbatch {profile.batch}, config asks {config.microbatch}")
     if config.gpus != cluster.num_devices:
         raise ValueError(f"config uses {config.gpus} GPUs, cluster has {cluster.num_devices}")
-    t, p, d, v, m = config.tp, config.pp, config.dp, config.vpp, config.num_microbatches
+    # ``d``: the ranks holding the same parameters, data- and context-parallel together
+    t, p, d, v, m = config.tp, config.pp, config.dp_cp, config.vpp, config.num_microbatches
     ab = config.act_bytes
     scale = Scale.of(config)
     weights = scale.weights
@@ -94,6 +98,12 @@ def estimate(profile: GraphProfile, cluster: ClusterSpec, config: TrainingConfig
     per_node = cluster.groups[0].devices_per_node
     tp_group = Group.of(cluster, t, 1, net)
     dp_group = Group.of(cluster, d, t, net)
+    # the context-parallel ring: neighbours ``t`` ranks apart, inside a node while t x cp fits one
+    cp_cross = t * config.cp > per_node and cluster.num_nodes > 1
+
+    def ring_transfer(bytes_: float) -> float:
+        return p2p_time(cluster, bytes_, cp_cross, net)
+
     pp_cross = t * d >= per_node and cluster.num_nodes > 1
     # the activation a pipeline stage sends on, per microbatch (elements, before any sharding)
     boundary_elems = max((tp_.boundary for tp_ in profile.templates), default=0.0)
@@ -118,7 +128,7 @@ def estimate(profile: GraphProfile, cluster: ClusterSpec, config: TrainingConfig
         got = sums.get(key)
         if got is not None:
             return got
-        fwd = bwd = recompute = tp_comm = opt = 0.0
+        fwd = bwd = recompute = tp_comm = cp_comm = opt = 0.0
         kern = 0
         params = [0.0, 0.0]
         saved: Vec = (0.0,) * NV  # type: ignore[assignment]
@@ -148,6 +158,8 @@ def estimate(profile: GraphProfile, cluster: ClusterSpec, config: TrainingConfig
                     # first (the chunk's input is kept by the schedule), (n/v - 1)/2 on average
                     recompute += n * max(0.0, n / v - 1) / 2 * pc.forward
                 tp_comm += n * pc.tp_comm(part, mode)
+                if config.cp > 1:
+                    cp_comm += n * _cp_ring(pc, part, mode, profile, ab, t, ring_transfer)
                 sv = saved_under(profile, part, mode, per_op=config.kernels != "megatron")
                 if config.kernels == "eager" and _keeps_repeated_kv(mode):
                     sv = vadd(sv, _repeat_kv_saved(profile, part))  # SDPA's repeated K/V (``eager.py``)
@@ -181,7 +193,7 @@ def estimate(profile: GraphProfile, cluster: ClusterSpec, config: TrainingConfig
                 saved_head = vadd(saved_head, pc.saved)
                 transient = max(transient, pc.transient(part))
         got = sums[key] = (
-            fwd, bwd, recompute, tp_comm, opt, kern, params, saved, saved_head, transient,
+            fwd, bwd, recompute, tp_comm, cp_comm, opt, kern, params, saved, saved_head, transient,
             weight_cache, block_local,
         )  # fmt: skip
         return got
@@ -197,7 +209,7 @@ def estimate(profile: GraphProfile, cluster: ClusterSpec, config: TrainingConfig
         mine = stage_blocks(profile, config, s, layout)
         parts = stage_parts(profile, config, s, mine)
         (
-            fwd, bwd, recompute, tp_comm, opt, kern, params, saved, saved_head, transient,
+            fwd, bwd, recompute, tp_comm, cp_comm, opt, kern, params, saved, saved_head, transient,
             weight_cache, block_local,
         ) = sum_parts(device, rec, parts)  # fmt: skip
         # pipeline sends: the block output, forward and backward, once per chunk boundary
@@ -341,6 +353,7 @@ def estimate(profile: GraphProfile, cluster: ClusterSpec, config: TrainingConfig
                 backward_s=bwd,
                 recompute_s=recompute,
                 tp_comm_s=tp_comm,
+                cp_comm_s=cp_comm,
                 pp_comm_s=pp_comm,
                 zero_comm_s=zero_comm,
                 dp_comm_s=dp_comm,
@@ -361,15 +374,17 @@ def estimate(profile: GraphProfile, cluster: ClusterSpec, config: TrainingConfig
         "compute": m * (k.forward_s + k.backward_s),
         "recompute": m * k.recompute_s,
         "tp_comm": m * k.tp_comm_s,
+        "cp_comm": m * k.cp_comm_s,
         "pp_comm": m * k.pp_comm_s,
         "pipeline_bubble": pipeline - m * times[slow],
         "dp_comm": tl.dp_comm_s,
         "zero_comm": m * k.zero_comm_s + tl.param_gather_s,
         "optimizer": tl.optimizer_s,
     }
-    seq = profile.seq
+    # a context-parallel rank's graph holds 1/cp of each sequence (its attention every key)
+    seq = profile.seq * config.cp
     tokens = config.global_batch * seq
-    model_flops = profile.model_flops * config.global_batch / profile.batch
+    model_flops = profile.model_flops * config.cp * config.global_batch / profile.batch
     per_gpu = model_flops / step / config.gpus
     # MFU against the 16-bit dense peak, and beside it against the peak of the precision each device
     # really runs (fp8 on an A100: bf16's); the slowest device's, which sets the pace of a mixed one
@@ -428,7 +443,7 @@ def _fsdp_comm(
     the larger of the two groups' shares where the replicas' all-reduce runs too)."""
     shard = config.shard_ranks
     group = Group.of(cluster, shard, config.tp, net)
-    replicas = Group.of(cluster, config.dp // shard, config.tp * shard, net)
+    replicas = Group.of(cluster, config.dp_cp // shard, config.tp * shard, net)
     per_unit = blocks / units
     gather = group.all_gather(per_unit * param_bytes)
     scatter = group.reduce_scatter(per_unit * grad_bytes)
@@ -510,6 +525,38 @@ def _keeps_repeated_kv(mode: str | frozenset[str]) -> bool:
     if isinstance(mode, str):
         return mode != "full"
     return not any(name.endswith(".attn.k") for name in mode)
+
+
+def _cp_ring(
+    pc: Any,
+    part: Part,
+    mode: str | frozenset[str],
+    profile: GraphProfile,
+    act_bytes: float,
+    tp: int,
+    transfer: Callable[[float], float],
+) -> float:
+    """Seconds a block's context-parallel ring adds to one microbatch (``coplan.cost.context``):
+    forward passes this tensor-parallel rank's keys and values (its share of the key/value heads,
+    one head where there are fewer heads than ranks), backward the keys, values and their
+    gradients, and a recompute mode that re-runs attention (full, selective, or a set naming its
+    output) passes them again."""
+    cp = pc.cost.c.cp
+    fwd_s, bwd_s = pc.attention_s(part)
+    got = part.cache.get("cp_kv")
+    if got is None:
+        g = profile.graph
+        got = part.cache["cp_kv"] = tuple(
+            kv_elements(g, op)
+            for i in part.op_ids
+            if (op := g.ops[i]).kind is OpKind.ATTENTION and op.phase is Phase.FORWARD
+        )
+    chunk = sum(n * act_bytes / min(tp, heads) for n, heads in got)  # type: ignore[attr-defined]
+    forward = ring_exposed(fwd_s, transfer(chunk), cp)
+    again = mode in ("full", "selective") or (
+        isinstance(mode, frozenset) and any(n.endswith(".attn.out") for n in mode)
+    )
+    return forward * (2 if again else 1) + ring_exposed(bwd_s, transfer(2 * chunk), cp)
 
 
 def _normed_saved(profile: GraphProfile, part: Part, mode: str | frozenset[str]) -> Vec:

@@ -31,10 +31,10 @@ class CostModel:
 
     spec: ModelSpec | None = None
     graph: Graph | None = None
-    _profiles: dict[tuple[int, int, object, object], GraphProfile] = field(default_factory=dict, repr=False)
+    _profiles: dict[tuple[object, ...], GraphProfile] = field(default_factory=dict, repr=False)
     # one graph per (microbatch, seq), shared by its profiles under every fusion and precision
     # (profiling reads a graph, never changes it; building a 70B graph takes ~0.2 s)
-    _graphs: dict[tuple[int, int], Graph] = field(default_factory=dict, repr=False)
+    _graphs: dict[tuple[int, int, int], Graph] = field(default_factory=dict, repr=False)
 
     def __post_init__(self) -> None:
         if (self.spec is None) == (self.graph is None):
@@ -56,17 +56,20 @@ class CostModel:
         seq: int,
         fusion: str | tuple[tuple[int, ...], ...] = "megatron",
         precision: Precision | None = None,
+        cp: int = 1,
     ) -> GraphProfile:
+        """The profile of one microbatch's step at sequence length ``seq``; under context
+        parallelism (``cp`` > 1) one rank's step, ``seq`` its share of each sequence."""
         # per-op dtypes change tensor widths and casts; without overrides the dtype is a weight
         precision = precision if precision and precision[1] else None
-        key = (microbatch, seq, fusion, precision)
+        key = (microbatch, seq, fusion, precision) if cp == 1 else (microbatch, seq, fusion, precision, cp)
         got = self._profiles.get(key)
         if got is not None:
             return got
         if self.spec is not None:
-            graph = self._graphs.get((microbatch, seq))
+            graph = self._graphs.get((microbatch, seq, cp))
             if graph is None:
-                graph = self._graphs[(microbatch, seq)] = build_graph(self.spec, microbatch, seq)
+                graph = self._graphs[(microbatch, seq, cp)] = build_graph(self.spec, microbatch, seq, cp=cp)
         else:
             assert self.graph is not None
             meta = self.graph.meta
@@ -89,16 +92,27 @@ class CostModel:
             prof = self.profile(self.graph.meta.batch, self.graph.meta.seq)  # type: ignore[union-attr]
             heads, layers, kv = prof.heads, prof.n_layers, None
         check_against(config, gpus=cluster.num_devices, n_heads=heads, n_layers=layers, n_kv_heads=kv)
-        self.seq_of(config)
+        seq = self.seq_of(config)
+        if config.cp > 1:
+            if self.spec is None:
+                raise ConfigError(
+                    "cp",
+                    "context parallelism needs a model spec (a captured graph is one rank's whole sequence)",
+                )
+            if seq % (2 * config.cp):
+                # each rank takes two of 2 x cp chunks of every sequence, which balances a causal mask
+                raise ConfigError("cp", f"sequence {seq} is not divisible by 2 x cp = {2 * config.cp}")
+            if any(d.kind == "cpu" for d in cluster.devices):
+                raise ConfigError("cp", "context parallelism is priced for GPUs, not CPU devices")
 
     def profile_for(self, config: TrainingConfig) -> GraphProfile:
         """The profile ``estimate`` prices ``config`` with (``coplan.cost.explain`` lists its kernels)."""
-        seq, precision = self.seq_of(config), (config.dtype, config.op_dtypes)
-        prof = self.profile(config.microbatch, seq, config.fusion, precision)
+        seq, precision = self.seq_of(config) // config.cp, (config.dtype, config.op_dtypes)
+        prof = self.profile(config.microbatch, seq, config.fusion, precision, config.cp)
         if config.eager_loss and prof.fusion != "none":
             # the blocks' kernels as configured, the loss side as eager PyTorch runs it: the same
             # graph profiled unfused lends its ``post`` part (same ops, same ids)
-            eager = self.profile(config.microbatch, seq, "none", precision)
+            eager = self.profile(config.microbatch, seq, "none", precision, config.cp)
             if len(eager.graph.ops) == len(prof.graph.ops):
                 prof = replace(prof, post=eager.post)
         return prof

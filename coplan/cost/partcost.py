@@ -137,6 +137,7 @@ def _base_prices(cost: PartCost, part: Part, fp8: bool) -> _Base:
 
 class _Priced:
     __slots__ = (
+        "attn_memo",
         "backward",
         "cost",
         "forward",
@@ -201,6 +202,7 @@ class _Priced:
         self.cost = cost
         self.tp_memo: dict[str | frozenset[str], float] = {}
         self.skip_memo: dict[frozenset[str], float] = {}
+        self.attn_memo: tuple[float, float] | None = None
 
     def recompute(self, part: Part, mode: str | frozenset[str]) -> float:
         if mode == "none":
@@ -227,6 +229,19 @@ class _Priced:
             else:
                 total += t
         return total
+
+    def attention_s(self, part: Part) -> tuple[float, float]:
+        """Seconds of the part's attention kernels, forward and backward (context parallelism's
+        ring hides its transfers behind them, ``coplan.cost.context``)."""
+        if self.attn_memo is None:
+            c = self.cost.c
+            fwd = sum(
+                t for k, t in zip(self.fwd_kernels, self.fwd_times, strict=True) if k.kind == "attention"
+            )
+            _, bwd_kernels = run_kernels(part, c.loss_fusion, c.activation_fusion)
+            bwd = sum(self.cost.time(k) for k in bwd_kernels if k.kind == "attention")
+            self.attn_memo = (fwd, bwd)
+        return self.attn_memo
 
     def unwritten(self, part: Part, mode: str | frozenset[str]) -> float:
         """Forward seconds saved by the writes a recompute set drops: a saved tensor whose

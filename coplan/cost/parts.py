@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from coplan.ir.oprules import attention_causal
+from coplan.ir.oprules import attention_causal, attention_cp
 from coplan.ir.types import Graph, Op, OpKind, Phase
 
 # Element-vector layout: index = precision class * 2 + shard class.
@@ -32,8 +32,13 @@ CAUSAL_FRACTION = 0.5
 
 def attention_share(op: Op) -> float:
     """The share of attention op ``op``'s counted FLOPs a step computes: ``CAUSAL_FRACTION`` under a
-    causal mask, all of them without (``coplan.ir.oprules.attention_causal``)."""
-    return CAUSAL_FRACTION if attention_causal(op) else 1.0
+    causal mask, all of them without (``coplan.ir.oprules.attention_causal``). Under context
+    parallelism over ``c`` ranks (``attention_cp``) the op's shapes are one rank's share of the
+    sequence, ``s / c`` queries and keys, while its queries meet all ``s`` keys: ``c`` times the
+    counted FLOPs (``s/c x s`` scores against ``(s/c)^2``), under a causal mask the rank's ``1/c``
+    of the causal half when the ranks hold balanced chunks (Megatron-Core and torchtitan split
+    each sequence into ``2c`` chunks, rank ``i`` taking chunks ``i`` and ``2c - 1 - i``)."""
+    return (CAUSAL_FRACTION if attention_causal(op) else 1.0) * attention_cp(op)
 
 
 def model_flops(ops: Sequence[Op]) -> float:

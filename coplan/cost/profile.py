@@ -47,7 +47,7 @@ from coplan.cost.parts import (
 )
 from coplan.cost.remat import unwritten_items
 from coplan.hardware.device import VECTOR_FAMILIES
-from coplan.ir.oprules import attention_dropout
+from coplan.ir.oprules import attention_cp, attention_dropout
 from coplan.ir.types import Graph, Op, OpKind, Phase, Tensor, TensorRole
 
 #: Submodules of a block whose ops Megatron-style tensor parallelism shards.
@@ -633,6 +633,9 @@ class _Ctx:
             kind, attn, core = "attention", attn_geometry(g, fwd_op), True
             drop = attention_dropout(fwd_op)
             share = attention_share(fwd_op)
+            cp = attention_cp(fwd_op)
+            if cp > 1:  # the rank's queries meet every rank's keys (``attention_share``)
+                attn = (attn[0], attn[1], attn[2] * cp, attn[3])
         elif mm is not None:
             kind, core = "matmul", False
             dims, sdim = mm_dims(g, mm, shard, self.tokens)

@@ -17,6 +17,7 @@ BREAKDOWN_KEYS: tuple[str, ...] = (
     "compute",
     "recompute",
     "tp_comm",
+    "cp_comm",
     "pp_comm",
     "pipeline_bubble",
     "dp_comm",
@@ -67,6 +68,7 @@ class StageEstimate:
     backward_s: float
     recompute_s: float
     tp_comm_s: float
+    cp_comm_s: float  # context parallelism's ring transfers not hidden by attention
     pp_comm_s: float
     zero_comm_s: float  # per microbatch (ZeRO-3 parameter gathers not hidden by compute)
     dp_comm_s: float  # per step, exposed
@@ -83,6 +85,7 @@ class StageEstimate:
             + self.backward_s
             + self.recompute_s
             + self.tp_comm_s
+            + self.cp_comm_s
             + self.pp_comm_s
             + self.zero_comm_s
         )

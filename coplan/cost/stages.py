@@ -187,11 +187,12 @@ def _rank_devices(cluster: ClusterSpec) -> list[DeviceSpec]:
 
 
 def devices_of_stage(cluster: ClusterSpec, config: TrainingConfig, stage: int) -> list[DeviceSpec]:
-    """The devices of pipeline stage ``stage`` (Megatron's rank order: tensor, then data, then pipeline)."""
+    """The devices of pipeline stage ``stage`` (Megatron's rank order: tensor, context, data, then
+    pipeline)."""
     if len(cluster.groups) == 1:
         return [cluster.groups[0].device]
     ranks = _rank_devices(cluster)
-    width = config.tp * config.dp
+    width = config.tp * config.cp * config.dp
     return ranks[stage * width : (stage + 1) * width] or ranks[:1]
 
 

@@ -303,6 +303,16 @@ def _positional(args: str) -> list[str]:
     return out
 
 
+def attention_cp(op: Op) -> int:
+    """The context-parallel ranks one sequence of attention op ``op`` is split over: its ``cp=``
+    keyword (the synthetic builder's), else 1. The op's shapes are one rank's share of the queries,
+    keys and values; the rank's queries meet all of the sequence's keys and values."""
+    for part in op.args.partition(";")[2].split(","):
+        if part.startswith("cp="):
+            return int(part.split("=", 1)[1])
+    return 1
+
+
 def attention_causal(op: Op) -> bool:
     """Whether an attention op applies a causal mask: a captured op's ``is_causal`` argument (by
     keyword, or at its schema's position, ``IS_CAUSAL_AT``); the synthetic builder's attention,

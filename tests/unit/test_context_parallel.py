@@ -1,0 +1,100 @@
+"""Context parallelism (``TrainingConfig.cp``): one rank holds 1/cp of every sequence, its attention
+meets every key, its gradients are reduced over dp x cp ranks, and the ring's transfers show only
+where they outlast a step of attention (``coplan.cost.context``)."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import pytest
+
+from coplan.capture.synthetic import build_graph
+from coplan.cost import ConfigError, CostModel, TrainingConfig
+from coplan.cost.context import kv_elements, ring_exposed
+from coplan.cost.parts import CAUSAL_FRACTION, attention_share, model_flops
+from coplan.hardware import load_cluster
+from coplan.ir.types import OpKind, Phase
+from coplan.models.spec import PRESETS
+
+SPEC = replace(PRESETS["llama2-7b"], n_layers=4, seq_len=16384)
+
+
+def _config(cp: int, dp: int, **kw) -> TrainingConfig:
+    return TrainingConfig(tp=2, cp=cp, dp=dp, microbatch=1, global_batch=16, seq=16384, **kw)
+
+
+def test_a_rank_computes_its_share_of_every_sequence_and_the_step_the_same_flops():
+    """The rank's graph holds seq/cp tokens; its attention computes 1/cp of the causal scores of
+    the whole sequence (cp times what its local shapes count), so cp ranks together compute the
+    step's FLOPs exactly, and model FLOPs per step do not depend on cp."""
+    whole = build_graph(SPEC, 1, 16384)
+    rank = build_graph(SPEC, 1, 16384 // 4, cp=4)
+    attn = [op for op in rank.ops if op.kind is OpKind.ATTENTION]
+    assert attn and all(attention_share(op) == CAUSAL_FRACTION * 4 for op in attn)
+    assert model_flops(rank.ops) * 4 == pytest.approx(model_flops(whole.ops), rel=1e-12)
+    cluster = load_cluster("dgx-h100", 16)
+    model = CostModel(spec=SPEC)
+    one, four = model.estimate(cluster, _config(1, 8)), model.estimate(cluster, _config(4, 2))
+    flops = [e.model_tflops_per_gpu * e.step_time_s for e in (one, four)]
+    assert flops[0] == pytest.approx(flops[1], rel=1e-12)
+    assert one.tokens_per_s * one.step_time_s == pytest.approx(16 * 16384)
+    assert four.tokens_per_s * four.step_time_s == pytest.approx(16 * 16384)
+
+
+def test_activations_shrink_by_cp_and_model_states_shard_over_dp_times_cp():
+    """Without recompute every saved block tensor is per token: a rank keeps 1/cp of them. ZeRO-1
+    shards the optimizer over dp x cp ranks (the same parameters), so (cp 4, dp 2) keeps what
+    (cp 1, dp 8) keeps."""
+    cluster = load_cluster("dgx-h100", 16)
+    model = CostModel(spec=SPEC)
+    one = model.estimate(cluster, _config(1, 8, zero=1)).stages[0].memory
+    four = model.estimate(cluster, _config(4, 2, zero=1)).stages[0].memory
+    assert four.optimizer_bytes == one.optimizer_bytes
+    assert four.params_bytes == one.params_bytes
+    assert four.activations_bytes == pytest.approx(one.activations_bytes / 4, rel=0.02)
+
+
+def test_ring_transfers_show_only_what_a_step_of_attention_cannot_hide():
+    assert ring_exposed(8.0, 1.0, 4) == 0.0  # 2 s of attention a step hides 1 s transfers
+    assert ring_exposed(8.0, 3.0, 4) == pytest.approx(3 * (3.0 - 2.0))
+    assert ring_exposed(8.0, 3.0, 1) == 0.0
+    # keys and values of one rank: the rotated keys and the value slice of the fused projection
+    g = build_graph(SPEC, 1, 1024, cp=2)
+    fwd = next(op for op in g.ops if op.kind is OpKind.ATTENTION and op.phase is Phase.FORWARD)
+    elems, heads = kv_elements(g, fwd)
+    assert (elems, heads) == (2 * 1024 * SPEC.kv_heads * SPEC.head_dim, SPEC.kv_heads)
+    gpt = PRESETS["gpt2-124m"]
+    g = build_graph(gpt, 2, 512, cp=2)
+    fwd = next(op for op in g.ops if op.kind is OpKind.ATTENTION and op.phase is Phase.FORWARD)
+    assert kv_elements(g, fwd) == (2 * 2 * 512 * gpt.d_model, gpt.n_heads)
+
+
+def test_the_ring_shows_across_a_slow_network_and_hides_inside_a_node():
+    """tp 8 x cp 2 spans two nodes: over a network a hundred times slower than the preset's, the
+    transfers outlast attention's steps; inside one node (tp 4 x cp 2) they hide."""
+    model = CostModel(spec=SPEC)
+    fast = load_cluster("dgx-h100", 16)
+    slow_data = fast.to_dict()
+    slow_data["inter_node"]["bandwidth"] /= 100
+    from coplan.hardware.cluster import ClusterSpec
+
+    slow = ClusterSpec.from_dict(slow_data, source="test")
+    across = TrainingConfig(tp=8, cp=2, microbatch=1, global_batch=1, seq=16384)
+    assert model.estimate(fast, across).breakdown_s["cp_comm"] >= 0.0
+    assert model.estimate(slow, across).breakdown_s["cp_comm"] > 0.0
+    inside = TrainingConfig(tp=4, cp=2, dp=2, microbatch=1, global_batch=2, seq=16384)
+    assert model.estimate(slow, inside).breakdown_s["cp_comm"] == 0.0
+
+
+def test_context_parallel_configurations_that_cannot_run_are_refused():
+    model = CostModel(spec=SPEC)
+    cluster = load_cluster("dgx-h100", 16)
+    with pytest.raises(ConfigError, match="2 x cp"):
+        model.estimate(cluster, TrainingConfig(tp=2, cp=8, microbatch=1, global_batch=1, seq=8200))
+    with pytest.raises(ConfigError, match="tp x cp x pp x dp"):
+        model.estimate(cluster, TrainingConfig(tp=2, cp=4, microbatch=1, global_batch=1, seq=16384))
+    captured = CostModel(graph=build_graph(SPEC, 1, 1024))
+    with pytest.raises(ConfigError, match="model spec"):
+        captured.estimate(cluster, TrainingConfig(tp=2, cp=8, microbatch=1, global_batch=1, seq=1024))
+    assert TrainingConfig(cp=2, dp=3, global_batch=3).to_dict()["cp"] == 2
+    assert "cp" not in TrainingConfig().to_dict()
