@@ -55,6 +55,8 @@ def supported(p: ParallelPlan) -> str | None:
         return f"interleaved pipeline stages (vpp={p.vpp}) are not applied by coplan run yet"
     if p.sequence_parallel:
         return "sequence parallelism is not applied by coplan run yet"
+    if p.cp > 1:
+        return "context parallelism is not applied by coplan run"
     if p.tp > 1 and p.zero >= 1:
         return "tensor parallelism with ZeRO/FSDP2 (2-D sharding) is not applied by coplan run yet"
     return None

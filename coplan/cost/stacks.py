@@ -52,6 +52,7 @@ SETTINGS: tuple[str, ...] = (
     "pipeline_parallel",
     "interleaved_pipeline",
     "sequence_parallel",
+    "context_parallel",
     "combined_layouts",
     "zero_stages",
     "fusion",
@@ -104,6 +105,8 @@ class StackSpec:
         checkpointing: the activation-checkpointing policies the stack offers.
         tensor_parallel / pipeline_parallel / interleaved_pipeline / sequence_parallel: the
             layouts the stack can run (a planner searches only these).
+        context_parallel: it splits each sequence over ranks, attention over a ring
+            (``TrainingConfig.cp``).
         combined_layouts: it combines them: pipelining with TP or DP, TP with ZeRO sharding.
         zero_stages: the ZeRO stages (0: replicated, DDP) the stack's sharding offers.
         fusion: the fusion options it executes (``FUSION_CHOICES``).
@@ -144,6 +147,7 @@ class StackSpec:
     pipeline_parallel: bool = True
     interleaved_pipeline: bool = True
     sequence_parallel: bool = True
+    context_parallel: bool = False
     combined_layouts: bool = True
     zero_stages: tuple[int, ...] = (0, 1, 2, 3)
     fusion: tuple[str, ...] = FUSION_CHOICES[:4]
@@ -175,6 +179,7 @@ class StackSpec:
             "pipeline_parallel",
             "interleaved_pipeline",
             "sequence_parallel",
+            "context_parallel",
             "combined_layouts",
             "recompute_sets",
             "reduce_16bit",

@@ -270,6 +270,7 @@ def _layout_key(par: ParallelPlan, prec: PrecisionPlan) -> tuple[object, ...]:
         par.tp,
         par.pp,
         par.dp,
+        par.cp,
         par.vpp,
         par.sequence_parallel,
         par.zero,

@@ -3,8 +3,10 @@ parallelism, ZeRO stage and microbatch with the other decisions fixed (as Megatr
 auto-parallel tools such as Alpa's outer loop do).
 
 Candidates respect the model (TP divides the heads and stays inside a node, PP x VPP divides the
-layers, any VPP up to one layer per chunk) and the job (TP x PP x DP = GPUs, microbatch x DP
-divides the global batch).
+layers, any VPP up to one layer per chunk) and the job (TP x CP x PP x DP = GPUs, microbatch x DP
+divides the global batch). Context parallelism (CP) is searched where the stack runs it, the
+sequence splits into ``2 x CP`` equal chunks and each rank keeps at least ``MIN_CP_TOKENS`` of
+it.
 """
 
 from __future__ import annotations
@@ -19,6 +21,10 @@ from coplan.plan.context import PlanContext
 from coplan.plan.types import ParallelPlan, Plan, RematPlan
 
 MAX_MICROBATCH = 64
+#: context parallelism is searched where each rank keeps at least this many tokens of a sequence:
+#: below it a rank's GEMMs and attention steps shrink while the ring's transfers stay, and every
+#: degree is another set of layouts to price (a pruning rule of the search, not of the cost model)
+MIN_CP_TOKENS = 4096
 
 
 def _divisors(n: int) -> list[int]:
@@ -47,33 +53,50 @@ def _layouts(ctx: PlanContext, zero: tuple[int, ...]) -> Iterator[ParallelPlan]:
     n = ctx.gpus
     heads, layers, kv = _model_shape(ctx)
     per_node = ctx.cluster.groups[0].devices_per_node
-    g = ctx.global_batch
     captured = ctx.model.spec is None
     for tp in _divisors(n):
         if tp > per_node or heads % tp or (kv is not None and kv % tp and tp % kv):
             continue
-        for pp in _divisors(n // tp):
-            if layers % pp:
-                continue
-            dp = n // (tp * pp)
-            if g % dp:
-                continue
-            per_rank = g // dp
-            mbs = [m for m in range(1, min(per_rank, MAX_MICROBATCH) + 1) if per_rank % m == 0]
-            if captured:  # a captured graph is priced only at the microbatch it was captured with
-                mbs = [m for m in mbs if m == ctx.model.graph.meta.batch]  # type: ignore[union-attr]
-            # interleaving: any number of model chunks per stage that divides its layers, up to one
-            # layer a chunk (Megatron-LM's --num-layers-per-virtual-pipeline-stage; NVIDIA's
-            # published recipes run 5-20 chunks, e.g. 20 for LLaMA-2 70B at PP 4)
-            for vpp in _divisors(layers // pp) if pp > 1 else [1]:
-                for mb in mbs:
-                    if vpp > 1 and (per_rank // mb) % pp:
-                        continue
-                    for sp in (False, True) if tp > 1 else (False,):
-                        for z in zero if dp > 1 else (0,):
-                            yield ParallelPlan(
-                                tp=tp, pp=pp, dp=dp, vpp=vpp, sequence_parallel=sp, zero=z, microbatch=mb
-                            )
+        for cp in _cp_degrees(ctx, n // tp, captured):
+            yield from _with_cp(ctx, n, tp, cp, layers, zero, captured)
+
+
+def _cp_degrees(ctx: PlanContext, rest: int, captured: bool) -> list[int]:
+    """Context-parallel degrees worth pricing with ``rest`` GPUs left beside the tensor-parallel
+    ones (1 only where the stack runs none, or the graph was captured whole)."""
+    if captured or not ctx.stack.context_parallel:
+        return [1]
+    seq = ctx.seq
+    return [c for c in _divisors(rest) if c == 1 or (seq % (2 * c) == 0 and seq // c >= MIN_CP_TOKENS)]
+
+
+def _with_cp(
+    ctx: PlanContext, n: int, tp: int, cp: int, layers: int, zero: tuple[int, ...], captured: bool
+) -> Iterator[ParallelPlan]:
+    g = ctx.global_batch
+    for pp in _divisors(n // (tp * cp)):
+        if layers % pp:
+            continue
+        dp = n // (tp * cp * pp)
+        if g % dp:
+            continue
+        per_rank = g // dp
+        mbs = [m for m in range(1, min(per_rank, MAX_MICROBATCH) + 1) if per_rank % m == 0]
+        if captured:  # a captured graph is priced only at the microbatch it was captured with
+            mbs = [m for m in mbs if m == ctx.model.graph.meta.batch]  # type: ignore[union-attr]
+        # interleaving: any number of model chunks per stage that divides its layers, up to one
+        # layer a chunk (Megatron-LM's --num-layers-per-virtual-pipeline-stage; NVIDIA's
+        # published recipes run 5-20 chunks, e.g. 20 for LLaMA-2 70B at PP 4)
+        for vpp in _divisors(layers // pp) if pp > 1 else [1]:
+            for mb in mbs:
+                if vpp > 1 and (per_rank // mb) % pp:
+                    continue
+                for sp in (False, True) if tp > 1 else (False,):
+                    # ZeRO shards over the ranks holding the same parameters: dp x cp
+                    for z in zero if dp * cp > 1 else (0,):
+                        yield ParallelPlan(
+                            tp=tp, pp=pp, dp=dp, cp=cp, vpp=vpp, sequence_parallel=sp, zero=z, microbatch=mb
+                        )
 
 
 @register("parallel")

@@ -46,13 +46,15 @@ def layout_problem(stack: StackSpec, par: ParallelPlan) -> str | None:
         return f"interleaved pipeline stages (vpp {par.vpp})"
     if par.sequence_parallel and not stack.sequence_parallel:
         return "sequence parallelism"
+    if par.cp > 1 and not stack.context_parallel:
+        return f"context parallelism (cp {par.cp})"
     if not stack.combined_layouts:
         if par.pp > 1 and (par.tp > 1 or par.dp > 1):
             return f"pipeline parallelism combined with tp {par.tp}, dp {par.dp}"
         if par.tp > 1 and par.dp > 1 and par.zero >= 1:
             return f"tensor parallelism combined with ZeRO stage {par.zero}"
     # one data-parallel rank shards nothing: every stage is the same layout
-    if par.dp > 1 and par.zero not in stack.zero_stages:
+    if par.dp * par.cp > 1 and par.zero not in stack.zero_stages:
         allowed = ", ".join(str(z) for z in stack.zero_stages)
         return f"ZeRO stage {par.zero} (it offers {allowed})"
     return None

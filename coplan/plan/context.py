@@ -354,11 +354,10 @@ class PlanContext:
             if plan.fusion.label == "megatron" and self.stack.megatron_kernels_only
             else "none"
         )
-        dp = self.gpus // (p.tp * p.pp) if p.tp * p.pp else 0
+        dp = self.gpus // (p.tp * p.cp * p.pp) if p.tp * p.cp * p.pp else 0
         if p.dp != dp:
-            raise ConfigError(
-                "dp", f"tp x pp x dp = {p.tp} x {p.pp} x {p.dp} does not equal the {self.gpus} GPUs"
-            )
+            what = f"tp x cp x pp x dp = {p.tp} x {p.cp} x " if p.cp > 1 else f"tp x pp x dp = {p.tp} x "
+            raise ConfigError("dp", f"{what}{p.pp} x {p.dp} does not equal the {self.gpus} GPUs")
         rem = plan.remat
         policy = self._policy_names()
         per_stage = (
@@ -370,6 +369,7 @@ class PlanContext:
             tp=p.tp,
             pp=p.pp,
             dp=p.dp,
+            cp=p.cp,
             vpp=p.vpp,
             microbatch=p.microbatch,
             global_batch=plan.global_batch,

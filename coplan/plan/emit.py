@@ -260,6 +260,8 @@ def _megatron(plan: Plan, spec: ModelSpec) -> Emitted:
         "--tensor-model-parallel-size", str(p.tp),
         "--pipeline-model-parallel-size", str(p.pp),
     ]  # fmt: skip
+    if p.cp > 1:
+        a += ["--context-parallel-size", str(p.cp)]
     layers, why = _megatron_layers(plan, spec)
     a += layers
     notes += why
@@ -412,7 +414,8 @@ def _torchtitan(plan: Plan, spec: ModelSpec) -> Emitted:
         "data_parallel_shard_degree": p.dp if shard else 1,
         "tensor_parallel_degree": p.tp,
         "pipeline_parallel_degree": p.pp,
-        "context_parallel_degree": 1,
+        # torchtitan's FSDP shards over the data- and context-parallel ranks together
+        "context_parallel_degree": p.cp,
     }
     if shard:
         # FSDP2 keeps parameters gathered from forward to backward unless it reshards (ZeRO-3)

@@ -53,20 +53,22 @@ def _positive(name: str, v: object) -> None:
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class ParallelPlan:
-    """Device layout and batching. ``tp * pp * dp`` is the GPU count; ``stage_layers`` (one count
-    per model chunk, ``pp * vpp`` of them) is the layers each pipeline chunk holds (None: even)."""
+    """Device layout and batching. ``tp * cp * pp * dp`` is the GPU count (``cp``: context-parallel
+    ranks sharing each sequence, ``coplan.cost.context``); ``stage_layers`` (one count per model
+    chunk, ``pp * vpp`` of them) is the layers each pipeline chunk holds (None: even)."""
 
     tp: int = 1
     pp: int = 1
     dp: int = 1
     vpp: int = 1
+    cp: int = 1
     sequence_parallel: bool = False
     zero: int = 0
     microbatch: int = 1
     stage_layers: tuple[int, ...] | None = None
 
     def __post_init__(self) -> None:
-        for name in ("tp", "pp", "dp", "vpp", "microbatch"):
+        for name in ("tp", "pp", "dp", "vpp", "cp", "microbatch"):
             _positive(f"parallel.{name}", getattr(self, name))
         if self.zero not in (0, 1, 2, 3) or isinstance(self.zero, bool):
             raise PlanError("parallel.zero", f"must be 0, 1, 2 or 3, got {self.zero!r}")
@@ -79,10 +81,10 @@ class ParallelPlan:
 
     @property
     def gpus(self) -> int:
-        return self.tp * self.pp * self.dp
+        return self.tp * self.cp * self.pp * self.dp
 
     def describe(self) -> str:
-        bits = [f"TP{self.tp}", f"PP{self.pp}", f"DP{self.dp}"]
+        bits = [f"TP{self.tp}", f"PP{self.pp}", f"DP{self.dp}"] + ([f"CP{self.cp}"] if self.cp > 1 else [])
         if self.vpp > 1:
             bits.append(f"VPP{self.vpp}")
         if self.sequence_parallel:
@@ -262,6 +264,8 @@ class Plan:
                 "zero": p.zero,
                 "microbatch": p.microbatch,
                 "stage_layers": list(p.stage_layers) if p.stage_layers is not None else None,
+                # only where used, so plans without context parallelism keep their fingerprint
+                **({"cp": p.cp} if p.cp > 1 else {}),
             },
             "fusion": {
                 "groups": [list(g) for g in f.groups],

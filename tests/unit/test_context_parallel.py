@@ -98,3 +98,55 @@ def test_context_parallel_configurations_that_cannot_run_are_refused():
         captured.estimate(cluster, TrainingConfig(tp=2, cp=8, microbatch=1, global_batch=1, seq=1024))
     assert TrainingConfig(cp=2, dp=3, global_batch=3).to_dict()["cp"] == 2
     assert "cp" not in TrainingConfig().to_dict()
+
+
+# --- planning ----------------------------------------------------------------------------------
+
+
+def _ctx(stack: str, seq: int, gpus: int = 8):
+    from coplan.cost import load_stack
+    from coplan.plan import PlanContext
+
+    spec = replace(PRESETS["llama-tiny"], seq_len=16384)
+    return PlanContext(
+        CostModel(spec=spec), load_cluster("dgx-h100", gpus), global_batch=8, seq=seq, stack=load_stack(stack)
+    )
+
+
+def test_the_search_offers_context_parallelism_only_where_the_stack_runs_it_and_sequences_are_long():
+    from coplan.passes.parallel import MIN_CP_TOKENS, candidates
+
+    long = {p.cp for p in candidates(_ctx("megatron", 16384))}
+    assert long == {1, 2, 4}  # 16,384 tokens over 8 would leave 2,048 a rank
+    assert all(16384 // c >= MIN_CP_TOKENS for c in long)
+    assert {p.cp for p in candidates(_ctx("torchtitan", 16384))} == {1, 2, 4}
+    assert {p.cp for p in candidates(_ctx("megatron", 4096))} == {1}
+    assert {p.cp for p in candidates(_ctx("fsdp", 16384))} == {1}
+    assert {p.cp for p in candidates(_ctx("coplan", 16384))} == {1}
+    assert all(p.gpus == 8 for p in candidates(_ctx("megatron", 16384)))
+
+
+def test_a_context_parallel_plan_is_checked_priced_emitted_and_reloaded():
+    import tomllib
+
+    from coplan.plan import check
+    from coplan.plan.emit import emit
+    from coplan.plan.types import ParallelPlan, Plan
+
+    ctx = _ctx("megatron", 16384)
+    plan = ctx.default_plan().with_(parallel=ParallelPlan(tp=2, cp=4, microbatch=1))
+    assert check(plan, ctx) == []
+    est = ctx.price(plan)
+    assert est.config.cp == 4 and est.gpus == 8
+    assert Plan.from_dict(plan.to_dict()) == plan
+    assert plan.to_dict()["parallel"]["cp"] == 4
+    assert "cp" not in ctx.default_plan().to_dict()["parallel"]  # older plans keep their fingerprint
+    assert "CP4" in plan.parallel.describe()
+    spec = ctx.model.spec
+    args = emit(plan, spec, "megatron").text
+    assert "--context-parallel-size 4" in " ".join(args.split())
+    toml = tomllib.loads(emit(plan, spec, "torchtitan").text)
+    assert toml["parallelism"]["context_parallel_degree"] == 4
+    fsdp = _ctx("fsdp", 16384)
+    problems = check(plan.with_(parallel=ParallelPlan(cp=8, microbatch=1, zero=3)), fsdp)
+    assert any("context parallelism" in str(p) for p in problems)
