@@ -55,6 +55,7 @@ SOURCES = (
     ("megatron24", "Megatron-LM README model table and strong scaling (Megatron-Core r0.8)"),
     ("nemolauncher2403", "NeMo launcher H100 FP8 table, Mar 2024"),
     ("nemolongseq2403", "NeMo long-sequence page, LLaMA-2 7B at 4K-16K, CP 1 (NeMo 24.03)"),
+    ("nemolongseqcp2403", "the same page, 32K to 1M tokens, CP 2 to 32"),
     ("nemolauncher2404", "the same table, Apr 2024"),
     ("nemolauncher2406", "the same table, NeMo 24.05"),
     ("nemo2407", "NeMo 24.07 performance summary (FP8)"),
@@ -118,7 +119,8 @@ def _contract_fields(run: dict) -> dict:
     return {
         "tp": run["tp"],
         "pp": run["pp"],
-        "dp": run["gpus"] // (run["tp"] * run["pp"]),
+        "cp": run.get("cp", 1),
+        "dp": run["gpus"] // (run["tp"] * run.get("cp", 1) * run["pp"]),
         "vpp": run["vpp"],
         "microbatch": run["microbatch"],
         "global_batch": run["global_batch"],
@@ -148,7 +150,9 @@ def run_one(run: dict, contract: bool = False) -> dict:
         "held_out": run.get("held_out"),
         "gpus": run["gpus"],
         "cluster": run["cluster"],
-        "layout": f"tp{run['tp']} pp{run['pp']} v{run['vpp']} mb{run['microbatch']} gb{run['global_batch']}",
+        "layout": f"tp{run['tp']} pp{run['pp']}"
+        + (f" cp{run['cp']}" if run.get("cp", 1) > 1 else "")
+        + f" v{run['vpp']} mb{run['microbatch']} gb{run['global_batch']}",
         "measured_s": measured,
         "predicted_s": est.step_time_s,
         "error": est.step_time_s / measured - 1,

@@ -7,7 +7,7 @@ Reads the Megatron-stack runs (``data/published_runs.json``, priced by ``bench_p
 by ``bench_stacks.py`` into ``results/published_stacks.json``). A stack is validated on a device
 where at least ``MIN_RUNS`` (10) of its runs there are priced within the accuracy bar (``BAR``:
 mean absolute step-time error at most 10%). The runs of those (stack, device) pairs bound the
-envelope: devices, dtypes per device, the largest TP / PP / VPP / DP / GPU count, each ZeRO stage
+envelope: devices, dtypes per device, the largest TP / PP / VPP / CP / DP / GPU count, each ZeRO stage
 with the largest GPU count it was run at, the highest predicted MFU (16-bit dense peak) per dtype,
 the sequence and model-size ranges, the recompute modes and the kernels (fusion) they were priced
 with. Every run is kept, compactly, for the nearest-run search of
@@ -66,7 +66,8 @@ def _run_row(run: dict, stack: str, mfu: float | None, error: float) -> dict[str
         "tp": run["tp"],
         "pp": run["pp"],
         "vpp": run["vpp"],
-        "dp": run["gpus"] // (run["tp"] * run["pp"]),
+        "cp": run.get("cp", 1),
+        "dp": run["gpus"] // (run["tp"] * run.get("cp", 1) * run["pp"]),
         "zero": run["zero"],
         "recompute": run["recompute"],
         "mfu": None if mfu is None else round(mfu, 4),
@@ -140,7 +141,7 @@ def build() -> dict[str, Any]:
             "stacks": stacks,
             "devices": sorted(dtypes),
             "dtypes": {d: sorted(v) for d, v in sorted(dtypes.items())},
-            "max": {k: max(r[k] for r in inside) for k in ("tp", "pp", "vpp", "dp", "gpus")},
+            "max": {k: max(r[k] for r in inside) for k in ("tp", "pp", "vpp", "cp", "dp", "gpus")},
             "zero": dict(sorted(zero.items())),
             "mfu_max": dict(sorted(mfu.items())),
             "seq": [min(r["seq"] for r in inside), max(r["seq"] for r in inside)],

@@ -35,7 +35,13 @@ from coplan.errors import SpecError
 from coplan.models.spec import ModelSpec
 
 #: The layout degrees the envelope bounds, as the messages name them.
-_DEGREES: tuple[tuple[str, str], ...] = (("tp", "TP"), ("pp", "PP"), ("vpp", "VPP"), ("dp", "DP"))
+_DEGREES: tuple[tuple[str, str], ...] = (
+    ("tp", "TP"),
+    ("pp", "PP"),
+    ("vpp", "VPP"),
+    ("cp", "CP"),
+    ("dp", "DP"),
+)
 #: Log-scale coordinates of the nearest-run distance.
 _AXES: tuple[str, ...] = ("gpus", "params", "seq", "tp", "pp", "vpp", "dp")
 _LAYOUT_AXES: tuple[str, ...] = ("gpus", "tp", "pp", "vpp", "dp")
@@ -166,7 +172,7 @@ def _layout_notes(env: _Envelope, values: dict[str, int], zero: int) -> list[str
     notes = []
     top = env.bounds["max"]
     for key, label in _DEGREES:
-        if values[key] > top[key]:
+        if values[key] > top.get(key, 1):
             notes.append(f"{label} {values[key]:,} > {top[key]:,} (largest validated)")
     gpus = values["gpus"]
     if gpus > top["gpus"]:
@@ -248,15 +254,13 @@ def validated(estimate: Estimate, spec: ModelSpec | None, stack: str = "megatron
     env = _load()
     cfg = estimate.config
     devices = sorted({s.device for s in estimate.stages})
-    values = {"gpus": estimate.gpus, "tp": cfg.tp, "pp": cfg.pp, "vpp": cfg.vpp, "dp": cfg.dp}
+    values = {"gpus": estimate.gpus, "tp": cfg.tp, "pp": cfg.pp, "vpp": cfg.vpp, "cp": cfg.cp, "dp": cfg.dp}
     notes: list[str] = []
     stack_note = _stack_note(env, stack)
     if stack_note:
         notes.append(stack_note)
     notes += _device_notes(env, stack, devices, cfg.dtype)
     notes += _layout_notes(env, values, cfg.zero)
-    if cfg.cp > 1:
-        notes.append(f"context parallelism (cp {cfg.cp}): the validated runs all hold whole sequences")
     notes += _kernel_notes(env, cfg)
     if spec is None:
         notes.append("model: a traced graph, where the validated runs are transformer specs")
