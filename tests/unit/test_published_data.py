@@ -46,7 +46,7 @@ def test_run_is_complete_and_cited(run: dict) -> None:
     held = run.get("held_out")
     # held out: added after the mechanisms that price it, named by the round that added it (a
     # number) or the mechanism it was held out from
-    assert held is None or re.fullmatch(r"session \d+|context parallelism", held), held
+    assert held is None or re.fullmatch(r"batch \d+|context parallelism", held), held
     if "ub_cfg" in run:  # a recipe's userbuffers settings, as `coplan estimate --tp-overlap-cfg` reads them
         assert read_ub_cfg(run["ub_cfg"])
     if "dp_buckets" in run:  # the stack's gradient buckets, each traced to its optimizer's code
