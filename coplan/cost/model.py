@@ -102,6 +102,12 @@ class CostModel:
             if seq % (2 * config.cp):
                 # each rank takes two of 2 x cp chunks of every sequence, which balances a causal mask
                 raise ConfigError("cp", f"sequence {seq} is not divisible by 2 x cp = {2 * config.cp}")
+            if not config.flash_attention:
+                # the ring passes key/value chunks between fused attention calls (Transformer
+                # Engine's and PyTorch's ring attention both run flash kernels per step)
+                raise ConfigError(
+                    "cp", "context parallelism runs fused (flash) attention; flash_attention is off"
+                )
             if any(d.kind == "cpu" for d in cluster.devices):
                 raise ConfigError("cp", "context parallelism is priced for GPUs, not CPU devices")
 

@@ -93,6 +93,11 @@ def test_context_parallel_configurations_that_cannot_run_are_refused():
         model.estimate(cluster, TrainingConfig(tp=2, cp=8, microbatch=1, global_batch=1, seq=8200))
     with pytest.raises(ConfigError, match="tp x cp x pp x dp"):
         model.estimate(cluster, TrainingConfig(tp=2, cp=4, microbatch=1, global_batch=1, seq=16384))
+    with pytest.raises(ConfigError, match="flash"):
+        model.estimate(
+            cluster,
+            TrainingConfig(tp=2, cp=8, microbatch=1, global_batch=1, seq=16384, flash_attention=False),
+        )
     captured = CostModel(graph=build_graph(SPEC, 1, 1024))
     with pytest.raises(ConfigError, match="model spec"):
         captured.estimate(cluster, TrainingConfig(tp=2, cp=8, microbatch=1, global_batch=1, seq=1024))
