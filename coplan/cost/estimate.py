@@ -22,7 +22,7 @@ warm-up count) and the largest transient working set found by liveness over the 
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NamedTuple
 
 from coplan.cost.buckets import StageBuckets, queued_exposure, serial_time
 from coplan.cost.comm import Group, p2p_time
@@ -120,7 +120,7 @@ def estimate(profile: GraphProfile, cluster: ClusterSpec, config: TrainingConfig
             got = costs[device, dtype] = PartCost(rates, scale, config, tp_group, profile, device)
         return got
 
-    def sum_parts(device: DeviceSpec, rec: Any, parts: list[tuple[Part, float]]) -> tuple[Any, ...]:
+    def sum_parts(device: DeviceSpec, rec: Any, parts: list[tuple[Part, float]]) -> _Sums:
         """One microbatch's time, kernels, parameters and memory of ``parts`` on ``device`` under
         recompute ``rec``. Interior pipeline stages usually run the same parts on the same device:
         each distinct (device, recompute, parts) is priced once per estimate."""
@@ -192,13 +192,14 @@ def estimate(profile: GraphProfile, cluster: ClusterSpec, config: TrainingConfig
                 tp_comm += n * pc.tp_comm(part, "none")
                 saved_head = vadd(saved_head, pc.saved)
                 transient = max(transient, pc.transient(part))
-        got = sums[key] = (
-            fwd, bwd, recompute, tp_comm, cp_comm, opt, kern, params, saved, saved_head, transient,
-            weight_cache, block_local,
+        got = sums[key] = _Sums(
+            fwd=fwd, bwd=bwd, recompute=recompute, tp_comm=tp_comm, cp_comm=cp_comm, opt=opt, kern=kern,
+            params=params, saved=saved, saved_head=saved_head, transient=transient,
+            weight_cache=weight_cache, block_local=block_local,
         )  # fmt: skip
         return got
 
-    sums: dict[Any, tuple[Any, ...]] = {}
+    sums: dict[Any, _Sums] = {}
     dp_memo: dict[Any, tuple[float, float]] = {}
     for s in range(p):
         device = devices[s]
@@ -208,10 +209,16 @@ def estimate(profile: GraphProfile, cluster: ClusterSpec, config: TrainingConfig
         # this stage's layers (all chunks of the stage), and its parts by template
         mine = stage_blocks(profile, config, s, layout)
         parts = stage_parts(profile, config, s, mine)
-        (
-            fwd, bwd, recompute, tp_comm, cp_comm, opt, kern, params, saved, saved_head, transient,
-            weight_cache, block_local,
-        ) = sum_parts(device, rec, parts)  # fmt: skip
+        ps = sum_parts(device, rec, parts)
+        fwd, bwd, recompute, opt, kern = ps.fwd, ps.bwd, ps.recompute, ps.opt, ps.kern
+        tp_comm, cp_comm, params, saved, saved_head = (
+            ps.tp_comm,
+            ps.cp_comm,
+            ps.params,
+            ps.saved,
+            ps.saved_head,
+        )
+        transient, weight_cache, block_local = ps.transient, ps.weight_cache, ps.block_local
         # pipeline sends: the block output, forward and backward, once per chunk boundary
         pp_comm = 0.0
         if p > 1:
@@ -525,6 +532,28 @@ def _keeps_repeated_kv(mode: str | frozenset[str]) -> bool:
     if isinstance(mode, str):
         return mode != "full"
     return not any(name.endswith(".attn.k") for name in mode)
+
+
+class _Sums(NamedTuple):
+    """One microbatch of a pipeline stage's parts on one device (``estimate``'s ``sum_parts``):
+    seconds forward, backward, recomputing, in TP and CP collectives and in the optimizer; kernels
+    launched; parameters (replicated, TP-sharded); saved activations of the blocks and of the parts
+    outside them; the largest transient working set; fp8 weight-cache bytes; this GPU's block
+    parameters."""
+
+    fwd: float
+    bwd: float
+    recompute: float
+    tp_comm: float
+    cp_comm: float
+    opt: float
+    kern: int
+    params: list[float]
+    saved: Vec
+    saved_head: Vec
+    transient: float
+    weight_cache: float
+    block_local: float
 
 
 def _cp_ring(
