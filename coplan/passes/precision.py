@@ -62,6 +62,31 @@ def loss16_ops(ctx: PlanContext, dtype: str) -> tuple[tuple[str, str], ...]:
     )
 
 
+#: per-op dtype assignments of a block template are enumerated where it has at most this many
+#: ops whose dtype is a choice (2^n assignments; transformer blocks have 2 or 3)
+MAX_BLOCK_CHOICES = 4
+
+
+def block_assignments(ctx: PlanContext, precision: PrecisionPlan) -> list[PrecisionPlan]:
+    """``precision`` with the block templates' autocast-list ops (norms, softmaxes) each in fp32 or
+    fused in the compute dtype, every combination, the ops outside the blocks as ``precision`` has
+    them: what a per-op search decides for the blocks. Only under a 16-bit compute dtype, and only
+    where the blocks have at most ``MAX_BLOCK_CHOICES`` such ops (otherwise ``[precision]``)."""
+    if precision.compute in ("fp32", "tf32"):
+        return [precision]
+    idx = ctx.index
+    in_blocks = {op.name for r in set(idx.ref_of.values()) for op in idx.block_ops[r]}
+    choices = sorted(name for name, _ in autocast_ops(ctx) if name in in_blocks)
+    if not choices or len(choices) > MAX_BLOCK_CHOICES:
+        return [precision]
+    outside = tuple((n, d) for n, d in precision.ops if n not in in_blocks)
+    out = []
+    for mask in range(2 ** len(choices)):
+        chosen = tuple((n, "fp32") for i, n in enumerate(choices) if mask >> i & 1)
+        out.append(replace(precision, ops=tuple(sorted(outside + chosen))))
+    return out
+
+
 def precision_variant(ctx: PlanContext, compute: str, variant: str) -> PrecisionPlan | None:
     """The precision plan of ``variant`` for ``compute`` (None: the variant does not apply)."""
     scaling = compute == "fp16"

@@ -1,5 +1,8 @@
 """The exact block-level joint optimizer: fusion, recomputation and (through the outer loop)
-precision of one block template, solved together by CP-SAT for a given parallel layout.
+precision of one block template, solved together by CP-SAT for a given parallel layout. The outer
+loop takes every compute dtype and every per-op dtype assignment of the block template's ops whose
+dtype is a choice (norms and softmaxes in fp32 or fused in the compute dtype,
+``passes.precision.block_assignments``), each priced by its own block model.
 
 For one layout and precision the step's block time is a sum over the block's kernels, and each
 kernel's time depends only on the ops it holds (``cost.kernelprice``). The model:
@@ -368,18 +371,21 @@ def exact_search(
     name: str,
     warm: Sequence[Plan],
     solved: dict[tuple[object, ...], float] | None = None,
+    per_op_dtypes: bool = True,
 ) -> tuple[Plan | None, int, int]:
     """The block model on every layout x precision of the space (``base``'s where held), explored
     best bound first and pruned against ``warm``: (the best plan or None, combinations, solved).
     A bound is the combination's price under the widest fusion option with nothing recomputed,
     less ``BOUND_MARGIN``, or its fitting step time where ``solved`` has it (keyed by layout,
-    precision and fusion option). A winner that is not a warm start has its recompute set
+    precision and fusion option); ``per_op_dtypes``: the precisions include every per-op dtype
+    assignment of the block templates. A winner that is not a warm start has its recompute set
     polished."""
     from dataclasses import replace
 
     space = opts.space
     widest = "epilogue" if anchors else "greedy"
-    combos = replace(space, fusion=(widest,)).plans(ctx, base)
+    # per op: each block template's norm and softmax dtypes too, every assignment
+    combos = replace(space, fusion=(widest,)).plans(ctx, base, per_op_dtypes=per_op_dtypes)
     remat = "remat" not in space.fixed
     if not remat:
         combos = [c.with_(remat=base.remat) for c in combos]

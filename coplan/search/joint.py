@@ -334,5 +334,8 @@ def _op_level(
     op, anchors = op_level(ctx, opts)
     if not op or not opts.space.per_op:
         return best, 0
-    found, _, n = exact_search(ctx, opts, base, anchors, "joint", [best], solved)
+    # the precision variants only: joint's local search moves single ops' dtypes afterwards, and
+    # every block assignment would double the block models solved for what measured no gain
+    # (joint-exact enumerates them, ``passes.precision.block_assignments``)
+    found, _, n = exact_search(ctx, opts, base, anchors, "joint", [best], solved, per_op_dtypes=False)
     return (found if found is not None else best), n

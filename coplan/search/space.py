@@ -8,7 +8,7 @@ from dataclasses import dataclass, replace
 
 from coplan.passes.fusion import _as_plan, greedy_groups, megatron_fusion, scope_ops, xla_fusion
 from coplan.passes.parallel import candidates
-from coplan.passes.precision import PRECISION_VARIANTS, precision_variant
+from coplan.passes.precision import PRECISION_VARIANTS, block_assignments, precision_variant
 from coplan.passes.remat import with_remat
 from coplan.plan.checker import SENSITIVE_16BIT_ERROR
 from coplan.plan.context import PlanContext
@@ -96,13 +96,21 @@ class SearchSpace:
     def parallel(self, ctx: PlanContext) -> Iterator[ParallelPlan]:
         return candidates(ctx, zero=self.zero)
 
-    def plans(self, ctx: PlanContext, base: Plan) -> list[Plan]:
+    def plans(self, ctx: PlanContext, base: Plan, per_op_dtypes: bool = False) -> list[Plan]:
         """``base`` under every layout x compute precision x fusion option of the space (a fixed
         decision: ``base``'s own). Nothing is recomputed unless remat is fixed, in which case
         ``base``'s recompute sets are kept and the fusion plan's recomputation inside backward
-        kernels is derived for them (as ``with_remat`` does), so each plan is priced as it runs."""
+        kernels is derived for them (as ``with_remat`` does), so each plan is priced as it runs.
+        ``per_op_dtypes``: the precisions also take every per-op dtype assignment of the block
+        templates (``passes.precision.block_assignments``), as the per-op strategies search them."""
         fixed = self.fixed
         precisions = [base.precision] if "precision" in fixed else self.precisions(ctx)
+        if per_op_dtypes and "precision" not in fixed:
+            seen: dict[object, PrecisionPlan] = {}
+            for prec in precisions:
+                for q in block_assignments(ctx, prec):
+                    seen.setdefault(q, q)
+            precisions = list(seen.values())
         fusions = (
             [replace(base.fusion, recompute_in_backward=frozenset())]
             if "fusion" in fixed

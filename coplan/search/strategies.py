@@ -189,7 +189,8 @@ def exhaustive(ctx: PlanContext, opts: Options) -> tuple[Plan, list[PassRecord],
     names = saved_names(ctx)
     fixed_remat = "remat" in opts.space.fixed
     base = opts.base if opts.base is not None else ctx.default_plan()
-    combos = opts.space.plans(ctx, base)
+    # per op: every per-op dtype assignment of the blocks too, as joint-exact searches them
+    combos = opts.space.plans(ctx, base, per_op_dtypes=opts.space.per_op)
     subsets_n = 1 if fixed_remat else 2 ** len(names)
     if opts.space.per_op:
         combos = _per_op(ctx, opts, base, combos, max(1, opts.max_evaluations // subsets_n))

@@ -72,3 +72,34 @@ def test_megatron_prices_its_own_loss_kernels_under_fp32_loss_overrides():
     assert ctx.price(as_fp32).step_time_s == pytest.approx(ctx.price(fused).step_time_s, rel=1e-12)
     as_bf16 = fused.with_(precision=replace(fused.precision, ops=loss16_ops(ctx, "bf16")))
     assert ctx.price(as_bf16).step_time_s != pytest.approx(ctx.price(fused).step_time_s, rel=1e-6)
+
+
+def test_block_assignments_enumerate_every_block_dtype_and_keep_the_outside():
+    """joint-exact's per-op precision space: each of the block template's autocast-list ops (GPT's
+    two LayerNorms) in fp32 or fused, 2^2 assignments, the ops outside the blocks as the variant
+    has them; fp32 steps have nothing to choose."""
+    from coplan.passes.precision import block_assignments
+
+    ctx = ctx_for("coplan")
+    auto = precision_variant(ctx, "bf16", "autocast")
+    fused = precision_variant(ctx, "bf16", "fused")
+    assert auto is not None and fused is not None
+    idx = ctx.index
+    in_blocks = {op.name for r in set(idx.ref_of.values()) for op in idx.block_ops[r]}
+    block_ops = sorted(n for n, _ in auto.ops if n in in_blocks)
+    outside = {(n, d) for n, d in auto.ops if n not in in_blocks}
+    assert len(block_ops) == 2 and outside
+    got = block_assignments(ctx, auto)
+    assert len(got) == 4 and len(set(got)) == 4
+    assert {frozenset(n for n, _ in p.ops if n in in_blocks) for p in got} == {
+        frozenset(), frozenset(block_ops[:1]), frozenset(block_ops[1:]), frozenset(block_ops)
+    }
+    assert all(outside <= set(p.ops) for p in got)
+    assert auto in got and fused in block_assignments(ctx, fused)
+    assert block_assignments(ctx, replace(fused, compute="fp32")) == [replace(fused, compute="fp32")]
+    # joint-exact's outer loop takes them; joint's does not (its local search moves single ops)
+    from coplan.search.space import SearchSpace
+
+    space = SearchSpace(dtypes=("bf16",), fusion=("greedy",), zero=(0,), stages=False)
+    base = ctx.default_plan()
+    assert len(space.plans(ctx, base, per_op_dtypes=True)) > len(space.plans(ctx, base))
