@@ -106,9 +106,13 @@ class SearchSpace:
         fixed = self.fixed
         precisions = [base.precision] if "precision" in fixed else self.precisions(ctx)
         if per_op_dtypes and "precision" not in fixed:
+            # beside the variants with the default storage only: the reduction dtype and fp8
+            # weights are orthogonal to the per-op dtypes (as ``precisions`` keeps them beside
+            # the plain variant), and each assignment is another block model to solve
             seen: dict[object, PrecisionPlan] = {}
             for prec in precisions:
-                for q in block_assignments(ctx, prec):
+                plain = prec.grad_reduce == "fp32" and not prec.fp8_params
+                for q in block_assignments(ctx, prec) if plain else [prec]:
                     seen.setdefault(q, q)
             precisions = list(seen.values())
         fusions = (
