@@ -292,7 +292,7 @@ def estimate(
 ) -> None:
     """Predict step time, per-GPU memory and MFU of one training configuration."""
     from coplan.cost import ConfigError, CostModel, TrainingConfig
-    from coplan.cost.config import production_overlaps
+    from coplan.cost.config import degrees, production_overlaps
     from coplan.errors import SpecError
     from coplan.hardware import load_cluster
     from coplan.models.spec import load_model_spec
@@ -330,8 +330,7 @@ def estimate(
     n = hw.num_devices
     if dp is None:
         if n % (tp * cp * pp):
-            what = f"tp x cp x pp = {tp} x {cp} x {pp}" if cp > 1 else f"tp x pp = {tp} x {pp}"
-            raise ConfigError("dp", f"{what} = {tp * cp * pp} does not divide the {n} GPUs")
+            raise ConfigError("dp", f"{degrees(tp, cp, pp)} = {tp * cp * pp} does not divide the {n} GPUs")
         dp = n // (tp * cp * pp)
     # what the user left unsaid, a production Megatron-Core stack decides (``production_overlaps``)
     auto = production_overlaps(hw.devices, tp, sequence_parallel, zero)

@@ -484,6 +484,18 @@ def _recompute_mode(field: str, mode: object) -> str | frozenset[str]:
     raise ConfigError(field, f"expected a mode or a set of tensor names, got {mode!r}")
 
 
+def degrees(tp: int, cp: int, pp: int, dp: int | None = None) -> str:
+    """A layout's degrees as a refusal quotes them, ``"tp x pp x dp = 2 x 1 x 4"``: ``cp`` named
+    only above 1, ``dp`` left out where None."""
+    named = [
+        ("tp", tp),
+        *([("cp", cp)] if cp > 1 else []),
+        ("pp", pp),
+        *([("dp", dp)] if dp is not None else []),
+    ]
+    return " x ".join(n for n, _ in named) + " = " + " x ".join(str(v) for _, v in named)
+
+
 def check_against(
     config: TrainingConfig, *, gpus: int, n_heads: int, n_layers: int, n_kv_heads: int | None = None
 ) -> None:
@@ -491,12 +503,7 @@ def check_against(
     if config.gpus != gpus:
         raise ConfigError(
             "dp",
-            (
-                f"tp x cp x pp x dp = {config.tp} x {config.cp} x "
-                if config.cp > 1
-                else f"tp x pp x dp = {config.tp} x "
-            )
-            + f"{config.pp} x {config.dp} = {config.gpus} "
+            f"{degrees(config.tp, config.cp, config.pp, config.dp)} = {config.gpus} "
             f"does not equal the {gpus} GPUs",
         )
     if n_heads % config.tp:

@@ -16,7 +16,7 @@ from typing import NamedTuple
 
 from coplan.cost import ConfigError, CostModel, Estimate, TrainingConfig
 from coplan.cost.checkpoint import selective_op_names
-from coplan.cost.config import OpGroups, userbuffers_overlap
+from coplan.cost.config import OpGroups, degrees, userbuffers_overlap
 from coplan.cost.parts import GraphProfile
 from coplan.cost.stacks import StackSpec, load_stack
 from coplan.errors import SpecError
@@ -356,8 +356,7 @@ class PlanContext:
         )
         dp = self.gpus // (p.tp * p.cp * p.pp) if p.tp * p.cp * p.pp else 0
         if p.dp != dp:
-            what = f"tp x cp x pp x dp = {p.tp} x {p.cp} x " if p.cp > 1 else f"tp x pp x dp = {p.tp} x "
-            raise ConfigError("dp", f"{what}{p.pp} x {p.dp} does not equal the {self.gpus} GPUs")
+            raise ConfigError("dp", f"{degrees(p.tp, p.cp, p.pp, p.dp)} does not equal the {self.gpus} GPUs")
         rem = plan.remat
         policy = self._policy_names()
         per_stage = (
