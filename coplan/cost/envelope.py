@@ -172,7 +172,7 @@ def _layout_notes(env: _Envelope, values: dict[str, int], zero: int) -> list[str
     notes = []
     top = env.bounds["max"]
     for key, label in _DEGREES:
-        if values[key] > top.get(key, 1):
+        if values[key] > top[key]:
             notes.append(f"{label} {values[key]:,} > {top[key]:,} (largest validated)")
     gpus = values["gpus"]
     if gpus > top["gpus"]:

@@ -63,8 +63,9 @@ def _layouts(ctx: PlanContext, zero: tuple[int, ...]) -> Iterator[ParallelPlan]:
 
 def _cp_degrees(ctx: PlanContext, rest: int, captured: bool) -> list[int]:
     """Context-parallel degrees worth pricing with ``rest`` GPUs left beside the tensor-parallel
-    ones (1 only where the stack runs none, or the graph was captured whole)."""
-    if captured or not ctx.stack.context_parallel:
+    ones (1 only where the graph was captured whole; a stack that runs none refuses the others in
+    ``layout_problem``)."""
+    if captured:
         return [1]
     seq = ctx.seq
     return [c for c in _divisors(rest) if c == 1 or (seq % (2 * c) == 0 and seq // c >= MIN_CP_TOKENS)]
