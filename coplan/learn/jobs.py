@@ -52,9 +52,9 @@ __all__ = [
 ]
 
 FAMILIES = ("gpt", "llama", "moe", "encoder")
-HELDOUT_FAMILIES = ("moe", "encoder")
-#: the split each held-out family's jobs are in
+#: the families never trained on, and the split each one's jobs are in
 FAMILY_SPLITS = {"moe": "heldout_family", "encoder": "heldout_encoder"}
+HELDOUT_FAMILIES = tuple(FAMILY_SPLITS)
 #: widths of the trained families held out of training (the held-out graphs)
 HELDOUT_WIDTHS = (1536, 3072)
 #: train, validation, held-out graphs of trained families, the held-out families (MoE; encoders)
