@@ -142,6 +142,17 @@ def _manifest(models: list[str], device: str, plan_dir: Path) -> dict[str, Any]:
     return have
 
 
+def priced_as(device: str, cluster: str) -> str:
+    """The cluster preset that prices a run: the GPU present where it is another part than the
+    plans were made for (an H200 runs the H100's plans, which fit it, at its own memory bandwidth)."""
+    if device == "cuda" and cluster == "dgx-h100":
+        import torch
+
+        if torch.cuda.is_available() and "H200" in torch.cuda.get_device_name():
+            return "dgx-h200"
+    return cluster
+
+
 def _one(
     model: str, device: str, batch: int, plan_file: Path, mode: str, steps: int, budget: float | None = None
 ) -> dict[str, Any]:
@@ -158,7 +169,7 @@ def _one(
         nproc=1,
         global_batch=batch,
         seq=seq,
-        cluster=load_cluster(cluster),
+        cluster=load_cluster(priced_as(device, cluster)),
         device=device,
         mode=mode,
         activation_budget=budget,
@@ -228,6 +239,8 @@ def run_all(
     out_dir.mkdir(parents=True, exist_ok=True)
     name = torch.cuda.get_device_name() if device == "cuda" else "cpu"
     result: dict[str, Any] = {"device": name, "torch": torch.__version__, "steps": steps, "models": {}}
+    result["priced_as"] = {m: priced_as(device, MODELS[device][m][1]) for m in models}
+    result["planned_for"] = {m: MODELS[device][m][1] for m in models}
     target = out_dir / "bench_gpu.json"
     for model in models:
         entry = manifest["models"][model]
