@@ -21,10 +21,23 @@ from torch.utils.flop_counter import (
 aten = torch.ops.aten
 
 
+def query_heads(query_shape: Any, key_shape: Any) -> tuple[int, ...]:
+    """``key_shape`` with the query's head count: grouped-query attention's kernels broadcast each
+    key/value head over its group, so the FLOPs are those of ``h_q`` full heads. PyTorch's formulas
+    take GQA shapes only from 2.12 on (2.11's ``sdpa_flop_count`` asserts equal heads), and give
+    the same count for the broadcast shape, so passing it keeps every supported version agreeing."""
+    b, _, s, d = key_shape
+    return (b, query_shape[1], s, d)
+
+
 def _cpu_flash_fwd(
     query_shape: Any, key_shape: Any, value_shape: Any, *args: Any, out_shape: Any = None, **kwargs: Any
 ) -> int:
-    return int(sdpa_flop_count(query_shape, key_shape, value_shape))
+    return int(
+        sdpa_flop_count(
+            query_shape, query_heads(query_shape, key_shape), query_heads(query_shape, value_shape)
+        )
+    )
 
 
 def _cpu_flash_bwd(
@@ -36,7 +49,8 @@ def _cpu_flash_bwd(
     out_shape: Any = None,
     **kwargs: Any,
 ) -> int:
-    return int(sdpa_backward_flop_count(grad_out_shape, query_shape, key_shape, value_shape))
+    kv = query_heads(query_shape, key_shape), query_heads(query_shape, value_shape)
+    return int(sdpa_backward_flop_count(grad_out_shape, query_shape, *kv))
 
 
 def register_missing_formulas() -> None:

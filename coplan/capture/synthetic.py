@@ -16,6 +16,7 @@ from typing import Any
 
 from torch.utils.flop_counter import sdpa_backward_flop_count, sdpa_flop_count
 
+from coplan.capture.flops import query_heads
 from coplan.errors import SpecError
 from coplan.ir.saved import mark_saved
 from coplan.ir.types import Graph, GraphMeta, Op, OpKind, Phase, Tensor, TensorRole, dtype_bytes, relink
@@ -294,7 +295,8 @@ class _Model:
             self.tape.append(
                 ("rope", _Fwd(len(self.g.ops) - 1, [cos, sin]), {"module": f"{mod}.rotary", "block": i})
             )
-        fl = sdpa_flop_count(q_shape, k_shape, k_shape)
+        kq = query_heads(q_shape, k_shape)
+        fl = sdpa_flop_count(q_shape, kq, kq)
         outs = [(f"{mod}.out", q_shape, self.dt), (f"{mod}.lse", (b, h, t), F32)]
         p = s.attention_dropout
         if p:
@@ -558,7 +560,8 @@ class _Model:
             flops = 0
             if kind == "attention":
                 q, k = info["q"], info["k"]
-                flops = sdpa_backward_flop_count(q, q, k, k)
+                kq = query_heads(q, k)
+                flops = sdpa_backward_flop_count(q, q, kq, kq)
             outs = [(f"{g.tensors[x].name}.grad", g.tensors[x].shape, self.dt) for x in diff]
             outs += [(f"{g.tensors[p].name}.grad", g.tensors[p].shape, self.dt) for p in fwd.params]
             target = {"attention": "attention_bwd", "norm": "norm_bwd", "embedding": "embedding_bwd"}.get(
