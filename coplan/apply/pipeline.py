@@ -143,6 +143,7 @@ def run_pipeline(rank: int, world: int, job: Any) -> Any:
         compile_for,
         head_pad,
         peak_tracker,
+        reference_chunk,
         reference_grads,
         sync,
     )
@@ -224,7 +225,9 @@ def run_pipeline(rank: int, world: int, job: Any) -> Any:
                 if hook is not None:
                     hook.remove()
             saved_peak = sp.peak_bytes(be.other_storages if be is not None else set())
-            ref = reference_grads(reference, data[0][0], data[0][1], r.device, micro)
+            ref = reference_grads(
+                reference, data[0][0], data[0][1], r.device, reference_chunk(micro, job.seq, r.device)
+            )
             err, worst = grad_error(stage_mod, ref, spec)
         elif i == 1:
             with peak_tracker(r.device, stage_mod, opt) as got:

@@ -246,6 +246,21 @@ def run_rank(rank: int, world: int, job: Job) -> RankResult | None:
     return res
 
 
+#: tokens per chunk of the fp32 reference on a GPU: its activations are twice a bf16 step's per
+#: token, and its loss holds fp32 logit-sized tensors (Llama 3's 128K vocabulary: 0.5 MB each per
+#: token), so 16K tokens of Llama 3.2 1B at once hold about 80 GB (twice the 36 GB its bf16 eager
+#: step is priced to save, and the logits), more than a GPU has beside a plan that fills it
+REFERENCE_TOKENS = 4096
+
+
+def reference_chunk(micro: int, seq: int, device: torch.device) -> int:
+    """Sequences per chunk of the fp32 reference: the plan's microbatch on a CPU (memory is not
+    what is measured there), at most ``REFERENCE_TOKENS`` tokens on a GPU the plan fills."""
+    if device.type == "cpu":
+        return micro
+    return max(1, min(micro, REFERENCE_TOKENS // seq))
+
+
 def _run(rank: int, world: int, job: Job) -> RankResult | None:
     plan = Plan.from_dict(job.plan)
     par = plan.parallel
@@ -317,9 +332,13 @@ def _run(rank: int, world: int, job: Job) -> RankResult | None:
         ok = scaler.unscale(params)
         err = math.nan
         if first:
-            # chunks of at most 8 sequences keep the fp32 reference within a GPU the plan fills
-            chunk = micro if r.device.type == "cpu" else min(micro, 8)
-            ref = reference_grads(reference, data[0][0], data[0][1], r.device, chunk)
+            chunk = reference_chunk(micro, job.seq, r.device)
+            try:
+                ref = reference_grads(reference, data[0][0], data[0][1], r.device, chunk)
+            except torch.cuda.OutOfMemoryError as e:  # say it is the check, not the plan, that ran out
+                raise torch.cuda.OutOfMemoryError(
+                    f"the fp32 reference for the gradient check ({chunk} sequences at a time): {e}"
+                ) from None
             err_name = rel_errors(base, ref, perms)
             err = err_name[0]
             worst.append(err_name[1])

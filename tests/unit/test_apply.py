@@ -319,3 +319,14 @@ def test_why_a_planned_group_was_not_honoured():
     assert why_not_honoured(group, other, []).startswith("Inductor kept")
     gemm = ("fc", "gelu")
     assert "library call" in why_not_honoured(gemm, [], [frozenset({"fc"})])
+
+
+def test_reference_chunk_bounds_tokens_on_a_gpu() -> None:
+    from coplan.apply.train import REFERENCE_TOKENS, reference_chunk
+
+    gpu, cpu = torch.device("cuda"), torch.device("cpu")
+    assert reference_chunk(64, 1024, gpu) == REFERENCE_TOKENS // 1024
+    assert reference_chunk(8, 2048, gpu) * 2048 <= REFERENCE_TOKENS
+    assert reference_chunk(1, 1024, gpu) == 1  # never more than the microbatch
+    assert reference_chunk(4, 4 * REFERENCE_TOKENS, gpu) == 1  # a sequence longer than the bound
+    assert reference_chunk(64, 1024, cpu) == 64
