@@ -27,6 +27,9 @@ from __future__ import annotations
 
 import json
 import math
+import subprocess
+import sys
+import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -213,6 +216,30 @@ def _one(
     }
 
 
+def _isolated(
+    model: str, device: str, batch: int, plan_file: Path, mode: str, steps: int, budget: float | None
+) -> dict[str, Any]:
+    """``_one`` in a process of its own: a run that runs out of memory leaves nothing behind for the
+    next (its CUDA context, compiled graphs and allocator cache go with the process), and each
+    peak is that run's alone. Inductor's on-disk cache still serves what an earlier run compiled."""
+    t0 = time.perf_counter()
+    with tempfile.TemporaryDirectory() as tmp:
+        out = Path(tmp) / "run.json"
+        code = (
+            f"import json, sys; sys.path.insert(0, {str(HERE)!r}); import gpu_all; "
+            "json.dump(gpu_all._one(*json.loads(sys.argv[1])), open(sys.argv[2], 'w'), default=str)"
+        )
+        args = json.dumps([model, device, batch, str(plan_file), mode, steps, budget])
+        proc = subprocess.run([sys.executable, "-c", code, args, str(out)], check=False)
+        if out.exists():
+            return dict(json.loads(out.read_text()))
+    return {
+        "batch": batch,
+        "error": f"the run's process exited {proc.returncode}",
+        "wall_s": time.perf_counter() - t0,
+    }
+
+
 def _budget(runs: dict[str, Any], kind: str) -> float:
     """The partitioner's fraction giving ``compile`` the joint plan's saved activations."""
     joint, comp = runs.get(f"coplan_joint@{kind}", {}), runs.get(f"compile@{kind}", {})
@@ -232,8 +259,14 @@ def run_all(
     plan_dir: Path = PLAN_DIR,
     kinds: tuple[str, ...] = ("tight", "loose"),
     only: tuple[str, ...] = RUNS,
+    isolate: bool | None = None,
 ) -> dict[str, Any]:
+    """``isolate``: each run in a process of its own (``_isolated``); by default on a GPU only,
+    where one run's memory would otherwise be the next one's."""
     import torch
+
+    if isolate is None:
+        isolate = device == "cuda"
 
     manifest = _manifest(models, device, plan_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -265,7 +298,8 @@ def run_all(
                     mode, budget = "compile", _budget(runs, kind)
                 else:
                     mode = run
-                got = runs[f"{run}@{kind}"] = _one(model, device, batch, plan_file, mode, steps, budget)
+                one = _isolated if isolate else _one
+                got = runs[f"{run}@{kind}"] = one(model, device, batch, plan_file, mode, steps, budget)
                 target.write_text(json.dumps(result, indent=1) + "\n")
                 shown = (
                     "failed: " + got["error"]

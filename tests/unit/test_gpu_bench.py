@@ -93,3 +93,14 @@ def test_all_runs_end_to_end_on_a_cpu(tmp_path, gpu_all):
     budget = model["runs"]["compile_budget@tight"]["activation_budget"]
     assert 0.0 <= budget <= 1.0
     assert "| gpt-tiny | tight |" in gpu_all.table(written)
+
+
+def test_an_isolated_run_reports_from_its_own_process(tmp_path, gpu_all):
+    """On a GPU each run has a process of its own; its result comes back as the in-process one does."""
+    out = gpu_all.run_all(
+        ["gpt-tiny"], "cpu", tmp_path, steps=2, plan_dir=tmp_path / "plans", kinds=("loose",),
+        only=("eager",), isolate=True,
+    )  # fmt: skip
+    (run,) = out["models"]["gpt-tiny"]["runs"].values()
+    assert set(run) >= RUN_KEYS
+    assert run["grad_ok"]
