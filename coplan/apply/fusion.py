@@ -34,6 +34,7 @@ scheduled under its plan's rule (a cached kernel could come from another plan's 
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable, Iterable, Sequence
 from contextlib import nullcontext
 from operator import getitem
@@ -511,7 +512,9 @@ def _inductor(
         settings |= {
             "max_autotune_gemm": True,
             "max_autotune_gemm_backends": "TRITON,ATEN",
-            "autotune_in_subproc": True,
+            # unless the user's environment says otherwise (Inductor's own variable): on one
+            # H200 (torch 2.11) most templates failed to benchmark in the subprocess
+            "autotune_in_subproc": os.environ.get("TORCHINDUCTOR_AUTOTUNE_IN_SUBPROC", "1") == "1",
         }
     patch = config.patch(settings)
     gm = _decompose(gm, inputs)
@@ -575,8 +578,10 @@ def why_not_honoured(
         return f"Inductor: {reasons[-1]}"
     gemm = next((k for k in library if k & mine), None)
     if gemm is not None:
-        return (f"{', '.join(sorted(gemm & mine))} ran as a library call: pointwise work fuses into a "
-                "GEMM only through Inductor's GEMM templates (max_autotune, CUDA)")
+        return (
+            f"{', '.join(sorted(gemm & mine))} ran as a library call: pointwise work fuses into a "
+            "GEMM only through Inductor's GEMM templates (max_autotune, CUDA)"
+        )
     return "Inductor kept the ops apart and logged no reason"
 
 
@@ -612,9 +617,13 @@ def optimizer_record(plan: Plan, ir: Graph, fused: bool) -> dict[str, Any] | Non
         "groups_honoured": len(mine) if fused else 0,
         "honoured": mine if fused else [],
         "not_honoured": [] if fused else mine,
-        "why_not": {} if fused else {
-            str(i): {"ops": list(groups[i]), "reason": "the optimizer's groups need the fused AdamW kernel, "
-                     "which this run did not use"}
+        "why_not": {}
+        if fused
+        else {
+            str(i): {
+                "ops": list(groups[i]),
+                "reason": "the optimizer's groups need the fused AdamW kernel, which this run did not use",
+            }
             for i in mine
         },
     }

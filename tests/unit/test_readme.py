@@ -304,3 +304,22 @@ def test_headline_figures_match_the_results() -> None:
     _quoted("README.md", readme, [*figures, f"{len(coupling['scenarios'])} scenarios"])
     _quoted("docs/coupling.md", page, [*figures, f"{coupling['plans_checked']} plans checked"])
     assert coupling["verdict"] == "validated" and "**validated**" in readme
+
+
+def test_gpu_figures_match_the_results() -> None:
+    """The GPU comparison the README states is the one ``bench_gpu.json`` holds."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    try:
+        gpu_all = _bench("gpu_all")
+    finally:
+        sys.path.remove(str(ROOT / "benchmarks"))
+    rows = {
+        r["batch"]: r for r in gpu_all.summary(_results("gpu/bench_gpu.json")) if r["model"] == "gpt2-124m"
+    }
+    figures = [
+        f"{rows['tight']['joint_vs_compile']:.2f}x `torch.compile`'s defaults at the memory-tight batch",
+        f"{rows['tight']['joint_vs_compile_budget']:.2f}x)",
+        f"{rows['loose']['joint_vs_compile']:.2f}x at the loose batch",
+    ]
+    _quoted("README.md", _text(README), figures)
+    assert not rows["tight"]["ranking_matches"] and "not the measured one" in _text(README)
