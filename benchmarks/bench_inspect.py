@@ -94,7 +94,8 @@ def main() -> None:
     for r in rows:
         measured = "-" if r["measured_step_s"] is None else f"{r['measured_step_s'] * 1e3:.0f} ms"
         print(
-            f"| {r['case']} | {r['run']} | {r['wall_s']} | {r['compile_s']} | {r['kernels']} | {r['fallbacks']} "
+            f"| {r['case']} | {r['run']} | {r['wall_s']} | {r['compile_s']} | {r['kernels']} "
+            f"| {r['fallbacks']} "
             f"| {r['unfused_patterns']} / {r['unfused_instances']} | {r['predicted_step_s'] * 1e3:.0f} ms "
             f"| {measured} |"
         )

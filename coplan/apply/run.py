@@ -19,7 +19,9 @@ from coplan.apply.train import MODES, Job, RankResult, pads_head, run_rank, step
 from coplan.errors import CoplanError, SpecError
 from coplan.hardware.allocator import HOST_ALLOCATORS
 from coplan.hardware.cluster import ClusterSpec
+from coplan.ir.types import Phase
 from coplan.models.spec import ModelSpec
+from coplan.plan.context import PlanContext
 from coplan.plan.types import Plan, PlanError
 
 
@@ -76,6 +78,23 @@ class RunRequest:
     activation_budget: float | None = None
 
 
+def runner_optimizer(plan: Plan, ctx: PlanContext, mode: str, device: str) -> str:
+    """How the runner's AdamW runs (``train.adamw_form``), for the cost model
+    (``TrainingConfig.optimizer``): on a GPU, PyTorch's multi-tensor form for a baseline, the
+    fused kernel where the plan groups optimizer ops (priced as its groups say), else the
+    per-parameter loop. On a CPU the plan's kernels price it, as the CPU profile was fitted."""
+    if device == "cpu":
+        return ""
+    if mode != "plan":
+        return "foreach"
+    graph = ctx.index.graph
+    by_name = {op.name: op for op in graph.ops}
+    fused = any(
+        n in by_name and by_name[n].phase is Phase.OPTIMIZER for grp in plan.fusion.groups for n in grp
+    )
+    return "" if fused else "for-loop"
+
+
 def run_plan(req: RunRequest) -> dict[str, Any]:
     """Validate ``req.plan`` for this run (``PlanError`` when it was made for another model, world
     size, batch or sequence), price it, train, and return the report."""
@@ -87,6 +106,9 @@ def run_plan(req: RunRequest) -> dict[str, Any]:
     pads = req.mode == "compile" or (ctx.stack.gemm_padding and pads_head(req.mode, req.plan.parallel.tp))
     if pads != ctx.stack.gemm_padding:
         ctx.stack = replace(ctx.stack, gemm_padding=pads)
+    optimizer = runner_optimizer(req.plan, ctx, req.mode, req.device)
+    if optimizer != ctx.stack.optimizer:
+        ctx.stack = replace(ctx.stack, optimizer=optimizer)
     notes = refuse(req.plan, ctx, req.nproc)
     if req.mode not in MODES:
         raise PlanError("mode", f"must be one of {', '.join(MODES)}, got {req.mode!r}", "run")

@@ -296,11 +296,10 @@ def _run(rank: int, world: int, job: Job) -> RankResult | None:
     compiled, be = compile_for(wrapped, plan, spec, job.mode)
     amp = autocast_for(plan, r.device, be)
     params = [p for p in base.parameters()]
-    # a plan fusing optimizer ops gets the fused AdamW kernel (one launch updates every tensor);
-    # otherwise one kernel per op, as an unfused plan prices it
+    # a plan fusing optimizer ops gets the fused AdamW kernel (one launch updates every tensor)
     fused_opt = be is not None and optimizer_record(plan, be.ir, True) is not None
     opt = torch.optim.AdamW(
-        params, lr=3e-4, betas=(0.9, 0.95), weight_decay=0.1, foreach=False, fused=fused_opt or None
+        params, lr=3e-4, betas=(0.9, 0.95), weight_decay=0.1, **adamw_form(job.mode, fused_opt)
     )
     scaler = LossScaler(plan.precision.loss_scaling)
     ddp_sync = getattr(wrapped, "no_sync", None)
@@ -409,6 +408,16 @@ def _run(rank: int, world: int, job: Job) -> RankResult | None:
         skipped_steps=scaler.skipped,
         notes=notes,
     )
+
+
+def adamw_form(mode: str, fused: bool) -> dict[str, bool]:
+    """How AdamW runs (``coplan.cost.optimizer`` prices each form): fused where the plan fuses
+    its optimizer ops; a baseline as PyTorch constructs it by default (the multi-tensor form on a
+    GPU, the per-parameter loop on a CPU: what a user of eager PyTorch or ``torch.compile``
+    gets); a plan that leaves its optimizer ops unfused, one kernel sequence per parameter."""
+    if fused:
+        return {"fused": True}
+    return {} if mode != "plan" else {"foreach": False}
 
 
 def compile_for(

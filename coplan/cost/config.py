@@ -68,6 +68,12 @@ class ConfigError(SpecError):
         super().__init__("training config", field, message)
 
 
+#: How the AdamW update runs (``coplan.cost.optimizer``): "" prices the plan's own optimizer
+#: kernels (a fusion group per block: fused AdamW; an update of its own: one kernel per parameter
+#: at the fused update's traffic), "fused" the same; "foreach" and "for-loop" as PyTorch runs them
+OPTIMIZER_IMPLEMENTATIONS: tuple[str, ...] = ("", "fused", "foreach", "for-loop")
+
+
 @dataclass(frozen=True, slots=True, kw_only=True)
 class TrainingConfig:
     """One point of the parallel / memory / precision space, validated on construction.
@@ -172,6 +178,10 @@ class TrainingConfig:
             torchtitan/models/norms.py ``TritonFusedRMSNorm``, whose forward saves ``x, weight,
             rstd``); off, a Python RMSNorm keeps ``x * rstd`` for the weight's gradient and,
             under eager PyTorch, launches each of its ATen ops (``coplan.cost.eager``).
+        optimizer: how the AdamW update runs (``coplan.cost.optimizer``): ``""`` as the plan's
+            optimizer kernels say (a group per block is fused AdamW), ``"fused"`` the same,
+            ``"foreach"`` PyTorch's multi-tensor ops (its default on CUDA), ``"for-loop"`` eight
+            ops per parameter issued from Python (``foreach=False``).
         nccl_ub: the data-parallel parameter and gradient buffers are registered with NCCL
             (Megatron-Core's ``ddp_config.nccl_ub``), whose SM-efficient algorithms hold fewer SMs
             beside the compute they overlap (``coplan.cost.contention``).
@@ -225,6 +235,7 @@ class TrainingConfig:
     nccl_ub: bool = False
     gemm_padding: bool = True
     fused_rmsnorm: bool = False
+    optimizer: str = ""
 
     def __post_init__(self) -> None:
         for name, bound in (
@@ -309,6 +320,9 @@ class TrainingConfig:
             raise ConfigError("gemm_padding", f"must be true or false, got {self.gemm_padding!r}")
         if not isinstance(self.fused_rmsnorm, bool):
             raise ConfigError("fused_rmsnorm", f"must be true or false, got {self.fused_rmsnorm!r}")
+        if self.optimizer not in OPTIMIZER_IMPLEMENTATIONS:
+            choices = ", ".join(repr(x) for x in OPTIMIZER_IMPLEMENTATIONS)
+            raise ConfigError("optimizer", f"must be one of {choices}, got {self.optimizer!r}")
         if self.fp8_scaling not in FP8_SCALINGS:
             raise ConfigError(
                 "fp8_scaling", f"must be one of {', '.join(FP8_SCALINGS)}, got {self.fp8_scaling!r}"
@@ -448,6 +462,7 @@ class TrainingConfig:
             **({"async_tp": True} if self.async_tp else {}),
             **({"gemm_padding": False} if not self.gemm_padding else {}),
             **({"fused_rmsnorm": True} if self.fused_rmsnorm else {}),
+            **({"optimizer": self.optimizer} if self.optimizer else {}),
         }
 
 

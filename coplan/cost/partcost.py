@@ -21,6 +21,7 @@ from coplan.cost.kernels import (
     launches,
     vector_compute,
 )
+from coplan.cost.optimizer import optimizer_seconds
 from coplan.cost.parts import (
     NV,
     GraphProfile,
@@ -110,8 +111,15 @@ def _base_prices(cost: PartCost, part: Part, fp8: bool) -> _Base:
     forward = sum(fwd_times)
     backward = sum(cost.time(k) for k in bwd)
     # optimizer kernels: everything scales with the local (TP-sharded) parameters
-    optimizer = sum(cost.time(k) for k in part.optimizer)
-    kernels = sum(launches(k, s) for k in (*fwd, *bwd, *part.optimizer))
+    # run as the configuration says PyTorch runs the update (``optimizer.py``)
+    optimizer, opt_kernels = optimizer_seconds(
+        part.optimizer,
+        [cost.time(k) for k in part.optimizer],
+        [vdot(k.bytes, s.weights) for k in part.optimizer],
+        cost.r.launch_s,
+        c.optimizer,
+    )
+    kernels = sum(launches(k, s) for k in (*fwd, *bwd)) + opt_kernels
     weight_cast = weight_cache = 0.0
     if fp8:
         # Transformer Engine's casts and transposes around the block's fp8 GEMMs (``fp8.py``):
@@ -178,6 +186,7 @@ class _Priced:
             c.activation_fusion,
             c.kernels,
             c.fused_rmsnorm,
+            c.optimizer,
             c.eager_loss and part is cost.profile.post,
             (c.tp, c.sequence_parallel, c.fp8_params, c.fp8_scaling, c.gathers_per_unit, c.num_microbatches)
             if fp8

@@ -20,7 +20,13 @@ from pathlib import Path
 from typing import Any
 
 from coplan.cost.buckets import BUCKET_SCOPES
-from coplan.cost.config import ATTENTION_KERNEL_CHOICES, DDP_BUCKET_BYTES, KERNEL_SETS, TrainingConfig
+from coplan.cost.config import (
+    ATTENTION_KERNEL_CHOICES,
+    DDP_BUCKET_BYTES,
+    KERNEL_SETS,
+    OPTIMIZER_IMPLEMENTATIONS,
+    TrainingConfig,
+)
 from coplan.errors import SpecError
 
 #: How parameters, gradients and optimizer states are sharded and communicated:
@@ -62,6 +68,7 @@ SETTINGS: tuple[str, ...] = (
     "fp8_params",
     "async_tp",
     "gemm_padding",
+    "optimizer",
 )
 #: How a stack runs fp8 GEMMs: natively, emulated (runs, not faster) or not at all.
 FP8_MODES: tuple[str, ...] = ("native", "emulated", "none")
@@ -124,6 +131,8 @@ class StackSpec:
         gemm_padding: GEMM dimensions the tensor cores cannot load aligned are padded (Megatron's
             vocabulary padding, Inductor's ``shape_padding``); false where the model's shapes run
             as they are (``TrainingConfig.gemm_padding``).
+        optimizer: how its AdamW update runs (``TrainingConfig.optimizer``, ``coplan.cost.optimizer``):
+            ``""`` as a plan's optimizer kernels say, ``"fused"``, ``"foreach"`` or ``"for-loop"``.
         reserved_fraction: the caching allocator's reserved bytes beyond the allocated peak, as a
             fraction of it (what ``torch.cuda.max_memory_reserved`` reports over
             ``max_memory_allocated``); 0 prices the allocated peak.
@@ -157,6 +166,7 @@ class StackSpec:
     fp8_params: bool = True
     async_tp: bool = False
     gemm_padding: bool = True
+    optimizer: str = ""
     about: str = ""
     sources: tuple[tuple[str, str], ...] = ()
 
@@ -169,6 +179,7 @@ class StackSpec:
         _choice(src, "sharding", self.sharding, SHARDINGS)
         _choice(src, "dp_bucket_scope", self.dp_bucket_scope, BUCKET_SCOPES)
         _choice(src, "fp8", self.fp8, FP8_MODES)
+        _choice(src, "optimizer", self.optimizer, OPTIMIZER_IMPLEMENTATIONS)
         for flag in (
             "eager_loss",
             "fsdp_units",
@@ -230,7 +241,12 @@ class StackSpec:
     def configure(self, config: TrainingConfig) -> TrainingConfig:
         """``config`` with what this stack decides: its kernels (and the fusion groups they
         imply), its attention kernel (where the config leaves it to the device) and its FSDP units."""
-        if self.kernels == "megatron" and not self.fsdp_units and self.attention_kernel == "auto":
+        if (
+            self.kernels == "megatron"
+            and not self.fsdp_units
+            and self.attention_kernel == "auto"
+            and not self.optimizer
+        ):
             return config  # Megatron's own: nothing to change
         changes: dict[str, Any] = {}
         if config.attention_kernel == "auto":
@@ -246,6 +262,8 @@ class StackSpec:
         the layout and any fusion groups."""
         if not self.gemm_padding:
             config = config.with_(gemm_padding=False)
+        if self.optimizer and not config.optimizer:
+            config = config.with_(optimizer=self.optimizer)
         if self.kernels == "megatron":
             return config
         changes: dict[str, Any] = {"kernels": self.kernels}

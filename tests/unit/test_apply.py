@@ -330,3 +330,22 @@ def test_reference_chunk_bounds_tokens_on_a_gpu() -> None:
     assert reference_chunk(1, 1024, gpu) == 1  # never more than the microbatch
     assert reference_chunk(4, 4 * REFERENCE_TOKENS, gpu) == 1  # a sequence longer than the bound
     assert reference_chunk(64, 1024, cpu) == 64
+
+
+def test_the_optimizer_is_priced_as_the_runner_runs_it() -> None:
+    from coplan.apply.predict import run_cluster
+    from coplan.apply.run import runner_optimizer
+    from coplan.apply.train import adamw_form
+    from coplan.search.space import fusion_option
+
+    ctx = make_context(PRESETS["gpt-tiny"], run_cluster(load_cluster("dgx-h100"), 1, "cuda"), 8, 64, "cuda")
+    plain = plan_for(ctx, compute="bf16")  # eager kernels: no optimizer groups
+    grouped = plain.with_(fusion=fusion_option(ctx, "greedy"))  # a group per block's updates
+    assert (runner_optimizer(plain, ctx, "plan", "cuda"), adamw_form("plan", False)) == (
+        "for-loop",
+        {"foreach": False},
+    )
+    assert (runner_optimizer(grouped, ctx, "plan", "cuda"), adamw_form("plan", True)) == ("", {"fused": True})
+    # a baseline gets PyTorch's default construction: the multi-tensor form on a GPU
+    assert (runner_optimizer(plain, ctx, "compile", "cuda"), adamw_form("compile", False)) == ("foreach", {})
+    assert runner_optimizer(plain, ctx, "eager", "cpu") == ""
