@@ -376,7 +376,8 @@ def _footer(console: Any) -> None:
     )
 
 
-def _how_to_run(console: Any, ctx: PlanContext, out: Path | None) -> None:
+def _how_to_run(console: Any, ctx: PlanContext, out: Path | None, model: str) -> None:
+    """``model`` as the user named it (a preset, or the spec file coplan run must read too)."""
     target = str(out) if out is not None else "plan.json"
     first = "" if out is not None else f"coplan plan ... --out {target} && "
     stack = ctx.stack.name
@@ -391,7 +392,7 @@ def _how_to_run(console: Any, ctx: PlanContext, out: Path | None) -> None:
         )
         return
     console.print(
-        f"to train under this plan: {first}coplan run --model {ctx.model_name} --plan {target} "
+        f"to train under this plan: {first}coplan run --model {model} --plan {target} "
         f"--nproc {ctx.gpus} --steps 10; --emit megatron or --emit torchtitan prints those stacks' recipe",
         soft_wrap=False,
     )
@@ -592,7 +593,7 @@ def plan(
             for note in recipe.notes:
                 console.print(f"[dim]note: {note}[/dim]", soft_wrap=False)
         elif r.fits:
-            _how_to_run(console, ctx, out)
+            _how_to_run(console, ctx, out, model)
     if not r.fits:
         raise Infeasible(_why_infeasible(ctx, r))
 

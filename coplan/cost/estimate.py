@@ -146,6 +146,9 @@ def estimate(profile: GraphProfile, cluster: ClusterSpec, config: TrainingConfig
             kern += int(n * pc.kernels)
             params[REPL] += n * part.params[REPL]
             params[TP] += n * part.params[TP]
+            if part is profile.post and any(q is profile.pre for q, _ in parts):
+                params[REPL] -= profile.shared_params[REPL]
+                params[TP] -= profile.shared_params[TP]
             weight_cache += n * pc.weight_cache
             is_block = bool(part.blocks)
             mode = rec if is_block else "none"

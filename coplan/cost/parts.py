@@ -188,6 +188,10 @@ class GraphProfile:
     hidden: int
     heads: int
     model_flops: float  # forward + backward matrix FLOPs of one microbatch, whole model (``Part``)
+    # parameter elements (replicated, TP-sharded) both ``pre`` and ``post`` read: a tied embedding,
+    # counted once where one pipeline stage holds both ends (each end's stage keeps its own copy
+    # otherwise, as Megatron-LM keeps the word embeddings on the first and last stage)
+    shared_params: tuple[float, float] = (0.0, 0.0)
 
     def template_of(self, block: int) -> Part:
         for t in self.templates:

@@ -107,6 +107,12 @@ def profile_graph(
         if attn is not None and graph.tensors[attn.inputs[0]].shape
         else 1
     )
+    # a tied embedding: the output projection reads the embedding's own tensor, which a stage
+    # holding both ends keeps once (``GraphProfile.shared_params``)
+    ends = ctx.param_shards(pre_ops), ctx.param_shards(post_ops)
+    shared = [0.0, 0.0]
+    for tid in ends[0].keys() & ends[1].keys():
+        shared[ends[0][tid]] += graph.tensors[tid].numel
     per_layer = {b: t for t in parts for b in t.blocks}
     flops = pre.model_flops + post.model_flops + sum(per_layer[b].model_flops for b in blocks)
     return GraphProfile(
@@ -122,6 +128,7 @@ def profile_graph(
         hidden=ctx.hidden,
         heads=int(heads),
         model_flops=float(flops),
+        shared_params=(shared[0], shared[1]),
     )
 
 
@@ -384,6 +391,20 @@ class _Ctx:
 
     # --- head split ----------------------------------------------------------------------------
 
+    def param_shards(self, ops: Sequence[Op]) -> dict[int, int]:
+        """The parameters ``ops``' forward reads (storage ids), each with the shard class of the
+        first op reading it."""
+        g = self.g
+        out: dict[int, int] = {}
+        for op in ops:
+            if op.phase is not Phase.FORWARD:
+                continue
+            for tid in op.inputs:
+                t = g.tensors[g.tensors[tid].storage_id]
+                if t.role is TensorRole.PARAMETER and t.producer is None and t.id not in out:
+                    out[t.id] = self._shard[op.id]
+        return out
+
     def split_head(
         self, head: Sequence[Op], by_block: dict[int | None, list[Op]], blocks: Sequence[int]
     ) -> tuple[list[Op], list[Op]]:
@@ -439,15 +460,8 @@ class _Ctx:
             else ()
         )
         params = [0.0, 0.0]
-        seen: set[int] = set()
-        for op in ops:
-            if op.phase is not Phase.FORWARD:
-                continue
-            for tid in op.inputs:
-                t = g.tensors[g.tensors[tid].storage_id]
-                if t.role is TensorRole.PARAMETER and t.producer is None and t.id not in seen:
-                    seen.add(t.id)
-                    params[self._shard[op.id]] += t.numel
+        for tid, shard in self.param_shards(ops).items():
+            params[shard] += g.tensors[tid].numel
         saved_none = self.saved_vec(ops, ids, mode="none")
         exits, entries = tp_boundaries(self.g, self._shard, ops)
         boundary = pipeline_boundary(self.g, ops, ids)

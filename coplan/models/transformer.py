@@ -74,7 +74,7 @@ class Attention(nn.Module):
         v = v.view(b, t, self.kv_heads, self.hd).transpose(1, 2)
         if self.rotary is not None:
             q, k = self.rotary(q), self.rotary(k)
-        gqa = self.kv_heads != self.n_heads
+        k, v, gqa = kv_heads_for(q, k, v, q.is_cuda and q.dtype == torch.float32)
         if self.checkpoint_core and torch.is_grad_enabled():
             y = checkpoint(
                 F.scaled_dot_product_attention,
@@ -89,6 +89,23 @@ class Attention(nn.Module):
             y = F.scaled_dot_product_attention(q, k, v, is_causal=self.causal, enable_gqa=gqa)
         y = y.transpose(1, 2).contiguous().view(b, t, c)
         return self.c_proj(y)
+
+
+def kv_heads_for(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, expand: bool
+) -> tuple[torch.Tensor, torch.Tensor, bool]:
+    """(k, v, enable_gqa) for ``scaled_dot_product_attention``: grouped-query heads as they are,
+    or (``expand``) repeated to the query's. PyTorch runs ``enable_gqa`` only in its flash kernel,
+    which takes 16-bit inputs, and in the math one; an fp32 step on a GPU (the gradient check's
+    reference) would fall to math, which keeps a (seq x seq) score matrix per head and layer
+    (Llama 3.2 1B at 16K tokens: 4 GiB each, in fp32). Repeated heads let the memory-efficient
+    kernel take it: the same function."""
+    groups = q.shape[1] // k.shape[1]
+    if groups == 1:
+        return k, v, False
+    if not expand:
+        return k, v, True
+    return k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1), False
 
 
 def ungated(h: torch.Tensor, activation: str) -> torch.Tensor:

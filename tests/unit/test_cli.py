@@ -348,3 +348,17 @@ def test_estimate_overlaps_default_to_what_a_production_stack_runs(
     assert config("dgx-h100", "--zero", "1")["overlap_param_gather"] is True
     assert config("dgx-h100")["overlap_param_gather"] is False
     assert config("dgx-h100", "--zero", "1", "--no-overlap-param-gather")["overlap_param_gather"] is False
+
+
+def test_plan_of_a_spec_file_tells_coplan_run_to_read_the_same_file(cli: Cli, tmp_path: Path) -> None:
+    from coplan.models.spec import PRESETS
+
+    spec = tmp_path / "mine.json"
+    spec.write_text(json.dumps({**PRESETS["gpt-tiny"].to_dict(), "name": "mine"}))
+    code, out, err = cli(
+        "plan", "--model", str(spec), "--cluster", "cpu", "--global-batch", "8", "--stack", "coplan",
+        "--out", str(tmp_path / "plan.json"),
+    )  # fmt: skip
+    assert code == 0, err
+    flat = " ".join(out.split())
+    assert f"coplan run --model {spec} --plan" in flat

@@ -694,3 +694,26 @@ def test_interleaved_stage_holds_its_own_chunks():
     assert [st.layers for st in est.stages] == [4, 6]
     # the stage with more layers is the slower one (the head's work is small at this width)
     assert est.stages[1].forward_s > est.stages[0].forward_s
+
+
+def test_a_tied_embedding_is_held_once_per_stage_holding_both_ends() -> None:
+    """GPT-2 ties its output projection to the token embedding: one stage holding both ends keeps
+    one tensor (what ``nn.Module.parameters()`` counts); two stages each keep their own copy."""
+    import torch
+
+    from coplan.models.transformer import Transformer
+
+    spec = PRESETS["gpt-tiny"]
+    assert spec.tied_embeddings
+    with torch.device("meta"):
+        real = sum(p.numel() for p in Transformer(spec).parameters())
+    model = CostModel(spec=spec)
+    one = model.estimate(
+        load_cluster("dgx-h100", 1), TrainingConfig(microbatch=1, global_batch=1, seq=64, dtype="fp32")
+    )
+    assert one.memory.params_bytes == 4 * real
+    two = model.estimate(
+        load_cluster("dgx-h100", 2), TrainingConfig(microbatch=1, global_batch=2, seq=64, pp=2, dtype="fp32")
+    )
+    embedding = spec.vocab_size * spec.d_model
+    assert sum(st.memory.params_bytes for st in two.stages) == 4 * (real + embedding)

@@ -67,3 +67,19 @@ def test_moe_experts_follow_gpt2_initialisation() -> None:
 )
 def test_published_model_presets_have_their_published_size(name: str, published: float) -> None:
     assert abs(PRESETS[name].param_count() / published - 1) < 0.015
+
+
+def test_repeated_kv_heads_compute_what_grouped_query_attention_does() -> None:
+    import torch.nn.functional as F
+
+    from coplan.models.transformer import kv_heads_for
+
+    torch.manual_seed(0)
+    q = torch.randn(2, 8, 16, 4, dtype=torch.float64)
+    k, v = torch.randn(2, 2, 16, 4, dtype=torch.float64), torch.randn(2, 2, 16, 4, dtype=torch.float64)
+    grouped = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+    k2, v2, gqa = kv_heads_for(q, k, v, expand=True)
+    assert not gqa and k2.shape == q.shape == v2.shape
+    torch.testing.assert_close(F.scaled_dot_product_attention(q, k2, v2, is_causal=True), grouped)
+    assert kv_heads_for(q, k, v, expand=False)[2] is True
+    assert kv_heads_for(q, q, q, expand=True) == (q, q, False)
