@@ -212,6 +212,8 @@ def _one(
         "recomputed": len(out["run"]["recomputed"]),
         "groups_planned": out["fusion"]["groups_planned"],
         "groups_honoured": out["fusion"]["groups_honoured"],
+        # the plan priced without the groups the compiler left apart (``coplan run``'s report)
+        "predicted_as_run_step_time_s": out.get("predicted_as_run", p)["step_time_s"],
         "wall_s": time.perf_counter() - t0,
     }
 

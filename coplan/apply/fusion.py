@@ -37,6 +37,7 @@ from __future__ import annotations
 import os
 from collections.abc import Callable, Iterable, Sequence
 from contextlib import nullcontext
+from dataclasses import replace
 from operator import getitem
 from typing import Any
 
@@ -380,23 +381,49 @@ def expand_groups(plan: Plan, ir: Graph) -> list[tuple[str, ...]]:
     applies at the same positions of every block of that template (blocks with the same op
     sequence, as ``plan.context.BlockIndex`` expands them for pricing); groups outside blocks are
     themselves. One entry per fused kernel the plan asks for in a step."""
+    return [g for g, _ in expand_groups_from(plan, ir)]
+
+
+def expand_groups_from(plan: Plan, ir: Graph) -> list[tuple[tuple[str, ...], int]]:
+    """``expand_groups`` with, for each kernel, the index of the plan group it comes from."""
     blocks: dict[int, list[Op]] = {}
     for op in ir.ops:
         if op.block is not None:
             blocks.setdefault(op.block, []).append(op)
     where = {op.name: (b, i) for b, ops in blocks.items() for i, op in enumerate(ops)}
     sig = {b: tuple(op.target for op in ops) for b, ops in blocks.items()}
-    out: list[tuple[str, ...]] = []
-    for g in plan.fusion.groups:
+    out: list[tuple[tuple[str, ...], int]] = []
+    for j, g in enumerate(plan.fusion.groups):
         refs = {where[n][0] if n in where else None for n in g}
         if refs == {None} or len(refs) > 1:
-            out.append(tuple(g))
+            out.append((tuple(g), j))
             continue
         ref = next(iter(refs))
         assert ref is not None
         pos = [where[n][1] for n in g]
-        out.extend(tuple(ops[i].name for i in pos) for b, ops in sorted(blocks.items()) if sig[b] == sig[ref])
+        out.extend(
+            (tuple(ops[i].name for i in pos), j) for b, ops in sorted(blocks.items()) if sig[b] == sig[ref]
+        )
     return out
+
+
+def as_run(plan: Plan, ir: Graph, records: Sequence[dict[str, Any]]) -> Plan | None:
+    """``plan`` with the groups a run did not honour left apart: what its compiled step ran, as
+    far as a plan can say it (a group counts as run only where every block's copy was honoured:
+    the cost model prices a block template once). None where the records' groups are not this
+    plan's expansion over ``ir`` (another graph's numbering)."""
+    bad = not_honoured(records)
+    if not bad:
+        return plan
+    expanded = expand_groups_from(plan, ir)
+    drop: set[int] = set()
+    for b in bad:
+        i = int(b["group"])
+        if i >= len(expanded) or (b["ops"] and tuple(b["ops"]) != expanded[i][0]):
+            return None
+        drop.add(expanded[i][1])
+    kept = tuple(g for j, g in enumerate(plan.fusion.groups) if j not in drop)
+    return plan.with_(fusion=replace(plan.fusion, groups=kept))
 
 
 def _group_of(groups: Sequence[tuple[str, ...]]) -> dict[str, int]:

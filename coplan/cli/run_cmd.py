@@ -267,6 +267,15 @@ def show(out: dict[str, Any]) -> None:
     console.print("loss per step: " + ", ".join(f"{v:.4f}" for v in out["loss"]), soft_wrap=True)
     f = out["fusion"]
     console.print(f"fusion groups honoured: {f['groups_honoured']} of {f['groups_planned']}")
+    ran = out.get("predicted_as_run")
+    if ran is not None:
+        st = m["step_time_s"]
+        err = f" ({ran['step_time_s'] / st - 1:+.1%} of measured)" if st and math.isfinite(st) else ""
+        console.print(
+            f"predicted as run (the plan's groups the compiler kept, {ran['groups']} of "
+            f"{ran['groups_planned']}): {ran['step_time_s'] * 1e3:.2f} ms{err}",
+            soft_wrap=True,
+        )
     for g in f.get("not_honoured", [])[:10]:
         ops = ", ".join(g["ops"][:4]) + (", ..." if len(g["ops"]) > 4 else "")
         line = f"  group {g['group']} ({ops}) not honoured: {g['reason']}"

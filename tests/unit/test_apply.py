@@ -275,6 +275,11 @@ def test_run_json_contract(capsys, plan_file):
     missed = data["fusion"]["not_honoured"]
     assert len(missed) == data["fusion"]["groups_planned"] - data["fusion"]["groups_honoured"]
     assert all(m["ops"] and m["reason"] for m in missed)
+    # what the compiler split is priced apart: the plan without those groups
+    ran = data.get("predicted_as_run")
+    assert (ran is not None) == bool(missed), missed
+    if ran is not None:
+        assert ran["groups"] < ran["groups_planned"] and ran["step_time_s"] > 0
     assert len(data["loss"]) == 3 and all(v > 0 for v in data["loss"])
     assert data["grad_check"]["ok"] and data["grad_check"]["tolerance"] == 1e-4
     m, p = data["measured"], data["predicted"]
@@ -349,3 +354,52 @@ def test_the_optimizer_is_priced_as_the_runner_runs_it() -> None:
     # a baseline gets PyTorch's default construction: the multi-tensor form on a GPU
     assert (runner_optimizer(plain, ctx, "compile", "cuda"), adamw_form("compile", False)) == ("foreach", {})
     assert runner_optimizer(plain, ctx, "eager", "cpu") == ""
+
+
+def test_a_plan_as_run_leaves_out_the_groups_the_compiler_split() -> None:
+    from coplan.apply.fusion import as_run, expand_groups_from
+    from coplan.search.space import fusion_option
+
+    ctx = make_context(PRESETS["gpt-tiny"], load_cluster("cpu"), 8, 64, "cpu")
+    plan = plan_for(ctx, compute="fp32").with_(fusion=fusion_option(ctx, "greedy"))
+    expanded = expand_groups_from(plan, ctx.index.graph)
+    # a block group appears once per block, each copy naming its own block's ops
+    blocks = PRESETS["gpt-tiny"].n_layers
+    first = next(j for _, j in expanded if sum(1 for _, o in expanded if o == j) == blocks)
+    copies = [i for i, (_, j) in enumerate(expanded) if j == first]
+    split = copies[-1]  # honoured in every block but the last
+    record = {
+        "groups_planned": len(expanded),
+        "honoured": [i for i in range(len(expanded)) if i != split],
+        "not_honoured": [split],
+        "why_not": {str(split): {"ops": list(expanded[split][0]), "reason": "Inductor: test"}},
+    }
+    ran = as_run(plan, ctx.index.graph, [record])
+    assert ran is not None
+    assert len(ran.fusion.groups) == len(plan.fusion.groups) - 1
+    assert plan.fusion.groups[first] not in ran.fusion.groups
+    assert as_run(plan, ctx.index.graph, [{**record, "not_honoured": [], "why_not": {}}]) is plan
+    # a record of another graph's numbering is not this plan's: no price rather than a wrong one
+    other = {**record, "why_not": {str(split): {"ops": ["not", "these"], "reason": ""}}}
+    assert as_run(plan, ctx.index.graph, [other]) is None
+
+
+def test_a_run_prices_the_plan_as_the_compiler_ran_it() -> None:
+    """Llama-tiny's greedy groups on a CPU: Inductor keeps one apart (torch 2.13: 'no shared
+    data'); the report prices the plan without it beside the plan as made."""
+    from coplan.apply.run import RunRequest, run_plan
+    from coplan.search.space import fusion_option
+
+    spec, cluster = PRESETS["llama-tiny"], load_cluster("cpu")
+    ctx = make_context(spec, cluster, 8, 64, "cpu")
+    plan = plan_for(ctx, compute="fp32").with_(fusion=fusion_option(ctx, "greedy"))
+    out = run_plan(
+        RunRequest(
+            plan=plan, spec=spec, steps=2, nproc=1, global_batch=8, seq=64, cluster=cluster, device="cpu"
+        )
+    )
+    f, ran = out["fusion"], out.get("predicted_as_run")
+    assert (ran is not None) == (f["groups_honoured"] < f["groups_planned"])
+    if ran is not None:
+        assert ran["groups_planned"] == len(plan.fusion.groups) > ran["groups"]
+        assert set(ran) >= set(out["predicted"])
