@@ -137,6 +137,7 @@ def run_pipeline(rank: int, world: int, job: Any) -> Any:
         RankResult,
         _all_max,
         _all_mean,
+        adamw_form,
         autocast_for,
         batches,
         build,
@@ -184,7 +185,11 @@ def run_pipeline(rank: int, world: int, job: Any) -> Any:
     # every stage gets the loss function: a schedule without one runs no backward on that stage
     schedule = sched_cls(pstage, n_micro, loss_fn=loss_fn)
     params = list(stage_mod.parameters())
-    opt = torch.optim.AdamW(params, lr=3e-4, betas=(0.9, 0.95), weight_decay=0.1, foreach=False)
+    # the per-parameter loop for a plan (a stage fuses no optimizer kernel), PyTorch's default for a
+    # baseline, as ``train.adamw_form`` builds them and ``run.runner_optimizer`` prices them
+    opt = torch.optim.AdamW(
+        params, lr=3e-4, betas=(0.9, 0.95), weight_decay=0.1, **adamw_form(job.mode, False)
+    )
     # every rank creates every group (a collective call), the two ends use it
     embedding_group = torch.distributed.new_group([0, par.pp - 1]) if stage_mod.tied else None
     amp = autocast_for(plan, r.device, be)

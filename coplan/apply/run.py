@@ -82,11 +82,14 @@ def runner_optimizer(plan: Plan, ctx: PlanContext, mode: str, device: str) -> st
     """How the runner's AdamW runs (``train.adamw_form``), for the cost model
     (``TrainingConfig.optimizer``): on a GPU, PyTorch's multi-tensor form for a baseline, the
     fused kernel where the plan groups optimizer ops (priced as its groups say), else the
-    per-parameter loop. On a CPU the plan's kernels price it, as the CPU profile was fitted."""
+    per-parameter loop (always under pipelining). On a CPU the plan's kernels price it, as the CPU
+    profile was fitted."""
     if device == "cpu":
         return ""
     if mode != "plan":
         return "foreach"
+    if plan.parallel.pp > 1:
+        return "for-loop"  # a pipeline stage's AdamW fuses nothing (``pipeline.py``)
     graph = ctx.index.graph
     by_name = {op.name: op for op in graph.ops}
     fused = any(

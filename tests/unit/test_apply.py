@@ -354,6 +354,11 @@ def test_the_optimizer_is_priced_as_the_runner_runs_it() -> None:
     # a baseline gets PyTorch's default construction: the multi-tensor form on a GPU
     assert (runner_optimizer(plain, ctx, "compile", "cuda"), adamw_form("compile", False)) == ("foreach", {})
     assert runner_optimizer(plain, ctx, "eager", "cpu") == ""
+    # a pipeline stage runs the loop whatever the plan groups (``pipeline.py``)
+    two = make_context(PRESETS["gpt-tiny"], run_cluster(load_cluster("dgx-h100"), 2, "cuda"), 8, 64, "cuda")
+    staged = plan_for(two, compute="bf16", pp=2)
+    staged = staged.with_(fusion=fusion_option(two, "greedy"))
+    assert runner_optimizer(staged, two, "plan", "cuda") == "for-loop"
 
 
 def test_a_plan_as_run_leaves_out_the_groups_the_compiler_split() -> None:
