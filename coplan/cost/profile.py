@@ -17,14 +17,15 @@ vocabulary-parallel. Collectives sit on the boundaries between the two classes.
 from __future__ import annotations
 
 import re
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 
 from coplan.cost.activation import eager_variant, extra_passes
 from coplan.cost.boundaries import pipeline_boundary, tp_boundaries
-from coplan.cost.families import prune_dominated, vector_family
+from coplan.cost.families import vector_family
 from coplan.cost.fp8 import fp8_saved_delta, quant_gemms
 from coplan.cost.fusion import default_groups, fused_recomputed, readers, source_op
 from coplan.cost.geometry import attn_geometry, mm_dims, transposed_lhs
+from coplan.cost.liveness import is_temp, liveness
 from coplan.cost.looped import loop_reads
 from coplan.cost.loss import LOSS_FUSIONS, loss_ops, megatron_loss
 from coplan.cost.parts import (
@@ -267,7 +268,7 @@ class _Ctx:
 
     def _is_value(self, t: Tensor) -> bool:
         """An activation or activation gradient in floating point (what casts apply to)."""
-        return t.dtype in _FLOAT and _is_temp(t)
+        return t.dtype in _FLOAT and is_temp(t)
 
     def _stored_override(self, t: Tensor) -> str | None:
         """The dtype ``t`` is stored in when its producer is overridden (None: the default class)."""
@@ -484,7 +485,7 @@ class _Ctx:
                 "selective": self.saved_vec(ops, ids, mode="selective"),
                 "full": self.saved_vec(ops, ids, mode="full") if blocks else saved_none,
             },
-            transient=self.liveness(ops, ids),
+            transient=liveness(self.g, self.vec, self._act_vec, ops, ids),
             tp_exits=exits,
             tp_entries=entries,
             boundary=boundary,
@@ -517,14 +518,16 @@ class _Ctx:
         keep_f = tuple(k for k in fwd if not mine.intersection(k.ops))
         keep_b = tuple(k for k in bwd if not mine.intersection(k.ops))
         loss = [op for op in ops if op.id in mine]
-        transient = self.liveness(ops, ids, skip=mine)
+        transient = liveness(self.g, self.vec, self._act_vec, ops, ids, skip=mine)
         # Transformer Engine's kernel writes the gradient into the logits buffer it keeps (counted
         # in the saved vector): the logits are not a temporary, and nothing new enters the output
         # layer's backward
         reads = [t for op in loss if op.phase is Phase.FORWARD for t in op.inputs]
         logits = max(reads, key=lambda t: self.g.tensors[t].numel, default=None)
         kept = frozenset() if logits is None else frozenset({self.g.tensors[logits].storage_id})
-        in_place = self.liveness(ops, ids, skip=mine, skip_returns=False, kept=kept)
+        in_place = liveness(
+            self.g, self.vec, self._act_vec, ops, ids, skip=mine, skip_returns=False, kept=kept
+        )
         out = []
         for impl in LOSS_FUSIONS:
             lf, lb, saved = megatron_loss(self.g, loss, impl)
@@ -745,64 +748,3 @@ class _Ctx:
             and op.kind is OpKind.ELEMENTWISE
             and any(self.g.ops[c].kind is OpKind.ATTENTION for c in t.consumers)
         )
-
-    def liveness(
-        self,
-        ops: Sequence[Op],
-        ids: set[int],
-        skip: frozenset[int] = frozenset(),
-        skip_returns: bool = True,
-        kept: frozenset[int] = frozenset(),
-    ) -> tuple[Vec, ...]:
-        """Live temporaries (not kept for backward) after each op of the part, forward and backward.
-        Ops in ``skip`` run as other kernels (Megatron's loss): their temporaries are left out, a
-        tensor they alone read is freed once its last reader has passed, and what they produce for
-        a walked op counts as an incoming temporary in the training dtype (``skip_returns``; off:
-        it is storage counted elsewhere). Storages in ``kept`` are counted as saved, not here."""
-        g = self.g
-        last_use: dict[int, int] = {}
-        for op in ops:
-            if op.phase is Phase.OPTIMIZER:
-                continue
-            for tid in op.inputs:
-                last_use[g.tensors[tid].storage_id] = op.id
-        live: dict[int, Vec] = {}
-        points: list[Vec] = []
-        current: Vec = ZERO
-        walked = ids - skip
-
-        def release(sids: Iterable[int]) -> None:
-            nonlocal current
-            for sid in sids:
-                current = tuple(a - b for a, b in zip(current, live.pop(sid), strict=True))  # type: ignore[assignment]
-
-        for op in ops:
-            if op.phase is Phase.OPTIMIZER or op.kind is OpKind.VIEW or op.id in skip:
-                continue
-            if skip:  # temporaries whose last reader was a skipped op are gone by now
-                release([s for s in live if last_use.get(s, -1) < op.id])
-            for tid in op.inputs:  # incoming temporaries from other parts (gradients) are live too
-                base = g.tensors[g.tensors[tid].storage_id]
-                if (
-                    base.id not in live
-                    and _is_temp(base)
-                    and (base.producer is None or base.producer not in walked)
-                    and (skip_returns or base.producer not in skip)
-                ):
-                    # a skipped (Megatron loss) kernel hands back its gradient in the training
-                    # dtype: the cast back from its fp32 buffer
-                    live[base.id] = self._act_vec(base) if base.producer in skip else self.vec(base)
-                    current = vadd(current, live[base.id])
-            for tid in op.outputs:
-                t = g.tensors[tid]
-                if t.alias_of is None and _is_temp(t) and not t.saved_for_backward and t.id not in kept:
-                    live[t.id] = self.vec(t)
-                    current = vadd(current, live[t.id])
-            points.append(current)
-            ended = {g.tensors[tid].storage_id for tid in (*op.inputs, *op.outputs)}
-            release([sid for sid in ended if sid in live and last_use.get(sid, -1) <= op.id])
-        return prune_dominated(points)
-
-
-def _is_temp(t: Tensor) -> bool:
-    return t.role in (TensorRole.ACTIVATION, TensorRole.GRADIENT) and t.grad_of is None
