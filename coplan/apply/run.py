@@ -13,13 +13,12 @@ from pathlib import Path
 from typing import Any
 
 from coplan.apply.dist import from_torchrun, launch
-from coplan.apply.fusion import as_run, honoured_total, not_honoured
+from coplan.apply.fusion import as_run, honoured_total, not_honoured, optimizer_record
 from coplan.apply.predict import baseline_plan, make_context, predict, refuse, run_cluster
 from coplan.apply.train import MODES, Job, RankResult, pads_head, run_rank, step_time, tolerance_of
 from coplan.errors import CoplanError, SpecError
 from coplan.hardware.allocator import HOST_ALLOCATORS
 from coplan.hardware.cluster import ClusterSpec
-from coplan.ir.types import Phase
 from coplan.models.spec import ModelSpec
 from coplan.plan.context import PlanContext
 from coplan.plan.types import Plan, PlanError
@@ -90,11 +89,8 @@ def runner_optimizer(plan: Plan, ctx: PlanContext, mode: str, device: str) -> st
         return "foreach"
     if plan.parallel.pp > 1:
         return "for-loop"  # a pipeline stage's AdamW fuses nothing (``pipeline.py``)
-    graph = ctx.index.graph
-    by_name = {op.name: op for op in graph.ops}
-    fused = any(
-        n in by_name and by_name[n].phase is Phase.OPTIMIZER for grp in plan.fusion.groups for n in grp
-    )
+    # the test ``train`` makes before it builds fused AdamW
+    fused = optimizer_record(plan, ctx.index.graph, True) is not None
     return "" if fused else "for-loop"
 
 

@@ -25,10 +25,7 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 
-from coplan.cost.config import OPTIMIZER_IMPLEMENTATIONS
 from coplan.cost.parts import Kernel
-
-__all__ = ["OPTIMIZER_IMPLEMENTATIONS", "optimizer_seconds"]
 
 #: ATen ops of one parameter's AdamW update in the for-loop and foreach forms (module docstring)
 ADAMW_OPS = 8
