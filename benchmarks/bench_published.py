@@ -44,7 +44,7 @@ SCOPE = ("dgx-a100", "dgx-h100")
 
 #: docs/cost-model.md's table by source: (run id prefix, description), in the order shown.
 SOURCES = (
-    ("narayanan21", "Narayanan et al. 2021, Table 1 (Megatron-LM, fp16)"),
+    ("narayanan21", "Narayanan et al. 2021, Tables 1 and 2 (Megatron-LM, fp16)"),
     ("megatron21", "Megatron-LM README, GPT-3 175B (Jan 2021)"),
     ("korthikanti22", "Korthikanti et al. 2022, Table 5 and abstract"),
     ("nemo22", "NeMo-Megatron launcher README, Jul 2022 (5B, 175B at 1,024 GPUs)"),

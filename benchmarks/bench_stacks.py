@@ -83,6 +83,12 @@ def price(run: dict, stack: str) -> tuple[float, float, bool]:
     if str(r["stack_settings"].get("norm", "")).startswith("fused_rmsnorm"):
         # torchtitan's Triton RMSNorm (``TrainingConfig.fused_rmsnorm``)
         config = config.with_(fused_rmsnorm=True)
+    if "zero3_gather" in r["stack_settings"]:
+        # the run's DeepSpeed issues ZeRO-3's collectives its own way (``TrainingConfig.zero3_gather``)
+        config = config.with_(zero3_gather=r["stack_settings"]["zero3_gather"])
+    if r["stack_settings"].get("zero3_overlap") is False:
+        # each gather waits for the device (``TrainingConfig.overlap_zero``)
+        config = config.with_(overlap_zero=False)
     if r["stack_settings"].get("sharding") == "HYBRID_SHARD":
         # sharded within a node, replicated across nodes
         config = config.with_(fsdp_shard=cluster.groups[0].devices_per_node)

@@ -82,6 +82,12 @@ class Fp8Scaling(enum.StrEnum):  # coplan.cost.config.FP8_SCALINGS
     rowwise = "rowwise"
 
 
+class Zero3Gather(enum.StrEnum):  # coplan.cost.config.ZERO3_GATHERS
+    unit = "unit"
+    module = "module"
+    tensor_list = "tensor-list"
+
+
 def estimate(
     model: ModelOpt = DEFAULT_MODEL,
     cluster: ClusterOpt = DEFAULT_CLUSTER,
@@ -214,6 +220,24 @@ def estimate(
             "per row (torchao rowwise: casts along both axes, rescaled backward GEMMs, 16-bit TP gathers).",
         ),
     ] = Fp8Scaling.tensorwise,
+    zero3_gather: Annotated[
+        Zero3Gather | None,
+        typer.Option(
+            "--zero3-gather",
+            help="How ZeRO-3 issues its all-gathers and reduce-scatters: one per layer (FSDP), one per "
+            "module owning parameters (DeepSpeed), or one per parameter tensor with a tensor per rank "
+            "for PyTorch to copy (DeepSpeed before v0.5.6) \\[default: the stack's].",
+            show_default=False,
+        ),
+    ] = None,
+    zero3_overlap: Annotated[
+        bool,
+        typer.Option(
+            "--zero3-overlap/--no-zero3-overlap",
+            help="ZeRO-3/FSDP collectives prefetched behind compute (off: each one waits, as DeepSpeed "
+            "before v0.5.6 synchronized the device before every gather).",
+        ),
+    ] = True,
     nccl_ub: Annotated[
         bool,
         typer.Option(
@@ -373,6 +397,10 @@ def estimate(
     )
     # what the stack decides: its kernels, attention kernel and sharding units (``StackSpec.configure``)
     config = the_stack.configure(config)
+    if zero3_gather is not None:
+        config = config.with_(zero3_gather=zero3_gather.value)
+    if not zero3_overlap:
+        config = config.with_(overlap_zero=False)
     cm = CostModel(spec=spec)
     est = cm.estimate(hw, config)
     listed = _kernels(cm, hw, est, kernels) if kernels else None

@@ -72,6 +72,13 @@ class ConfigError(SpecError):
 #: kernels (a fusion group per block: fused AdamW; an update of its own: one kernel per parameter
 #: at the fused update's traffic), "fused" the same; "foreach" and "for-loop" as PyTorch runs them
 OPTIMIZER_IMPLEMENTATIONS: tuple[str, ...] = ("", "fused", "foreach", "for-loop")
+#: How ZeRO-3 issues its parameter all-gathers and gradient reduce-scatters (``coplan.cost.zero``):
+#: ``unit`` one of each per layer (PyTorch FSDP's flat or per-unit buffers, Megatron-FSDP),
+#: ``module`` one per module that owns parameters (DeepSpeed from v0.5.6: a submodule's parameters
+#: gathered together), ``tensor-list`` one per parameter tensor, each handing PyTorch one output
+#: (gather) or input (reduce-scatter) tensor per rank, which ProcessGroupNCCL copies one by one
+#: (DeepSpeed before v0.5.6).
+ZERO3_GATHERS: tuple[str, ...] = ("unit", "module", "tensor-list")
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -182,6 +189,10 @@ class TrainingConfig:
             optimizer kernels say (a group per block is fused AdamW), ``"fused"`` the same,
             ``"foreach"`` PyTorch's multi-tensor ops (its default on CUDA), ``"for-loop"`` eight
             ops per parameter issued from Python (``foreach=False``).
+        zero3_gather: how ZeRO-3's collectives are issued (``ZERO3_GATHERS``): per layer
+            (``"unit"``), per module owning parameters (``"module"``), or per parameter tensor with
+            a tensor per rank for PyTorch to copy in or out (``"tensor-list"``); each collective
+            pays its own ring latency, and each per-rank copy a launch (``coplan.cost.zero``).
         nccl_ub: the data-parallel parameter and gradient buffers are registered with NCCL
             (Megatron-Core's ``ddp_config.nccl_ub``), whose SM-efficient algorithms hold fewer SMs
             beside the compute they overlap (``coplan.cost.contention``).
@@ -236,6 +247,7 @@ class TrainingConfig:
     gemm_padding: bool = True
     fused_rmsnorm: bool = False
     optimizer: str = ""
+    zero3_gather: str = "unit"
 
     def __post_init__(self) -> None:
         for name, bound in (
@@ -323,6 +335,14 @@ class TrainingConfig:
         if self.optimizer not in OPTIMIZER_IMPLEMENTATIONS:
             choices = ", ".join(repr(x) for x in OPTIMIZER_IMPLEMENTATIONS)
             raise ConfigError("optimizer", f"must be one of {choices}, got {self.optimizer!r}")
+        if self.zero3_gather not in ZERO3_GATHERS:
+            raise ConfigError(
+                "zero3_gather", f"must be one of {', '.join(ZERO3_GATHERS)}, got {self.zero3_gather!r}"
+            )
+        if self.zero3_gather != "unit" and self.fsdp_units:
+            raise ConfigError(
+                "zero3_gather", "FSDP gathers each unit's parameters in one collective (needs 'unit')"
+            )
         if self.fp8_scaling not in FP8_SCALINGS:
             raise ConfigError(
                 "fp8_scaling", f"must be one of {', '.join(FP8_SCALINGS)}, got {self.fp8_scaling!r}"
@@ -463,6 +483,7 @@ class TrainingConfig:
             **({"gemm_padding": False} if not self.gemm_padding else {}),
             **({"fused_rmsnorm": True} if self.fused_rmsnorm else {}),
             **({"optimizer": self.optimizer} if self.optimizer else {}),
+            **({"zero3_gather": self.zero3_gather} if self.zero3_gather != "unit" else {}),
         }
 
 

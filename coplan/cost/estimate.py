@@ -136,6 +136,7 @@ def estimate(profile: GraphProfile, cluster: ClusterSpec, config: TrainingConfig
         transient = 0.0
         weight_cache = 0.0
         block_local = 0.0  # this GPU's parameters in the stage's blocks
+        tensors = modules = 0  # parameter tensors, and the modules owning them
         for part, n in parts:
             pc = cost_of(device, part_dtype(part, config.dtype)).of(part)
             # (with the microbatch's share of the fp8 weights' casts, which no recompute re-runs)
@@ -146,9 +147,13 @@ def estimate(profile: GraphProfile, cluster: ClusterSpec, config: TrainingConfig
             kern += int(n * pc.kernels)
             params[REPL] += n * part.params[REPL]
             params[TP] += n * part.params[TP]
+            tensors += round(n) * part.param_tensors
+            modules += round(n) * part.param_modules
             if part is profile.post and any(q is profile.pre for q, _ in parts):
                 params[REPL] -= profile.shared_params[REPL]
                 params[TP] -= profile.shared_params[TP]
+                tensors -= profile.shared_tensors[0]
+                modules -= profile.shared_tensors[1]
             weight_cache += n * pc.weight_cache
             is_block = bool(part.blocks)
             mode = rec if is_block else "none"
@@ -198,7 +203,7 @@ def estimate(profile: GraphProfile, cluster: ClusterSpec, config: TrainingConfig
         got = sums[key] = _Sums(
             fwd=fwd, bwd=bwd, recompute=recompute, tp_comm=tp_comm, cp_comm=cp_comm, opt=opt, kern=kern,
             params=params, saved=saved, saved_head=saved_head, transient=transient,
-            weight_cache=weight_cache, block_local=block_local,
+            weight_cache=weight_cache, block_local=block_local, tensors=tensors, modules=modules,
         )  # fmt: skip
         return got
 
@@ -258,14 +263,21 @@ def estimate(profile: GraphProfile, cluster: ClusterSpec, config: TrainingConfig
             units = max(1, per_stage_layers[s])
             hide = fwd + bwd + recompute if config.overlap_zero else 0.0
             gathers = 2 if config.zero == 3 else 1
+            # collectives per microbatch of each kind: a layer's, a module's or a tensor's
+            # parameters each (``zero.py``; FSDP's are its units)
+            calls = {"unit": units, "module": ps.modules, "tensor-list": ps.tensors}
+            pieces = max(units, calls[config.zero3_gather])
             if config.fsdp_units and config.overlap_zero:
                 root = p_local - block_local
                 fsdp = (block_local, root, units, param_bytes, grad_bytes, fwd, bwd + recompute, gathers)
                 zero_comm = _fsdp_comm(cluster, config, net, device, *fsdp)
             else:
                 share = sm_share(dp_group, device, config.nccl_ub) if config.overlap_zero else 0.0
+                # a tensor list: each rank's piece copied in or out by a launch of its own
+                lists = config.zero3_gather == "tensor-list"
+                copy_s = dp_group.size * device.kernel_launch_s if lists else 0.0
                 zero_comm = zero3_exposed(
-                    dp_group, p_local, units, param_bytes, grad_bytes, hide, gathers, share
+                    dp_group, p_local, pieces, param_bytes, grad_bytes, hide, gathers, share, copy_s
                 )
             if config.fsdp_units:
                 # FSDP's units: one per block and the root (embedding, final norm, head), which
@@ -273,7 +285,8 @@ def estimate(profile: GraphProfile, cluster: ClusterSpec, config: TrainingConfig
                 root = p_local - block_local
                 transient += fsdp_transient(block_local, root, units, param_bytes, grad_bytes)
             else:
-                transient += zero3_transient(p_local, units, param_bytes, grad_bytes)
+                # the pieces gathered at once: a layer, or (on average) a module or a tensor
+                transient += zero3_transient(p_local, pieces, param_bytes, grad_bytes)
         # data-parallel gradient reduction, once per step, bucket by bucket (``buckets.py``)
         dp_comm = param_gather = 0.0
         if d > 1 and not config.gathers_per_unit:
@@ -542,7 +555,7 @@ class _Sums(NamedTuple):
     seconds forward, backward, recomputing, in TP and CP collectives and in the optimizer; kernels
     launched; parameters (replicated, TP-sharded); saved activations of the blocks and of the parts
     outside them; the largest transient working set; fp8 weight-cache bytes; this GPU's block
-    parameters."""
+    parameters; the parameter tensors and the modules owning them."""
 
     fwd: float
     bwd: float
@@ -557,6 +570,8 @@ class _Sums(NamedTuple):
     transient: float
     weight_cache: float
     block_local: float
+    tensors: int
+    modules: int
 
 
 def _cp_ring(

@@ -148,6 +148,10 @@ class Part:
     # the block's (forward, backward) kernels with its MLP activation run eagerly (``activation.py``;
     # ``()``: the same as ``forward``/``backward``)
     eager_activation: tuple[tuple[Kernel, ...], tuple[Kernel, ...]] | tuple[()] = ()
+    # parameter tensors the part reads, and the modules owning them (ZeRO-3's collectives per
+    # tensor or per module, ``TrainingConfig.zero3_gather``)
+    param_tensors: int = 0
+    param_modules: int = 0
     cache: dict[object, object] = field(default_factory=dict, compare=False, repr=False)
 
 
@@ -192,6 +196,8 @@ class GraphProfile:
     # counted once where one pipeline stage holds both ends (each end's stage keeps its own copy
     # otherwise, as Megatron-LM keeps the word embeddings on the first and last stage)
     shared_params: tuple[float, float] = (0.0, 0.0)
+    # of those, the parameter tensors and the modules owning them
+    shared_tensors: tuple[int, int] = (0, 0)
 
     def template_of(self, block: int) -> Part:
         for t in self.templates:

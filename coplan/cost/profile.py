@@ -112,8 +112,10 @@ def profile_graph(
     # holding both ends keeps once (``GraphProfile.shared_params``)
     ends = ctx.param_shards(pre_ops), ctx.param_shards(post_ops)
     shared = [0.0, 0.0]
-    for tid in ends[0].keys() & ends[1].keys():
+    both = ends[0].keys() & ends[1].keys()
+    for tid in both:
         shared[ends[0][tid]] += graph.tensors[tid].numel
+    shared_modules = {graph.tensors[tid].param_name.rpartition(".")[0] or str(tid) for tid in both}
     per_layer = {b: t for t in parts for b in t.blocks}
     flops = pre.model_flops + post.model_flops + sum(per_layer[b].model_flops for b in blocks)
     return GraphProfile(
@@ -130,6 +132,7 @@ def profile_graph(
         heads=int(heads),
         model_flops=float(flops),
         shared_params=(shared[0], shared[1]),
+        shared_tensors=(len(both), len(shared_modules)),
     )
 
 
@@ -461,8 +464,11 @@ class _Ctx:
             else ()
         )
         params = [0.0, 0.0]
-        for tid, shard in self.param_shards(ops).items():
+        owned = self.param_shards(ops)
+        for tid, shard in owned.items():
             params[shard] += g.tensors[tid].numel
+        # a parameter's module is its attribute path less the attribute ("h.0.attn.c_attn")
+        modules = {g.tensors[tid].param_name.rpartition(".")[0] or str(tid) for tid in owned}
         saved_none = self.saved_vec(ops, ids, mode="none")
         exits, entries = tp_boundaries(self.g, self._shard, ops)
         boundary = pipeline_boundary(self.g, ops, ids)
@@ -480,6 +486,8 @@ class _Ctx:
             backward=tuple(bwd),
             optimizer=tuple(opt),
             params=(params[0], params[1]),
+            param_tensors=len(owned),
+            param_modules=len(modules),
             saved={
                 "none": saved_none,
                 "selective": self.saved_vec(ops, ids, mode="selective"),

@@ -25,6 +25,7 @@ from coplan.cost.config import (
     DDP_BUCKET_BYTES,
     KERNEL_SETS,
     OPTIMIZER_IMPLEMENTATIONS,
+    ZERO3_GATHERS,
     TrainingConfig,
 )
 from coplan.errors import SpecError
@@ -69,6 +70,7 @@ SETTINGS: tuple[str, ...] = (
     "async_tp",
     "gemm_padding",
     "optimizer",
+    "zero3_gather",
 )
 #: How a stack runs fp8 GEMMs: natively, emulated (runs, not faster) or not at all.
 FP8_MODES: tuple[str, ...] = ("native", "emulated", "none")
@@ -133,6 +135,8 @@ class StackSpec:
             as they are (``TrainingConfig.gemm_padding``).
         optimizer: how its AdamW update runs (``TrainingConfig.optimizer``, ``coplan.cost.optimizer``):
             ``""`` as a plan's optimizer kernels say, ``"fused"``, ``"foreach"`` or ``"for-loop"``.
+        zero3_gather: how its ZeRO-3 issues the parameter all-gathers and gradient reduce-scatters
+            (``TrainingConfig.zero3_gather``): per layer, per module or per parameter tensor.
         reserved_fraction: the caching allocator's reserved bytes beyond the allocated peak, as a
             fraction of it (what ``torch.cuda.max_memory_reserved`` reports over
             ``max_memory_allocated``); 0 prices the allocated peak.
@@ -167,6 +171,7 @@ class StackSpec:
     async_tp: bool = False
     gemm_padding: bool = True
     optimizer: str = ""
+    zero3_gather: str = "unit"
     about: str = ""
     sources: tuple[tuple[str, str], ...] = ()
 
@@ -180,6 +185,9 @@ class StackSpec:
         _choice(src, "dp_bucket_scope", self.dp_bucket_scope, BUCKET_SCOPES)
         _choice(src, "fp8", self.fp8, FP8_MODES)
         _choice(src, "optimizer", self.optimizer, OPTIMIZER_IMPLEMENTATIONS)
+        _choice(src, "zero3_gather", self.zero3_gather, ZERO3_GATHERS)
+        if self.zero3_gather != "unit" and self.fsdp_units:
+            raise StackError(src, "zero3_gather", "FSDP gathers a unit in one collective (needs 'unit')")
         for flag in (
             "eager_loss",
             "fsdp_units",
@@ -246,6 +254,7 @@ class StackSpec:
             and not self.fsdp_units
             and self.attention_kernel == "auto"
             and not self.optimizer
+            and self.zero3_gather == "unit"
         ):
             return config  # Megatron's own: nothing to change
         changes: dict[str, Any] = {}
@@ -264,6 +273,8 @@ class StackSpec:
             config = config.with_(gemm_padding=False)
         if self.optimizer and not config.optimizer:
             config = config.with_(optimizer=self.optimizer)
+        if self.zero3_gather != "unit" and config.zero3_gather == "unit":
+            config = config.with_(zero3_gather=self.zero3_gather)
         if self.kernels == "megatron":
             return config
         changes: dict[str, Any] = {"kernels": self.kernels}

@@ -12,7 +12,17 @@ So, per microbatch:
 
 - the collectives are issued per unit, each paying its own latency (NCCL's all-gather and
   reduce-scatter are rings: ``n - 1`` latency steps, ``comm.Group``), which a whole-model
-  estimate of one collective misses at large data-parallel degree;
+  estimate of one collective misses at large data-parallel degree. DeepSpeed issues them per
+  module that owns parameters (``PartitionedParameterCoordinator.fetch_sub_module`` gathers one
+  submodule's parameters together, deepspeed/runtime/zero/partitioned_param_coordinator.py at
+  v0.7.0), and before v0.5.6 one per parameter tensor, handing ``torch.distributed.all_gather``
+  and ``reduce_scatter`` one tensor per rank (partition_parameters.py ``_allgather_param`` and
+  ``_reduce_scatter_gradient`` at 5d721e092, 2021-04): PyTorch's ProcessGroupNCCL gathers into
+  a flat buffer and copies each rank's piece out with its own ``copy_`` (reduce-scatter copies
+  each in), ``n`` launched copies per collective. Each gather also began with
+  ``torch.cuda.synchronize()``, so nothing overlapped: "the async version is not async at all,
+  because each all_gather calls torch.cuda.synchronize()" (microsoft/DeepSpeed#1188, which
+  removed it in v0.5.6, 2021-10-31; a run of that stack sets ``overlap_zero`` false);
 - prefetching overlaps unit ``i + 1``'s all-gather with unit ``i``'s compute, and the
   reduce-scatter of unit ``i`` with the backward of unit ``i - 1``; what compute cannot cover shows,
   and the first unit's all-gather (nothing to hide behind at the start of forward) and the last
@@ -37,19 +47,23 @@ def zero3_exposed(
     compute: float,
     gathers: int = 2,
     share: float = 0.0,
+    copy_s: float = 0.0,
 ) -> float:
     """Seconds of ZeRO-3 communication one microbatch cannot hide behind ``compute`` seconds of
     its own forward and backward, for ``p_local`` parameters (this GPU's tensor-parallel share,
-    before the data-parallel sharding) split evenly into ``units`` units. ``gathers`` all-gathers
-    per unit: 2 for ZeRO-3 (forward and backward), 1 for FSDP without resharding after forward.
-    The hidden collectives take ``share`` of the device from the compute beside them
-    (``contention.py``): that compute's extra time counts here too."""
+    before the data-parallel sharding) split evenly into ``units`` collectives of each kind (the
+    layers, or the modules or tensors a stack gathers one by one: ``TrainingConfig.zero3_gather``).
+    ``gathers`` all-gathers per unit: 2 for ZeRO-3 (forward and backward), 1 for FSDP without
+    resharding after forward. ``copy_s``: seconds each collective spends copying its per-rank
+    tensors in or out beside the collective itself. The hidden collectives take ``share`` of the
+    device from the compute beside them (``contention.py``): that compute's extra time counts
+    here too."""
     if group.size <= 1 or p_local <= 0:
         return 0.0
     units = max(1, units)
     per_unit = p_local / units
-    gather = group.all_gather(per_unit * param_bytes)
-    scatter = group.reduce_scatter(per_unit * grad_bytes)
+    gather = group.all_gather(per_unit * param_bytes) + copy_s
+    scatter = group.reduce_scatter(per_unit * grad_bytes) + copy_s
     total = units * (gathers * gather + scatter)
     edges = gather + scatter  # the first unit's gather and the last unit's reduce-scatter
     extra = slowdown(compute, total - edges, share)
