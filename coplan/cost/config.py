@@ -76,8 +76,8 @@ OPTIMIZER_IMPLEMENTATIONS: tuple[str, ...] = ("", "fused", "foreach", "for-loop"
 #: ``unit`` one of each per layer (PyTorch FSDP's flat or per-unit buffers, Megatron-FSDP),
 #: ``module`` one per module that owns parameters (DeepSpeed from v0.5.6: a submodule's parameters
 #: gathered together), ``tensor-list`` one per parameter tensor, each handing PyTorch one output
-#: (gather) or input (reduce-scatter) tensor per rank, which ProcessGroupNCCL copies one by one
-#: (DeepSpeed before v0.5.6).
+#: (gather) or input (reduce-scatter) tensor per rank, which ProcessGroupNCCL copies one by one,
+#: each gather after a device synchronize, so none overlaps compute (DeepSpeed before v0.5.6).
 ZERO3_GATHERS: tuple[str, ...] = ("unit", "module", "tensor-list")
 
 
@@ -191,8 +191,9 @@ class TrainingConfig:
             ops per parameter issued from Python (``foreach=False``).
         zero3_gather: how ZeRO-3's collectives are issued (``ZERO3_GATHERS``): per layer
             (``"unit"``), per module owning parameters (``"module"``), or per parameter tensor with
-            a tensor per rank for PyTorch to copy in or out (``"tensor-list"``); each collective
-            pays its own ring latency, and each per-rank copy a launch (``coplan.cost.zero``).
+            a tensor per rank for PyTorch to copy in or out, each gather waiting for the device
+            (``"tensor-list"``: nothing overlaps); each collective pays its own ring latency, and
+            each per-rank copy a launch (``coplan.cost.zero``).
         nccl_ub: the data-parallel parameter and gradient buffers are registered with NCCL
             (Megatron-Core's ``ddp_config.nccl_ub``), whose SM-efficient algorithms hold fewer SMs
             beside the compute they overlap (``coplan.cost.contention``).

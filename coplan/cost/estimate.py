@@ -261,7 +261,9 @@ def estimate(profile: GraphProfile, cluster: ClusterSpec, config: TrainingConfig
             # units are the stage's layers (the embedding and head ride with the first and last).
             # Only ZeRO-3 gathers again for backward (FSDP2 keeps the unit gathered otherwise)
             units = max(1, per_stage_layers[s])
-            hide = fwd + bwd + recompute if config.overlap_zero else 0.0
+            # a tensor list's gathers each wait for the device first (``zero.py``): nothing hides
+            overlaps = config.overlap_zero and config.zero3_gather != "tensor-list"
+            hide = fwd + bwd + recompute if overlaps else 0.0
             gathers = 2 if config.zero == 3 else 1
             # collectives per microbatch of each kind: a layer's, a module's or a tensor's
             # parameters each (``zero.py``; FSDP's are its units)
@@ -272,7 +274,7 @@ def estimate(profile: GraphProfile, cluster: ClusterSpec, config: TrainingConfig
                 fsdp = (block_local, root, units, param_bytes, grad_bytes, fwd, bwd + recompute, gathers)
                 zero_comm = _fsdp_comm(cluster, config, net, device, *fsdp)
             else:
-                share = sm_share(dp_group, device, config.nccl_ub) if config.overlap_zero else 0.0
+                share = sm_share(dp_group, device, config.nccl_ub) if overlaps else 0.0
                 # a tensor list: each rank's piece copied in or out by a launch of its own
                 lists = config.zero3_gather == "tensor-list"
                 copy_s = dp_group.size * device.kernel_launch_s if lists else 0.0

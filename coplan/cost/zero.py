@@ -22,7 +22,7 @@ So, per microbatch:
   each in), ``n`` launched copies per collective. Each gather also began with
   ``torch.cuda.synchronize()``, so nothing overlapped: "the async version is not async at all,
   because each all_gather calls torch.cuda.synchronize()" (microsoft/DeepSpeed#1188, which
-  removed it in v0.5.6, 2021-10-31; a run of that stack sets ``overlap_zero`` false);
+  removed it in v0.5.6, 2021-10-31; ``tensor-list`` hides none of it);
 - prefetching overlaps unit ``i + 1``'s all-gather with unit ``i``'s compute, and the
   reduce-scatter of unit ``i`` with the backward of unit ``i - 1``; what compute cannot cover shows,
   and the first unit's all-gather (nothing to hide behind at the start of forward) and the last

@@ -114,14 +114,23 @@ def test_fsdp_gathers_units_only() -> None:
     assert TrainingConfig(zero3_gather="module").to_dict()["zero3_gather"] == "module"
 
 
-def test_deepspeed_preset_gathers_per_module_and_cites_it() -> None:
+def test_deepspeed_preset_gathers_as_its_published_runs_did_and_cites_it() -> None:
     ds = load_stack("deepspeed")
-    assert ds.zero3_gather == "module" and "fetch_sub_module" in ds.source_of("zero3_gather")
-    assert ds.with_kernels(_zero3("unit")).zero3_gather == "module"
-    assert ds.configure(_zero3("unit")).zero3_gather == "module"
+    assert ds.zero3_gather == "tensor-list" and "all_gather" in ds.source_of("zero3_gather")
+    assert ds.with_kernels(_zero3("unit")).zero3_gather == "tensor-list"
+    assert ds.configure(_zero3("unit")).zero3_gather == "tensor-list"
     # a configuration that names its own keeps it
-    assert ds.with_kernels(_zero3("tensor-list")).zero3_gather == "tensor-list"
+    assert ds.with_kernels(_zero3("module")).zero3_gather == "module"
     assert load_stack("torchtitan").configure(_zero3("unit")).zero3_gather == "unit"
+
+
+def test_a_tensor_list_hides_nothing() -> None:
+    # each gather waited for the device (torch.cuda.synchronize), whatever overlap the stack allows
+    cm = CostModel(spec=GPT)
+    cluster = load_cluster("dgx-a100-80gb", 64)
+    on = cm.estimate(cluster, _zero3("tensor-list")).breakdown_s["zero_comm"]
+    off = cm.estimate(cluster, _zero3("tensor-list", overlap=False)).breakdown_s["zero_comm"]
+    assert on == off
 
 
 def test_cli_prices_the_collectives_as_named(cli) -> None:  # type: ignore[no-untyped-def]
