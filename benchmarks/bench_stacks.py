@@ -83,6 +83,9 @@ def price(run: dict, stack: str) -> tuple[float, float, bool]:
     if str(r["stack_settings"].get("norm", "")).startswith("fused_rmsnorm"):
         # torchtitan's Triton RMSNorm (``TrainingConfig.fused_rmsnorm``)
         config = config.with_(fused_rmsnorm=True)
+    if "optimizer" in r["stack_settings"]:
+        # how the run's PyTorch stepped AdamW (``TrainingConfig.optimizer``)
+        config = config.with_(optimizer=r["stack_settings"]["optimizer"])
     if "zero3_gather" in r["stack_settings"]:
         # the run's DeepSpeed issues ZeRO-3's collectives its own way (``TrainingConfig.zero3_gather``)
         config = config.with_(zero3_gather=r["stack_settings"]["zero3_gather"])

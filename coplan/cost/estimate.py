@@ -187,6 +187,11 @@ def estimate(profile: GraphProfile, cluster: ClusterSpec, config: TrainingConfig
                     probs = (part.scores + part.scores_dropout) * n
                     masks = part.scores_dropout * n
                     add = {ACT * 2 + TP: probs, FIX * 2 + TP: masks}
+                    if config.kernels == "eager" and config.mixed:
+                        # eager PyTorch under autocast: the fp32 softmax keeps its own output for
+                        # its gradient beside the 16-bit copy the second GEMM keeps
+                        # (``kernels.eager_scores``)
+                        add[F32 * 2 + TP] = part.scores * n
                     saved = tuple(saved[i] - n * part.flash_saved[i] + add.get(i, 0.0) for i in range(NV))  # type: ignore[assignment]
                 tr = pc.transient(part)
                 if mode == "full":

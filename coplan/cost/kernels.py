@@ -201,6 +201,9 @@ class Scale:
     flash: bool
     eager: bool = True  # ops dispatched one by one (not a compiled graph): views cost host time
     pads: bool = True  # unaligned GEMM dimensions are padded (``TrainingConfig.gemm_padding``)
+    # attention without a fused kernel runs as the model's Python writes it, op by op (eager
+    # PyTorch's kernels, ``TrainingConfig.kernels``), not as Megatron's fused softmax
+    eager_attention: bool = False
 
     def div(self, shard: int) -> int:
         return self.tp if shard == TP or self.sp else 1
@@ -217,7 +220,14 @@ class Scale:
         # explicit fusion groups are a compiled graph, whose views cost the host nothing per step
         eager = isinstance(config.fusion, str)
         return cls(
-            t, config.sequence_parallel, weights, ab, config.flash_attention, eager, config.gemm_padding
+            t,
+            config.sequence_parallel,
+            weights,
+            ab,
+            config.flash_attention,
+            eager,
+            config.gemm_padding,
+            config.kernels == "eager",
         )
 
 
@@ -247,12 +257,38 @@ ATTN_TILE_ROWS = 128
 def launches(k: Kernel, s: Scale) -> int:
     """Kernels launched for ``k``: none for views, three forward / five backward for attention
     without a fused kernel (two batched GEMMs and a softmax; their gradients), one more each way
-    with dropout on the probabilities (the dropout kernel and its gradient)."""
+    with dropout on the probabilities (the dropout kernel and its gradient). Written out in eager
+    PyTorch (``eager_scores``) the scale and the mask are kernels of their own each way, and under
+    autocast the casts around the fp32 softmax two more."""
     if k.kind == "free":
         return 0
     if k.kind == "attention" and not s.flash:
-        return (3 if k.phase.value == "forward" else 5) + (1 if k.dropout else 0)
+        forward = k.phase.value == "forward"
+        n = 3 if forward else 5
+        if s.eager_attention:
+            n += 2 + (2 if s.act_bytes < 4 else 0)
+        return n + (1 if k.dropout else 0)
     return 1
+
+
+def eager_scores(forward: bool, act_bytes: int) -> float:
+    """Bytes per score element that eager PyTorch's written-out attention moves (nanoGPT's
+    model.py: ``att = (q @ k.transpose(-2, -1)) * scale``, ``att.masked_fill(mask, -inf)``,
+    ``F.softmax(att, dim=-1)``, ``att @ v``; Hugging Face's eager attention is the same sequence
+    with an added mask). Forward: S written by the first batched GEMM, read and written by the
+    scale and by the mask (4 passes), P read by the second GEMM. Under autocast (16-bit
+    activations) softmax is on the fp32 list (aten/src/ATen/autocast_mode.cpp; the AMP docs'
+    "CUDA Ops that can autocast to float32"): its input is cast up (16-bit read, fp32 write), it
+    reads and writes fp32, and the matmul's autocast casts P back down (fp32 read, 16-bit write):
+    8 passes of 16 bits and 4 of fp32. Backward (tools/autograd/derivatives.yaml): dP written and
+    P read by the second GEMM's gradients, dP cast up, ``_softmax_backward_data`` reading the
+    gradient and the saved fp32 output and writing dS, dS cast down, ``masked_fill``'s gradient
+    (``grad.masked_fill(mask, 0)``) and the scale's (``grad * scale``) a read and a write each, dS
+    read by the first GEMM's two gradients: 10 passes of 16 bits and 5 of fp32. Without autocast
+    the casts go: 8 passes forward, 11 backward, all in the activation dtype."""
+    if act_bytes < 4:
+        return act_bytes * (8 if forward else 10) + 4 * (4 if forward else 5)
+    return act_bytes * (8 if forward else 11)
 
 
 def shape_factor(dims: tuple[float, ...], half: float) -> float:
@@ -380,8 +416,11 @@ def _attention(k: Kernel, r: Rates, s: Scale) -> float:
     # These kernels compute the whole score matrix and mask it: all the counted FLOPs are paid,
     # though model FLOPs (MFU) count only the causal share, the useful work.
     compute = k.mm_flops / div / (r.mm_flops * shape_factor((sq, sk, d), r.half_dim))
-    passes = 4 if k.phase.value == "forward" else 7
-    per_elem = s.act_bytes * passes
+    forward = k.phase.value == "forward"
+    if s.eager_attention:
+        per_elem = eager_scores(forward, s.act_bytes)
+    else:
+        per_elem = s.act_bytes * (4 if forward else 7)
     if k.dropout:
         per_elem += 2 * s.act_bytes + 1
     scores = bh * sq * sk / s.tp * per_elem / r.bandwidth

@@ -106,3 +106,51 @@ def test_fused_rmsnorm_keeps_no_normalized_tensor_and_launches_one_kernel_each_w
     # full recompute keeps no norm output either way
     full = [model.estimate(cluster, config.with_(recompute="full", fused_rmsnorm=f)) for f in (False, True)]
     assert full[0].memory.activations_bytes == full[1].memory.activations_bytes
+
+
+def test_written_out_attention_moves_the_scores_op_by_op() -> None:
+    from dataclasses import replace as dc_replace
+
+    from coplan.cost.kernels import Rates, Scale, eager_scores, kernel_time, launches
+
+    # autocast: 8 passes of 16 bits and 4 of fp32 forward, 10 and 5 backward; without it, 8 and 11
+    assert eager_scores(True, 2) == 8 * 2 + 4 * 4 == 32
+    assert eager_scores(False, 2) == 10 * 2 + 5 * 4 == 40
+    assert (eager_scores(True, 4), eager_scores(False, 4)) == (32, 44)
+    spec = ModelSpec(name="g", n_layers=1, d_model=256, n_heads=4, vocab_size=512, seq_len=256,
+                     activation="gelu", norm="layernorm", position="learned", bias=True)  # fmt: skip
+    config = TrainingConfig(
+        microbatch=2, global_batch=2, flash_attention=False, kernels="eager", fusion="none"
+    )
+    prof = CostModel(spec=spec).profile(2, 256, "none")
+    device = load_cluster("dgx-a100-40gb", 1).groups[0].device
+    rates = Rates.of(device, "bf16")
+    eager = Scale.of(config)
+    fused = dc_replace(eager, eager_attention=False)
+    assert eager.eager_attention and not fused.eager_attention
+    (block,) = prof.templates
+    for k in (*block.forward, *block.backward):
+        if k.kind != "attention":
+            continue
+        forward = k.phase.value == "forward"
+        bh, sq, sk, _ = k.attn
+        # Megatron's fused softmax moves the scores 4 times forward, 7 backward, in 16 bits
+        extra_bytes = bh * sq * sk * (eager_scores(forward, 2) - 2 * (4 if forward else 7))
+        extra_launches = launches(k, eager) - launches(k, fused)
+        # the scale and the mask, and the two casts around the fp32 softmax, each way
+        assert extra_launches == 4
+        got = kernel_time(k, rates, eager) - kernel_time(k, rates, fused)
+        assert got == pytest.approx(extra_bytes / rates.bandwidth + extra_launches * rates.launch_s)
+
+
+def test_written_out_attention_under_autocast_keeps_an_fp32_and_a_16_bit_copy_of_the_scores() -> None:
+    spec = ModelSpec(name="g", n_layers=2, d_model=256, n_heads=4, vocab_size=512, seq_len=256,
+                     activation="gelu", norm="layernorm", position="learned", bias=True)  # fmt: skip
+    cm = CostModel(spec=spec)
+    cluster = load_cluster("dgx-a100-40gb", 1)
+    base = TrainingConfig(microbatch=2, global_batch=2, flash_attention=False, fusion="none")
+    eager = cm.estimate(cluster, base.with_(kernels="eager"))
+    megatron = cm.estimate(cluster, base)
+    scores = 2 * 4 * 256 * 256  # batch x heads x s x s per layer
+    got = eager.memory.activations_bytes - megatron.memory.activations_bytes
+    assert got == pytest.approx(spec.n_layers * scores * 4)
