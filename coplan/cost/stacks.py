@@ -248,16 +248,22 @@ class StackSpec:
 
     def configure(self, config: TrainingConfig) -> TrainingConfig:
         """``config`` with what this stack decides: its kernels (and the fusion groups they
-        imply), its attention kernel (where the config leaves it to the device) and its FSDP units."""
+        imply), its attention kernel (where the config leaves it to the device), its FSDP units,
+        and no overlapped data-parallel collectives where it overlaps none (``overlap``)."""
         if (
             self.kernels == "megatron"
             and not self.fsdp_units
             and self.attention_kernel == "auto"
             and not self.optimizer
             and self.zero3_gather == "unit"
+            and self.overlap
         ):
             return config  # Megatron's own: nothing to change
         changes: dict[str, Any] = {}
+        if not self.overlap:
+            # the stack issues its data-parallel collectives after the compute they could hide
+            # behind, as a plan for it is priced (``PlanContext``)
+            changes.update(overlap_grad_reduce=False, overlap_param_gather=False, overlap_zero=False)
         if config.attention_kernel == "auto":
             changes["attention_kernel"] = self.attention_kernel
         if self.fsdp_units:

@@ -287,3 +287,22 @@ def test_a_compiled_loss_runs_as_inductor_generates_it() -> None:
     # an eager loss stays the IR's own; Megatron's preset keeps its default
     assert replace(load_stack("torchtitan-compile"), eager_loss=True).configure(base).loss_fusion == "none"
     assert load_stack("megatron").configure(base).loss_fusion == "none"
+
+
+def test_a_stack_without_overlap_prices_estimates_as_its_plans() -> None:
+    # DeepSpeed's pipeline engine reduces gradients after the last microbatch: coplan estimate
+    # --stack deepspeed prices the collectives unhidden, as a plan for the stack is priced
+    config = TrainingConfig(dp=8, global_batch=8, zero=1, overlap_param_gather=True)
+    got = load_stack("deepspeed").configure(config)
+    assert (got.overlap_grad_reduce, got.overlap_param_gather, got.overlap_zero) == (False, False, False)
+    kept = load_stack("megatron").configure(config)
+    assert (kept.overlap_grad_reduce, kept.overlap_param_gather, kept.overlap_zero) == (True, True, True)
+    from coplan.plan import PlanContext
+
+    cm = CostModel(spec=SPEC)
+    cluster = load_cluster("dgx-h100", 8)
+    ctx = PlanContext(cm, cluster, 8, 64, stack=load_stack("deepspeed"))
+    plan = ctx.default_plan()
+    priced = ctx.price(plan).step_time_s
+    est = cm.estimate(cluster, load_stack("deepspeed").configure(ctx.config_of(plan)))
+    assert est.step_time_s == pytest.approx(priced)
