@@ -283,8 +283,9 @@ def estimate(profile: GraphProfile, cluster: ClusterSpec, config: TrainingConfig
                 # a tensor list: each rank's piece copied in or out by a launch of its own
                 lists = config.zero3_gather == "tensor-list"
                 copy_s = dp_group.size * device.kernel_launch_s if lists else 0.0
+                hbm = device.memory_bandwidth * device.efficiency_of("memory") if lists else 0.0
                 zero_comm = zero3_exposed(
-                    dp_group, p_local, pieces, param_bytes, grad_bytes, hide, gathers, share, copy_s
+                    dp_group, p_local, pieces, param_bytes, grad_bytes, hide, gathers, share, copy_s, hbm
                 )
             if config.fsdp_units:
                 # FSDP's units: one per block and the root (embedding, final norm, head), which

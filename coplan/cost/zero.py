@@ -19,7 +19,8 @@ So, per microbatch:
   and ``reduce_scatter`` one tensor per rank (partition_parameters.py ``_allgather_param`` and
   ``_reduce_scatter_gradient`` at 5d721e092, 2021-04): PyTorch's ProcessGroupNCCL gathers into
   a flat buffer and copies each rank's piece out with its own ``copy_`` (reduce-scatter copies
-  each in), ``n`` launched copies per collective. Each gather also began with
+  each in), ``n`` launched copies per collective moving the whole tensor once more, into a
+  gathered tensor DeepSpeed allocated with ``torch.zeros`` (a pass of its own). Each gather also began with
   ``torch.cuda.synchronize()``, so nothing overlapped: "the async version is not async at all,
   because each all_gather calls torch.cuda.synchronize()" (microsoft/DeepSpeed#1188, which
   removed it in v0.5.6, 2021-10-31; ``tensor-list`` hides none of it);
@@ -48,22 +49,29 @@ def zero3_exposed(
     gathers: int = 2,
     share: float = 0.0,
     copy_s: float = 0.0,
+    copy_bandwidth: float = 0.0,
 ) -> float:
     """Seconds of ZeRO-3 communication one microbatch cannot hide behind ``compute`` seconds of
     its own forward and backward, for ``p_local`` parameters (this GPU's tensor-parallel share,
     before the data-parallel sharding) split evenly into ``units`` collectives of each kind (the
     layers, or the modules or tensors a stack gathers one by one: ``TrainingConfig.zero3_gather``).
     ``gathers`` all-gathers per unit: 2 for ZeRO-3 (forward and backward), 1 for FSDP without
-    resharding after forward. ``copy_s``: seconds each collective spends copying its per-rank
-    tensors in or out beside the collective itself. The hidden collectives take ``share`` of the
-    device from the compute beside them (``contention.py``): that compute's extra time counts
-    here too."""
+    resharding after forward. ``copy_s``: seconds each collective spends launching the copies of
+    its per-rank tensors in or out beside the collective itself; ``copy_bandwidth`` (bytes per
+    second, 0: none) the device memory those copies move through: a gather's output zero-filled
+    before it and copied once more after it (three passes of the gathered bytes), a
+    reduce-scatter's input copied once before it (two passes). The hidden collectives take
+    ``share`` of the device from the compute beside them (``contention.py``): that compute's
+    extra time counts here too."""
     if group.size <= 1 or p_local <= 0:
         return 0.0
     units = max(1, units)
     per_unit = p_local / units
     gather = group.all_gather(per_unit * param_bytes) + copy_s
     scatter = group.reduce_scatter(per_unit * grad_bytes) + copy_s
+    if copy_bandwidth > 0:
+        gather += 3 * per_unit * param_bytes / copy_bandwidth
+        scatter += 2 * per_unit * grad_bytes / copy_bandwidth
     total = units * (gathers * gather + scatter)
     edges = gather + scatter  # the first unit's gather and the last unit's reduce-scatter
     extra = slowdown(compute, total - edges, share)

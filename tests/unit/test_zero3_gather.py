@@ -55,6 +55,11 @@ def test_each_collective_pays_its_copies() -> None:
     )
     # all hidden but the first gather and the last reduce-scatter
     assert zero3_exposed(g, p, calls, 2, 4, 1e6, 2, 0.0, copy) == pytest.approx(gather + scatter)
+    # the zero-filled, copied gathered tensor and the copied reduce-scatter input: 3 and 2 passes
+    hbm = 1e12
+    moved = calls * (2 * 3 * (p / calls * 2) + 2 * (p / calls * 4)) / hbm
+    with_bytes = zero3_exposed(g, p, calls, 2, 4, 0.0, 2, 0.0, copy, hbm)
+    assert with_bytes - zero3_exposed(g, p, calls, 2, 4, 0.0, 2, 0.0, copy) == pytest.approx(moved)
     # more, smaller collectives of the same bytes pay more latency
     assert zero3_exposed(g, p, 4 * calls, 2, 4, 0.0) > zero3_exposed(g, p, calls, 2, 4, 0.0)
 
@@ -87,8 +92,10 @@ def test_tensor_lists_price_every_collective_and_copy_unhidden() -> None:
     g = Group.of(cluster, 64, 1, cluster.groups[0].device.efficiency_of("network"))
     p_local = float(cm.profile(1, 64, "megatron").graph.param_count)
     tensors = 2 * 12 + 2 + 3 - 1  # the tied embedding is one tensor on the one stage
-    copy = 64 * cluster.groups[0].device.kernel_launch_s
-    want = zero3_exposed(g, p_local, tensors, 2, 4, 0.0, 2, 0.0, copy)
+    device = cluster.groups[0].device
+    copy = 64 * device.kernel_launch_s
+    hbm = device.memory_bandwidth * device.efficiency_of("memory")
+    want = zero3_exposed(g, p_local, tensors, 2, 4, 0.0, 2, 0.0, copy, hbm)
     assert est.breakdown_s["zero_comm"] == pytest.approx(want)
 
 
