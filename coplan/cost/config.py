@@ -485,6 +485,7 @@ class TrainingConfig:
             **({"fused_rmsnorm": True} if self.fused_rmsnorm else {}),
             **({"optimizer": self.optimizer} if self.optimizer else {}),
             **({"zero3_gather": self.zero3_gather} if self.zero3_gather != "unit" else {}),
+            **({"overlap_zero": False} if not self.overlap_zero else {}),
         }
 
 

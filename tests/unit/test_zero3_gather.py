@@ -146,7 +146,12 @@ def test_cli_prices_the_collectives_as_named(cli) -> None:  # type: ignore[no-un
     for extra in ((), ("--zero3-gather", "tensor-list", "--no-zero3-overlap")):
         code, out, err = cli(*args, *extra, "--json")
         assert code == 0, err
-        comm[extra] = json.loads(out)["breakdown_s"]["zero_comm"]
+        data = json.loads(out)
+        comm[extra] = data["breakdown_s"]["zero_comm"]
+        if extra:
+            assert data["config"]["zero3_gather"] == "tensor-list" and data["config"]["overlap_zero"] is False
+        else:
+            assert "zero3_gather" not in data["config"] and "overlap_zero" not in data["config"]
     assert comm[()] < comm[("--zero3-gather", "tensor-list", "--no-zero3-overlap")]
     code, _, err = cli(*args, "--stack", "fsdp", "--zero3-gather", "module")
     assert code == 2 and "zero3_gather" in err and len(err.strip().splitlines()) == 1
