@@ -185,6 +185,8 @@ _ESTIMATE = {
     "--stage-layers": st.sampled_from(["1,1", "2", "0,2", "x", "1,-1", ""]),
     "--dp-bucket-params": _numbers,
     "--kernels": _numbers,
+    "--zero3-gather": st.sampled_from(["unit", "module", "tensor-list", "layer", ""]),
+    "--stack": st.sampled_from(["megatron", "deepspeed", "fsdp", "eager", "nope", ""]),
     "--cluster": st.sampled_from(["cpu", "dgx-h100", "a100-sxm", "nope", "/tmp", "/proc/version"]),
 }
 _PLAN = {
