@@ -86,6 +86,9 @@ def price(run: dict, stack: str) -> tuple[float, float, bool]:
     if "optimizer" in r["stack_settings"]:
         # how the run's PyTorch stepped AdamW (``TrainingConfig.optimizer``)
         config = config.with_(optimizer=r["stack_settings"]["optimizer"])
+    if r["stack_settings"].get("cuda_launch_blocking"):
+        # CUDA_LAUNCH_BLOCKING=1: each launch's host time in series (``TrainingConfig.launch_blocking``)
+        config = config.with_(launch_blocking=True)
     if "zero3_gather" in r["stack_settings"]:
         # the run's DeepSpeed issues ZeRO-3's collectives its own way (``TrainingConfig.zero3_gather``)
         config = config.with_(zero3_gather=r["stack_settings"]["zero3_gather"])

@@ -230,6 +230,14 @@ def estimate(
             show_default=False,
         ),
     ] = None,
+    launch_blocking: Annotated[
+        bool,
+        typer.Option(
+            "--launch-blocking",
+            help="Kernel launches synchronous (CUDA_LAUNCH_BLOCKING=1): each adds the host's issue "
+            "time of an eager op in series.",
+        ),
+    ] = False,
     zero3_overlap: Annotated[
         bool,
         typer.Option(
@@ -401,6 +409,8 @@ def estimate(
         config = config.with_(zero3_gather=zero3_gather.value)
     if not zero3_overlap:
         config = config.with_(overlap_zero=False)
+    if launch_blocking:
+        config = config.with_(launch_blocking=True)
     cm = CostModel(spec=spec)
     est = cm.estimate(hw, config)
     listed = _kernels(cm, hw, est, kernels) if kernels else None

@@ -194,6 +194,10 @@ class TrainingConfig:
             a tensor per rank for PyTorch to copy in or out, each gather waiting for the device
             (``"tensor-list"``: nothing overlaps); each collective pays its own ring latency, and
             each per-rank copy a launch (``coplan.cost.zero``).
+        launch_blocking: kernel launches are synchronous (``CUDA_LAUNCH_BLOCKING=1``, CUDA
+            programming guide: "kernel launches are synchronous"), so the host's cost of issuing
+            each kernel no longer overlaps the GPU's work: every launch adds the measured host
+            time of an eager op (``coplan.cost.optimizer.FOR_LOOP_OP_S``) in series.
         nccl_ub: the data-parallel parameter and gradient buffers are registered with NCCL
             (Megatron-Core's ``ddp_config.nccl_ub``), whose SM-efficient algorithms hold fewer SMs
             beside the compute they overlap (``coplan.cost.contention``).
@@ -249,6 +253,7 @@ class TrainingConfig:
     fused_rmsnorm: bool = False
     optimizer: str = ""
     zero3_gather: str = "unit"
+    launch_blocking: bool = False
 
     def __post_init__(self) -> None:
         for name, bound in (
@@ -331,6 +336,8 @@ class TrainingConfig:
             raise ConfigError("eager_loss", f"must be true or false, got {self.eager_loss!r}")
         if not isinstance(self.gemm_padding, bool):
             raise ConfigError("gemm_padding", f"must be true or false, got {self.gemm_padding!r}")
+        if not isinstance(self.launch_blocking, bool):
+            raise ConfigError("launch_blocking", f"must be true or false, got {self.launch_blocking!r}")
         if not isinstance(self.fused_rmsnorm, bool):
             raise ConfigError("fused_rmsnorm", f"must be true or false, got {self.fused_rmsnorm!r}")
         if self.optimizer not in OPTIMIZER_IMPLEMENTATIONS:
@@ -486,6 +493,7 @@ class TrainingConfig:
             **({"optimizer": self.optimizer} if self.optimizer else {}),
             **({"zero3_gather": self.zero3_gather} if self.zero3_gather != "unit" else {}),
             **({"overlap_zero": False} if not self.overlap_zero else {}),
+            **({"launch_blocking": True} if self.launch_blocking else {}),
         }
 
 

@@ -39,6 +39,7 @@ from dataclasses import dataclass
 from functools import lru_cache
 
 from coplan.cost.config import ConfigError, TrainingConfig
+from coplan.cost.optimizer import FOR_LOOP_OP_S
 from coplan.cost.parts import TP, Kernel, Vec, vdot
 from coplan.hardware.device import VECTOR_FAMILIES, DeviceSpec
 from coplan.hardware.tiling import AttentionTiling
@@ -204,6 +205,9 @@ class Scale:
     # attention without a fused kernel runs as the model's Python writes it, op by op (eager
     # PyTorch's kernels, ``TrainingConfig.kernels``), not as Megatron's fused softmax
     eager_attention: bool = False
+    # kernel launches are synchronous: each pays the host's issue time in series
+    # (``TrainingConfig.launch_blocking``)
+    launch_blocking: bool = False
 
     def div(self, shard: int) -> int:
         return self.tp if shard == TP or self.sp else 1
@@ -228,6 +232,7 @@ class Scale:
             eager,
             config.gemm_padding,
             config.kernels == "eager",
+            config.launch_blocking,
         )
 
 
@@ -246,7 +251,12 @@ def kernel_rule(kind: str) -> Callable[[KernelRule], KernelRule]:
 
 
 def kernel_time(k: Kernel, r: Rates, s: Scale) -> float:
-    return _RULES[k.kind](k, r, s)
+    t = _RULES[k.kind](k, r, s)
+    if s.launch_blocking:
+        # the host issues the next kernel only once this one is done: its Python, dispatcher and
+        # launch time (measured for eager ops on an H200, ``FOR_LOOP_OP_S``) adds in series
+        t += launches(k, s) * FOR_LOOP_OP_S
+    return t
 
 
 #: Query rows per thread block of a GPU's fused attention kernel (FlashAttention-2/3, cuDNN on

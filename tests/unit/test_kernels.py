@@ -326,3 +326,30 @@ def test_views_cost_the_host_in_eager_steps_only():
     groups = tuple((op.id,) for op in graph.ops)  # every op its own group: compiled, not eager
     compiled = config.with_(fusion=groups)
     assert cm.estimate(host, compiled).step_time_s == pytest.approx(cm.estimate(cpu, compiled).step_time_s)
+
+
+def test_synchronous_launches_add_each_kernels_host_time() -> None:
+    # CUDA_LAUNCH_BLOCKING=1: every launched kernel (none for a view) adds the host's issue time
+    from dataclasses import replace as _replace
+
+    from coplan.cost.kernels import Rates, Scale, kernel_time, launches
+    from coplan.cost.optimizer import FOR_LOOP_OP_S
+
+    cm = CostModel(spec=PRESETS["gpt2-124m"])
+    config = TrainingConfig(microbatch=2, global_batch=2, flash_attention=False)
+    prof = cm.profile(2, 1024, "megatron")
+    rates = Rates.of(load_cluster("dgx-a100-80gb", 1).groups[0].device, "bf16")
+    scale = Scale.of(config)
+    blocking = Scale.of(config.with_(launch_blocking=True))
+    assert blocking == _replace(scale, launch_blocking=True)
+    kinds = set()
+    for k in (*prof.templates[0].forward, *prof.templates[0].backward, *prof.post.forward):
+        kinds.add(k.kind)
+        extra = kernel_time(k, rates, blocking) - kernel_time(k, rates, scale)
+        assert extra == pytest.approx(launches(k, scale) * FOR_LOOP_OP_S)
+    assert {"matmul", "attention"} <= kinds
+    slow = cm.estimate(load_cluster("dgx-a100-80gb", 1), config.with_(launch_blocking=True))
+    fast = cm.estimate(load_cluster("dgx-a100-80gb", 1), config)
+    assert slow.step_time_s > fast.step_time_s
+    assert config.with_(launch_blocking=True).to_dict()["launch_blocking"] is True
+    assert "launch_blocking" not in config.to_dict()
