@@ -77,7 +77,13 @@ class ParallelPlan:
                 "parallel.sequence_parallel", f"must be true or false, got {self.sequence_parallel!r}"
             )
         if self.stage_layers is not None:
-            object.__setattr__(self, "stage_layers", tuple(int(n) for n in self.stage_layers))
+            try:
+                layers = tuple(int(n) for n in self.stage_layers)
+            except (TypeError, ValueError, OverflowError):
+                raise PlanError(
+                    "parallel.stage_layers", f"must list layer counts, got {self.stage_layers!r}"
+                ) from None
+            object.__setattr__(self, "stage_layers", layers)
 
     @property
     def gpus(self) -> int:

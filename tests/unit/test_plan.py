@@ -215,6 +215,7 @@ FIELDS = [(k,) for k in _D if k != "fingerprint"] + [
 @settings(max_examples=300, deadline=None)
 @given(st.sampled_from(FIELDS), JSON)
 @example(where=("parallel",), value={"\n": None})  # an unknown key quoted in the error broke the line
+@example(where=("parallel", "stage_layers"), value=[float("inf")])  # int() raised OverflowError
 def test_any_hand_edit_is_a_plan_or_a_plan_error(where, value):
     # a plan file is user input: whatever a field is edited to, loading gives a plan or a one-line
     # PlanError, never another exception
