@@ -115,7 +115,7 @@ def profile_graph(
     both = ends[0].keys() & ends[1].keys()
     for tid in both:
         shared[ends[0][tid]] += graph.tensors[tid].numel
-    shared_modules = {graph.tensors[tid].param_name.rpartition(".")[0] or str(tid) for tid in both}
+    shared_modules = {_module_of(graph, tid) for tid in both}
     per_layer = {b: t for t in parts for b in t.blocks}
     flops = pre.model_flops + post.model_flops + sum(per_layer[b].model_flops for b in blocks)
     return GraphProfile(
@@ -134,6 +134,12 @@ def profile_graph(
         shared_params=(shared[0], shared[1]),
         shared_tensors=(len(both), len(shared_modules)),
     )
+
+
+def _module_of(graph: Graph, tid: int) -> str:
+    """The module owning parameter ``tid``: its attribute path less the attribute
+    ("h.0.attn.c_attn"), or the tensor itself where the graph names no path."""
+    return graph.tensors[tid].param_name.rpartition(".")[0] or str(tid)
 
 
 def _signature(graph: Graph, ops: Sequence[Op]) -> tuple[object, ...]:
@@ -467,8 +473,7 @@ class _Ctx:
         owned = self.param_shards(ops)
         for tid, shard in owned.items():
             params[shard] += g.tensors[tid].numel
-        # a parameter's module is its attribute path less the attribute ("h.0.attn.c_attn")
-        modules = {g.tensors[tid].param_name.rpartition(".")[0] or str(tid) for tid in owned}
+        modules = {_module_of(g, tid) for tid in owned}
         saved_none = self.saved_vec(ops, ids, mode="none")
         exits, entries = tp_boundaries(self.g, self._shard, ops)
         boundary = pipeline_boundary(self.g, ops, ids)

@@ -13,7 +13,7 @@ import torch
 from coplan.cost import CostModel, TrainingConfig, load_stack
 from coplan.cost.eager import gqa_repeat, repeat_kv_saved
 from coplan.hardware import load_cluster
-from coplan.models.spec import ModelSpec
+from coplan.models.spec import PRESETS, ModelSpec
 
 SEQ, MB = 128, 2
 PROBE = Path(__file__).resolve().parents[2] / "benchmarks" / "data"
@@ -117,21 +117,22 @@ def test_written_out_attention_moves_the_scores_op_by_op() -> None:
     assert eager_scores(True, 2) == 8 * 2 + 4 * 4 == 32
     assert eager_scores(False, 2) == 10 * 2 + 5 * 4 == 40
     assert (eager_scores(True, 4), eager_scores(False, 4)) == (32, 44)
-    spec = ModelSpec(name="g", n_layers=1, d_model=256, n_heads=4, vocab_size=512, seq_len=256,
-                     activation="gelu", norm="layernorm", position="learned", bias=True)  # fmt: skip
+    spec = PRESETS["gpt-tiny"]
     config = TrainingConfig(
         microbatch=2, global_batch=2, flash_attention=False, kernels="eager", fusion="none"
     )
-    prof = CostModel(spec=spec).profile(2, 256, "none")
+    prof = CostModel(spec=spec).profile(2, spec.seq_len, "none")
     device = load_cluster("dgx-a100-40gb", 1).groups[0].device
     rates = Rates.of(device, "bf16")
     eager = Scale.of(config)
     fused = dc_replace(eager, eager_attention=False)
     assert eager.eager_attention and not fused.eager_attention
     (block,) = prof.templates
+    checked = 0
     for k in (*block.forward, *block.backward):
         if k.kind != "attention":
             continue
+        checked += 1
         forward = k.phase.value == "forward"
         bh, sq, sk, _ = k.attn
         # Megatron's fused softmax moves the scores 4 times forward, 7 backward, in 16 bits
@@ -141,16 +142,16 @@ def test_written_out_attention_moves_the_scores_op_by_op() -> None:
         assert extra_launches == 4
         got = kernel_time(k, rates, eager) - kernel_time(k, rates, fused)
         assert got == pytest.approx(extra_bytes / rates.bandwidth + extra_launches * rates.launch_s)
+    assert checked == 2  # the attention kernel forward and its gradient
 
 
 def test_written_out_attention_under_autocast_keeps_an_fp32_and_a_16_bit_copy_of_the_scores() -> None:
-    spec = ModelSpec(name="g", n_layers=2, d_model=256, n_heads=4, vocab_size=512, seq_len=256,
-                     activation="gelu", norm="layernorm", position="learned", bias=True)  # fmt: skip
+    spec = PRESETS["gpt-tiny"]
     cm = CostModel(spec=spec)
     cluster = load_cluster("dgx-a100-40gb", 1)
     base = TrainingConfig(microbatch=2, global_batch=2, flash_attention=False, fusion="none")
     eager = cm.estimate(cluster, base.with_(kernels="eager"))
     megatron = cm.estimate(cluster, base)
-    scores = 2 * 4 * 256 * 256  # batch x heads x s x s per layer
+    scores = 2 * spec.n_heads * spec.seq_len**2  # batch x heads x s x s per layer
     got = eager.memory.activations_bytes - megatron.memory.activations_bytes
     assert got == pytest.approx(spec.n_layers * scores * 4)

@@ -12,35 +12,10 @@ from coplan.cost.comm import Group
 from coplan.cost.config import ConfigError
 from coplan.cost.zero import zero3_exposed
 from coplan.hardware import load_cluster
-from coplan.models.spec import ModelSpec
+from coplan.models.spec import PRESETS
 
-GPT = ModelSpec(
-    name="tiny-gpt",
-    n_layers=2,
-    d_model=256,
-    n_heads=4,
-    vocab_size=1024,
-    seq_len=64,
-    activation="gelu",
-    norm="layernorm",
-    position="learned",
-    tied_embeddings=True,
-    bias=True,
-)
-LLAMA = ModelSpec(
-    name="tiny-llama",
-    n_layers=2,
-    d_model=256,
-    n_heads=4,
-    n_kv_heads=2,
-    ffn_hidden=512,
-    vocab_size=1000,
-    seq_len=64,
-    activation="swiglu",
-    norm="rmsnorm",
-    position="rope",
-    bias=False,
-)
+GPT = PRESETS["gpt-tiny"]  # learned positions, biases, a tied embedding
+LLAMA = PRESETS["llama-tiny"]  # no biases
 
 
 def test_each_collective_pays_its_copies() -> None:
