@@ -11,10 +11,11 @@ Megatron's selective) and with the preset of its stack (``torchtitan``, ``fsdp``
 RMSNorm where ``stack_settings.norm`` names ``fused_rmsnorm``). Checkpointing follows
 ``stack_settings.activation_checkpoint``: ``selective-op`` is torchtitan's per-op policy as a
 recompute set (``coplan.cost.checkpoint``); ``selective-layer:N`` / ``selective-fraction:p``
-checkpoint a share of the blocks fully, priced as that share of a fully checkpointed step and the
-rest of an uncheckpointed one (blocks are priced independently). Prints per stack the mean
-absolute, mean signed and worst step-time error, the eager/compile pair ratios, the peak-memory
-error where published, and the runs that ran but are priced as not fitting; writes the rows to
+checkpoint some blocks fully, as many as the stack's own rule picks
+(``coplan.cost.checkpoint.checkpointed_blocks``), priced with ``TrainingConfig.recompute_layers``.
+Prints per stack the mean absolute, mean signed and worst step-time error, the eager/compile pair
+ratios, the peak-memory error where published, and the runs that ran but are priced as not
+fitting; writes the rows to
 ``benchmarks/results/published_stacks.json``.
 """
 
@@ -32,8 +33,8 @@ sys.path.insert(0, str(Path(__file__).parent))
 
 from bench_published import run_config
 
-from coplan.cost import CostModel, Estimate, load_stack
-from coplan.cost.checkpoint import layer_fraction, selective_op_names
+from coplan.cost import CostModel, load_stack
+from coplan.cost.checkpoint import checkpointed_blocks, selective_op_names
 from coplan.hardware import load_cluster
 from coplan.models.spec import ModelSpec
 
@@ -67,8 +68,9 @@ def price(run: dict, stack: str) -> tuple[float, float, bool]:
         est = model.estimate(cluster, run_config(r))
         return est.step_time_s, est.memory.peak_bytes, est.fits
     policy = r["stack_settings"].get("activation_checkpoint", r["recompute"])
-    frac = layer_fraction(policy)
-    r["recompute"] = "none" if policy == "selective-op" or frac is not None else r["recompute"]
+    # a per-layer policy: its own count of fully checkpointed blocks (these runs have no pipeline)
+    count = checkpointed_blocks(policy, spec.n_layers)
+    r["recompute"] = "none" if policy == "selective-op" or count is not None else r["recompute"]
     spec_of_stack = load_stack(stack)
     if "loss_compiled" in r["stack_settings"]:
         # the run's own version of the stack says whether torch.compile covered the loss
@@ -101,18 +103,10 @@ def price(run: dict, stack: str) -> tuple[float, float, bool]:
     if policy == "selective-op":
         graph = model.profile(config.microbatch, model.seq_of(config), config.fusion).graph
         config = config.with_(recompute=selective_op_names(graph))
-    if frac is None:
-        est = model.estimate(cluster, config)
-        return est.step_time_s, est.memory.peak_bytes, est.fits
-    none, full = model.estimate(cluster, config), model.estimate(cluster, config.with_(recompute="full"))
-    return _mix(none, full, frac)
-
-
-def _mix(none: Estimate, full: Estimate, frac: float) -> tuple[float, float, bool]:
-    step = frac * full.step_time_s + (1 - frac) * none.step_time_s
-    peak = frac * full.memory.peak_bytes + (1 - frac) * none.memory.peak_bytes
-    cap = none.memory.capacity_bytes
-    return step, peak, peak <= cap
+    if count:
+        config = config.with_(recompute="full", recompute_layers=min(count, spec.n_layers))
+    est = model.estimate(cluster, config)
+    return est.step_time_s, est.memory.peak_bytes, est.fits
 
 
 def main() -> None:

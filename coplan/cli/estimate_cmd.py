@@ -112,6 +112,16 @@ def estimate(
     recompute: Annotated[
         Recompute, typer.Option("--recompute", help="Activation recomputation.")
     ] = Recompute.none,
+    recompute_layers: Annotated[
+        int | None,
+        typer.Option(
+            "--recompute-layers",
+            help="With --recompute full, recompute only the first N blocks of each pipeline chunk; the "
+            "others save their activations (Megatron-LM's --recompute-method block "
+            "--recompute-num-layers N) \\[default: every block].",
+            show_default=False,
+        ),
+    ] = None,
     sequence_parallel: Annotated[
         bool,
         typer.Option(
@@ -381,6 +391,7 @@ def estimate(
         seq=seq,
         sequence_parallel=sequence_parallel,
         recompute=recompute.value,
+        recompute_layers=recompute_layers,
         zero=zero,
         dtype=dtype.value,
         flash_attention=flash_attention,
@@ -556,6 +567,8 @@ def render(est: Estimate, title: str) -> None:
     c = est.config
     console.print(f"[bold]{title}[/bold]", soft_wrap=True)
     rec = c.recompute if isinstance(c.recompute, str) else f"{len(c.recompute)} tensors"
+    if c.recompute_layers is not None:
+        rec += f" (first {c.recompute_layers} blocks of each chunk)"
     cp_text = f" cp={c.cp}" if c.cp > 1 else ""
     console.print(
         f"tp={c.tp} pp={c.pp} dp={c.dp}{cp_text} vpp={c.vpp} microbatch={c.microbatch} "

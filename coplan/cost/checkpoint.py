@@ -47,15 +47,28 @@ def selective_op_names(graph: Graph, block: int = 0) -> frozenset[str]:
     return frozenset(names)
 
 
-def layer_fraction(policy: str) -> float | None:
-    """The share of blocks a per-layer policy checkpoints fully: ``selective-layer:N`` (every N-th
-    block, torchtitan) gives 1/N, ``selective-fraction:p`` (fms-fsdp's evenly spaced share) p;
-    None for other policies."""
+def checkpointed_blocks(policy: str, layers: int) -> int | None:
+    """How many of ``layers`` blocks a per-layer policy checkpoints fully, by the stack's own rule;
+    None for a policy that is not per layer.
+
+    ``selective-layer:N`` (torchtitan ``selective_ac_option = "N"``): a counter over the blocks,
+    incremented before the test, checkpoints block ``i`` (from 1) where ``i % N == 0``
+    (torchtitan/models/llama3/infra/parallelize.py ``_apply_ac_to_transformer_block``), so
+    ``layers // N``. ``selective-fraction:p`` (fms-fsdp ``selective_checkpointing``): block ``i``
+    (from 1) is checkpointed where ``i * p`` reaches a cut-off starting at 1/2 and rising by one
+    with each checkpointed block (foundation-model-stack/fms-fsdp fms_fsdp/policies/ac_handler.py
+    ``apply_fsdp_checkpointing``): evenly spaced, ``p`` of the blocks rounded half up."""
     if policy.startswith("selective-layer:"):
-        return 1.0 / int(policy.split(":", 1)[1])
+        every = int(policy.split(":", 1)[1])
+        return layers // every if every > 0 else layers
     if policy.startswith("selective-fraction:"):
-        return float(policy.split(":", 1)[1])
+        share = float(policy.split(":", 1)[1])
+        count, cut = 0, 0.5
+        for i in range(1, layers + 1):
+            if i * share >= cut:
+                count, cut = count + 1, cut + 1
+        return count
     return None
 
 
-__all__ = ["layer_fraction", "selective_op_names"]
+__all__ = ["checkpointed_blocks", "selective_op_names"]

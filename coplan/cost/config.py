@@ -137,6 +137,13 @@ class TrainingConfig:
         stage_layers: layers held by each pipeline stage (default: an even split).
         recompute_per_stage: one recompute mode or set per pipeline stage, overriding ``recompute``
             (the first stage holds the most in-flight microbatches and may recompute more).
+        recompute_layers: with full recomputation, how many blocks of each model chunk (virtual
+            pipeline stage) recompute: its first ones, as Megatron-LM's ``--recompute-method block
+            --recompute-num-layers N`` places them (megatron/core/transformer/transformer_block.py
+            ``_checkpointed_forward``); the chunk's other blocks save what autograd saves. None:
+            every block. torchtitan's every-N-th-block and fms-fsdp's evenly spaced share place
+            theirs otherwise; a count prices them too (``cost.checkpoint.checkpointed_blocks``),
+            the saved bytes within one block input per chunk (where the checkpoints sit).
         recompute_fused: names of pointwise forward ops of block 0 that a recompute set re-runs
             inside the backward kernel reading their output (Inductor's partitioner does this):
             their arithmetic is paid, but no launch, no memory traffic and no stored copy.
@@ -237,6 +244,7 @@ class TrainingConfig:
     stage_layers: tuple[int, ...] | None = None
     recompute_per_stage: tuple[str | frozenset[str], ...] | None = None
     recompute_fused: frozenset[str] = frozenset()
+    recompute_layers: int | None = None
     op_dtypes: tuple[tuple[int, str], ...] = ()
     loss_fusion: str = "none"
     pipeline_keeps_outputs: bool = False
@@ -279,6 +287,13 @@ class TrainingConfig:
                 )
             object.__setattr__(self, "recompute_per_stage", modes)
         object.__setattr__(self, "recompute_fused", frozenset(str(n) for n in self.recompute_fused))
+        if self.recompute_layers is not None:
+            if (why := bounded_int(self.recompute_layers, MAX_LAYERS)) is not None:
+                raise ConfigError("recompute_layers", why)
+            if "full" not in (self.recompute_per_stage or (self.recompute,)):
+                raise ConfigError(
+                    "recompute_layers", "counts fully recomputed blocks: needs recompute 'full'"
+                )
         dts = tuple(sorted((int(i), str(d)) for i, d in dict(self.op_dtypes).items()))
         for i, d in dts:
             if d not in OP_DTYPES:
@@ -477,6 +492,7 @@ class TrainingConfig:
                 else [r if isinstance(r, str) else sorted(r) for r in self.recompute_per_stage]
             ),
             "recompute_fused": sorted(self.recompute_fused),
+            **({"recompute_layers": self.recompute_layers} if self.recompute_layers is not None else {}),
             "op_dtypes": [list(x) for x in self.op_dtypes],
             "loss_fusion": self.loss_fusion,
             "dp_bucket_params": self.bucket_params,

@@ -56,6 +56,7 @@ from coplan.cost.parts import (
 from coplan.cost.results import BREAKDOWN_KEYS, Estimate, MemoryEstimate, StageEstimate
 from coplan.cost.stages import (
     boundary_held,
+    chunk_blocks,
     chunk_in_flight,
     devices_of_stage,
     drops_output,
@@ -120,11 +121,19 @@ def estimate(profile: GraphProfile, cluster: ClusterSpec, config: TrainingConfig
             got = costs[device, dtype] = PartCost(rates, scale, config, tp_group, profile, device)
         return got
 
-    def sum_parts(device: DeviceSpec, rec: Any, parts: list[tuple[Part, float]]) -> _Sums:
+    def sum_parts(
+        device: DeviceSpec, rec: Any, parts: list[tuple[Part, float]], ckpt: dict[int, int] | None = None
+    ) -> _Sums:
         """One microbatch's time, kernels, parameters and memory of ``parts`` on ``device`` under
-        recompute ``rec``. Interior pipeline stages usually run the same parts on the same device:
-        each distinct (device, recompute, parts) is priced once per estimate."""
-        key = (device, rec, tuple((id(part), n) for part, n in parts))
+        recompute ``rec`` (``ckpt``: how many blocks of each template run under it, the others
+        under none; None: all). Interior pipeline stages usually run the same parts on the same
+        device: each distinct (device, recompute, parts) is priced once per estimate."""
+        key = (
+            device,
+            rec,
+            tuple((id(part), n) for part, n in parts),
+            None if ckpt is None else tuple(sorted(ckpt.items())),
+        )
         got = sums.get(key)
         if got is not None:
             return got
@@ -156,51 +165,56 @@ def estimate(profile: GraphProfile, cluster: ClusterSpec, config: TrainingConfig
                 modules -= profile.shared_tensors[1]
             weight_cache += n * pc.weight_cache
             is_block = bool(part.blocks)
-            mode = rec if is_block else "none"
             if is_block:
                 block_local += n * (part.params[REPL] + part.params[TP] / t)
-                recompute += n * pc.recompute(part, mode)
-                fwd -= n * pc.unwritten(part, mode)
-                if isinstance(mode, frozenset) and mode and drops_output(profile, part, mode):
-                    # every block's input is gone: block k of a chunk re-runs the k - 1 before it
-                    # first (the chunk's input is kept by the schedule), (n/v - 1)/2 on average
-                    recompute += n * max(0.0, n / v - 1) / 2 * pc.forward
-                tp_comm += n * pc.tp_comm(part, mode)
-                if config.cp > 1:
-                    cp_comm += n * _cp_ring(pc, part, mode, profile, ab, t, ring_transfer)
-                sv = saved_under(profile, part, mode, per_op=config.kernels != "megatron")
-                if config.kernels == "eager" and _keeps_repeated_kv(mode):
-                    sv = vadd(sv, _repeat_kv_saved(profile, part))  # SDPA's repeated K/V (``eager.py``)
-                if config.fused_rmsnorm:
-                    sv = vadd(
-                        sv, tuple(-x for x in _normed_saved(profile, part, mode))
-                    )  # fused: x, rstd kept
-                if runs_fp8(config.dtype, device) and mode in ("none", "selective"):
-                    sv = vadd(sv, part.fp8_saved)  # GEMM inputs kept in fp8 (``fp8.py``)
-                saved = vadd(saved, tuple(x * n for x in sv))
-                if not config.flash_attention and mode not in ("full", "selective"):
-                    # unfused attention keeps the softmax probabilities (batch x heads x s x s)
-                    # instead of the fused kernel's output and logsumexp (full and selective
-                    # recompute keep neither); with dropout on them also the dropped copy (AV's
-                    # input) and the one-byte mask: Korthikanti et al. 2022 (arXiv 2205.05198,
-                    # Sec. 4.1) count 2 + 2 + 1 = 5 bytes per score element in 16 bits
-                    probs = (part.scores + part.scores_dropout) * n
-                    masks = part.scores_dropout * n
-                    add = {ACT * 2 + TP: probs, FIX * 2 + TP: masks}
-                    if config.kernels == "eager" and config.mixed:
-                        # eager PyTorch under autocast: the fp32 softmax keeps its own output for
-                        # its gradient beside the 16-bit copy the second GEMM keeps
-                        # (``kernels.eager_scores``)
-                        add[F32 * 2 + TP] = part.scores * n
-                    saved = tuple(saved[i] - n * part.flash_saved[i] + add.get(i, 0.0) for i in range(NV))  # type: ignore[assignment]
-                tr = pc.transient(part)
-                if mode == "full":
-                    tr += vdot(part.saved["none"], weights)  # the block's recomputed activations
-                elif isinstance(mode, frozenset) and mode:
-                    # what the block's backward re-materialises: the dropped tensors, less those
-                    # recomputed inside the backward kernel reading them (never stored)
-                    tr += vdot(rematerialised(profile, part, mode, config.recompute_fused), weights)
-                transient = max(transient, tr)
+                # blocks under the stage's mode, and with ``recompute_layers`` the rest of a
+                # chunk's blocks, which save what autograd saves
+                got_k = n if ckpt is None else float(ckpt.get(id(part), 0))
+                for mode, k in ((rec, got_k), ("none", n - got_k)):
+                    if k <= 0:
+                        continue
+                    recompute += k * pc.recompute(part, mode)
+                    fwd -= k * pc.unwritten(part, mode)
+                    if isinstance(mode, frozenset) and mode and drops_output(profile, part, mode):
+                        # every block's input is gone: block j of a chunk re-runs the j - 1 before it
+                        # first (the chunk's input is kept by the schedule), (k/v - 1)/2 on average
+                        recompute += k * max(0.0, k / v - 1) / 2 * pc.forward
+                    tp_comm += k * pc.tp_comm(part, mode)
+                    if config.cp > 1:
+                        cp_comm += k * _cp_ring(pc, part, mode, profile, ab, t, ring_transfer)
+                    sv = saved_under(profile, part, mode, per_op=config.kernels != "megatron")
+                    if config.kernels == "eager" and _keeps_repeated_kv(mode):
+                        sv = vadd(sv, _repeat_kv_saved(profile, part))  # SDPA's repeated K/V (``eager.py``)
+                    if config.fused_rmsnorm:
+                        sv = vadd(
+                            sv, tuple(-x for x in _normed_saved(profile, part, mode))
+                        )  # fused: x, rstd kept
+                    if runs_fp8(config.dtype, device) and mode in ("none", "selective"):
+                        sv = vadd(sv, part.fp8_saved)  # GEMM inputs kept in fp8 (``fp8.py``)
+                    saved = vadd(saved, tuple(x * k for x in sv))
+                    if not config.flash_attention and mode not in ("full", "selective"):
+                        # unfused attention keeps the softmax probabilities (batch x heads x s x s)
+                        # instead of the fused kernel's output and logsumexp (full and selective
+                        # recompute keep neither); with dropout on them also the dropped copy (AV's
+                        # input) and the one-byte mask: Korthikanti et al. 2022 (arXiv 2205.05198,
+                        # Sec. 4.1) count 2 + 2 + 1 = 5 bytes per score element in 16 bits
+                        probs = (part.scores + part.scores_dropout) * k
+                        masks = part.scores_dropout * k
+                        add = {ACT * 2 + TP: probs, FIX * 2 + TP: masks}
+                        if config.kernels == "eager" and config.mixed:
+                            # eager PyTorch under autocast: the fp32 softmax keeps its own output for
+                            # its gradient beside the 16-bit copy the second GEMM keeps
+                            # (``kernels.eager_scores``)
+                            add[F32 * 2 + TP] = part.scores * k
+                        saved = tuple(saved[i] - k * part.flash_saved[i] + add.get(i, 0.0) for i in range(NV))  # type: ignore[assignment]
+                    tr = pc.transient(part)
+                    if mode == "full":
+                        tr += vdot(part.saved["none"], weights)  # the block's recomputed activations
+                    elif isinstance(mode, frozenset) and mode:
+                        # what the block's backward re-materialises: the dropped tensors, less those
+                        # recomputed inside the backward kernel reading them (never stored)
+                        tr += vdot(rematerialised(profile, part, mode, config.recompute_fused), weights)
+                    transient = max(transient, tr)
             else:
                 tp_comm += n * pc.tp_comm(part, "none")
                 saved_head = vadd(saved_head, pc.saved)
@@ -222,7 +236,16 @@ def estimate(profile: GraphProfile, cluster: ClusterSpec, config: TrainingConfig
         # this stage's layers (all chunks of the stage), and its parts by template
         mine = stage_blocks(profile, config, s, layout)
         parts = stage_parts(profile, config, s, mine)
-        ps = sum_parts(device, rec, parts)
+        chunks = [mine]
+        ckpt: dict[int, int] | None = None
+        if rec == "full" and config.recompute_layers is not None:
+            # the first ``recompute_layers`` blocks of each chunk recompute (``TrainingConfig``)
+            chunks = chunk_blocks(profile, config, s, layout)
+            ckpt = {}
+            for blocks in chunks:
+                for part in blocks[: config.recompute_layers]:
+                    ckpt[id(part)] = ckpt.get(id(part), 0) + 1
+        ps = sum_parts(device, rec, parts, ckpt)
         fwd, bwd, recompute, opt, kern = ps.fwd, ps.bwd, ps.recompute, ps.opt, ps.kern
         tp_comm, cp_comm, params, saved, saved_head = (
             ps.tp_comm,
@@ -344,18 +367,29 @@ def estimate(profile: GraphProfile, cluster: ClusterSpec, config: TrainingConfig
         # each holds only the microbatches of its own chunk in flight
         head_chunk = 0 if s == 0 else v - 1
         act_stored += vdot(saved_head, weights) * chunk_in_flight(s, p, v, m, head_chunk)
+        saves_last = None
         if rec == "full" and mine:
             # Megatron's full recompute keeps each layer's input and, outside the checkpoints,
             # the final norm's input. The blocks count their inputs, so the embedding output
             # (block 0's input, also saved by the embedding side) is counted once, and the last
             # block's output (read by the final norm) is added on the last stage
             inp = vdot(mine[0].saved["full"], weights)
+            if ckpt is not None:
+                # a block saving what autograd saves counts what it makes (its output too) and
+                # not its input: where a chunk's recomputed blocks end, the last one's output is
+                # counted by neither, so it is added once per chunk
+                saves_last = [len(b) > config.recompute_layers for b in chunks]  # type: ignore[operator]
+                for c, last in enumerate(saves_last):
+                    if last and config.recompute_layers:
+                        act_stored += inp * chunk_in_flight(s, p, v, m, c)
             if s == 0:
                 act_stored -= inp * chunk_in_flight(s, p, v, m, 0)
-            if s == p - 1:
+            if s == p - 1 and not (saves_last and saves_last[-1]):
                 act_stored += inp * chunk_in_flight(s, p, v, m, v - 1)
         if p > 1:
-            act_stored += boundary_held(profile, mine, rec, config, s, p, v, m, ab, t, boundary_elems)
+            act_stored += boundary_held(
+                profile, mine, rec, config, s, p, v, m, ab, t, boundary_elems, saves_last
+            )
         static = static_bytes(p_local, config, config.shard_ranks)
         if not config.gathers_per_unit and not config.fp8_params:
             # TE's fp8 weight copies, kept through the step beside the 16-bit weights (under ZeRO-3 a

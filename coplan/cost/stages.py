@@ -5,6 +5,7 @@ Megatron's interleaved schedule, the boundary activations between stages, and th
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 from coplan.cost.config import TrainingConfig
@@ -45,6 +46,7 @@ def boundary_held(
     ab: int,
     t: int,
     elems: float,
+    saves_last: Sequence[bool] | None = None,
 ) -> float:
     """Bytes of pipeline boundary activations stage ``s`` holds beyond what its parts count;
     ``elems`` is one boundary activation's elements per microbatch (``Part.boundary``).
@@ -59,7 +61,9 @@ def boundary_held(
     the stack holds it for the backward it runs through autograd (torch.distributed.pipelining,
     ``config.pipeline_keeps_outputs``). Under full recomputation the blocks count their inputs
     (received inputs included) and not their outputs. A remat set that drops the block output
-    leaves the chunk's input held by the schedule, uncounted by the parts."""
+    leaves the chunk's input held by the schedule, uncounted by the parts. ``saves_last``: per
+    chunk, whether its last block saves what autograd saves under full recomputation of only the
+    chunk's first blocks (``TrainingConfig.recompute_layers``); that block counts its output."""
     if elems <= 0 or not mine:
         return 0.0
     one = elems * ab / (t if config.sequence_parallel and t > 1 else 1)
@@ -74,6 +78,8 @@ def boundary_held(
         n = chunk_in_flight(s, p, v, m, c)
         receives = not (s == 0 and c == 0)
         sends = not (s == p - 1 and c == v - 1)
+        if saves_last is not None:
+            counts_out = saves_last[c]
         if receives and not counts_in:
             held += n * one
         if sends:
@@ -148,17 +154,26 @@ def stage_layout(profile: GraphProfile, config: TrainingConfig) -> Layout:
     return profile.layer_templates, layers, starts
 
 
+def chunk_blocks(
+    profile: GraphProfile, config: TrainingConfig, stage: int, layout: Layout | None = None
+) -> list[list[Part]]:
+    """The block templates of each model chunk pipeline stage ``stage`` runs, chunks ``stage,
+    stage + p, stage + 2p, ...`` of the layer sequence (with ``vpp == 1`` the one contiguous
+    chunk), one per layer."""
+    templates, layers, starts = layout or stage_layout(profile, config)
+    out: list[list[Part]] = []
+    for c in range(config.vpp):
+        i = c * config.pp + stage
+        out.append(list(templates[starts[i] : starts[i] + layers[i]]))
+    return out
+
+
 def stage_blocks(
     profile: GraphProfile, config: TrainingConfig, stage: int, layout: Layout | None = None
 ) -> list[Part]:
-    """The block templates of pipeline stage ``stage``, one per layer: chunks ``stage, stage + p,
-    stage + 2p, ...`` of the layer sequence (with ``vpp == 1`` the one contiguous chunk)."""
-    templates, layers, starts = layout or stage_layout(profile, config)
-    out: list[Part] = []
-    for c in range(config.vpp):
-        i = c * config.pp + stage
-        out.extend(templates[starts[i] : starts[i] + layers[i]])
-    return out
+    """The block templates of pipeline stage ``stage``, one per layer, its chunks in order
+    (``chunk_blocks``)."""
+    return [part for blocks in chunk_blocks(profile, config, stage, layout) for part in blocks]
 
 
 def stage_parts(

@@ -9,7 +9,7 @@ import pytest
 
 from coplan.capture.synthetic import build_graph
 from coplan.cost import CostModel, TrainingConfig, load_stack, load_stack_file, stack_names
-from coplan.cost.checkpoint import layer_fraction, selective_op_names
+from coplan.cost.checkpoint import checkpointed_blocks, selective_op_names
 from coplan.cost.config import ConfigError
 from coplan.cost.eager import PLANS, eager_kernels, op_kernels, shard_class
 from coplan.cost.parts import ACT, F32, REPL, TP
@@ -167,10 +167,18 @@ def test_selective_op_policy_keeps_odd_matmuls_and_attention() -> None:
     assert est.breakdown_s["recompute"] > 0
 
 
-def test_layer_fractions() -> None:
-    assert layer_fraction("selective-layer:2") == 0.5
-    assert layer_fraction("selective-fraction:0.4") == 0.4
-    assert layer_fraction("full") is None
+def test_checkpointed_blocks_follow_each_stacks_rule() -> None:
+    # torchtitan: blocks N, 2N, ... (counted from 1)
+    assert checkpointed_blocks("selective-layer:2", 40) == 20
+    assert checkpointed_blocks("selective-layer:3", 32) == 10
+    # fms-fsdp's docstring: p = 1/3 is [no-ac, ac, no-ac, no-ac, ac, no-ac, ...], p = 2/3 is
+    # [ac, no-ac, ac, ac, no-ac, ac, ...]
+    assert checkpointed_blocks("selective-fraction:0.3333333333", 6) == 2
+    assert checkpointed_blocks("selective-fraction:0.6666666667", 6) == 4
+    assert checkpointed_blocks("selective-fraction:0.4", 40) == 16
+    assert checkpointed_blocks("selective-fraction:1", 80) == 80
+    assert checkpointed_blocks("selective-fraction:0", 80) == 0
+    assert checkpointed_blocks("full", 40) is None
 
 
 def test_cli_stack_choices_match_the_presets() -> None:
