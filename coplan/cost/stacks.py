@@ -38,9 +38,15 @@ from coplan.errors import SpecError
 SHARDINGS: tuple[str, ...] = ("megatron-distopt", "fsdp1", "fsdp2", "deepspeed-zero", "ddp")
 #: Activation-checkpointing policies a stack may offer: ``none``, ``full`` (each block), Megatron's
 #: ``selective`` (the attention core), torchtitan's per-op ``selective-op`` (save matmul outputs but
-#: every second one, and attention's; recompute the rest) and ``selective-layer`` (every N-th block
-#: fully checkpointed).
+#: every second one, and attention's; recompute the rest) and ``selective-layer`` (some blocks fully
+#: checkpointed, the others not, placed as ``layer_checkpointing`` says).
 CHECKPOINT_POLICIES: tuple[str, ...] = ("none", "full", "selective", "selective-op", "selective-layer")
+#: Which blocks a stack's per-layer checkpointing (``selective-layer``) checkpoints: ``first`` (the
+#: first N of each model chunk, Megatron-LM's ``--recompute-method block``: any count), ``every``
+#: (every N-th block, torchtitan's ``selective_ac_option = "N"``: counts ``layers // N``),
+#: ``spread`` (a share evenly spaced, fms-fsdp's ``selective_checkpointing = p``: any count) or
+#: ``none`` (the stack has no per-layer checkpointing).
+LAYER_CHECKPOINTINGS: tuple[str, ...] = ("none", "first", "every", "spread")
 #: The settings a stack file may give, besides ``name``, ``about`` and ``sources``.
 SETTINGS: tuple[str, ...] = (
     "kernels",
@@ -71,6 +77,7 @@ SETTINGS: tuple[str, ...] = (
     "gemm_padding",
     "optimizer",
     "zero3_gather",
+    "layer_checkpointing",
 )
 #: How a stack runs fp8 GEMMs: natively, emulated (runs, not faster) or not at all.
 FP8_MODES: tuple[str, ...] = ("native", "emulated", "none")
@@ -137,6 +144,8 @@ class StackSpec:
             ``""`` as a plan's optimizer kernels say, ``"fused"``, ``"foreach"`` or ``"for-loop"``.
         zero3_gather: how its ZeRO-3 issues the parameter all-gathers and gradient reduce-scatters
             (``TrainingConfig.zero3_gather``): per layer, per module or per parameter tensor.
+        layer_checkpointing: which blocks its per-layer checkpointing (``selective-layer``)
+            checkpoints (``LAYER_CHECKPOINTINGS``); ``none`` exactly where it offers none.
         reserved_fraction: the caching allocator's reserved bytes beyond the allocated peak, as a
             fraction of it (what ``torch.cuda.max_memory_reserved`` reports over
             ``max_memory_allocated``); 0 prices the allocated peak.
@@ -172,6 +181,7 @@ class StackSpec:
     gemm_padding: bool = True
     optimizer: str = ""
     zero3_gather: str = "unit"
+    layer_checkpointing: str = "none"
     about: str = ""
     sources: tuple[tuple[str, str], ...] = ()
 
@@ -216,6 +226,14 @@ class StackSpec:
             "checkpointing",
             _choices(src, "checkpointing", self.checkpointing, CHECKPOINT_POLICIES, "policy"),
         )
+        _choice(src, "layer_checkpointing", self.layer_checkpointing, LAYER_CHECKPOINTINGS)
+        if ("selective-layer" in self.checkpointing) != (self.layer_checkpointing != "none"):
+            raise StackError(
+                src,
+                "layer_checkpointing",
+                "must name where the blocks sit exactly when checkpointing offers 'selective-layer' "
+                f"(got {self.layer_checkpointing!r})",
+            )
         zs = tuple(self.zero_stages)
         if not zs or any(isinstance(z, bool) or z not in (0, 1, 2, 3) for z in zs):
             raise StackError(src, "zero_stages", f"must list stages among 0, 1, 2, 3, got {list(zs)!r}")
@@ -241,6 +259,16 @@ class StackSpec:
         """It runs Megatron-LM's own kernel set and no other grouping: a plan for it names that set
         instead of grouping ops itself, and is priced by name (``fusion="megatron"``)."""
         return self.fusion == ("megatron",)
+
+    def layer_counts(self, layers: int) -> tuple[int, ...]:
+        """The numbers of fully checkpointed blocks, short of all of them, its per-layer
+        checkpointing can give a chunk of ``layers`` blocks (``layer_checkpointing``): any count
+        where it places them itself, ``layers // N`` where it checkpoints every N-th block."""
+        if self.layer_checkpointing == "none" or layers < 2:
+            return ()
+        if self.layer_checkpointing == "every":
+            return tuple(sorted({layers // n for n in range(2, layers + 1)} - {0}))
+        return tuple(range(1, layers))
 
     def source_of(self, setting: str) -> str:
         """The citation of ``setting`` ("" where the preset leaves it at the default)."""

@@ -8,7 +8,10 @@ fit, tensors are dropped greedily by recompute time per byte freed (the ratio In
 ``activation_memory_budget`` knapsack and Checkmate's LP relaxation rank by), measured on the
 cost model. Under eager or Megatron kernels nothing is recomputed while the plan fits. Megatron's
 full recomputation (every saved tensor of the block but its output, which the checkpoint keeps)
-is always a candidate too, and the best fitting candidate wins.
+is always a candidate too, and the best fitting candidate wins. Where the stack checkpoints only
+some blocks fully (Megatron-LM's ``--recompute-method block``, torchtitan's every N-th block,
+fms-fsdp's share), full recomputation recomputes the fewest blocks of each chunk that fit
+(``fewest_layers``), as the recipes that set ``--recompute-num-layers`` do by hand.
 """
 
 from __future__ import annotations
@@ -19,7 +22,7 @@ from coplan.errors import CoplanError
 from coplan.ir.types import Graph, Phase, TensorRole
 from coplan.passes.base import choose, register, score
 from coplan.passes.fusion import xla_fusion
-from coplan.plan.capabilities import executable_remat
+from coplan.plan.capabilities import chunk_sizes, executable_remat, policy_sets
 from coplan.plan.checker import POINTWISE
 from coplan.plan.context import PlanContext
 from coplan.plan.types import Plan, RematPlan
@@ -137,6 +140,33 @@ def full_names(ctx: PlanContext) -> frozenset[str]:
     return frozenset(out)
 
 
+def fewest_layers(plan: Plan, ctx: PlanContext) -> Plan:
+    """``plan``, where it recomputes every block fully and fits, with only the fewest blocks of
+    each model chunk recomputed that still fit, among the counts its stack's per-layer
+    checkpointing can give (``StackSpec.layer_counts``). Each block recomputed adds its forward
+    and frees its saved activations less its input, so memory falls and time rises with the
+    count: the fewest that fit is the fastest, found by bisection. Other plans are returned as
+    they are."""
+    r = plan.remat
+    if ctx.stack.layer_checkpointing == "none" or r.layers is not None or r.per_stage is not None:
+        return plan
+    full = policy_sets(ctx).get("full")
+    if not full or r.recompute != full or score(plan, ctx)[0] != 0:
+        return plan
+    counts = ctx.stack.layer_counts(min(chunk_sizes(plan, ctx)))
+    lo, hi = 0, len(counts)  # the first count that fits; len(counts): none short of every block
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if score(plan.with_(remat=replace(r, layers=counts[mid])), ctx)[0] == 0:
+            hi = mid
+        else:
+            lo = mid + 1
+    if lo == len(counts):
+        return plan
+    fewer = plan.with_(remat=replace(r, layers=counts[lo]))
+    return fewer if score(fewer, ctx) < score(plan, ctx) else plan
+
+
 @register("remat")
 def remat_pass(graph: Graph, plan: Plan, ctx: PlanContext) -> Plan:
     try:
@@ -155,6 +185,6 @@ def remat_pass(graph: Graph, plan: Plan, ctx: PlanContext) -> Plan:
                 break
         full = with_remat(plan, full_names(ctx), ctx)
         best = choose((none, greedy, full), ctx)
-        return best if best is not None else plan
+        return fewest_layers(best, ctx) if best is not None else plan
     except CoplanError:  # an unpriceable plan (the parallel defaults may not divide): leave it
         return plan

@@ -118,6 +118,18 @@ def fusion_problem(ctx: PlanContext, plan: Plan) -> str | None:
     return f"fusion {plan.fusion.label!r} with {len(groups)} groups (it runs {', '.join(allowed)} only)"
 
 
+def chunk_sizes(plan: Plan, ctx: PlanContext) -> list[int]:
+    """Blocks of each model chunk (virtual pipeline stage) under ``plan``'s layout: its
+    ``stage_layers`` or an even split, the first chunks taking one more where the layers do not
+    divide (``cost.stages.chunk_layers``)."""
+    p = plan.parallel
+    if p.stage_layers is not None:
+        return list(p.stage_layers)
+    chunks = p.pp * p.vpp
+    base, extra = divmod(ctx.reference_profile.n_layers, chunks)
+    return [base + (1 if i < extra else 0) for i in range(chunks)]
+
+
 def problems(plan: Plan, ctx: PlanContext) -> Iterator[str]:
     """What in ``plan`` its stack cannot execute, one line each."""
     stack = ctx.stack
@@ -134,9 +146,23 @@ def problems(plan: Plan, ctx: PlanContext) -> Iterator[str]:
         yield f"stack {stack.name!r} cannot reduce gradients in {c.grad_reduce} (it reduces fp32)"
     if c.fp8_params and not stack.fp8_params:
         yield f"stack {stack.name!r} cannot keep fp8 weights"
+    r = plan.remat
+    if r.layers is not None:
+        if stack.layer_checkpointing == "none":
+            yield (
+                f"stack {stack.name!r} cannot fully recompute only some blocks (its policies: "
+                f"{', '.join(stack.checkpointing)})"
+            )
+        else:
+            chunk = min(chunk_sizes(plan, ctx))
+            if r.layers < chunk and r.layers not in stack.layer_counts(chunk):
+                counts = ", ".join(str(n) for n in stack.layer_counts(chunk))
+                yield (
+                    f"stack {stack.name!r} checkpoints every N-th block: {r.layers} of {chunk} blocks is "
+                    f"not one of its counts ({counts})"
+                )
     if not stack.recompute_sets:
         sets = policy_sets(ctx)
-        r = plan.remat
         for s in r.per_stage if r.per_stage is not None else (r.recompute,):
             if frozenset(s) not in sets.values():
                 yield (
@@ -148,6 +174,7 @@ def problems(plan: Plan, ctx: PlanContext) -> Iterator[str]:
 
 __all__ = [
     "DEFAULT_STACK",
+    "chunk_sizes",
     "default_zero",
     "executable_remat",
     "fusion_problem",

@@ -22,7 +22,7 @@ from coplan.cost.fusion import source_op
 from coplan.cost.looped import ROW_KINDS
 from coplan.cost.looped import reduces as _reduces
 from coplan.ir.types import Graph, Op, OpKind, Phase
-from coplan.plan.context import PlanContext, binary_bytes
+from coplan.plan.context import PlanContext, binary_bytes, policy_sets
 from coplan.plan.types import FusionPlan, Plan, PlanError
 
 #: ops that run as vendor-library kernels (cuBLAS, cuDNN/flash): one per fused kernel at most
@@ -428,6 +428,12 @@ def remat(plan: Plan, ctx: PlanContext) -> Iterator[str]:
     unknown = sorted(n for n in plan.remat.all_names if n not in saved)
     if unknown:
         yield f"remat names tensors that are not saved for backward: {', '.join(unknown[:3])}"
+    r = plan.remat
+    if r.layers is not None:
+        full = policy_sets(ctx).get("full")
+        sets = r.per_stage if r.per_stage is not None else (r.recompute,)
+        if not full or not any(frozenset(x) == full for x in sets):
+            yield "remat.layers counts fully recomputed blocks, but no stage recomputes the full set"
 
 
 @rule("structure")

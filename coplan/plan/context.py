@@ -364,6 +364,10 @@ class PlanContext:
             if rem.per_stage is None
             else tuple(policy.get(names, names) if names else "none" for names in rem.per_stage)
         )
+        recompute = policy.get(rem.recompute, rem.recompute) if rem.recompute else "none"
+        if rem.layers is not None and rem.recompute and rem.recompute == policy_sets(self).get("full"):
+            # some blocks fully recomputed: priced by name wherever the stack recomputes sets too
+            recompute = "full"
         config = TrainingConfig(
             tp=p.tp,
             pp=p.pp,
@@ -374,8 +378,9 @@ class PlanContext:
             global_batch=plan.global_batch,
             seq=plan.seq,
             sequence_parallel=p.sequence_parallel,
-            recompute=policy.get(rem.recompute, rem.recompute) if rem.recompute else "none",
+            recompute=recompute,
             recompute_per_stage=per_stage,
+            recompute_layers=rem.layers,
             recompute_fused=plan.fusion.recompute_in_backward,
             op_dtypes=self.expand_dtypes(plan.precision),
             zero=p.zero,
@@ -482,7 +487,10 @@ def plan_summary(
         rec = [n.split(".", 2)[-1] for n in sorted(r.all_names)]
     out = {
         "parallel": p.describe(),
-        "remat": "nothing recomputed" if not rec else f"recompute {len(rec)}: {_listed(rec)}",
+        "remat": "nothing recomputed"
+        if not rec
+        else f"recompute {len(rec)}: {_listed(rec)}"
+        + (f" (first {r.layers} blocks of each chunk)" if r.layers is not None else ""),
         **(
             {"remat per stage": " / ".join(str(len(x)) for x in r.per_stage) + " tensors"}
             if r.per_stage is not None

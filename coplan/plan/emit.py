@@ -114,6 +114,10 @@ class _Remat:
     outside: frozenset[str]
     per_stage_differs: bool
     block: _Block
+    #: blocks of each model chunk fully recomputed (None: every block)
+    layers: int | None = None
+    #: blocks per model chunk (the smallest chunk where they differ)
+    chunk: int = 0
 
     @property
     def full(self) -> bool:
@@ -135,7 +139,10 @@ def _remat(plan: Plan, spec: ModelSpec) -> _Remat:
             outside.add(name)
     stages = plan.remat.per_stage
     differs = stages is not None and len({frozenset(s) for s in stages}) > 1
-    return _Remat(frozenset(inside), frozenset(outside), differs, block)
+    p = plan.parallel
+    chunks = p.pp * p.vpp
+    chunk = min(p.stage_layers) if p.stage_layers else spec.n_layers // chunks
+    return _Remat(frozenset(inside), frozenset(outside), differs, block, plan.remat.layers, chunk)
 
 
 def _common_remat_notes(r: _Remat, stack: str) -> list[str]:
@@ -181,6 +188,10 @@ def _megatron_recompute(r: _Remat, spec: ModelSpec) -> tuple[list[str], list[str
         return [], notes
     full = ["--recompute-granularity", "full", "--recompute-method", "uniform", "--recompute-num-layers", "1"]
     every = set(r.block.saved) - {r.block.output}
+    if r.full and r.layers is not None and r.layers < r.chunk:
+        # the first N blocks of each chunk (megatron/core/transformer/transformer_block.py)
+        block = ["--recompute-method", "block", "--recompute-num-layers", str(r.layers)]
+        return ["--recompute-granularity", "full", *block], notes
     if r.full:
         return full, notes
     modules = {rel: _megatron_module(rel, r.block.saved.get(rel, OpKind.OTHER), spec) for rel in r.inside}
@@ -373,6 +384,15 @@ def _torchtitan_recompute(r: _Remat) -> tuple[dict[str, Any], list[str]]:
     if not r.inside:
         return {"mode": "none"}, notes
     every = set(r.block.saved) - {r.block.output}
+    if r.full and r.layers is not None and r.layers < r.chunk:
+        # every N-th block: the chunk's blocks // N of them (``StackSpec.layer_counts``)
+        n = next((n for n in range(2, r.chunk + 1) if r.chunk // n == r.layers), 0)
+        if n:
+            return {"mode": "selective", "selective_ac_option": str(n)}, notes
+        notes.append(
+            f"torchtitan checkpoints every N-th block: no N gives {r.layers} of {r.chunk} blocks, so every "
+            "block is checkpointed (extra compute)"
+        )
     if r.full:
         return {"mode": "full"}, notes
     saved_by_policy = {OpKind.MATMUL, OpKind.ATTENTION}

@@ -151,13 +151,18 @@ class FusionPlan:
 @dataclass(frozen=True, slots=True, kw_only=True)
 class RematPlan:
     """Saved tensors recomputed instead of kept: ``recompute`` for every stage, or ``per_stage``
-    (one set per pipeline stage) when stages differ."""
+    (one set per pipeline stage) when stages differ. ``layers``: with full recomputation, only the
+    first ``layers`` blocks of each model chunk recompute and the others keep what they save
+    (``TrainingConfig.recompute_layers``; None: every block)."""
 
     recompute: frozenset[str] = frozenset()
     per_stage: tuple[frozenset[str], ...] | None = None
+    layers: int | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "recompute", frozenset(str(n) for n in self.recompute))
+        if self.layers is not None:
+            _positive("remat.layers", self.layers)
         if self.per_stage is not None:
             object.__setattr__(self, "per_stage", tuple(frozenset(str(n) for n in s) for s in self.per_stage))
 
@@ -284,6 +289,8 @@ class Plan:
             "remat": {
                 "recompute": sorted(r.recompute),
                 "per_stage": [sorted(s) for s in r.per_stage] if r.per_stage is not None else None,
+                # only where used, so plans recomputing every block keep their fingerprint
+                **({"layers": r.layers} if r.layers is not None else {}),
             },
             "precision": {
                 "compute": c.compute,
@@ -368,6 +375,7 @@ class Plan:
                     )
                     if per_stage is not None
                     else None,
+                    layers=rem.get("layers"),
                 ),
                 precision=PrecisionPlan(
                     compute=pre.get("compute", "fp32"),

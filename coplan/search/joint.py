@@ -25,7 +25,7 @@ from dataclasses import replace
 from coplan.cost import Estimate
 from coplan.passes.base import PassRecord, score
 from coplan.passes.precision import op_moves
-from coplan.passes.remat import remat_pass, saved_names, with_remat
+from coplan.passes.remat import fewest_layers, remat_pass, saved_names, with_remat
 from coplan.plan.context import PlanContext
 from coplan.plan.types import Plan, RematPlan
 from coplan.search.strategies import Options, bound_search, strategy
@@ -84,7 +84,8 @@ def optimise_remat(plan: Plan, ctx: PlanContext) -> Plan:
             break
         need += e.memory.peak_bytes - ctx.budget
     best = min(candidates, key=lambda p: score(p, ctx))
-    return _local_search(best, ctx, names)
+    # full recomputation of only as many blocks as the budget needs, where the stack can
+    return fewest_layers(_local_search(best, ctx, names), ctx)
 
 
 def refine_remat(plan: Plan, ctx: PlanContext) -> Plan:

@@ -7,6 +7,7 @@ import argparse
 import ast
 import shlex
 import tomllib
+from dataclasses import replace
 from typing import Any
 
 import pytest
@@ -201,6 +202,22 @@ def test_megatron_recompute_mapping() -> None:
     assert sel.recompute_granularity == "selective" and sel.recompute_modules is None  # core_attn
     assert not any("recompute" in n for n in out.notes)
 
+    # the first 3 blocks of each chunk (12 layers over pp 2: 6 a chunk): Megatron's block method
+    some = _plan(
+        spec,
+        2,
+        parallel=ParallelPlan(pp=2, microbatch=1),
+        remat=RematPlan(recompute=frozenset(every), layers=3),
+    )
+    _, blk = _megatron(emit(some, spec, "megatron"))
+    assert blk.recompute_granularity == "full" and blk.recompute_method == "block"
+    assert blk.recompute_num_layers == 3
+    # as many as the chunk holds is every block
+    _, all_ = _megatron(
+        emit(replace(some, remat=RematPlan(recompute=frozenset(every), layers=6)), spec, "megatron")
+    )
+    assert all_.recompute_method == "uniform" and all_.recompute_num_layers == 1
+
     mlp = emit(_recompute(spec, {"h.0.mlp.gelu"}), spec, "megatron")
     _, a = _megatron(mlp)
     assert a.recompute_granularity == "selective" and a.recompute_modules == ["mlp"]
@@ -245,6 +262,20 @@ def test_torchtitan_toml_has_the_planned_degrees(planned: tuple[Plan, ModelSpec]
     )
     assert cfg["training"]["local_batch_size"] == p.microbatch
     assert cfg["compile"]["enable"] == bool(plan.fusion.groups)
+
+
+def test_torchtitan_checkpoints_every_nth_block() -> None:
+    spec = load_model_spec("gpt2-124m")  # 12 layers
+    every = set(_block_names(spec)) - {"h.0.mlp_residual"}
+    for layers, option in ((6, "2"), (4, "3"), (1, "7")):
+        plan = _plan(spec, 1, remat=RematPlan(recompute=frozenset(every), layers=layers))
+        ac = _toml(emit(plan, spec, "torchtitan"))["activation_checkpoint"]
+        assert ac == {"mode": "selective", "selective_ac_option": option}
+        assert 12 // int(option) == layers
+    # 5 of 12 is no every-N-th count: every block, said in a note
+    out = emit(_plan(spec, 1, remat=RematPlan(recompute=frozenset(every), layers=5)), spec, "torchtitan")
+    assert _toml(out)["activation_checkpoint"] == {"mode": "full"}
+    assert any("no N gives 5 of 12 blocks" in n for n in out.notes)
 
 
 def test_a_plan_priced_compiled_runs_compiled() -> None:

@@ -96,3 +96,114 @@ def test_estimate_flag(cli) -> None:  # type: ignore[no-untyped-def]
     code, _, err = cli(*args, "--recompute-layers", "1")
     assert code == 2
     assert err.strip().count("\n") == 0 and "recompute_layers" in err
+
+
+# --- planning: the fewest blocks that fit, where the stack checkpoints only some ---------------------
+
+
+def _ctx(stack: str, budget: float | None = None):  # type: ignore[no-untyped-def]
+    from coplan.cost import load_stack
+    from coplan.plan import PlanContext
+
+    return PlanContext(
+        CostModel(spec=LLAMA),
+        load_cluster("dgx-h100", 1),
+        global_batch=8,
+        seq=64,
+        stack=load_stack(stack),
+        budget_bytes=budget,
+    )
+
+
+def _full(ctx):  # type: ignore[no-untyped-def]
+    from coplan.plan.capabilities import policy_sets
+    from coplan.plan.types import PrecisionPlan, RematPlan
+
+    base = ctx.default_plan().with_(precision=PrecisionPlan(compute="bf16"))
+    return base, base.with_(remat=RematPlan(recompute=policy_sets(ctx)["full"]))
+
+
+@pytest.mark.parametrize("stack", ["megatron", "fsdp", "torchtitan"])
+def test_full_recomputation_keeps_only_the_blocks_the_budget_needs(stack: str) -> None:
+    from coplan.passes.remat import fewest_layers
+    from coplan.plan import check
+
+    loose = _ctx(stack)
+    none, full = _full(loose)
+    low, high = loose.price(full).memory.peak_bytes, loose.price(none).memory.peak_bytes
+    ctx = _ctx(stack, budget=(low + high) / 2)
+    _, full = _full(ctx)
+    got = fewest_layers(full, ctx)
+    k = got.remat.layers
+    assert k is not None and 0 < k < LLAMA.n_layers
+    assert k in ctx.stack.layer_counts(LLAMA.n_layers)
+    est = ctx.price(got)
+    assert ctx.fits(est) and est.step_time_s < ctx.price(full).step_time_s
+    # the fewest that fit: the stack's next smaller count does not
+    fewer = [n for n in ctx.stack.layer_counts(LLAMA.n_layers) if n < k]
+    if fewer:
+        from dataclasses import replace as _replace
+
+        assert not ctx.fits(ctx.price(got.with_(remat=_replace(got.remat, layers=fewer[-1]))))
+    assert [v.message for v in check(got, ctx, memory=False)] == []
+
+
+def test_a_stack_without_per_layer_checkpointing_refuses_it() -> None:
+    from dataclasses import replace as _replace
+
+    from coplan.passes.remat import fewest_layers
+    from coplan.plan import check
+
+    ctx = _ctx("coplan", budget=1.0)
+    _, full = _full(ctx)
+    assert fewest_layers(full, ctx) is full
+    some = full.with_(remat=_replace(full.remat, layers=2))
+    msgs = [v.message for v in check(some, ctx, memory=False)]
+    want = "stack 'coplan' cannot fully recompute only some blocks (its policies: none, selective, full)"
+    assert want in msgs
+
+
+def test_the_checker_refuses_counts_a_stack_cannot_give() -> None:
+    from dataclasses import replace as _replace
+
+    from coplan.plan import check
+    from coplan.plan.types import RematPlan
+
+    ctx = _ctx("torchtitan")
+    base, full = _full(ctx)
+    # every N-th of 8 blocks: 4, 2, 1 (and 8 // 3 = 2)
+    assert ctx.stack.layer_counts(8) == (1, 2, 4)
+    msgs = [v.message for v in check(full.with_(remat=_replace(full.remat, layers=3)), ctx, memory=False)]
+    assert any("3 of 8 blocks is not one of its counts (1, 2, 4)" in m for m in msgs)
+    # a count without full recomputation
+    one = next(iter(sorted(full.remat.recompute)))
+    odd = base.with_(remat=RematPlan(recompute=frozenset({one}), layers=2))
+    msgs = [v.message for v in check(odd, ctx, memory=False)]
+    assert "remat.layers counts fully recomputed blocks, but no stage recomputes the full set" in msgs
+
+
+def test_plan_files_keep_the_count_and_old_fingerprints() -> None:
+    from coplan.plan.types import Plan, PlanError, RematPlan
+
+    ctx = _ctx("megatron")
+    _, full = _full(ctx)
+    assert "layers" not in full.decisions()["remat"]
+    some = full.with_(remat=RematPlan(recompute=full.remat.recompute, layers=3))
+    back = Plan.from_dict(json.loads(some.to_json()))
+    assert back.remat.layers == 3 and back.fingerprint == some.fingerprint != full.fingerprint
+    with pytest.raises(PlanError, match=r"remat\.layers"):
+        RematPlan(recompute=full.remat.recompute, layers=0)
+
+
+def test_a_stack_names_where_its_per_layer_checkpoints_sit() -> None:
+    from coplan.cost.stacks import StackError, StackSpec
+
+    with pytest.raises(StackError, match="layer_checkpointing"):
+        StackSpec(name="x", checkpointing=("none", "full", "selective-layer"))
+    with pytest.raises(StackError, match="layer_checkpointing"):
+        StackSpec(name="x", checkpointing=("none", "full"), layer_checkpointing="first")
+    spread = StackSpec(
+        name="x", checkpointing=("none", "full", "selective-layer"), layer_checkpointing="spread"
+    )
+    assert spread.layer_counts(4) == (1, 2, 3)
+    assert StackSpec(name="x").layer_counts(4) == ()
