@@ -131,8 +131,9 @@ def decode(ctx: Any, out: Outputs, par: ParallelPlan, prec: PrecisionPlan) -> Pl
 
 def repair(plan: Plan, ctx: Any, order: list[str]) -> Plan:
     """``plan`` made to fit by recomputing more of ``order`` (saved tensor names, likeliest
-    first), as little as fits; unchanged if it fits or nothing helps."""
-    from coplan.passes.remat import saved_names, with_remat
+    first), as little as fits, and where that is full recomputation, of as few blocks as fit
+    (``passes.remat.fewest_layers``); unchanged if it fits or nothing helps."""
+    from coplan.passes.remat import fewest_layers, saved_names, with_remat
 
     if not is_valid(plan, ctx):
         return plan
@@ -155,7 +156,7 @@ def repair(plan: Plan, ctx: Any, order: list[str]) -> Plan:
             hi = mid
         else:
             lo = mid + 1
-    return at(lo)
+    return fewest_layers(at(lo), ctx)
 
 
 def _variants(ctx: Any, plan: Plan, per_op: bool, k: int) -> list[Plan]:
