@@ -380,7 +380,8 @@ class PlanContext:
             sequence_parallel=p.sequence_parallel,
             recompute=recompute,
             recompute_per_stage=per_stage,
-            recompute_layers=rem.layers,
+            # a count without full recomputation is the checker's remat finding, priced as none
+            recompute_layers=rem.layers if "full" in (per_stage or (recompute,)) else None,
             recompute_fused=plan.fusion.recompute_in_backward,
             op_dtypes=self.expand_dtypes(plan.precision),
             zero=p.zero,

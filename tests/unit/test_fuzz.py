@@ -180,6 +180,7 @@ _ESTIMATE = {
     "--zero": _numbers,
     "--dtype": st.sampled_from(["fp32", "bf16", "fp8", "fp4", ""]),
     "--recompute": st.sampled_from(["none", "selective", "full", "half"]),
+    "--recompute-layers": _numbers,
     "--hidden-dropout": _numbers,
     "--attention-dropout": _numbers,
     "--stage-layers": st.sampled_from(["1,1", "2", "0,2", "x", "1,-1", ""]),
