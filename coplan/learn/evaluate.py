@@ -3,7 +3,9 @@
 Every job of the split is planned by the policy (``learned``: its best-scored layouts decoded,
 repaired, checked and priced) and compared, by the cost model's step time, with the labels the
 dataset holds for it: the teacher (``joint-exact``, the op-level joint optimum) and the baseline
-(``sequential``, the production passes in sequence), both planned when the dataset was written.
+(``sequential``, the production passes in sequence), both planned when the dataset was written and
+checked and priced again here, by today's checker and cost model (``_repriced``), so every ratio
+compares prices of one cost model; a label plan the checker now refuses counts as not fitting.
 Ratios are learned / other step time (0.95: the learned plan is 5% faster), over the jobs where
 both plans fit. ``feasible_rate`` is the share of the jobs with a fitting teacher plan whose
 learned plan is valid and fits. Planning times are medians (the labels' were measured when the
@@ -66,6 +68,23 @@ def _cost_model(net: PolicyNet, records: list[dict[str, Any]], per_job: int) -> 
     return rank_report(net.cost, cost_examples(records, per_job, seed=1))
 
 
+def _repriced(label: dict[str, Any], ctx: Any) -> dict[str, Any]:
+    """``label`` with its plan checked and priced by today's checker and cost model: ``fits`` and
+    ``step_time_s`` as they are now (a plan refused counts as not fitting)."""
+    from coplan.errors import CoplanError
+    from coplan.plan.checker import check
+    from coplan.plan.types import Plan
+
+    try:
+        plan = Plan.from_dict(label["plan"], "label")
+        if check(plan, ctx):
+            return {**label, "fits": False}
+        est = ctx.price(plan)
+    except CoplanError:
+        return {**label, "fits": False}
+    return {**label, "fits": ctx.fits(est), "step_time_s": est.step_time_s}
+
+
 def evaluate(
     ds: Dataset,
     net: PolicyNet,
@@ -108,7 +127,7 @@ def evaluate(
                 vs_random.append(est.step_time_s / ctx.price(rplan).step_time_s)
             elif ok != rok:
                 random_only.append(rok)
-        teacher, base = r["labels"]["teacher"], r["labels"]["baseline"]
+        teacher, base = (_repriced(r["labels"][x], ctx) for x in ("teacher", "baseline"))
         t_learned.append(dt)
         t_joint.append(teacher["plan_time_s"])
         t_seq.append(base["plan_time_s"])

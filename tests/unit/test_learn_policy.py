@@ -332,3 +332,20 @@ def test_measured_runs_become_cost_examples_labelled_with_what_was_measured(tmp_
     exact = accuracy([ex.step_s for ex in data], data)
     assert exact["mape"] == 0.0 and exact["top1_regret"] == 0.0
     assert set(measured_report(None, data, analytic)) == {"analytic"}
+
+
+def test_eval_prices_the_labels_with_todays_cost_model():
+    from coplan.learn.evaluate import _repriced
+
+    ctx = ctx_for()
+    plan = run_strategy("sequential", ctx).plan
+    stale = {"strategy": "sequential", "step_time_s": 123.0, "fits": True, "plan": plan.to_dict()}
+    got = _repriced(stale, ctx)
+    assert got["step_time_s"] == ctx.price(plan).step_time_s and got["fits"]
+    # a label plan the loader or the checker refuses counts as not fitting
+    bad = plan.to_dict() | {"fingerprint": "0" * 16}
+    assert _repriced(stale | {"plan": bad}, ctx)["fits"] is False
+    tiny = PlanContext(
+        CostModel(spec=PRESETS["gpt-tiny"]), load_cluster("dgx-h100", 8), 16, 64, budget_bytes=1.0
+    )
+    assert _repriced(stale, tiny)["fits"] is False
