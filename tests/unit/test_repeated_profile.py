@@ -47,7 +47,13 @@ def _configs(name: str, rng: random.Random, n: int) -> list[TrainingConfig]:
         except ConfigError:
             continue
         stack = rng.choice(["megatron", "torchtitan", "fsdp-compile", "deepspeed"])
-        out.append(load_stack(stack).configure(config))
+        config = load_stack(stack).configure(config)
+        # the per-tensor optimizer loop and synchronous launches count every block's kernels
+        out.append(
+            config.with_(
+                optimizer=rng.choice(["", "foreach", "for-loop"]), launch_blocking=rng.random() < 0.3
+            )
+        )
     return out
 
 
