@@ -135,7 +135,9 @@ class CostModel:
         """The profile ``estimate`` prices with: ``profile``'s, or where that is a spec's under a
         named kernel set without per-op dtypes and the blocks of a ``SHORT_LAYERS``-block graph are
         one template, that graph's profile with its template repeated to the model's depth. Op
-        groups and per-op dtypes name the whole graph's op ids, so they take the whole graph."""
+        groups and per-op dtypes name the whole graph's op ids, so they take the whole graph. It
+        relies on a spec building every block alike (``ModelSpec`` has no per-layer field: experts
+        are in every block or none); a spec that varied its blocks would need its own check."""
         spec = self.spec
         per_op = not isinstance(fusion, str) or bool(precision and precision[1])
         if spec is None or per_op or spec.n_layers <= SHORT_LAYERS:
