@@ -175,6 +175,21 @@ def _variants(ctx: Any, plan: Plan, per_op: bool, k: int) -> list[Plan]:
     return out
 
 
+def _reductions(ctx: Any, plan: Plan) -> list[Plan]:
+    """``plan``, and where its stack reduces gradients in 16 bits, ``plan`` doing so too. The
+    policy scores layouts by compute dtype and fp8 weights only and has no head for the
+    gradient-reduction dtype, which the search space offers beside them
+    (``search.space.SearchSpace._storage``): the decoder completes that decision by the cost
+    model, as it completes recomputation (``repair``)."""
+    c = plan.precision
+    if not ctx.stack.reduce_16bit or ctx.gpus == 1 or c.grad_reduce != "fp32":
+        return [plan]
+    if c.compute not in ("bf16", "fp16", "fp8"):
+        return [plan]
+    half = "fp16" if c.compute == "fp16" else "bf16"
+    return [plan, plan.with_(precision=replace(c, grad_reduce=half))]
+
+
 def layout_plan(
     ctx: Any,
     net: PolicyNet,
@@ -226,7 +241,7 @@ def plan_with_policy(ctx: Any, net: PolicyNet, k: int) -> tuple[Plan, int, list[
 
         def price(plans: list[Plan], names: list[str]) -> None:
             nonlocal fitting
-            for p in plans:
+            for p in (q for plan in plans for q in _reductions(ctx, plan)):
                 p = repair(p, ctx, names)
                 priced.append(p)
                 fitting = fitting or (ctx.fits(ctx.price(p)) and is_valid(p, ctx))
