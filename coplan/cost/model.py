@@ -142,11 +142,10 @@ class CostModel:
         per_op = not isinstance(fusion, str) or bool(precision and precision[1])
         if spec is None or per_op or spec.n_layers <= SHORT_LAYERS:
             return self.profile(microbatch, seq, fusion, precision, cp)
-        precision = precision if precision and precision[1] else None
         key = (microbatch, seq, fusion, cp)
         if key not in self._repeated:
             short = build_graph(replace(spec, n_layers=SHORT_LAYERS), microbatch, seq, cp=cp)
-            prof = profile_graph(short, fusion, precision)
+            prof = profile_graph(short, fusion)  # no per-op dtypes here: the dtype is a weight
             got = None
             if len(prof.templates) == 1 and prof.templates[0].blocks == tuple(range(SHORT_LAYERS)):
                 block = prof.templates[0]

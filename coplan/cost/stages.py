@@ -131,14 +131,19 @@ def static_bytes(p_local: float, config: TrainingConfig, d: int) -> tuple[float,
 # --- layout: which layers and devices each stage has ------------------------------------------------
 
 
-def chunk_layers(profile: GraphProfile, config: TrainingConfig) -> list[int]:
-    """Layers of each model chunk (virtual stage), in model order: ``config.stage_layers`` or an
-    even split (the first chunks take one more where the layers do not divide)."""
-    chunks = config.pp * config.vpp
-    if config.stage_layers is not None:
-        return list(config.stage_layers)
-    base, extra = divmod(profile.n_layers, chunks)
+def split_layers(n_layers: int, chunks: int, stage_layers: Sequence[int] | None = None) -> list[int]:
+    """Layers of each of ``chunks`` model chunks (virtual stages), in model order: ``stage_layers``
+    where given, else an even split (the first chunks take one more where the layers do not
+    divide)."""
+    if stage_layers is not None:
+        return list(stage_layers)
+    base, extra = divmod(n_layers, chunks)
     return [base + (1 if i < extra else 0) for i in range(chunks)]
+
+
+def chunk_layers(profile: GraphProfile, config: TrainingConfig) -> list[int]:
+    """Layers of each model chunk of ``config``'s layout (``split_layers``)."""
+    return split_layers(profile.n_layers, config.pp * config.vpp, config.stage_layers)
 
 
 #: (layer templates in model order, layers per chunk, first layer of each chunk)

@@ -19,6 +19,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 from coplan.cost.stacks import StackError, StackSpec, load_stack, load_stack_file
+from coplan.cost.stages import split_layers
 from coplan.plan.context import PlanContext, policy_sets
 from coplan.plan.types import ParallelPlan, Plan
 
@@ -119,15 +120,10 @@ def fusion_problem(ctx: PlanContext, plan: Plan) -> str | None:
 
 
 def chunk_sizes(plan: Plan, ctx: PlanContext) -> list[int]:
-    """Blocks of each model chunk (virtual pipeline stage) under ``plan``'s layout: its
-    ``stage_layers`` or an even split, the first chunks taking one more where the layers do not
-    divide (``cost.stages.chunk_layers``)."""
+    """Blocks of each model chunk (virtual pipeline stage) under ``plan``'s layout, as the cost
+    model splits them (``cost.stages.split_layers``)."""
     p = plan.parallel
-    if p.stage_layers is not None:
-        return list(p.stage_layers)
-    chunks = p.pp * p.vpp
-    base, extra = divmod(ctx.reference_profile.n_layers, chunks)
-    return [base + (1 if i < extra else 0) for i in range(chunks)]
+    return split_layers(ctx.reference_profile.n_layers, p.pp * p.vpp, p.stage_layers)
 
 
 def problems(plan: Plan, ctx: PlanContext) -> Iterator[str]:

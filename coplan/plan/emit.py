@@ -32,6 +32,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
+from coplan.cost.stages import split_layers
 from coplan.errors import SpecError
 from coplan.ir.types import OpKind, TensorRole
 from coplan.models.spec import ModelSpec
@@ -140,8 +141,7 @@ def _remat(plan: Plan, spec: ModelSpec) -> _Remat:
     stages = plan.remat.per_stage
     differs = stages is not None and len({frozenset(s) for s in stages}) > 1
     p = plan.parallel
-    chunks = p.pp * p.vpp
-    chunk = min(p.stage_layers) if p.stage_layers else spec.n_layers // chunks
+    chunk = min(split_layers(spec.n_layers, p.pp * p.vpp, p.stage_layers))
     return _Remat(frozenset(inside), frozenset(outside), differs, block, plan.remat.layers, chunk)
 
 
