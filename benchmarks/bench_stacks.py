@@ -56,8 +56,9 @@ def _base(run: dict) -> dict:
     return r
 
 
-def price(run: dict, stack: str) -> tuple[float, float, bool]:
-    """(step seconds, peak bytes, fits) of ``run`` under preset ``stack``."""
+def price(run: dict, stack: str) -> tuple[float, float, bool, float]:
+    """(step seconds, allocated peak bytes, fits, reserved peak bytes) of ``run`` under preset
+    ``stack``; the reserved peak with the caching allocator as the run's launcher set it."""
     r = _base(run)
     spec = ModelSpec(**{k: v for k, v in r["model"].items() if v is not None})
     cluster = load_cluster(r["cluster"], r["gpus"])
@@ -66,7 +67,12 @@ def price(run: dict, stack: str) -> tuple[float, float, bool]:
         if r["recompute"] == "partial":
             r["recompute"] = "selective"
         est = model.estimate(cluster, run_config(r))
-        return est.step_time_s, est.memory.peak_bytes, est.fits
+        return (
+            est.step_time_s,
+            est.memory.peak_bytes,
+            est.fits,
+            _reserved(model, cluster, est, run, "megatron"),
+        )
     policy = r["stack_settings"].get("activation_checkpoint", r["recompute"])
     # a per-layer policy: its own count of fully checkpointed blocks (these runs have no pipeline)
     count = checkpointed_blocks(policy, spec.n_layers)
@@ -106,7 +112,19 @@ def price(run: dict, stack: str) -> tuple[float, float, bool]:
     if count:
         config = config.with_(recompute="full", recompute_layers=min(count, spec.n_layers))
     est = model.estimate(cluster, config)
-    return est.step_time_s, est.memory.peak_bytes, est.fits
+    return est.step_time_s, est.memory.peak_bytes, est.fits, _reserved(model, cluster, est, run, stack)
+
+
+def _reserved(model: CostModel, cluster, est, run: dict, stack: str) -> float:  # type: ignore[no-untyped-def]
+    """The reserved peak (``CostModel.reserved``), with expandable segments where the run's own
+    launcher set them (its ``stack_settings``), else the preset's."""
+    spec_of_stack = load_stack(stack)
+    if "expandable_segments" in run["stack_settings"]:
+        spec_of_stack = replace(
+            spec_of_stack, expandable_segments=run["stack_settings"]["expandable_segments"]
+        )
+    got = model.reserved(cluster, est, spec_of_stack)
+    return got.reserved_bytes if got is not None else est.memory.peak_bytes
 
 
 def main() -> None:
@@ -126,12 +144,18 @@ def main() -> None:
         }
         for label, stack in (("baseline", "megatron"), ("priced", stack_of(run))):
             start = time.perf_counter()
-            step, peak, fits = price(run, stack)
+            step, peak, fits, reserved = price(run, stack)
+            # compared with what the source reports: the reserved peak, or the allocated one
+            shown = reserved if measured.get("memory_kind") == "reserved" else peak
             row[label] = {
                 "predicted_s": step,
                 "error": step / measured["step_time_s"] - 1,
                 "peak_bytes": peak,
-                "memory_error": peak / measured["peak_memory_bytes"] - 1
+                "reserved_bytes": reserved,
+                "memory_error": shown / measured["peak_memory_bytes"] - 1
+                if measured.get("peak_memory_bytes")
+                else None,
+                "allocated_memory_error": peak / measured["peak_memory_bytes"] - 1
                 if measured.get("peak_memory_bytes")
                 else None,
                 "fits": fits,
@@ -181,15 +205,28 @@ def main() -> None:
         )
     mem = [r for r in rows if r["priced"]["memory_error"] is not None]
     print(
-        f"\npeak memory where published ({len(mem)} runs): mean abs error baseline "
+        f"\npeak memory where published ({len(mem)} runs, the reserved peak where that is what they "
+        f"report): mean abs error baseline "
         f"{statistics.fmean(abs(r['baseline']['memory_error']) for r in mem):.1%}, preset "
-        f"{statistics.fmean(abs(r['priced']['memory_error']) for r in mem):.1%}"
+        f"{statistics.fmean(abs(r['priced']['memory_error']) for r in mem):.1%} "
+        f"(signed {statistics.fmean(r['priced']['memory_error'] for r in mem):+.1%}; the allocated peak "
+        f"alone {statistics.fmean(abs(r['priced']['allocated_memory_error']) for r in mem):.1%})"
     )
+    for r in mem:
+        p = r["priced"]
+        print(
+            f"  {r['id']:<55} allocated {p['peak_bytes'] / 2**30:5.1f} GiB "
+            f"({p['allocated_memory_error']:+.1%})  reserved {p['reserved_bytes'] / 2**30:5.1f} GiB "
+            f"({p['memory_error']:+.1%})"
+        )
     for label in ("baseline", "priced"):
         bad = [r["id"] for r in rows if not r[label]["fits"]]
         print(f"runs that ran, priced as not fitting ({label}): {len(bad)} {bad}")
     walls = [r["priced"]["wall_s"] for r in rows]
-    print(f"estimate wall (with the graph built): median {statistics.median(walls) * 1e3:.0f} ms")
+    print(
+        f"wall per run (estimate with its graph built, and the allocator's replay): median "
+        f"{statistics.median(walls) * 1e3:.0f} ms"
+    )
     args.json.parent.mkdir(parents=True, exist_ok=True)
     args.json.write_text(json.dumps({"summary": summary, "pairs": pairs, "runs": rows}, indent=1) + "\n")
 

@@ -34,6 +34,7 @@ if TYPE_CHECKING:
     from coplan.cost import CostModel
     from coplan.cost.estimate import Estimate
     from coplan.cost.explain import KernelCost
+    from coplan.cost.steptrace import ReservedMemory
     from coplan.hardware.cluster import ClusterSpec
 
 
@@ -424,6 +425,8 @@ def estimate(
         config = config.with_(launch_blocking=True)
     cm = CostModel(spec=spec)
     est = cm.estimate(hw, config)
+    # what PyTorch's caching allocator reserves for it (None on a CPU)
+    reserved = cm.reserved(hw, est, the_stack)
     listed = _kernels(cm, hw, est, kernels) if kernels else None
     from coplan.cost.envelope import validated
 
@@ -435,6 +438,8 @@ def estimate(
         out["model"] = spec.name
         out["seq"] = spec.resolve_seq(seq)
         out["stack"] = the_stack.name
+        if reserved is not None:
+            out["memory"].update(reserved.to_dict())
         if listed is not None:
             out["kernels"] = {"stage": listed[0], "rows": [row.to_dict() for row in listed[1]]}
     if record_db is not None:
@@ -457,7 +462,7 @@ def estimate(
     if json:
         print_json(out)
         return
-    render(est, f"{spec.name} on {hw.summary()}")
+    render(est, f"{spec.name} on {hw.summary()}", reserved)
     show_trust(stdout(), trust)
     if listed is not None:
         render_kernels(est, *listed)
@@ -561,8 +566,9 @@ def _stage_layers(text: str | None) -> tuple[int, ...] | None:
     return layers
 
 
-def render(est: Estimate, title: str) -> None:
-    """The estimate as Rich tables: headline figures, time breakdown, memory of the loaded GPU."""
+def render(est: Estimate, title: str, reserved: ReservedMemory | None = None) -> None:
+    """The estimate as Rich tables: headline figures, time breakdown, memory of the loaded GPU
+    (with what the caching allocator reserves, where ``reserved`` says)."""
     console = stdout()
     c = est.config
     console.print(f"[bold]{title}[/bold]", soft_wrap=True)
@@ -632,7 +638,20 @@ def render(est: Estimate, title: str) -> None:
         ("peak", m.peak_bytes),
     ):
         mem.add_row(key, human_bytes(value))
+    if reserved is not None:
+        mem.add_row(
+            "reserved by the caching allocator"
+            + (" (expandable segments)" if reserved.expandable_segments else ""),
+            human_bytes(reserved.reserved_bytes),
+        )
     console.print(times)
     console.print(mem)
+    if reserved is not None and reserved.releases_cache:
+        console.print(
+            "note: the caching allocator would reserve "
+            f"{human_bytes(reserved.allocated_bytes + reserved.overhead_bytes)}, more than the device: "
+            "it frees its cached segments and retries (slower steps)",
+            soft_wrap=True,
+        )
     if not est.fits:
         console.print("[red]does not fit:[/red] the peak exceeds the device memory", soft_wrap=True)

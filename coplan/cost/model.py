@@ -22,6 +22,8 @@ from coplan.cost.config import ConfigError, TrainingConfig, check_against
 from coplan.cost.estimate import Estimate, estimate
 from coplan.cost.parts import GraphProfile, Precision
 from coplan.cost.profile import profile_graph
+from coplan.cost.stacks import StackSpec
+from coplan.cost.steptrace import ReservedMemory, reserved_memory
 from coplan.hardware.cluster import ClusterSpec
 from coplan.ir.types import Graph
 from coplan.models.spec import ModelSpec
@@ -79,23 +81,46 @@ class CostModel:
         got = self._profiles.get(key)
         if got is not None:
             return got
+        got = profile_graph(self.graph_for(microbatch, seq, cp), fusion, precision)
+        self._profiles[key] = got
+        return got
+
+    def graph_for(self, microbatch: int, seq: int, cp: int = 1) -> Graph:
+        """The whole graph of one microbatch's step (one rank's share of each sequence under
+        context parallelism): built once from the spec, or the captured graph where its shape is
+        that one."""
         if self.spec is not None:
             graph = self._graphs.get((microbatch, seq, cp))
             if graph is None:
                 graph = self._graphs[(microbatch, seq, cp)] = build_graph(self.spec, microbatch, seq, cp=cp)
-        else:
-            assert self.graph is not None
-            meta = self.graph.meta
-            if (meta.batch, meta.seq) != (microbatch, seq):
-                raise ConfigError(
-                    "microbatch",
-                    f"the graph was captured for microbatch {meta.batch} x seq {meta.seq}; "
-                    f"cannot price {microbatch} x {seq} without re-capturing",
-                )
-            graph = self.graph
-        got = profile_graph(graph, fusion, precision)
-        self._profiles[key] = got
-        return got
+            return graph
+        assert self.graph is not None
+        meta = self.graph.meta
+        if (meta.batch, meta.seq) != (microbatch, seq):
+            raise ConfigError(
+                "microbatch",
+                f"the graph was captured for microbatch {meta.batch} x seq {meta.seq}; "
+                f"cannot price {microbatch} x {seq} without re-capturing",
+            )
+        return self.graph
+
+    def reserved(self, cluster: ClusterSpec, est: Estimate, stack: StackSpec) -> ReservedMemory | None:
+        """What PyTorch's caching allocator reserves at ``est``'s peak under ``stack``
+        (``coplan.cost.steptrace``); None on a CPU, whose tensors come from the C library's
+        allocator."""
+        if cluster.groups[0].device.kind == "cpu":
+            return None
+        c = est.config
+        seq = self.seq_of(c) // c.cp
+        return reserved_memory(
+            self.graph_for(c.microbatch, seq, c.cp),
+            c,
+            stack.sharding,
+            est.memory.peak_bytes,
+            est.memory.capacity_bytes,
+            expandable=stack.expandable_segments,
+            extra_fraction=stack.reserved_fraction,
+        )
 
     def check(self, cluster: ClusterSpec, config: TrainingConfig) -> None:
         """Divisibility and size rules; ``ConfigError`` (exit 2) names the first broken one."""

@@ -17,7 +17,7 @@ vocabulary-parallel. Collectives sit on the boundaries between the two classes.
 from __future__ import annotations
 
 import re
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from coplan.cost.activation import eager_variant, extra_passes
 from coplan.cost.boundaries import pipeline_boundary, tp_boundaries
@@ -134,6 +134,12 @@ def profile_graph(
         shared_params=(shared[0], shared[1]),
         shared_tensors=(len(both), len(shared_modules)),
     )
+
+
+def tensor_vec(graph: Graph) -> Callable[[Tensor], Vec]:
+    """The element/byte vector of each tensor of ``graph`` as a step stores it, under the
+    training dtype (what ``liveness`` counts): ``vdot`` with ``Scale.weights`` gives its bytes."""
+    return _Ctx(graph).vec
 
 
 def _module_of(graph: Graph, tid: int) -> str:

@@ -61,6 +61,7 @@ SETTINGS: tuple[str, ...] = (
     "dp_bucket_scope",
     "checkpointing",
     "reserved_fraction",
+    "expandable_segments",
     "tensor_parallel",
     "pipeline_parallel",
     "interleaved_pipeline",
@@ -146,9 +147,11 @@ class StackSpec:
             (``TrainingConfig.zero3_gather``): per layer, per module or per parameter tensor.
         layer_checkpointing: which blocks its per-layer checkpointing (``selective-layer``)
             checkpoints (``LAYER_CHECKPOINTINGS``); ``none`` exactly where it offers none.
-        reserved_fraction: the caching allocator's reserved bytes beyond the allocated peak, as a
-            fraction of it (what ``torch.cuda.max_memory_reserved`` reports over
-            ``max_memory_allocated``); 0 prices the allocated peak.
+        reserved_fraction: reserved bytes beyond what the caching allocator's replay gives
+            (``coplan.cost.steptrace.reserved_memory``), as a fraction of the allocated peak: what
+            a stack's own allocator or memory pools hold besides; 0 in every preset.
+        expandable_segments: the stack's runs set ``PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True``
+            (each stream's pool one growing range; ``coplan.cost.caching``).
         sources: (setting, citation) for each setting the preset gives.
     """
 
@@ -165,6 +168,7 @@ class StackSpec:
     dp_bucket_scope: str = "megatron-core"
     checkpointing: tuple[str, ...] = ("none", "selective", "full")
     reserved_fraction: float = 0.0
+    expandable_segments: bool = False
     tensor_parallel: bool = True
     pipeline_parallel: bool = True
     interleaved_pipeline: bool = True
@@ -215,6 +219,7 @@ class StackSpec:
             "fp8_params",
             "async_tp",
             "gemm_padding",
+            "expandable_segments",
         ):
             if not isinstance(getattr(self, flag), bool):
                 raise StackError(src, flag, f"must be true or false, got {getattr(self, flag)!r}")

@@ -113,12 +113,22 @@ def chunk_in_flight(stage: int, p: int, v: int, m: int, chunk: int) -> float:
 def static_bytes(p_local: float, config: TrainingConfig, d: int) -> tuple[float, float, float]:
     """Parameters, gradients and optimizer state on one GPU. Megatron mixed precision: 16-bit
     weights, fp32 main gradients, fp32 master weights and Adam moments (2 + 4 + 12 bytes); fp32:
-    4 + 4 + 8; pure 16-bit without master weights: 2 + 2 + 4. ZeRO shards them."""
+    4 + 4 + 8; pure 16-bit without master weights: 2 + 2 + 4. ZeRO shards them.
+
+    PyTorch FSDP (``fsdp_units``) sharding parameters under a mixed-precision policy keeps one
+    copy of each shard, in fp32: the optimizer steps it as its master weight, and the 16-bit
+    parameters exist only as the gathered units (``coplan.cost.zero.fsdp_transient``). Its sharded
+    gradient is cast back to that dtype after the reduce-scatter whatever the reduce dtype
+    (torch/distributed/fsdp/_fully_shard/_fsdp_collectives.py ``foreach_reduce``:
+    ``_to_dtype_if_needed(reduce_output, orig_dtype)``; FSDP1 ``_cast_grad_to_param_dtype``,
+    torch/distributed/fsdp/_runtime_utils.py, at v2.13.0): 4 + 4 + 8, the fp32 shard counted as
+    the parameters."""
     master = config.mixed and config.master_weights
     wide = 4 if (master or not config.mixed) else config.act_bytes
-    w = p_local * config.act_bytes
-    g = p_local * (wide if config.grad_reduce_fp32 or not config.mixed else config.act_bytes)
-    o = p_local * (12 if master else 2 * wide)
+    fsdp_master = master and config.fsdp_units and config.zero >= 3
+    w = p_local * (4 if fsdp_master else config.act_bytes)
+    g = p_local * (wide if config.grad_reduce_fp32 or not config.mixed or fsdp_master else config.act_bytes)
+    o = p_local * (8 if fsdp_master else 12 if master else 2 * wide)
     if config.zero >= 1:
         o /= d
     if config.zero >= 2:

@@ -217,9 +217,9 @@ def test_fsdp_holds_the_root_unit_gathered_beside_two_blocks_and_one_gradient() 
     zero3 = cm.estimate(cluster, config.with_(kernels="eager", fusion="none", attention_kernel="flash2"))
     # the same step with ZeRO-3's even split into blocks: only the units' bytes differ
     blocks = SPEC.n_layers * SPEC.block_params()
-    # every parameter the blocks do not own (the IR's embedding, final norm and head): the 16-bit
-    # weights' shard is 1/8 of them
-    root = fsdp.memory.params_bytes * 8 / 2 - blocks
+    # every parameter the blocks do not own (the IR's embedding, final norm and head): FSDP's
+    # parameter shard is 1/8 of them, in fp32
+    root = fsdp.memory.params_bytes * 8 / 4 - blocks
     assert root > 0
     got = fsdp.memory.transient_bytes - zero3.memory.transient_bytes
     want = fsdp_transient(blocks, root, 2, 2, 4) - zero3_transient(blocks + root, 2, 2, 4)
@@ -314,3 +314,21 @@ def test_a_stack_without_overlap_prices_estimates_as_its_plans() -> None:
     priced = ctx.price(plan).step_time_s
     est = cm.estimate(cluster, load_stack("deepspeed").configure(ctx.config_of(plan)))
     assert est.step_time_s == pytest.approx(priced)
+
+
+def test_fsdp_keeps_one_fp32_shard_where_megatron_keeps_a_16_bit_copy_beside_its_master() -> None:
+    """PyTorch FSDP under a mixed-precision policy: the fp32 shard is the parameter and the master
+    weight at once, and the reduced gradient comes back in fp32 whatever the reduce dtype: 4 + 4 + 8
+    bytes a parameter over the shards; Megatron's ZeRO-3 keeps 2 + 4 + 12."""
+    cm = CostModel(spec=SPEC)
+    cluster = load_cluster("dgx-h100", 8)
+    config = TrainingConfig(dp=8, global_batch=8, zero=3, dtype="bf16")
+    got = {}
+    for stack, reduce16 in (("torchtitan", False), ("fsdp", True), ("megatron", False)):
+        c = load_stack(stack).configure(config.with_(grad_reduce_fp32=not reduce16))
+        m = cm.estimate(cluster, c).memory
+        got[stack] = (m.params_bytes, m.grads_bytes, m.optimizer_bytes)
+    w = got["megatron"][0] / 2  # parameters per GPU
+    assert got["megatron"] == pytest.approx((2 * w, 4 * w, 12 * w), rel=1e-12)
+    assert got["torchtitan"] == pytest.approx((4 * w, 4 * w, 8 * w), rel=1e-12)
+    assert got["fsdp"] == got["torchtitan"]  # a 16-bit reduction comes back in fp32 too

@@ -1,0 +1,137 @@
+"""The allocation trace of training steps (``coplan.cost.steptrace``) and the reserved peak the
+caching allocator gives it (``CostModel.reserved``)."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import replace
+
+import pytest
+
+from coplan.cost import CostModel, TrainingConfig, load_stack
+from coplan.cost.caching import replay, round_size
+from coplan.cost.checkpoint import selective_op_names
+from coplan.cost.stages import static_bytes
+from coplan.cost.steptrace import COMPUTE, GATHER, SCATTER, reserved_memory, step_events
+from coplan.hardware import load_cluster
+from coplan.ir.types import TensorRole
+from coplan.models.spec import PRESETS
+
+LLAMA = replace(PRESETS["llama-tiny"], n_layers=4)
+
+
+def _graph(mb: int = 2, seq: int = 64):  # type: ignore[no-untyped-def]
+    return CostModel(spec=LLAMA).graph_for(mb, seq)
+
+
+def _config(**kw) -> TrainingConfig:  # type: ignore[no-untyped-def]
+    base = dict(microbatch=2, global_batch=2 * kw.get("dp", 1), seq=64, dtype="bf16")
+    base.update(kw)
+    return TrainingConfig(**base)  # type: ignore[arg-type]
+
+
+def _left(events) -> int:  # type: ignore[no-untyped-def]
+    """Bytes still allocated once every event has run (each request rounded as the allocator does)."""
+    live: dict[int, int] = {}
+    for h, n, _ in events:
+        if n < 0:
+            del live[h]
+        else:
+            live[h] = round_size(n)
+    return sum(live.values())
+
+
+def _params(g) -> list[float]:  # type: ignore[no-untyped-def]
+    return [t.numel for t in g.tensors if t.role is TensorRole.PARAMETER and t.alias_of is None]
+
+
+@pytest.mark.parametrize(
+    ("sharding", "kw"),
+    [
+        ("megatron-distopt", dict(zero=1, dp=8)),
+        ("fsdp2", dict(zero=3, dp=8, fsdp_units=True)),
+        ("ddp", dict(zero=0, dp=1)),
+    ],
+)
+def test_a_step_leaves_exactly_the_state(sharding: str, kw: dict) -> None:
+    """After the steps only the parameters, master weights and moments are allocated, plus the
+    gradient buffers where the stack keeps them (Megatron's); PyTorch drops its gradients."""
+    g = _graph()
+    c = _config(**kw)
+    w = gb = o = 0
+    for n in _params(g):
+        a, b, d = static_bytes(n, c, c.shard_ranks)
+        w, gb, o = w + a, gb + b, o + d
+    want = w + o + (gb if sharding == "megatron-distopt" else 0)
+    left = _left(step_events(g, c, sharding))
+    # each tensor rounds up to 512 bytes: a parameter and its three states
+    assert want <= left <= want + 4 * 512 * len(_params(g))
+
+
+def test_recomputation_lowers_the_allocated_peak() -> None:
+    g = _graph()
+    peaks = {}
+    for name, rec in (
+        ("none", "none"),
+        ("per-op", selective_op_names(g)),
+        ("full", "full"),
+    ):
+        c = _config(recompute=rec)
+        peaks[name] = replay(step_events(g, c, "ddp")).allocated_bytes
+    assert peaks["full"] < peaks["per-op"] < peaks["none"]
+    # a count of fully recomputed blocks lies between none and full
+    some = replay(step_events(g, _config(recompute="full", recompute_layers=2), "ddp")).allocated_bytes
+    assert peaks["full"] < some < peaks["none"]
+
+
+def test_fsdp_gathers_and_reduces_on_their_own_streams() -> None:
+    g = _graph()
+    fsdp = {s for _, n, s in step_events(g, _config(zero=3, dp=8, fsdp_units=True), "fsdp2") if n >= 0}
+    assert fsdp == {COMPUTE, GATHER, SCATTER}
+    ddp = {s for _, n, s in step_events(g, _config(zero=0, dp=8), "ddp") if n >= 0}
+    assert ddp == {COMPUTE}
+
+
+def test_the_reserved_peak_holds_the_allocated_one_and_the_device_caps_it() -> None:
+    g = _graph()
+    c = _config(zero=3, dp=8, fsdp_units=True)
+    free = reserved_memory(g, c, "fsdp2", 1e9, 80e9, expandable=False)
+    assert free.reserved_bytes == free.allocated_bytes + free.overhead_bytes
+    assert free.overhead_bytes >= 0 and not free.releases_cache
+    tight = reserved_memory(g, c, "fsdp2", 1e9, 1e9 + free.overhead_bytes / 2, expandable=False)
+    assert tight.reserved_bytes == tight.capacity_bytes and tight.releases_cache
+    extra = reserved_memory(g, c, "fsdp2", 1e9, 80e9, expandable=False, extra_fraction=0.1)
+    assert extra.overhead_bytes == pytest.approx(free.overhead_bytes + 0.1e9)
+
+
+def test_the_cost_model_gives_a_reserved_peak_on_gpus_only() -> None:
+    cm = CostModel(spec=LLAMA)
+    c = load_stack("torchtitan").configure(_config(zero=3, dp=8))
+    est = cm.estimate(load_cluster("dgx-h100", 8), c)
+    got = cm.reserved(load_cluster("dgx-h100", 8), est, load_stack("torchtitan"))
+    assert got is not None and got.expandable_segments
+    assert got.reserved_bytes >= est.memory.peak_bytes
+    cpu = cm.estimate(load_cluster("cpu", 1), _config(dtype="fp32"))
+    assert cm.reserved(load_cluster("cpu", 1), cpu, load_stack("coplan")) is None
+
+
+def test_estimate_json_reports_the_reserved_peak(cli) -> None:  # type: ignore[no-untyped-def]
+    code, out, err = cli(
+        "estimate", "--model", "llama-tiny", "--gpus", "8", "--zero", "3", "--stack", "torchtitan", "--json"
+    )
+    assert code == 0, err
+    mem = json.loads(out)["memory"]
+    assert mem["reserved_bytes"] >= mem["peak_bytes"]
+    assert mem["expandable_segments"] is True
+    assert mem["allocator_overhead_bytes"] >= 0
+
+
+def test_microbatches_accumulate_into_the_gradients_of_the_first() -> None:
+    """Under gradient accumulation the step's first backward makes ``.grad`` and later ones add
+    into it: the gradients live through the later microbatches' forwards, once, not once per
+    microbatch."""
+    g = _graph()
+    grads = sum(round_size(4 * n) for n in _params(g))
+    one = replay(step_events(g, _config(), "ddp")).allocated_bytes
+    four = replay(step_events(g, _config(global_batch=8), "ddp")).allocated_bytes
+    assert one < four <= one + grads
