@@ -56,9 +56,10 @@ def _base(run: dict) -> dict:
     return r
 
 
-def price(run: dict, stack: str) -> tuple[float, float, bool, float]:
+def price(run: dict, stack: str, reserved: bool = False) -> tuple[float, float, bool, float | None]:
     """(step seconds, allocated peak bytes, fits, reserved peak bytes) of ``run`` under preset
-    ``stack``; the reserved peak with the caching allocator as the run's launcher set it."""
+    ``stack``; the reserved peak (with the caching allocator as the run's launcher set it) only
+    where ``reserved`` asks, else None."""
     r = _base(run)
     spec = ModelSpec(**{k: v for k, v in r["model"].items() if v is not None})
     cluster = load_cluster(r["cluster"], r["gpus"])
@@ -112,7 +113,8 @@ def price(run: dict, stack: str) -> tuple[float, float, bool, float]:
     if count:
         config = config.with_(recompute="full", recompute_layers=min(count, spec.n_layers))
     est = model.estimate(cluster, config)
-    return est.step_time_s, est.memory.peak_bytes, est.fits, _reserved(model, cluster, est, run, stack)
+    got = _reserved(model, cluster, est, run, stack) if reserved else None
+    return est.step_time_s, est.memory.peak_bytes, est.fits, got
 
 
 def _reserved(model: CostModel, cluster, est, run: dict, stack: str) -> float:  # type: ignore[no-untyped-def]
@@ -144,9 +146,10 @@ def main() -> None:
         }
         for label, stack in (("baseline", "megatron"), ("priced", stack_of(run))):
             start = time.perf_counter()
-            step, peak, fits, reserved = price(run, stack)
+            kind = measured.get("memory_kind")
+            step, peak, fits, reserved = price(run, stack, reserved=kind == "reserved")
             # compared with what the source reports: the reserved peak, or the allocated one
-            shown = reserved if measured.get("memory_kind") == "reserved" else peak
+            shown = reserved if reserved is not None else peak
             row[label] = {
                 "predicted_s": step,
                 "error": step / measured["step_time_s"] - 1,

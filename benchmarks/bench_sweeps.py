@@ -79,7 +79,7 @@ def _rows() -> list[dict]:
         r = run_one(run)
         rows.append(_row(run, r["measured_s"], r["predicted_s"]))
     for run in json.loads((DATA / "published_stack_runs.json").read_text())["runs"]:
-        step, _, _ = price(run, stack_of(run))
+        step, *_ = price(run, stack_of(run))
         rows.append(_row(run, run["measured"]["step_time_s"], step))
     return rows
 
