@@ -81,6 +81,12 @@ OPTIMIZER_IMPLEMENTATIONS: tuple[str, ...] = ("", "fused", "foreach", "for-loop"
 ZERO3_GATHERS: tuple[str, ...] = ("unit", "module", "tensor-list")
 
 
+def recomputes_fully(recompute: object, per_stage: tuple[object, ...] | None) -> bool:
+    """Whether some pipeline stage recomputes every block (``recompute`` "full", or one of
+    ``per_stage``'s modes): what a count of fully recomputed blocks (``recompute_layers``) needs."""
+    return "full" in (per_stage or (recompute,))
+
+
 @dataclass(frozen=True, slots=True, kw_only=True)
 class TrainingConfig:
     """One point of the parallel / memory / precision space, validated on construction.
@@ -290,7 +296,7 @@ class TrainingConfig:
         if self.recompute_layers is not None:
             if (why := bounded_int(self.recompute_layers, MAX_LAYERS)) is not None:
                 raise ConfigError("recompute_layers", why)
-            if "full" not in (self.recompute_per_stage or (self.recompute,)):
+            if not recomputes_fully(self.recompute, self.recompute_per_stage):
                 raise ConfigError(
                     "recompute_layers", "counts fully recomputed blocks: needs recompute 'full'"
                 )

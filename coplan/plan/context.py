@@ -16,7 +16,7 @@ from typing import NamedTuple
 
 from coplan.cost import ConfigError, CostModel, Estimate, TrainingConfig
 from coplan.cost.checkpoint import selective_op_names
-from coplan.cost.config import OpGroups, degrees, userbuffers_overlap
+from coplan.cost.config import OpGroups, degrees, recomputes_fully, userbuffers_overlap
 from coplan.cost.parts import GraphProfile
 from coplan.cost.stacks import StackSpec, load_stack
 from coplan.errors import SpecError
@@ -381,7 +381,7 @@ class PlanContext:
             recompute=recompute,
             recompute_per_stage=per_stage,
             # a count without full recomputation is the checker's remat finding, priced as none
-            recompute_layers=rem.layers if "full" in (per_stage or (recompute,)) else None,
+            recompute_layers=rem.layers if recomputes_fully(recompute, per_stage) else None,
             recompute_fused=plan.fusion.recompute_in_backward,
             op_dtypes=self.expand_dtypes(plan.precision),
             zero=p.zero,
