@@ -18,7 +18,8 @@ model before it is returned (``run_strategy`` does both again).
 Strategies (registered in ``search.strategies``):
 - ``learned-greedy``: the policy's best-scored layout, decoded and repaired: one answer;
 - ``learned``: the ``LEARNED_K`` best-scored layouts decoded and repaired, each also with the
-  plain greedy fusion in place of the policy's, all priced by the cost model; the best kept.
+  plain greedy fusion in place of the policy's, the best one's fusion also decoded at less and
+  more confident odds (``FUSE_SPREAD``), all priced by the cost model; the best kept.
 Either goes on down the policy's ranking of layouts, one at a time, while no plan fits: a layout
 the policy ranks low may be the only one that fits the budget.
 """
@@ -43,6 +44,9 @@ __all__ = ["LEARNED_K", "decode", "default_policy", "layout_plan", "plan_with_po
 LEARNED_K = 8
 #: layouts decoded per plan priced when a learned cost model ranks them first
 COST_POOL = 4
+#: logit offset at which ``learned`` also decodes its best layout's fusion: edges the policy fuses
+#: with odds above 1:e (0.27) and above e:1 (0.73), beside its even odds
+FUSE_SPREAD = 1.0
 #: the policy that ships with coplan (``benchmarks/train_policy.py`` makes it)
 DEFAULT_POLICY = Path(__file__).with_name("policy.pt")
 
@@ -88,15 +92,16 @@ def _candidate_edges(ctx: Any) -> list[tuple[Any, list[tuple[tuple[int, ...], li
     return got
 
 
-def decode(ctx: Any, out: Outputs, par: ParallelPlan, prec: PrecisionPlan) -> Plan:
-    """The plan of ``out`` (outputs under layout ``par`` x ``prec``) for ``ctx``'s job."""
+def decode(ctx: Any, out: Outputs, par: ParallelPlan, prec: PrecisionPlan, fuse_at: float = 0.0) -> Plan:
+    """The plan of ``out`` (outputs under layout ``par`` x ``prec``) for ``ctx``'s job; an edge is
+    fused where its logit exceeds ``fuse_at`` (0: the policy's even odds)."""
     from coplan.passes.remat import with_remat
     from coplan.search.opspace import as_fusion
 
     jg = job_graph(ctx, anchors=_anchors(ctx))
     graph = ctx.index.graph
     src, dst = jg.edge_index[:, : jg.n_data].tolist()
-    fuse = (out.fuse > 0).tolist()
+    fuse = (out.fuse > fuse_at).tolist()
     wanted = {(jg.ops[a], jg.ops[b]) for a, b, f in zip(src, dst, fuse, strict=True) if f}
     kernels: list[tuple[int, ...]] = []
     for reg, cand_edges in _candidate_edges(ctx):
@@ -198,19 +203,31 @@ def layout_plan(
     layout: torch.Tensor,
     i: int,
     k: int,
+    spread: bool = False,
 ) -> tuple[list[Plan], list[str]]:
     """Layout ``i`` of ``layout_candidates(ctx)`` (features ``layout``) decoded from the policy's
     per-op heads (``enc``: ``net.encode(jg)``): its plans as the stack runs them (``_variants``)
-    and the saved tensors, likeliest recomputed first (``repair``'s order)."""
+    and the saved tensors, likeliest recomputed first (``repair``'s order). With ``spread``, where
+    the stack compiles the plan's own kernels, the fusion is also decoded at the policy's less and
+    more confident odds (``FUSE_SPREAD``): the kernels it is unsure of, left apart and fused."""
     from coplan.learn.features import layout_candidates
 
     x, g = enc
     out = Outputs(torch.zeros(0), *net.decisions(jg, x, g, layout))
     probs = torch.sigmoid(out.recompute).tolist()
     order = sorted(((p, n) for p, ns in zip(probs, jg.saved_names, strict=True) for n in ns), reverse=True)
-    plan = decode(ctx, out, *layout_candidates(ctx)[i])
+    par, prec = layout_candidates(ctx)[i]
+    plan = decode(ctx, out, par, prec)
     per_op = "greedy" in ctx.stack.fusion  # the stack compiles the plan's own kernels
-    return _variants(ctx, plan, per_op, k), [n for _, n in order]
+    plans = _variants(ctx, plan, per_op, k)
+    if spread and per_op:
+        seen = {p.fusion for p in plans}
+        for at in (-FUSE_SPREAD, FUSE_SPREAD):
+            other = decode(ctx, out, par, prec, fuse_at=at)
+            if other.fusion not in seen:
+                seen.add(other.fusion)
+                plans.append(other)
+    return plans, [n for _, n in order]
 
 
 def plan_with_policy(ctx: Any, net: PolicyNet, k: int) -> tuple[Plan, int, list[str]]:
@@ -235,7 +252,8 @@ def plan_with_policy(ctx: Any, net: PolicyNet, k: int) -> tuple[Plan, int, list[
         ranked = torch.argsort(net.scores(x, g, feats), descending=True).tolist()
 
         def decoded(i: int) -> tuple[list[Plan], list[str]]:
-            return layout_plan(ctx, net, jg, (x, g), feats[i], i, k)
+            # the best-scored layout's fusion decoded at three odds (``spread``)
+            return layout_plan(ctx, net, jg, (x, g), feats[i], i, k, spread=k > 1 and i == ranked[0])
 
         fitting = False  # whether a priced plan is valid and fits
 

@@ -349,3 +349,26 @@ def test_eval_prices_the_labels_with_todays_cost_model():
         CostModel(spec=PRESETS["gpt-tiny"]), load_cluster("dgx-h100", 8), 16, 64, budget_bytes=1.0
     )
     assert _repriced(stale, tiny)["fits"] is False
+
+
+def test_the_fusion_decoded_at_surer_odds_fuses_less_and_every_decode_is_legal():
+    """``decode``'s ``fuse_at``: an edge is fused where its logit exceeds it, so raising it never
+    adds a kernel's worth of fusion; each decode stays a checked, legal plan."""
+    from coplan.learn.decode import FUSE_SPREAD, decode, default_policy
+    from coplan.learn.policy import Outputs
+
+    ctx = ctx_for()
+    net = default_policy()
+    jg = job_graph(ctx)
+    cands = layout_candidates(ctx)
+    feats = torch.tensor([layout_features(p, q) for p, q in cands], dtype=torch.float32)
+    with torch.no_grad():
+        x, g = net.encode(jg)
+        out = Outputs(torch.zeros(0), *net.decisions(jg, x, g, feats[0]))
+    fused = []
+    for at in (-10.0, -FUSE_SPREAD, 0.0, FUSE_SPREAD, 10.0):
+        plan = decode(ctx, out, *cands[0], fuse_at=at)
+        assert check(plan, ctx, memory=False) == []
+        fused.append(sum(len(grp) for grp in plan.fusion.groups))
+    assert fused == sorted(fused, reverse=True)
+    assert fused[-1] < fused[0]
