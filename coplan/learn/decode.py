@@ -19,7 +19,9 @@ Strategies (registered in ``search.strategies``):
 - ``learned-greedy``: the policy's best-scored layout, decoded and repaired: one answer;
 - ``learned``: the ``LEARNED_K`` best-scored layouts decoded and repaired, each also with the
   plain greedy fusion in place of the policy's, the best one's fusion also decoded at less and
-  more confident odds (``FUSE_SPREAD``), all priced by the cost model; the best kept.
+  more confident odds (``FUSE_SPREAD``), the policy's compiled plans also with what Inductor's
+  partitioner recomputes by default (``_partitioned``), all priced by the cost model; the best
+  kept.
 Either goes on down the policy's ranking of layouts, one at a time, while no plan fits: a layout
 the policy ranks low may be the only one that fits the budget.
 """
@@ -44,9 +46,11 @@ __all__ = ["LEARNED_K", "decode", "default_policy", "layout_plan", "plan_with_po
 LEARNED_K = 8
 #: layouts decoded per plan priced when a learned cost model ranks them first
 COST_POOL = 4
-#: logit offset at which ``learned`` also decodes its best layout's fusion: edges the policy fuses
-#: with odds above 1:e (0.27) and above e:1 (0.73), beside its even odds
-FUSE_SPREAD = 1.0
+#: logit thresholds at which ``learned`` also decodes its best layout's fusion, beside 0 (even
+#: odds): edges the policy fuses with a probability above 0.05, 0.27, 0.73 and 0.95. On a family
+#: it never saw (MoE's router and experts) its odds are least sure, and the best plan sits away
+#: from even odds.
+FUSE_SPREAD = (-3.0, -1.0, 1.0, 3.0)
 #: the policy that ships with coplan (``benchmarks/train_policy.py`` makes it)
 DEFAULT_POLICY = Path(__file__).with_name("policy.pt")
 
@@ -208,8 +212,8 @@ def layout_plan(
     """Layout ``i`` of ``layout_candidates(ctx)`` (features ``layout``) decoded from the policy's
     per-op heads (``enc``: ``net.encode(jg)``): its plans as the stack runs them (``_variants``)
     and the saved tensors, likeliest recomputed first (``repair``'s order). With ``spread``, where
-    the stack compiles the plan's own kernels, the fusion is also decoded at the policy's less and
-    more confident odds (``FUSE_SPREAD``): the kernels it is unsure of, left apart and fused."""
+    the stack compiles the plan's own kernels, the fusion is also decoded at the thresholds of
+    ``FUSE_SPREAD``: the kernels the policy is unsure of, fused and left apart."""
     from coplan.learn.features import layout_candidates
 
     x, g = enc
@@ -220,14 +224,32 @@ def layout_plan(
     plan = decode(ctx, out, par, prec)
     per_op = "greedy" in ctx.stack.fusion  # the stack compiles the plan's own kernels
     plans = _variants(ctx, plan, per_op, k)
+    own = [plan]
     if spread and per_op:
         seen = {p.fusion for p in plans}
-        for at in (-FUSE_SPREAD, FUSE_SPREAD):
+        for at in FUSE_SPREAD:
             other = decode(ctx, out, par, prec, fuse_at=at)
             if other.fusion not in seen:
                 seen.add(other.fusion)
                 plans.append(other)
+                own.append(other)
+    if per_op and k > 1:
+        plans.extend(p for p in (_partitioned(ctx, q) for q in own) if p is not None and p not in plans)
     return plans, [n for _, n in order]
+
+
+def _partitioned(ctx: Any, plan: Plan) -> Plan | None:
+    """``plan`` with what Inductor's min-cut partitioner recomputes by default added to its
+    recomputation (``passes.remat.mincut_names``), where the stack compiles the plan's kernels
+    and recomputes any set: the compiler's own completion of a compiled plan, as the production
+    remat pass starts from it. None where it adds nothing."""
+    from coplan.passes.remat import COMPILED, mincut_names, with_remat
+
+    if not ctx.stack.recompute_sets or plan.fusion.label not in COMPILED:
+        return None
+    have = plan.remat.all_names
+    more = mincut_names(ctx) - have
+    return with_remat(plan, frozenset(have | more), ctx) if more else None
 
 
 def plan_with_policy(ctx: Any, net: PolicyNet, k: int) -> tuple[Plan, int, list[str]]:

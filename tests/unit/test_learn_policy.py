@@ -366,7 +366,7 @@ def test_the_fusion_decoded_at_surer_odds_fuses_less_and_every_decode_is_legal()
         x, g = net.encode(jg)
         out = Outputs(torch.zeros(0), *net.decisions(jg, x, g, feats[0]))
     fused = []
-    for at in (-10.0, -FUSE_SPREAD, 0.0, FUSE_SPREAD, 10.0):
+    for at in (-10.0, *FUSE_SPREAD[:2], 0.0, *FUSE_SPREAD[2:], 10.0):
         plan = decode(ctx, out, *cands[0], fuse_at=at)
         assert check(plan, ctx, memory=False) == []
         fused.append(sum(len(grp) for grp in plan.fusion.groups))
