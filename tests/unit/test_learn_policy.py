@@ -351,9 +351,11 @@ def test_eval_prices_the_labels_with_todays_cost_model():
     assert _repriced(stale, tiny)["fits"] is False
 
 
-def test_the_fusion_decoded_at_surer_odds_fuses_less_and_every_decode_is_legal():
-    """``decode``'s ``fuse_at``: an edge is fused where its logit exceeds it, so raising it never
-    adds a kernel's worth of fusion; each decode stays a checked, legal plan."""
+def test_the_fusion_decoded_at_other_odds_is_legal_and_wants_fewer_edges_as_the_threshold_rises():
+    """``decode``'s ``fuse_at``: an edge is wanted fused where its logit exceeds it, so a higher
+    threshold wants a subset of the edges (the kernels taken from them, largest candidates first,
+    need not shrink with it); every decode is a checked, legal plan, and with no edge wanted
+    less is fused than with every edge."""
     from coplan.learn.decode import FUSE_SPREAD, decode, default_policy
     from coplan.learn.policy import Outputs
 
@@ -365,10 +367,12 @@ def test_the_fusion_decoded_at_surer_odds_fuses_less_and_every_decode_is_legal()
     with torch.no_grad():
         x, g = net.encode(jg)
         out = Outputs(torch.zeros(0), *net.decisions(jg, x, g, feats[0]))
+    thresholds = (-10.0, *FUSE_SPREAD[:2], 0.0, *FUSE_SPREAD[2:], 10.0)
+    wanted = [int((out.fuse > at).sum()) for at in thresholds]
+    assert wanted == sorted(wanted, reverse=True)
     fused = []
-    for at in (-10.0, *FUSE_SPREAD[:2], 0.0, *FUSE_SPREAD[2:], 10.0):
+    for at in thresholds:
         plan = decode(ctx, out, *cands[0], fuse_at=at)
         assert check(plan, ctx, memory=False) == []
         fused.append(sum(len(grp) for grp in plan.fusion.groups))
-    assert fused == sorted(fused, reverse=True)
     assert fused[-1] < fused[0]
