@@ -68,12 +68,8 @@ def price(run: dict, stack: str, reserved: bool = False) -> tuple[float, float, 
         if r["recompute"] == "partial":
             r["recompute"] = "selective"
         est = model.estimate(cluster, run_config(r))
-        return (
-            est.step_time_s,
-            est.memory.peak_bytes,
-            est.fits,
-            _reserved(model, cluster, est, run, "megatron"),
-        )
+        got = _reserved(model, cluster, est, run, "megatron") if reserved else None
+        return est.step_time_s, est.memory.peak_bytes, est.fits, got
     policy = r["stack_settings"].get("activation_checkpoint", r["recompute"])
     # a per-layer policy: its own count of fully checkpointed blocks (these runs have no pipeline)
     count = checkpointed_blocks(policy, spec.n_layers)

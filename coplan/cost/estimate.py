@@ -61,6 +61,7 @@ from coplan.cost.stages import (
     devices_of_stage,
     drops_output,
     in_flight,
+    per_stage,
     stage_blocks,
     stage_devices,
     stage_layout,
@@ -94,7 +95,7 @@ def estimate(profile: GraphProfile, cluster: ClusterSpec, config: TrainingConfig
     layout = stage_layout(profile, config)
     layers = layout[1]
     # layers of each stage: its chunks s, s + p, ... (``stage_blocks``)
-    per_stage_layers = [sum(layers[c * p + s] for c in range(v)) for s in range(p)]
+    per_stage_layers = per_stage(layers, p, v)
     net = cluster.groups[0].device.efficiency_of("network")
     per_node = cluster.groups[0].devices_per_node
     tp_group = Group.of(cluster, t, 1, net)

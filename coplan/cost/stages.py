@@ -110,6 +110,12 @@ def chunk_in_flight(stage: int, p: int, v: int, m: int, chunk: int) -> float:
     return float(min(held, m))
 
 
+def fsdp_fp32_shard(config: TrainingConfig) -> bool:
+    """PyTorch FSDP shards the parameters under a mixed-precision policy: each shard is kept once,
+    in fp32, as the parameter and the master weight at once (``static_bytes``)."""
+    return config.mixed and config.master_weights and config.fsdp_units and config.zero >= 3
+
+
 def static_bytes(p_local: float, config: TrainingConfig, d: int) -> tuple[float, float, float]:
     """Parameters, gradients and optimizer state on one GPU. Megatron mixed precision: 16-bit
     weights, fp32 main gradients, fp32 master weights and Adam moments (2 + 4 + 12 bytes); fp32:
@@ -125,7 +131,7 @@ def static_bytes(p_local: float, config: TrainingConfig, d: int) -> tuple[float,
     the parameters."""
     master = config.mixed and config.master_weights
     wide = 4 if (master or not config.mixed) else config.act_bytes
-    fsdp_master = master and config.fsdp_units and config.zero >= 3
+    fsdp_master = fsdp_fp32_shard(config)
     w = p_local * (4 if fsdp_master else config.act_bytes)
     g = p_local * (wide if config.grad_reduce_fp32 or not config.mixed or fsdp_master else config.act_bytes)
     o = p_local * (8 if fsdp_master else 12 if master else 2 * wide)
@@ -149,6 +155,12 @@ def split_layers(n_layers: int, chunks: int, stage_layers: Sequence[int] | None 
         return list(stage_layers)
     base, extra = divmod(n_layers, chunks)
     return [base + (1 if i < extra else 0) for i in range(chunks)]
+
+
+def per_stage(chunk_layers: Sequence[int], pp: int, vpp: int) -> list[int]:
+    """Layers of each pipeline stage from its chunks' (stage ``s`` holds chunks ``s``, ``s + pp``,
+    ...)."""
+    return [sum(chunk_layers[c * pp + s] for c in range(vpp)) for s in range(pp)]
 
 
 def chunk_layers(profile: GraphProfile, config: TrainingConfig) -> list[int]:

@@ -38,7 +38,7 @@ from coplan.cost.config import TrainingConfig
 from coplan.cost.kernels import Scale
 from coplan.cost.parts import TP, vdot
 from coplan.cost.profile import tensor_vec
-from coplan.cost.stages import split_layers, static_bytes
+from coplan.cost.stages import fsdp_fp32_shard, per_stage, split_layers, static_bytes
 from coplan.ir.types import Graph, Op, OpKind, Phase, Tensor, TensorRole
 
 #: streams of the trace: compute, FSDP's all-gather, FSDP's reduce-scatter
@@ -62,7 +62,7 @@ class _Tracer:
         # PyTorch's gradients are made by backward and dropped by zero_grad; Megatron's and
         # DeepSpeed's live in buffers allocated once
         self.per_step_grads = sharding in ("fsdp1", "fsdp2", "ddp")
-        self.layers = stage_blocks(graph, config)
+        self.layers = first_stage_blocks(graph, config)
         last_stage = config.pp == 1
         first = next((o.id for o in g.ops if o.block is not None), len(g.ops))
         ops = [
@@ -235,11 +235,10 @@ class _Tracer:
         """(parameter, master weight, one Adam moment) bytes of each parameter (``static_bytes``:
         under PyTorch FSDP the fp32 shard is the parameter and the master at once)."""
         c = self.config
-        master = c.mixed and c.master_weights
-        fsdp_master = master and c.fsdp_units and c.zero >= 3
+        master = c.mixed and c.master_weights and not fsdp_fp32_shard(c)
         out = []
         for w, _, o in self.state:
-            if master and not fsdp_master:
+            if master:
                 out.append((w, o / 3, o / 3))
             else:
                 out.append((w, 0.0, o / 2))
@@ -277,11 +276,10 @@ class _Tracer:
         return self.events
 
 
-def stage_blocks(graph: Graph, config: TrainingConfig) -> int:
-    """Blocks of pipeline stage 0, all its chunks."""
+def first_stage_blocks(graph: Graph, config: TrainingConfig) -> int:
+    """Blocks of pipeline stage 0, all its chunks, as the cost model splits them."""
     n = len({op.block for op in graph.ops if op.block is not None})
-    per_chunk = split_layers(n, config.pp * config.vpp, config.stage_layers)
-    return sum(per_chunk[c * config.pp] for c in range(config.vpp))
+    return per_stage(split_layers(n, config.pp * config.vpp, config.stage_layers), config.pp, config.vpp)[0]
 
 
 def _before(op: Op, first: int) -> bool:

@@ -274,7 +274,7 @@ def plan_with_policy(ctx: Any, net: PolicyNet, k: int) -> tuple[Plan, int, list[
         ranked = torch.argsort(net.scores(x, g, feats), descending=True).tolist()
 
         def decoded(i: int) -> tuple[list[Plan], list[str]]:
-            # the best-scored layout's fusion decoded at three odds (``spread``)
+            # the best-scored layout's fusion also decoded at ``FUSE_SPREAD``'s thresholds
             return layout_plan(ctx, net, jg, (x, g), feats[i], i, k, spread=k > 1 and i == ranked[0])
 
         fitting = False  # whether a priced plan is valid and fits
