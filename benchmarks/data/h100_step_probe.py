@@ -241,6 +241,10 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=5)
     ap.add_argument("--cluster", default=None, help="coplan preset to price on [default: by device name]")
     ap.add_argument("--dry-run", action="store_true", help="coplan's prices only (no GPU)")
+    ap.add_argument("--modes", default="eager,compiled", help="which steps, in order [default: both]")
+    ap.add_argument(
+        "--partial", default=None, help="rewrite this file after each mode (a cut-short call keeps those)"
+    )
     args = ap.parse_args()
     spec = spec_of(args.layers, args.seq)
     cluster = args.cluster
@@ -248,12 +252,19 @@ def main() -> None:
         name = torch.cuda.get_device_name() if torch.cuda.is_available() else "H100"
         cluster = "dgx-h200" if "H200" in name else "dgx-a100-80gb" if "A100" in name else "dgx-h100"
     out = []
-    for compiled in (False, True):
+    modes = [m.strip() for m in args.modes.split(",") if m.strip()]
+    bad = [m for m in modes if m not in ("eager", "compiled")]
+    if bad:
+        raise SystemExit(f"--modes: unknown mode {bad[0]!r} (eager, compiled)")
+    for compiled in (m == "compiled" for m in modes):
         row = {"mode": "compiled blocks" if compiled else "eager", "layers": args.layers, "seq": args.seq}
         row["predicted"] = predicted(spec, args.mb, compiled, cluster)
         if not args.dry_run:
             row["measured"] = measured(spec, args.mb, compiled, args.steps)
         out.append(row)
+        if args.partial:
+            with open(args.partial, "w") as f:
+                json.dump(out, f, indent=1)
     json.dump(out, sys.stdout, indent=1)
     print()
     print(f"{'mode':16} {'class':12} {'measured ms':>12} {'predicted ms':>13}", file=sys.stderr)
