@@ -21,8 +21,22 @@ statistics), which cost a launch. The IR's own kernel for the op is replaced by 
 - ``rope`` (forward, per q and k tensor): ``xq.float()`` (16-bit read, fp32 write), the complex
   product with ``freqs_cis`` (fp32 read, write), ``type_as`` (fp32 read, 16-bit write); backward
   the same three in reverse (the product with the conjugate).
-- ``log_softmax`` on the logits (forward): ``logits.float()`` before it (16-bit read, fp32 write);
-  its gradient casts back (fp32 read, 16-bit write). The IR prices the fp32 ``log_softmax`` itself.
+- ``log_softmax`` on the logits (forward): ``logits.float()`` before it (16-bit read, fp32 write),
+  then ATen's fp32 log-softmax (read, write). Backward: ``_log_softmax_backward_data`` (reads the
+  output gradient and the output, writes the input gradient) and the cast back through
+  ``.float()``'s gradient (fp32 read, 16-bit write). A row wider than ATen's shared-memory staging
+  holds (``aten/src/ATen/native/cuda/SoftMax.cu``, ``host_softmax``: ``cunn_SoftMaxForwardSmem``
+  only while ``dim_size < (sharedMemPerBlock - warps * 4) / sizeof(scalar_t)``, 48 KiB a block,
+  about 12K fp32 elements) runs ``cunn_SoftMaxForward``, which reads the row once for its max, once
+  for its sum of exponentials and once more to write it (two extra reads), and
+  ``cunn_SoftMaxBackward``, which reads the output gradient once for its sum and again to write
+  (one extra). Every language model's vocabulary is that wide: on one H200 (torch 2.11,
+  ``benchmarks/data/h200_step_probe.json``) a 4,096 x 128,256 fp32 log-softmax took 2.03 ms
+  forward and 2.14 backward, four passes over 2.1 GB each. The extra reads are the kernels'
+  ``loop_reads``, paid where rows do not stay in a cache between passes (GPUs; ``looped.py``).
+- ``nll_loss``: forward gathers one log-probability a token (token-sized); backward zero-fills the
+  fp32 input gradient (one fp32 write: ``FillFunctor<float>``, 0.45 ms in the same profile) and
+  scatters into it (token-sized).
 
 LayerNorm (``F.layer_norm``), SDPA, GEMMs and SiLU/GeLU are single ATen kernels either way.
 
@@ -40,8 +54,10 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 
-from coplan.cost.parts import ACT, F32, FIX, NV, REPL, TP, Kernel, Vec
+from coplan.cost.parts import ACT, F32, FIX, NV, REPL, TP, ZERO, Kernel, Vec
 from coplan.ir.types import Graph, Op
+
+F32_BYTES = 4
 
 #: (big kernels as (16-bit elements, fp32 elements) read + written per element, small kernels),
 #: forward and backward, per IR op target; see the module docstring for each.
@@ -67,9 +83,19 @@ PLANS: dict[str, tuple[tuple[tuple[float, float], ...], int]] = {
     ),
     "rope": (((1, 1), (0, 2), (1, 1)), 0),
     "rope_bwd": (((1, 1), (0, 2), (1, 1)), 0),
-    "log_softmax": (((1, 1),), 0),
-    "log_softmax_bwd": (((1, 1),), 0),
+    "log_softmax": (((1, 1), (0, 2)), 0),
+    "log_softmax_bwd": (((0, 3), (1, 1)), 0),
+    "nll_loss": ((), 1),
+    "nll_loss_bwd": (((0, 1),), 1),
 }
+
+#: ATen's shared memory a softmax block stages its row in (``sharedMemPerBlock``: 48 KiB on every
+#: CUDA GPU; the opt-in larger carve-out is not asked for), less nothing for the few warps' partial
+#: sums, which this rounding ignores
+SOFTMAX_SMEM_BYTES = 48 * 1024
+#: per plan key, (big kernel's index, the fp32 elements it reads again per element) where the row
+#: is wider than ``SOFTMAX_SMEM_BYTES`` holds in fp32 (module docstring)
+WIDE_ROW_READS: dict[str, tuple[int, float]] = {"log_softmax": (1, 2.0), "log_softmax_bwd": (0, 1.0)}
 
 
 def plan_key(graph: Graph, op: Op) -> str:
@@ -92,18 +118,35 @@ def _main_tensors(graph: Graph, op: Op) -> list[float]:
     input for a norm and its gradient, the logits for the loss."""
     if op.target in ("rope", "rope_bwd"):
         return [float(graph.tensors[t].numel) for t in op.outputs if graph.tensors[t].shape]
-    src = op.inputs[0] if op.target in ("rms_norm", "log_softmax") else op.outputs[0]
+    src = op.inputs[0] if op.target in ("rms_norm", "log_softmax", "nll_loss") else op.outputs[0]
     return [float(graph.tensors[src].numel)] if op.inputs else []
 
 
 def op_kernels(graph: Graph, op: Op, shard: int, rows: float) -> list[Kernel]:
     """The kernels eager PyTorch launches for ``op`` (a ``PLANS`` op), ``rows`` the tokens of
     its row statistics."""
-    big, small = PLANS[plan_key(graph, op)]
+    key = plan_key(graph, op)
+    big, small = PLANS[key]
+    again = WIDE_ROW_READS.get(key)
     out: list[Kernel] = []
     for n in _main_tensors(graph, op):
-        for a, f in big:
-            out.append(Kernel(op.phase, "vector", shard, 0.0, n, _vec(a * n, f * n, shard), ops=(op.id,)))
+        width = n / rows if rows > 0 else 0.0
+        for i, (a, f) in enumerate(big):
+            loop = ZERO
+            if again is not None and i == again[0] and width * F32_BYTES >= SOFTMAX_SMEM_BYTES:
+                loop = _vec(0.0, again[1] * n, shard)
+            out.append(
+                Kernel(
+                    op.phase,
+                    "vector",
+                    shard,
+                    0.0,
+                    n,
+                    _vec(a * n, f * n, shard),
+                    ops=(op.id,),
+                    loop_reads=loop,
+                )
+            )
     tok = [0.0] * NV
     tok[FIX * 2 + shard] = 8 * rows
     out += [Kernel(op.phase, "vector", shard, 0.0, rows, tuple(tok), ops=(op.id,)) for _ in range(small)]  # type: ignore[arg-type]
@@ -184,9 +227,9 @@ def eager_kernels(
 
 
 def shard_class(op: Op) -> int:
-    """Norms and the loss run on replicated activations (sequence parallelism divides them);
-    RoPE on the heads, which tensor parallelism divides."""
-    return TP if op.target.startswith("rope") or op.target.startswith("log_softmax") else REPL
+    """Norms run on replicated activations (sequence parallelism divides them); RoPE on the heads
+    and the loss on the vocabulary, which tensor parallelism divides."""
+    return TP if op.target.startswith(("rope", "log_softmax", "nll_loss")) else REPL
 
 
 __all__ = [

@@ -148,6 +148,8 @@ def _bound(k: Kernel, r: Rates, s: Scale, t: float) -> str:
     if fixed >= t / 2:
         return "launch"
     memory = vdot(k.bytes, s.weights) / r.bandwidth
+    if r.looped_reductions and any(k.loop_reads):
+        memory += vdot(k.loop_reads, s.weights) / r.bandwidth
     return "memory" if memory >= (t - fixed) * (1 - 1e-9) else "compute"
 
 

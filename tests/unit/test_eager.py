@@ -155,3 +155,51 @@ def test_written_out_attention_under_autocast_keeps_an_fp32_and_a_16_bit_copy_of
     scores = 2 * spec.n_heads * spec.seq_len**2  # batch x heads x s x s per layer
     got = eager.memory.activations_bytes - megatron.memory.activations_bytes
     assert got == pytest.approx(spec.n_layers * scores * 4)
+
+
+def _head_rows(vocab: int, cluster: str) -> dict[tuple[str, str], list]:
+    from dataclasses import replace as _replace
+
+    from coplan.cost.explain import kernel_costs
+
+    spec = _replace(_spec(1, 8), vocab_size=vocab)
+    config = load_stack("torchtitan").configure(TrainingConfig(microbatch=MB, global_batch=MB, seq=SEQ))
+    if cluster == "cpu":  # a CPU has no FlashAttention-2 rates; the loss does not care
+        config = config.with_(attention_kernel="auto")
+    model = CostModel(spec=spec)
+    rows: dict[tuple[str, str], list] = {}
+    for r in kernel_costs(model.profile_for(config), load_cluster(cluster, 1), config):
+        if r.part == "head" and r.name.startswith("(top)"):
+            rows.setdefault((r.name.split(": ")[-1], r.phase), []).append(r.seconds)
+    return rows
+
+
+def test_aten_log_softmax_over_a_vocabulary_wider_than_shared_memory_reads_its_rows_again():
+    """Eager PyTorch's loss (``coplan.cost.eager``): the fp32 cast and ATen's log-softmax as two
+    kernels each way; over a row wider than 48 KiB of fp32 ATen's ``cunn_SoftMaxForward`` reads the
+    row three times and writes it once (four passes against the staged kernel's two), and its
+    backward reads the output gradient twice (four against three). ``nll_loss`` forward is
+    token-sized; its backward writes the fp32 gradient once."""
+    tokens = MB * SEQ
+    device = load_cluster("dgx-h100", 1).device
+    bw = device.memory_bandwidth * 0.85  # the preset's memory efficiency
+    launch = device.kernel_launch_s
+    wide, narrow = 16384, 8192  # 64 KiB and 32 KiB rows of fp32
+    for vocab, passes in ((wide, (4, 4)), (narrow, (2, 3))):
+        rows = _head_rows(vocab, "dgx-h100")
+        fwd = sorted(rows[("log_softmax", "forward")])
+        bwd = sorted(rows[("log_softmax_bwd", "backward")])
+        assert len(fwd) == len(bwd) == 2  # the cast and the softmax, each way
+        logits = tokens * vocab * 4
+        for got, n in ((fwd, passes[0]), (bwd, passes[1])):
+            softmax = max(got)
+            assert softmax == pytest.approx(n * logits / bw + launch, rel=0.01)
+        assert max(rows[("nll_loss", "forward")]) < 1e-4  # launches only
+        assert max(rows[("nll_loss_bwd", "backward")]) == pytest.approx(logits / bw + launch, rel=0.01)
+    # on a CPU the passes over one row stay in the core's cache: no extra reads
+    from coplan.cost.kernels import Rates
+
+    cpu = load_cluster("cpu", 1).device
+    assert not Rates.of(cpu, "bf16", "auto").looped_reductions
+    assert Rates.of(device, "bf16", "auto").looped_reductions
+    assert len(_head_rows(wide, "cpu")[("log_softmax", "forward")]) == 2
