@@ -91,6 +91,7 @@ class Rates:
     # (``looped``): on GPUs; a CPU core's loops over one row hit its own cache
     looped_reductions: bool = False
     mm_unaligned: float = 1.0  # fraction of the GEMM rate kept with a misaligned loaded operand
+    mm_template: float = 1.0  # fraction of the GEMM rate a generated GEMM template reaches
 
     @classmethod
     def of(cls, device: DeviceSpec, dtype: str, attention: str = "auto") -> Rates:
@@ -147,6 +148,7 @@ class Rates:
             attn_dropout=dropout,
             looped_reductions=device.kind == "gpu",
             mm_unaligned=device.efficiency_of("matmul_unaligned"),
+            mm_template=device.efficiency_of("matmul_template"),
         )
 
 
@@ -374,7 +376,11 @@ def _matmul(k: Kernel, r: Rates, s: Scale) -> float:
     div = s.div(k.shard)
     dims = local_dims(k, s.tp)
     rate = r.mm_flops * (r.mm_tn if k.tn else 1.0)
-    if not s.pads and r.mm_unaligned < 1.0 and misaligned(k, dims, s.act_bytes):
+    if k.template:
+        # a generated GEMM (Inductor's Triton template) carrying its group's other ops: the
+        # template's rate, which masks unaligned rows rather than falling to cuBLAS's slow kernels
+        rate *= r.mm_template
+    elif not s.pads and r.mm_unaligned < 1.0 and misaligned(k, dims, s.act_bytes):
         rate *= r.mm_unaligned
     compute = k.mm_flops / div / (rate * shape_factor(dims, r.half_dim))
     compute += vector_compute(k, r, s)  # fused epilogue work, if any

@@ -96,6 +96,9 @@ class Kernel:
     # generated kernels with a reduction too wide for registers: what their later loops load again
     # (``looped.loop_reads``; paid where ``Rates.looped_reductions``)
     loop_reads: Vec = ZERO
+    # a GEMM carrying other ops of its group (an epilogue or prologue) in generated code: a GEMM
+    # template, not the library's call, which takes none (``Rates.mm_template``)
+    template: bool = False
 
 
 @dataclass(frozen=True, slots=True)

@@ -663,7 +663,7 @@ class _Ctx:
         # one launched kernel: a library attention or GEMM (with any fused epilogue), or generated
         # vector code; only the anchor's geometry differs between them
         attn, dims, sdim = (0, 0, 0, 0), (0, 0, 0), -1
-        drop, tn, looped, share = 0.0, False, ZERO, CAUSAL_FRACTION
+        drop, tn, looped, share, template = 0.0, False, ZERO, CAUSAL_FRACTION, False
         if at is not None:
             fwd_op = g.ops[at.forward_op] if at.phase is Phase.BACKWARD and at.forward_op is not None else at
             kind, attn, core = "attention", attn_geometry(g, fwd_op), True
@@ -676,6 +676,9 @@ class _Ctx:
             kind, core = "matmul", False
             dims, sdim = mm_dims(g, mm, shard, self.tokens)
             tn = transposed_lhs(g, mm)
+            # generated code around a GEMM (a plan's group): Inductor runs it as a GEMM template
+            # with the group's other ops in its epilogue; a library GEMM's bias stays in its op
+            template = self.compiled and any(op is not mm for op in real)
         else:
             kind = "vector"
             core = any(op.kind is OpKind.SOFTMAX and op.block is not None for op in real)
@@ -700,6 +703,7 @@ class _Ctx:
             share=share,
             tn=tn,
             loop_reads=looped,
+            template=template,
         )
 
     def _scalar_only(self, ops: Sequence[Op]) -> bool:

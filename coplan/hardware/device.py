@@ -41,11 +41,14 @@ from coplan.hardware.tiling import PHASES, AttentionTiling
 #: ``grad.T @ x``: a CPU BLAS packs such an operand on another, slower path in 16 bits); absent, 1.
 #: ``matmul_unaligned`` is the fraction of a GEMM's rate it keeps when an operand it loads has a
 #: leading dimension the tensor cores' 16-byte loads cannot take (8 elements of 16 bits), where the
-#: stack does not pad it (``TrainingConfig.gemm_padding``); absent, 1.
+#: stack does not pad it (``TrainingConfig.gemm_padding``); absent, 1. ``matmul_template`` is the
+#: fraction of the GEMM rate a compiler's generated GEMM (Inductor's Triton template, the only GEMM
+#: that can carry a fused epilogue or prologue) reaches beside the vendor library's; absent, 1.
 EFFICIENCY_KINDS: tuple[str, ...] = (
     "matmul",
     "matmul_tn",
     "matmul_unaligned",
+    "matmul_template",
     "attention",
     "attention_backward",
     "vector",

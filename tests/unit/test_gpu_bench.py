@@ -75,7 +75,17 @@ def test_summary_compares_and_ranks(gpu_all):
     assert row["joint_vs_compile"] == pytest.approx(2.0)
     assert row["joint_vs_sequential"] == pytest.approx(1.5)
     assert row["ranking_matches"] is True
+    assert row["pairs_ordered"] == [6, 6]
     assert row["failed"] == ["compile_budget"]
+
+
+def test_runs_priced_the_same_make_no_claim_about_their_order(gpu_all):
+    """The budgeted ``torch.compile`` at fraction 1.00 is the defaults' configuration, priced the
+    same: whichever of the two measures faster, the ranking is judged on the other pairs."""
+    ordered = gpu_all._ordered
+    assert ordered([2.0, 2.1, 1.0], [3.0, 3.0, 1.5]) == (2, 2)
+    assert ordered([2.1, 2.0, 1.0], [3.0, 3.0, 1.5]) == (2, 2)
+    assert ordered([2.1, 2.0, 3.0], [3.0, 3.0, 1.5]) == (0, 2)
 
 
 @pytest.mark.slow
