@@ -198,6 +198,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--batches", default="tight,loose", help="all: which batches (tight, loose)")
     ap.add_argument("--runs", default=None, help="all: these runs only, comma-separated [default: all five]")
     ap.add_argument("--plans", default=None, help="all: the plans' folder [default: benchmarks/data/gpu/all]")
+    ap.add_argument(
+        "--profile",
+        default=None,
+        help="all: a profile `coplan calibrate` fitted here, to price each run again",
+    )
     args = ap.parse_args(argv)
     if args.part.startswith("all"):
         import gpu_all
@@ -219,7 +224,11 @@ def main(argv: list[str] | None = None) -> int:
             bad = [x for x in (*kinds, *only) if x not in ("tight", "loose", *gpu_all.RUNS)]
             if bad:
                 ap.error(f"unknown batch or run {bad[0]!r}")
-            result = gpu_all.run_all(models, args.device, Path(args.out), args.steps, plan_dir, kinds, only)
+            if args.profile and not Path(args.profile).is_file():
+                ap.error(f"--profile {args.profile}: no such file")
+            result = gpu_all.run_all(
+                models, args.device, Path(args.out), args.steps, plan_dir, kinds, only, profile=args.profile
+            )
             print(gpu_all.table(result))
         return 0
     if args.part == "plans":

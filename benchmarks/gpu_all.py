@@ -157,7 +157,14 @@ def priced_as(device: str, cluster: str) -> str:
 
 
 def _one(
-    model: str, device: str, batch: int, plan_file: Path, mode: str, steps: int, budget: float | None = None
+    model: str,
+    device: str,
+    batch: int,
+    plan_file: Path,
+    mode: str,
+    steps: int,
+    budget: float | None = None,
+    profile: str | None = None,
 ) -> dict[str, Any]:
     from coplan.apply.run import RunRequest, run_plan
     from coplan.hardware import load_cluster
@@ -196,7 +203,20 @@ def _one(
 
             torch.cuda.empty_cache()
     m, p = out["measured"], out["predicted"]
+    calibrated: dict[str, Any] = {}
+    if profile:
+        # the same run priced on the profile ``coplan calibrate`` fitted on this device
+        from dataclasses import replace
+
+        from coplan.apply.run import priced_request
+
+        cal = priced_request(replace(req, cluster=load_cluster(profile)))[2]
+        calibrated = {
+            "predicted_calibrated_step_time_s": cal.step_time_s,
+            "predicted_calibrated_peak_bytes": cal.peak_bytes,
+        }
     return {
+        **calibrated,
         "batch": batch,
         "tokens_per_s": batch * seq / m["step_time_s"],
         "step_time_s": m["step_time_s"],
@@ -219,7 +239,14 @@ def _one(
 
 
 def _isolated(
-    model: str, device: str, batch: int, plan_file: Path, mode: str, steps: int, budget: float | None
+    model: str,
+    device: str,
+    batch: int,
+    plan_file: Path,
+    mode: str,
+    steps: int,
+    budget: float | None,
+    profile: str | None = None,
 ) -> dict[str, Any]:
     """``_one`` in a process of its own: a run that runs out of memory leaves nothing behind for the
     next (its CUDA context, compiled graphs and allocator cache go with the process), and each
@@ -231,7 +258,7 @@ def _isolated(
             f"import json, sys; sys.path.insert(0, {str(HERE)!r}); import gpu_all; "
             "json.dump(gpu_all._one(*json.loads(sys.argv[1])), open(sys.argv[2], 'w'), default=str)"
         )
-        args = json.dumps([model, device, batch, str(plan_file), mode, steps, budget])
+        args = json.dumps([model, device, batch, str(plan_file), mode, steps, budget, profile])
         proc = subprocess.run([sys.executable, "-c", code, args, str(out)], check=False)
         if out.exists():
             return dict(json.loads(out.read_text()))
@@ -262,9 +289,11 @@ def run_all(
     kinds: tuple[str, ...] = ("tight", "loose"),
     only: tuple[str, ...] = RUNS,
     isolate: bool | None = None,
+    profile: str | None = None,
 ) -> dict[str, Any]:
     """``isolate``: each run in a process of its own (``_isolated``); by default on a GPU only,
-    where one run's memory would otherwise be the next one's."""
+    where one run's memory would otherwise be the next one's. ``profile``: a cluster file
+    ``coplan calibrate`` fitted on this device, which prices every run a second time."""
     import torch
 
     if isolate is None:
@@ -276,6 +305,8 @@ def run_all(
     result: dict[str, Any] = {"device": name, "torch": torch.__version__, "steps": steps, "models": {}}
     result["priced_as"] = {m: priced_as(device, MODELS[device][m][1]) for m in models}
     result["planned_for"] = {m: MODELS[device][m][1] for m in models}
+    if profile:
+        result["calibrated_profile"] = Path(profile).name
     target = out_dir / "bench_gpu.json"
     for model in models:
         entry = manifest["models"][model]
@@ -301,7 +332,9 @@ def run_all(
                 else:
                     mode = run
                 one = _isolated if isolate else _one
-                got = runs[f"{run}@{kind}"] = one(model, device, batch, plan_file, mode, steps, budget)
+                got = runs[f"{run}@{kind}"] = one(
+                    model, device, batch, plan_file, mode, steps, budget, profile
+                )
                 target.write_text(json.dumps(result, indent=1) + "\n")
                 shown = (
                     "failed: " + got["error"]
@@ -353,6 +386,13 @@ def summary(result: dict[str, Any]) -> list[dict[str, Any]]:
             pred = [ok[n]["predicted_step_time_s"] for n in names]
             errs = {n: ok[n]["predicted_step_time_s"] / ok[n]["step_time_s"] - 1 for n in names}
             ordered = _ordered(meas, pred)
+            cal_key = "predicted_calibrated_step_time_s"
+            calibrated = None
+            if names and all(cal_key in ok[n] for n in names):
+                calibrated = {
+                    "errors": {n: ok[n][cal_key] / ok[n]["step_time_s"] - 1 for n in names},
+                    "pairs_ordered": list(_ordered(meas, [ok[n][cal_key] for n in names])),
+                }
             rows.append(
                 {
                     "model": model,
@@ -364,6 +404,7 @@ def summary(result: dict[str, Any]) -> list[dict[str, Any]]:
                     "pairs_ordered": list(ordered),
                     "errors": errs,
                     "failed": [r for r in RUNS if r not in ok],
+                    "calibrated": calibrated,
                 }
             )
     return rows
@@ -406,6 +447,13 @@ def table(result: dict[str, Any]) -> str:
         lines.append(
             f"| {s['model']} | {s['batch']} | {s['joint_vs_compile']:.2f}x | "
             f"{s['joint_vs_compile_budget']:.2f}x | {s['joint_vs_sequential']:.2f}x | "
-            f"{s['ranking_matches']} ({s['pairs_ordered'][0]} of {s['pairs_ordered'][1]}) |"
+            f"{s['ranking_matches']} ({s['pairs_ordered'][0]} of {s['pairs_ordered'][1]}"
+            + (
+                f"; on the calibrated profile {s['calibrated']['pairs_ordered'][0]} of "
+                f"{s['calibrated']['pairs_ordered'][1]}"
+                if s.get("calibrated")
+                else ""
+            )
+            + ") |"
         )
     return "\n".join(lines)

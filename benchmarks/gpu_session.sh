@@ -3,12 +3,14 @@
 # checks in order of what they decide, each under its own time limit so that a slow compile
 # costs only its own part. Results land under $OUT; run from the repository root:
 #
-#   OUT=/some/dir [BENCH_S=360] [PROBE_S=150] bash benchmarks/gpu_session.sh [gpt2-124m|llama3.2-1b] [tight|loose]
+#   OUT=/some/dir [CAL_S=0] [BENCH_S=360] [PROBE_S=150] bash benchmarks/gpu_session.sh [gpt2-124m|llama3.2-1b] [tight|loose]
 #
-# BENCH_S and PROBE_S bound the two parts in seconds (0 skips a part). Each of bench_gpu's runs is
+# CAL_S, BENCH_S and PROBE_S bound the parts in seconds (0 skips a part). Each of bench_gpu's runs is
 # a process of its own (a run that runs out of memory leaves the next one its GPU); on one H200,
 # GPT-2 124M's ten runs took 350 s, and Llama 3.2 1B's joint plan compiled for 275 s.
 #
+# 0. (CAL_S > 0) coplan calibrate on this GPU (benchmarks/data/gpu_calibrate.py): a profile that
+#    prices each of the runs below a second time (calibration.json, profile_cuda.json).
 # 1. bench_gpu.py all for one model at one batch: eager, torch.compile, torch.compile with the
 #    joint plan's activation budget, coplan's joint and sequential plans (bench_gpu.json).
 # 2. The step probe: per-kernel-class time, GPU idle time and host issue time of a LLaMA-3 8B-shaped
@@ -21,12 +23,21 @@ export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 PY="${PYTHON:-python3}"
 mkdir -p "$OUT"
 nvidia-smi --query-gpu=name,memory.total,clocks.sm,power.limit --format=csv > "$OUT/gpu.csv" 2>&1
+CAL_S="${CAL_S:-0}"
 BENCH_S="${BENCH_S:-360}"
 PROBE_S="${PROBE_S:-150}"
+PROFILE=()
+if [ "$CAL_S" -gt 0 ]; then
+    timeout "$CAL_S" "$PY" benchmarks/data/gpu_calibrate.py "$OUT/profile_cuda.json" \
+        > "$OUT/calibration.json" 2> "$OUT/calibration.log"
+    echo "calibrate exit $?" >> "$OUT/calibration.log"
+    tail -n 3 "$OUT/calibration.log"
+    [ -s "$OUT/profile_cuda.json" ] && PROFILE=(--profile "$OUT/profile_cuda.json")
+fi
 if [ "$BENCH_S" -gt 0 ]; then
     # Inductor's autotuning prints a table per GEMM: the log keeps them, the reply does not
     timeout "$BENCH_S" "$PY" benchmarks/bench_gpu.py all --model "$MODEL" --batches "$BATCH" --out "$OUT" \
-        > "$OUT/bench_gpu.log" 2>&1
+        "${PROFILE[@]}" > "$OUT/bench_gpu.log" 2>&1
     echo "bench_gpu exit $?" >> "$OUT/bench_gpu.log"
     grep -v -i "autotune\|triton_mm\|warnings.warn\|TritonTemplateCaller\|^  mm\|strides:\|dtypes:\|^{" \
         "$OUT/bench_gpu.log" | tail -n 30

@@ -14,7 +14,7 @@ from typing import Any
 
 from coplan.apply.dist import from_torchrun, launch
 from coplan.apply.fusion import as_run, honoured_total, not_honoured, optimizer_record
-from coplan.apply.predict import baseline_plan, make_context, predict, refuse, run_cluster
+from coplan.apply.predict import Prediction, baseline_plan, make_context, predict, refuse, run_cluster
 from coplan.apply.train import MODES, Job, RankResult, pads_head, run_rank, step_time, tolerance_of
 from coplan.errors import CoplanError, SpecError
 from coplan.hardware.allocator import HOST_ALLOCATORS
@@ -94,21 +94,7 @@ def runner_optimizer(plan: Plan, ctx: PlanContext, mode: str, device: str) -> st
     return "" if fused else "for-loop"
 
 
-def run_plan(req: RunRequest) -> dict[str, Any]:
-    """Validate ``req.plan`` for this run (``PlanError`` when it was made for another model, world
-    size, batch or sequence), price it, train, and return the report."""
-    cluster = run_cluster(req.cluster, req.nproc, req.device)
-    ctx = make_context(req.spec, cluster, req.global_batch, req.seq, req.device)
-    # torch.compile's own path runs Inductor's joint-graph passes, which pad unaligned GEMMs
-    # (``shape_padding``); eager PyTorch runs the shapes as they are; a plan pads its LM head
-    # where the runner does (``train.pads_head``)
-    pads = req.mode == "compile" or (ctx.stack.gemm_padding and pads_head(req.mode, req.plan.parallel.tp))
-    if pads != ctx.stack.gemm_padding:
-        ctx.stack = replace(ctx.stack, gemm_padding=pads)
-    optimizer = runner_optimizer(req.plan, ctx, req.mode, req.device)
-    if optimizer != ctx.stack.optimizer:
-        ctx.stack = replace(ctx.stack, optimizer=optimizer)
-    notes = refuse(req.plan, ctx, req.nproc)
+def _validate(req: RunRequest) -> None:
     if req.mode not in MODES:
         raise PlanError("mode", f"must be one of {', '.join(MODES)}, got {req.mode!r}", "run")
     if req.host_allocator not in HOST_ALLOCATORS:
@@ -121,6 +107,26 @@ def run_plan(req: RunRequest) -> dict[str, Any]:
             raise PlanError(
                 "activation_budget", f"must be between 0 and 1, got {req.activation_budget}", "run"
             )
+
+
+def priced_request(req: RunRequest) -> tuple[PlanContext, Plan, Prediction, list[str]]:
+    """(the run's context, what it executes as a plan, the cost model's prediction of that, notes):
+    ``req`` validated (``PlanError`` when the plan was made for another model, world size, batch
+    or sequence) and priced on ``req.cluster``, as ``run_plan`` runs it; a calibrated profile as
+    the cluster prices the same run on the device as measured."""
+    cluster = run_cluster(req.cluster, req.nproc, req.device)
+    ctx = make_context(req.spec, cluster, req.global_batch, req.seq, req.device)
+    # torch.compile's own path runs Inductor's joint-graph passes, which pad unaligned GEMMs
+    # (``shape_padding``); eager PyTorch runs the shapes as they are; a plan pads its LM head
+    # where the runner does (``train.pads_head``)
+    pads = req.mode == "compile" or (ctx.stack.gemm_padding and pads_head(req.mode, req.plan.parallel.tp))
+    if pads != ctx.stack.gemm_padding:
+        ctx.stack = replace(ctx.stack, gemm_padding=pads)
+    optimizer = runner_optimizer(req.plan, ctx, req.mode, req.device)
+    if optimizer != ctx.stack.optimizer:
+        ctx.stack = replace(ctx.stack, optimizer=optimizer)
+    notes = refuse(req.plan, ctx, req.nproc)
+    _validate(req)
     ran = baseline_plan(req.plan, ctx, req.mode, keep_recompute=req.activation_budget is not None)
     if req.mode != "plan":
         recomputing = (
@@ -133,7 +139,14 @@ def run_plan(req: RunRequest) -> dict[str, Any]:
             f"baseline {req.mode!r}: the plan's layout and batch only; predicted for "
             f"{ran.fusion.label} kernels, {recomputing}, {ran.precision.compute} autocast"
         )
-    pred = predict(ran, ctx)
+    return ctx, ran, predict(ran, ctx), notes
+
+
+def run_plan(req: RunRequest) -> dict[str, Any]:
+    """Validate ``req.plan`` for this run (``PlanError`` when it was made for another model, world
+    size, batch or sequence), price it, train, and return the report."""
+    ctx, ran, pred, notes = priced_request(req)
+    cluster = ctx.cluster
     threads = req.threads
     if not threads and req.device == "cpu":
         threads = max(1, (os.cpu_count() or 1) // req.nproc)  # processes share the machine's cores

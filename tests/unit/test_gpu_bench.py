@@ -114,3 +114,32 @@ def test_an_isolated_run_reports_from_its_own_process(tmp_path, gpu_all):
     (run,) = out["models"]["gpt-tiny"]["runs"].values()
     assert set(run) >= RUN_KEYS
     assert run["grad_ok"]
+
+
+def test_a_calibrated_profile_ranks_the_runs_a_second_time(gpu_all):
+    def run(ms, pred, cal):
+        return {
+            "step_time_s": ms,
+            "predicted_step_time_s": pred,
+            "predicted_calibrated_step_time_s": cal,
+            "tokens_per_s": 1.0 / ms,
+        }
+
+    result = {
+        "models": {
+            "m": {
+                "runs": {
+                    "compile@tight": run(2.0, 3.0, 1.9),
+                    "coplan_joint@tight": run(2.1, 2.5, 2.2),
+                }
+            }
+        }
+    }
+    (row,) = gpu_all.summary(result)
+    assert row["pairs_ordered"] == [0, 1]
+    assert row["calibrated"]["pairs_ordered"] == [1, 1]
+    assert row["calibrated"]["errors"]["compile"] == pytest.approx(-0.05)
+    for r in result["models"]["m"]["runs"].values():
+        r.update(batch=8, saved_activation_bytes=0.0, predicted_saved_activation_bytes=0.0, peak_bytes=0.0)
+        r.update(recomputed=0, grad_ok=True)
+    assert "on the calibrated profile 1 of 1" in gpu_all.table({"device": "d", "torch": "t", **result})
