@@ -41,6 +41,7 @@ from coplan.cost.kernelprice import KernelPrices
 from coplan.cost.parts import Part
 from coplan.cost.remat import drops_output
 from coplan.cost.stages import stage_devices
+from coplan.hardware.cluster import ClusterSpec
 from coplan.ir.types import OpKind, Phase, TensorRole
 from coplan.passes.base import PassRecord, score
 from coplan.passes.remat import saved_names, with_remat
@@ -390,6 +391,17 @@ def exact_search(
     if not remat:
         combos = [c.with_(remat=base.remat) for c in combos]
     known = solved or {}
+    library = library_gemms(ctx.cluster)
+
+    def bound(p: Plan) -> float:
+        # the widest fusion bounds a per-op fusion from below only where fusing costs nothing: a
+        # GEMM template (``matmul_template``) is slower than the library call, so the bound prices
+        # the widest plan with its GEMMs at the library's rate, and scales what the named-option
+        # search solved for it by the same ratio
+        own = ctx.price(p).step_time_s
+        low = own if library is None else ctx.model.estimate(library, ctx.config_of(p)).step_time_s
+        return max(low, known.get((p.parallel, p.precision, widest), 0.0) * low / own)
+
     found, n = bound_search(
         ctx,
         combos,
@@ -398,11 +410,25 @@ def exact_search(
         opts.progress,
         warm,
         margin=BOUND_MARGIN,
-        bound=lambda p: max(ctx.price(p).step_time_s, known.get((p.parallel, p.precision, widest), 0.0)),
+        bound=bound,
     )
     if found is not None and remat and all(found is not w for w in warm):
         found = polish(found, ctx)
     return found, len(combos), n
+
+
+def library_gemms(cluster: ClusterSpec) -> ClusterSpec | None:
+    """``cluster`` with every GEMM template at the library's rate (``matmul_template`` 1), where a
+    device prices templates slower; None where none does."""
+    from dataclasses import replace
+
+    if all(g.device.efficiency.get("matmul_template", 1.0) >= 1.0 for g in cluster.groups):
+        return None
+    groups = tuple(
+        replace(g, device=replace(g.device, efficiency={**g.device.efficiency, "matmul_template": 1.0}))
+        for g in cluster.groups
+    )
+    return replace(cluster, groups=groups)
 
 
 @strategy("joint-exact")
