@@ -72,3 +72,25 @@ def test_only_a_plan_group_holding_a_gemm_and_more_is_a_template():
     assert not alone.template
     (named,) = kernels("megatron")  # a named kernel set is the library's
     assert not named.template
+
+
+def test_the_exact_search_bounds_with_library_gemms():
+    """``search.exact``'s bound prices the widest fusion with its GEMMs at the library's rate: no
+    per-op fusion of the same layout prices below it (a template only slows the GEMM it carries),
+    and on a device without templates priced the bound is the plan's own price."""
+    from coplan.cli.plan_cmd import make_context
+    from coplan.cost.stacks import load_stack
+    from coplan.search.exact import library_gemms
+    from coplan.search.space import fusion_option
+
+    assert library_gemms(load_cluster("dgx-a100-80gb", 8)) is None
+    ctx = make_context("gpt2-124m", "dgx-h100", 1, 8, 1024, 60.0, 0.0, load_stack("coplan"))
+    lib = library_gemms(ctx.cluster)
+    assert lib is not None and lib.groups[0].device.efficiency["matmul_template"] == 1.0
+    base = ctx.default_plan()
+    for option in ("epilogue", "greedy", "eager"):
+        plan = base.with_(fusion=fusion_option(ctx, option))
+        own = ctx.price(plan).step_time_s
+        low = ctx.model.estimate(lib, ctx.config_of(plan)).step_time_s
+        assert low <= own * (1 + 1e-12)
+        assert (low < own) == (option == "epilogue")  # only the epilogue option holds templates
