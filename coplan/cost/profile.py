@@ -660,8 +660,8 @@ class _Ctx:
             dts = {self.op_dtype(op) for op in real}
             dtype = dts.pop() if len(dts) == 1 else ""
         shard = self._shard[(anchor or real[0]).id]
-        # one launched kernel: a library attention or GEMM (with any fused epilogue), or generated
-        # vector code; only the anchor's geometry differs between them
+        # one launched kernel: an attention or GEMM kernel (a generated template where a GEMM
+        # carries other ops), or generated vector code; only the anchor's geometry differs
         attn, dims, sdim = (0, 0, 0, 0), (0, 0, 0), -1
         drop, tn, looped, share, template = 0.0, False, ZERO, CAUSAL_FRACTION, False
         if at is not None:
