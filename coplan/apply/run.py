@@ -133,6 +133,8 @@ def priced_request(req: RunRequest) -> tuple[PlanContext, Plan, Prediction, list
             f"the plan's {len(ran.remat.recompute)} recomputed tensors for activation budget "
             f"{req.activation_budget:g}"
             if req.activation_budget is not None
+            else f"{len(ran.remat.recompute)} tensors recomputed by the min-cut partitioner's default"
+            if ran.remat.recompute
             else "no recomputation"
         )
         notes.append(
