@@ -224,6 +224,8 @@ def _one(
         "peak_bytes": m["peak_bytes"],
         "predicted_peak_bytes": p["peak_bytes"],
         "saved_activation_bytes": m["saved_activation_bytes"],
+        # what autograd kept, by shape: where a compiler's saved set and the price part
+        "saved_by_shape": out.get("saved_by_shape", []),
         "predicted_saved_activation_bytes": p["saved_activation_bytes"],
         "grad_ok": out["grad_check"]["ok"],
         "grad_max_rel_err": out["grad_check"]["max_rel_err"],

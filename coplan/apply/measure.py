@@ -111,6 +111,8 @@ class SavedBytes:
     def __init__(self, exclude: Iterable[torch.Tensor] = ()) -> None:
         self._skip = set(storages(exclude))
         self.seen: dict[int, int] = {}
+        # the shape and dtype each storage was first saved as (``by_shape``)
+        self.kinds: dict[int, tuple[tuple[int, ...], str]] = {}
         self._hooks: Any = None
 
     def _pack(self, t: torch.Tensor) -> torch.Tensor:
@@ -122,6 +124,8 @@ class SavedBytes:
         local: Callable[[], torch.Tensor] | None = getattr(t, "to_local", None)
         st = (local() if local is not None else t).untyped_storage()
         if st.data_ptr() not in self._skip:
+            if st.data_ptr() not in self.seen:
+                self.kinds[st.data_ptr()] = (tuple(t.shape), str(t.dtype).removeprefix("torch."))
             self.seen.setdefault(st.data_ptr(), st.nbytes())
         return t
 
@@ -138,6 +142,20 @@ class SavedBytes:
     def activation_bytes(self, other: Iterable[int] = ()) -> int:
         drop = set(other)
         return sum(b for p, b in self.seen.items() if p not in drop)
+
+    def by_shape(self, other: Iterable[int] = (), top: int = 16) -> list[dict[str, Any]]:
+        """The activation storages by the shape and dtype they were saved as, largest total first:
+        what a compiler's partitioner kept, to set beside what a plan was priced to keep."""
+        drop = set(other)
+        groups: dict[tuple[tuple[int, ...], str], list[int]] = {}
+        for p, b in self.seen.items():
+            if p not in drop:
+                groups.setdefault(self.kinds.get(p, ((), "?")), []).append(b)
+        ranked = sorted(groups.items(), key=lambda kv: -sum(kv[1]))[:top]
+        return [
+            {"shape": list(shape), "dtype": dtype, "count": len(bs), "bytes": sum(bs)}
+            for (shape, dtype), bs in ranked
+        ]
 
 
 class _Held:

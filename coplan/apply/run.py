@@ -231,6 +231,8 @@ def report(
             "saved_activation_bytes": res.saved["activation"],
             "peak_bytes": res.peak_bytes,
         },
+        # what autograd kept in the first microbatch, by shape and dtype, largest first
+        "saved_by_shape": res.saved_by_shape,
         "predicted": predicted,
         "loss": res.loss,
         "grad_check": {"max_rel_err": err, "tolerance": tol, "ok": bool(err <= tol)},

@@ -93,6 +93,8 @@ class RankResult:
     fusion: list[dict[str, Any]]
     skipped_steps: int = 0
     notes: list[str] = field(default_factory=list)
+    # what autograd saved in the first microbatch, by shape and dtype (``SavedBytes.by_shape``)
+    saved_by_shape: list[dict[str, Any]] = field(default_factory=list)
 
     def to_dict(self) -> dict[str, Any]:
         return dict(self.__dict__)
@@ -322,7 +324,9 @@ def _run(rank: int, world: int, job: Job) -> RankResult | None:
                     if be is not None:
                         saved.update(be.last_saved)
                         saved["compiled_activation"] = saved.pop("activation")
-                    saved["activation"] = sb.activation_bytes(be.other_storages if be is not None else set())
+                    other = be.other_storages if be is not None else set()
+                    saved["activation"] = sb.activation_bytes(other)
+                    by_shape[:] = sb.by_shape(other)
                 else:
                     with amp():
                         loss = compiled(x, y)
@@ -347,6 +351,7 @@ def _run(rank: int, world: int, job: Job) -> RankResult | None:
         return total, err, ok
 
     saved: dict[str, int] = {}
+    by_shape: list[dict[str, Any]] = []
     worst: list[str] = []
     losses: list[float] = []
     times: list[float] = []
@@ -407,6 +412,7 @@ def _run(rank: int, world: int, job: Job) -> RankResult | None:
         fusion=fusion,
         skipped_steps=scaler.skipped,
         notes=notes,
+        saved_by_shape=by_shape,
     )
 
 

@@ -408,3 +408,22 @@ def test_a_run_prices_the_plan_as_the_compiler_ran_it() -> None:
     if ran is not None:
         assert ran["groups_planned"] == len(plan.fusion.groups) > ran["groups"]
         assert set(ran) >= set(out["predicted"])
+
+
+def test_saved_bytes_by_shape_groups_what_autograd_kept():
+    """``SavedBytes.by_shape``: each saved storage once, under the shape and dtype it was first
+    saved as, largest total first; parameters and excluded storages left out, as in the total."""
+    from coplan.apply.measure import SavedBytes
+
+    x = torch.randn(64, 32, requires_grad=True)
+    w = torch.randn(32, 16, requires_grad=True)
+    batch = torch.randn(8, 16)
+    with SavedBytes(exclude=(batch,)) as sb:
+        h = (x * 2.0).relu()
+        loss = ((h @ w).sin() * batch.sum()).sum() + (h @ w).cos().sum()
+    rows = sb.by_shape()
+    assert sum(r["bytes"] for r in rows) == sb.activation_bytes()
+    assert rows[0]["shape"] == [64, 32] and rows[0]["dtype"] == "float32"
+    assert [r["bytes"] for r in rows] == sorted((r["bytes"] for r in rows), reverse=True)
+    assert all(r["shape"] != [32, 16] for r in rows)  # the weight, a parameter
+    assert loss.requires_grad
