@@ -123,10 +123,10 @@ class SavedBytes:
             return t
         local: Callable[[], torch.Tensor] | None = getattr(t, "to_local", None)
         st = (local() if local is not None else t).untyped_storage()
-        if st.data_ptr() not in self._skip:
-            if st.data_ptr() not in self.seen:
-                self.kinds[st.data_ptr()] = (tuple(t.shape), str(t.dtype).removeprefix("torch."))
-            self.seen.setdefault(st.data_ptr(), st.nbytes())
+        ptr = st.data_ptr()
+        if ptr not in self._skip and ptr not in self.seen:
+            self.seen[ptr] = st.nbytes()
+            self.kinds[ptr] = (tuple(t.shape), str(t.dtype).removeprefix("torch."))
         return t
 
     def __enter__(self) -> SavedBytes:

@@ -149,13 +149,13 @@ def plan_for(
 def baseline_plan(plan: Plan, ctx: PlanContext, mode: str, *, keep_recompute: bool = False) -> Plan:
     """What a baseline run (``Job.mode``) executes, as a plan the cost model can price: the plan's
     layout and batch; recomputation as the baseline's own (eager: none; ``torch.compile``: what its
-    min-cut partitioner recomputes by default, ``passes.remat.mincut_names``; ``keep_recompute``:
+    min-cut partitioner recomputes by default, ``passes.remat.with_mincut``; ``keep_recompute``:
     the plan's recompute set, for a compiled baseline given the plan's memory budget), autocast to
     the plan's 16-bit compute dtype (fp8 plans: bf16, which autocast offers; fp32 plans: fp32),
     and kernels as ``torch.compile``'s defaults fuse them (greedy pointwise fusion) or, eagerly,
     one per op."""
     from coplan.passes.precision import precision_variant
-    from coplan.passes.remat import mincut_names, with_remat
+    from coplan.passes.remat import with_mincut
     from coplan.plan.types import RematPlan
     from coplan.search.space import fusion_option
 
@@ -167,9 +167,7 @@ def baseline_plan(plan: Plan, ctx: PlanContext, mode: str, *, keep_recompute: bo
     fusion = fusion_option(ctx, "greedy" if mode == "compile" else "eager")
     remat = plan.remat if keep_recompute else RematPlan()
     ran = plan.with_(fusion=fusion, remat=remat, precision=prec)
-    if mode == "compile" and not keep_recompute:
-        ran = with_remat(ran, mincut_names(ctx), ctx)
-    return ran
+    return with_mincut(ran, ctx) if mode == "compile" and not keep_recompute else ran
 
 
 def megatron_recompute(ctx: PlanContext, mode: str) -> frozenset[str]:

@@ -55,9 +55,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 
 from coplan.cost.parts import ACT, F32, FIX, NV, REPL, TP, ZERO, Kernel, Vec
-from coplan.ir.types import Graph, Op
-
-F32_BYTES = 4
+from coplan.ir.types import DTYPE_BYTES, Graph, Op
 
 #: (big kernels as (16-bit elements, fp32 elements) read + written per element, small kernels),
 #: forward and backward, per IR op target; see the module docstring for each.
@@ -133,7 +131,7 @@ def op_kernels(graph: Graph, op: Op, shard: int, rows: float) -> list[Kernel]:
         width = n / rows if rows > 0 else 0.0
         for i, (a, f) in enumerate(big):
             loop = ZERO
-            if again is not None and i == again[0] and width * F32_BYTES >= SOFTMAX_SMEM_BYTES:
+            if again is not None and i == again[0] and width * DTYPE_BYTES["float32"] >= SOFTMAX_SMEM_BYTES:
                 loop = _vec(0.0, again[1] * n, shard)
             out.append(
                 Kernel(

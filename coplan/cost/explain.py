@@ -15,8 +15,8 @@ from dataclasses import dataclass
 from coplan.cost.config import TrainingConfig
 from coplan.cost.eager import FUSED_RMSNORM, eager_kernels, shard_class
 from coplan.cost.fp8 import fp8_cost, runs_fp8
-from coplan.cost.kernels import Rates, Scale, kernel_time, local_dims
-from coplan.cost.parts import GraphProfile, Kernel, Part, part_dtype, run_kernels, vdot
+from coplan.cost.kernels import Rates, Scale, kernel_time, local_dims, memory_s
+from coplan.cost.parts import GraphProfile, Kernel, Part, part_dtype, run_kernels
 from coplan.cost.stages import stage_devices, stage_parts
 from coplan.hardware.cluster import ClusterSpec
 from coplan.hardware.device import DeviceSpec
@@ -147,9 +147,7 @@ def _bound(k: Kernel, r: Rates, s: Scale, t: float) -> str:
     fixed = r.launch_s + (r.mm_call_s if k.kind == "matmul" else 0.0)
     if fixed >= t / 2:
         return "launch"
-    memory = vdot(k.bytes, s.weights) / r.bandwidth
-    if r.looped_reductions and any(k.loop_reads):
-        memory += vdot(k.loop_reads, s.weights) / r.bandwidth
+    memory = memory_s(k, r, s)
     return "memory" if memory >= (t - fixed) * (1 - 1e-9) else "compute"
 
 

@@ -335,13 +335,18 @@ def first_touch(k: Kernel, r: Rates, s: Scale) -> float:
     return sum(big) / r.first_touch
 
 
-@kernel_rule("vector")
-def _vector(k: Kernel, r: Rates, s: Scale) -> float:
-    compute = vector_compute(k, r, s)
+def memory_s(k: Kernel, r: Rates, s: Scale) -> float:
+    """Seconds of a kernel's traffic at the device's bandwidth: what crosses its boundary, and what
+    a looped reduction loads again where rows do not stay in a cache (``Rates.looped_reductions``)."""
     memory = vdot(k.bytes, s.weights) / r.bandwidth
     if r.looped_reductions and any(k.loop_reads):
         memory += vdot(k.loop_reads, s.weights) / r.bandwidth
-    return max(compute, memory) + first_touch(k, r, s) + r.launch_s
+    return memory
+
+
+@kernel_rule("vector")
+def _vector(k: Kernel, r: Rates, s: Scale) -> float:
+    return max(vector_compute(k, r, s), memory_s(k, r, s)) + first_touch(k, r, s) + r.launch_s
 
 
 def local_dims(k: Kernel, tp: int) -> tuple[int, int, int]:

@@ -240,16 +240,12 @@ def layout_plan(
 
 def _partitioned(ctx: Any, plan: Plan) -> Plan | None:
     """``plan`` with what Inductor's min-cut partitioner recomputes by default added to its
-    recomputation (``passes.remat.mincut_names``), where the stack compiles the plan's kernels
-    and recomputes any set: the compiler's own completion of a compiled plan, as the production
-    remat pass starts from it. None where it adds nothing."""
-    from coplan.passes.remat import COMPILED, mincut_names, with_remat
+    recomputation (``passes.remat.with_mincut``), as the production remat pass starts from it.
+    None where it adds nothing."""
+    from coplan.passes.remat import with_mincut
 
-    if not ctx.stack.recompute_sets or plan.fusion.label not in COMPILED:
-        return None
-    have = plan.remat.all_names
-    more = mincut_names(ctx) - have
-    return with_remat(plan, frozenset(have | more), ctx) if more else None
+    got = with_mincut(plan, ctx)
+    return None if got is plan else got
 
 
 def plan_with_policy(ctx: Any, net: PolicyNet, k: int) -> tuple[Plan, int, list[str]]:

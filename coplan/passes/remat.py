@@ -124,6 +124,18 @@ def mincut_names(ctx: PlanContext) -> frozenset[str]:
     return got
 
 
+def with_mincut(plan: Plan, ctx: PlanContext) -> Plan:
+    """``plan`` also recomputing what Inductor's min-cut partitioner recomputes by default
+    (``mincut_names``), where the stack compiles the plan's kernels (a ``COMPILED`` fusion) and
+    recomputes any set: the compiler's own completion of a compiled plan. ``plan`` itself where
+    that adds nothing."""
+    if not ctx.stack.recompute_sets or plan.fusion.label not in COMPILED:
+        return plan
+    have = plan.remat.all_names
+    more = mincut_names(ctx) - have
+    return with_remat(plan, frozenset(have | more), ctx) if more else plan
+
+
 def full_names(ctx: PlanContext) -> frozenset[str]:
     """Full recomputation as Megatron-LM and ``torch.utils.checkpoint`` run it: every saved tensor
     of the block but its output, the next block's input, which the checkpoint keeps (dropping it
