@@ -2,7 +2,7 @@
 
 Applied in this order (torchtitan's): tensor parallelism (``apply_tp``), then data parallelism
 (``apply_dp``: DDP for ZeRO 0, FSDP2 ``fully_shard`` per block and at the root for ZeRO >= 1),
-then ``torch.compile`` with the plan's backend (``coplan.apply.train``). The device mesh is
+then ``torch.compile`` with the plan's backend (``coplan.apply.step``). The device mesh is
 ``(dp, tp)`` with the tensor axis fastest, Megatron's rank order.
 
 Processes are started by ``launch`` (``coplan.procs.spawn``: the spawn method, gloo on CPU and

@@ -133,11 +133,11 @@ def run_pipeline(rank: int, world: int, job: Any) -> Any:
     from coplan.apply.dist import init
     from coplan.apply.measure import SavedPeak
     from coplan.apply.precision import compute_dtype, model_dtype
-    from coplan.apply.train import (
+    from coplan.apply.step import (
         RankResult,
-        _all_max,
-        _all_mean,
         adamw_form,
+        all_max,
+        all_mean,
         autocast_for,
         batches,
         build,
@@ -247,9 +247,9 @@ def run_pipeline(rank: int, world: int, job: Any) -> Any:
         losses_out.append(loss)
     per_stage: list[Any] = [None] * world
     torch.distributed.all_gather_object(per_stage, int(saved_peak))
-    times = _all_max(times, world)
-    figures = _all_max([float(saved_peak), peak, err], world)
-    losses_out = _all_mean(losses_out, world)
+    times = all_max(times, world)
+    figures = all_max([float(saved_peak), peak, err], world)
+    losses_out = all_mean(losses_out, world)
     # the worst parameter's name, from the rank that has it
     worst_of: list[Any] = [None] * world
     torch.distributed.all_gather_object(worst_of, (err, worst))

@@ -15,7 +15,8 @@ from typing import Any
 from coplan.apply.dist import from_torchrun, launch
 from coplan.apply.fusion import as_run, honoured_total, not_honoured, optimizer_record
 from coplan.apply.predict import Prediction, baseline_plan, make_context, predict, refuse, run_cluster
-from coplan.apply.train import MODES, Job, RankResult, pads_head, run_rank, step_time, tolerance_of
+from coplan.apply.step import MODES, Job, RankResult, pads_head, step_time, tolerance_of
+from coplan.apply.train import run_rank
 from coplan.errors import CoplanError, SpecError
 from coplan.hardware.allocator import HOST_ALLOCATORS
 from coplan.hardware.cluster import ClusterSpec

@@ -33,7 +33,7 @@ if TYPE_CHECKING:
     from coplan.plan.types import Plan
 
 
-class Mode(enum.StrEnum):  # coplan.apply.train.MODES
+class Mode(enum.StrEnum):  # coplan.apply.step.MODES
     plan = "plan"
     compile = "compile"
     eager = "eager"

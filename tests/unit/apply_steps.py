@@ -10,7 +10,7 @@ import torch
 from torch import fx
 
 import coplan
-from coplan.apply.train import batches, build
+from coplan.apply.step import batches, build
 from coplan.models.spec import ModelSpec
 from coplan.plan.types import Plan
 

@@ -21,7 +21,7 @@ from coplan.apply.measure import LiveBytes, SavedBytes, SavedPeak, spearman
 from coplan.apply.names import map_saved, saved_tensor_names
 from coplan.apply.precision import FP8_MAX, UNIT_ROUNDOFF, LossScaler, fp8_quantize, layer_norm, tolerance
 from coplan.apply.predict import make_context, megatron_recompute, plan_for
-from coplan.apply.train import batches, build, reference_grads, rel_errors
+from coplan.apply.step import batches, build, reference_grads, rel_errors
 from coplan.cli.app import main
 from coplan.hardware import load_cluster
 from coplan.models.spec import PRESETS
@@ -327,7 +327,7 @@ def test_why_a_planned_group_was_not_honoured():
 
 
 def test_reference_chunk_bounds_tokens_on_a_gpu() -> None:
-    from coplan.apply.train import REFERENCE_TOKENS, reference_chunk
+    from coplan.apply.step import REFERENCE_TOKENS, reference_chunk
 
     gpu, cpu = torch.device("cuda"), torch.device("cpu")
     assert reference_chunk(64, 1024, gpu) == REFERENCE_TOKENS // 1024
@@ -340,7 +340,7 @@ def test_reference_chunk_bounds_tokens_on_a_gpu() -> None:
 def test_the_optimizer_is_priced_as_the_runner_runs_it() -> None:
     from coplan.apply.predict import run_cluster
     from coplan.apply.run import runner_optimizer
-    from coplan.apply.train import adamw_form
+    from coplan.apply.step import adamw_form
     from coplan.search.space import fusion_option
 
     ctx = make_context(PRESETS["gpt-tiny"], run_cluster(load_cluster("dgx-h100"), 1, "cuda"), 8, 64, "cuda")

@@ -16,7 +16,7 @@ from apply_steps import compiled_step, spied_step
 
 from coplan.apply.precision import UNIT_ROUNDOFF, rms_norm, tolerance
 from coplan.apply.predict import make_context, megatron_recompute, plan_for
-from coplan.apply.train import build, reference_grads, rel_errors
+from coplan.apply.step import build, reference_grads, rel_errors
 from coplan.cli.app import main
 from coplan.hardware import load_cluster
 from coplan.models.spec import PRESETS

@@ -188,7 +188,7 @@ def test_strategy_choices_match_the_registry() -> None:
 
 
 def test_enum_choices_match_the_library() -> None:
-    from coplan.apply.train import MODES
+    from coplan.apply.step import MODES
     from coplan.cli.calibrate_cmd import CalibrateDevice
     from coplan.cli.coupling_cmd import Grid
     from coplan.cli.run_cmd import HostAllocator, Mode
