@@ -9,8 +9,9 @@ loader can re-raise it against the file.
 
 from __future__ import annotations
 
+import difflib
 import math
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from contextlib import contextmanager
 from typing import Any, NoReturn
 
@@ -204,3 +205,9 @@ class Reader:
 
     def sub(self, key: str) -> Reader:
         return Reader(self.data[key], self.source, self.at(key))
+
+
+def suggest(name: str, candidates: Iterable[str]) -> str:
+    """``" (did you mean 'a', 'b'?)"`` for close matches of ``name``, or ``""``."""
+    close = difflib.get_close_matches(name, list(candidates), n=3, cutoff=0.5)
+    return " (did you mean " + ", ".join(repr(c) for c in close) + "?)" if close else ""

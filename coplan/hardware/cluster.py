@@ -23,6 +23,7 @@ from coplan.hardware._fields import (
     check_str,
     fail,
     kind,
+    suggest,
 )
 from coplan.hardware.device import DeviceSpec
 from coplan.limits import MAX_DEVICES, MAX_DEVICES_PER_NODE, bounded_int
@@ -179,8 +180,8 @@ class NodeGroup:
         path: str = "",
         devices: Mapping[str, DeviceSpec] | None = None,
     ) -> NodeGroup:
-        """``device`` may be a device preset name (looked up in ``devices``, by default the packaged
-        presets) or an inline device object."""
+        """``device`` may be a device preset name (looked up in ``devices``, the table the
+        registry's ``load_cluster`` passes) or an inline device object."""
         r = Reader(data, source, path)
         r.check_keys(("device", "devices_per_node", "nodes", "intra_node"))
         device = _device_ref(r, devices)
@@ -197,13 +198,9 @@ def _device_ref(r: Reader, devices: Mapping[str, DeviceSpec] | None) -> DeviceSp
         return DeviceSpec.from_dict(value, r.source, path=where)
     if not isinstance(value, str):
         fail(r.source, where, f"expected a device preset name or a device object, got {kind(value)}")
-    if devices is None:
-        from coplan.hardware.registry import device_presets  # deferred: registry imports this module
-
-        devices = device_presets()
+    if devices is None:  # the presets are the registry's to resolve (``load_cluster``)
+        fail(r.source, where, f"device preset {value!r} named without a table of presets to find it in")
     if value not in devices:
-        from coplan.hardware.registry import suggest
-
         fail(r.source, where, f"unknown device preset {value!r}{suggest(value, devices)}")
     return devices[value]
 
@@ -354,7 +351,7 @@ class ClusterSpec:
         devices: Mapping[str, DeviceSpec] | None = None,
     ) -> ClusterSpec:
         """Build from a parsed JSON object; groups' ``device`` may be a preset name (looked up in
-        ``devices``, by default the packaged presets) or an inline device object. Errors are
+        ``devices``, the table the registry's ``load_cluster`` passes) or an inline device object. Errors are
         ``SpecError(source, field, reason)`` with the full field path (prefixed by ``path``)."""
         r = Reader(data, source, path)
         r.check_keys(("name", "groups"), ("inter_node", "source"))

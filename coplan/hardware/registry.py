@@ -10,7 +10,6 @@ are frozen, so sharing them is safe.
 
 from __future__ import annotations
 
-import difflib
 import json
 import os
 from collections.abc import Callable, Iterable, Mapping
@@ -23,19 +22,13 @@ from typing import Any, TypeVar
 
 from coplan.errors import SpecError
 from coplan.fileio import looks_like_file, read_text
-from coplan.hardware._fields import kind
+from coplan.hardware._fields import kind, suggest
 from coplan.hardware.cluster import ClusterSpec
 from coplan.hardware.device import DeviceSpec
 from coplan.limits import MAX_DEVICES, bounded_int
 
 _T = TypeVar("_T")
 _HINT = "run `coplan hardware` to list presets, or pass a path to a JSON file"
-
-
-def suggest(name: str, candidates: Iterable[str]) -> str:
-    """``" (did you mean 'a', 'b'?)"`` for close matches of ``name``, or ``""``."""
-    close = difflib.get_close_matches(name, list(candidates), n=3, cutoff=0.5)
-    return " (did you mean " + ", ".join(repr(c) for c in close) + "?)" if close else ""
 
 
 def _read_json(file: Traversable | Path, label: str) -> object:
