@@ -2,7 +2,7 @@
 
 Input: the job's graph (``features.job_graph``) with each op's decisions under the plan added to
 its features (in a kernel of several ops, the kernel's size, recomputed, its dtype class), and the
-plan's layout (``features.layout_features``) beside the job's global features. Output: the log
+plan's layout (``features.layout_matrix``) beside the job's global features. Output: the log
 of the step time and the log of the peak bytes per GPU. Trained on the analytic cost model's
 prices of plans sampled around each job (``sample_plans``: the teacher's and the baseline's
 plans, and plans of random layouts, random recompute sets and random kernels, each checked and

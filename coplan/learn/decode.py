@@ -35,7 +35,7 @@ from typing import Any
 
 import torch
 
-from coplan.learn.features import DTYPE_CLASSES, job_graph, layout_features
+from coplan.learn.features import DTYPE_CLASSES, job_graph, layout_matrix
 from coplan.learn.policy import Outputs, PolicyNet
 from coplan.plan.checker import _kernel_graph_ok, check, is_valid
 from coplan.plan.types import ParallelPlan, Plan, PrecisionPlan
@@ -262,7 +262,7 @@ def plan_with_policy(ctx: Any, net: PolicyNet, k: int) -> tuple[Plan, int, list[
 
     jg = job_graph(ctx, anchors=_anchors(ctx))
     cands = layout_candidates(ctx)
-    feats = torch.tensor([layout_features(p, q) for p, q in cands], dtype=torch.float32)
+    feats = layout_matrix(ctx, cands)
     k = max(1, k)
     priced: list[Plan] = []
     with torch.no_grad():

@@ -122,7 +122,7 @@ def improve(ctx: Any, net: PolicyNet, k: int, seconds: float) -> Improved:
     """The policy's plan for ``ctx``'s job, then improved by local search over its neighbouring
     layouts (each decoded by the policy, repaired and priced) for at most ``seconds``."""
     from coplan.learn.decode import _anchors, layout_plan, plan_with_policy, repair
-    from coplan.learn.features import _layout_key, job_graph, layout_candidates, layout_features
+    from coplan.learn.features import _layout_key, job_graph, layout_candidates, layout_matrix
     from coplan.passes.base import score
     from coplan.plan.checker import is_valid
 
@@ -136,7 +136,7 @@ def improve(ctx: Any, net: PolicyNet, k: int, seconds: float) -> Improved:
     at = index.get(_layout_key(best.parallel, best.precision))
     if at is None:
         return Improved(proposed, best, first_key, best_key, priced, 0, time.perf_counter() - t0)
-    feats = torch.tensor([layout_features(p, q) for p, q in cands], dtype=torch.float32)
+    feats = layout_matrix(ctx, cands)
     jg = job_graph(ctx, anchors=_anchors(ctx))
     seen = {at}
     steps = 0

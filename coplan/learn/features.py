@@ -13,6 +13,13 @@ it is built. Labels are read off a plan by name, as the plan format names ops an
 reference blocks: ``fuse`` per data edge (both ends in one kernel), ``recompute`` per op with a
 saved output (one of its outputs recomputed), ``dtype`` per op (the override class), and the
 layout (``layout_features`` of the plan's parallel layout and compute precision).
+
+A layout's features are its degrees and, beside them, what a roofline makes of it on this job
+(``layout_matrix``): the parameter gathers, gradient reduction and tensor-parallel traffic each as a
+share of the device's compute time, the pipeline's bubble, the model states' and the activations'
+share of the memory budget, and the GEMM shapes a microbatch gives. These are ratios the network
+meets at every scale: a short-sequence encoder whose ZeRO-3 gathers outweigh its compute shows the
+same ratio a decoder does on a slow link, where its sequence length alone is outside what it saw.
 """
 
 from __future__ import annotations
@@ -33,11 +40,13 @@ __all__ = [
     "GLOBAL_DIM",
     "LAYOUT_DIM",
     "NODE_DIM",
+    "PHYS_FEATURES",
     "PLAN_DIM",
     "JobGraph",
     "job_graph",
     "layout_candidates",
     "layout_features",
+    "layout_matrix",
     "plan_labels",
     "plan_node_features",
 ]
@@ -49,7 +58,23 @@ _COMPUTE = ("fp32", "tf32", "bf16", "fp16", "fp8")
 NODE_DIM = len(_KINDS) + 10
 EDGE_DIM = 4
 GLOBAL_DIM = 29
-LAYOUT_DIM = 12 + len(_COMPUTE)
+#: the roofline features ``layout_matrix`` adds to a layout's degrees, in order
+PHYS_FEATURES = (
+    "gathers",  # ZeRO-3 weight gathers / compute
+    "reduction",  # gradient reduction and ZeRO's weight gather after the step / compute
+    "tensor_parallel",  # tensor-parallel activation all-reduces / compute
+    "bubble",  # the pipeline's idle share
+    "states",  # weights, gradients and optimizer states / budget
+    "activations",  # activations in flight / budget
+    "over_budget",  # 1 where the two exceed the budget
+    "tokens",  # a microbatch's tokens per context-parallel rank
+    "shard_width",  # the model's width per tensor-parallel rank
+    "microbatches",  # a step's microbatches
+    "cp",  # context-parallel ranks
+    "compute_ms",  # a device's compute at its peak, milliseconds
+)
+PHYS_DIM = len(PHYS_FEATURES)
+LAYOUT_DIM = 12 + len(_COMPUTE) + PHYS_DIM
 
 
 def _lg(x: float, scale: float = 1.0) -> float:
@@ -221,20 +246,174 @@ def job_graph(ctx: Any, *, anchors: bool = True) -> JobGraph:
     return got
 
 
-def layout_features(par: ParallelPlan, prec: PrecisionPlan) -> list[float]:
-    """A parallel layout and compute precision as numbers (what the layout head scores)."""
-    return [
-        _lg(par.tp, 6),
-        _lg(par.pp, 7),
-        _lg(par.dp, 12),
-        _lg(par.vpp, 6),
-        _lg(par.microbatch, 10),
-        float(par.sequence_parallel),
-        *(float(par.zero == z) for z in (0, 1, 2, 3)),
-        _lg(par.tp * par.pp, 10),
-        float(prec.fp8_params),
-        *(float(prec.compute == c) for c in _COMPUTE),
+def layout_features(ctx: Any, par: ParallelPlan, prec: PrecisionPlan) -> list[float]:
+    """A parallel layout and compute precision of ``ctx``'s job as numbers (what the layout head
+    scores): one row of ``layout_matrix``."""
+    return layout_matrix(ctx, [(par, prec)])[0].tolist()
+
+
+@dataclass(frozen=True, slots=True)
+class _Job:
+    """What the roofline features read of a job (``_job``)."""
+
+    params: float  # trainable parameters
+    active: float  # parameters a token passes through (an MoE block's top-k experts)
+    flops_token: float  # training FLOPs a token costs at the job's sequence (6 x active + attention)
+    layers: int
+    width: int
+    seq: int
+    batch: int  # sequences a step
+    devices: int
+    budget: float
+    peaks: dict[str, float]  # dense matrix FLOP/s by compute dtype
+    intra: float  # bytes/s per device inside a node
+    inter: float  # bytes/s per device between nodes
+    per_node: int
+
+
+def _job(ctx: Any) -> _Job:
+    got = ctx.memo.get("learn.roofline")
+    if got is not None:
+        return got
+    dev = min(ctx.cluster.devices, key=lambda d: d.memory_bytes)
+    spec = ctx.model.spec
+    seq = ctx.seq
+    if spec is not None:
+        params = float(spec.param_count())
+        active = params
+        if spec.is_moe:
+            f = spec.ffn_hidden or 4 * spec.d_model
+            expert = (3 if spec.activation == "swiglu" else 2) * spec.d_model * f
+            active -= spec.n_layers * (spec.n_experts - min(spec.top_k, spec.n_experts)) * expert
+        layers, width = spec.n_layers, spec.d_model
+        # Narayanan et al. 2021 eq. 3 per token: 6 FLOPs a parameter, 12 L s h for the attention
+        # scores and values (half of it where attention is causal, as flash kernels skip it)
+        attn = 12.0 * layers * seq * width * (0.5 if spec.causal else 1.0)
+        flops = 6.0 * active + attn
+    else:  # a captured graph: its own FLOPs per token, one block as wide as its parameters say
+        graph = ctx.model.graph
+        params = active = float(graph.param_count)
+        tokens = max(1, graph.meta.batch * graph.meta.seq)
+        flops = graph.flops / tokens
+        layers, width = 1, max(1, int(math.sqrt(params / 12.0)))
+    group = ctx.cluster.groups[0]
+    inter = ctx.cluster.inter_node
+    peaks = {c: dev.peak(c) for c in _COMPUTE if dev.supports(c)}
+    got = _Job(
+        params=params,
+        active=active,
+        flops_token=flops,
+        layers=layers,
+        width=width,
+        seq=seq,
+        batch=ctx.global_batch,
+        devices=ctx.cluster.num_devices,
+        budget=float(ctx.budget),
+        peaks=peaks,
+        intra=group.intra_node.bandwidth,
+        inter=inter.bandwidth if inter is not None else group.intra_node.bandwidth,
+        per_node=group.devices_per_node,
+    )
+    ctx.memo["learn.roofline"] = got
+    return got
+
+
+def _ratio(x: torch.Tensor) -> torch.Tensor:
+    """A share, as log2(1 + x) / 4: 0 at none, 0.25 at parity, 1 at fifteen times."""
+    return torch.log2(1.0 + x.clamp(min=0.0)) / 4.0
+
+
+def layout_matrix(ctx: Any, cands: list[tuple[ParallelPlan, PrecisionPlan]]) -> torch.Tensor:
+    """(L, LAYOUT_DIM) float32: each layout of ``cands`` on ``ctx``'s job, its degrees and precision
+    (one-hot and scaled logs), then its roofline features. The roofline is a first-order account,
+    not the cost model's price: per device a step computes ``flops_token`` x tokens / devices at the
+    compute dtype's peak; ZeRO-3 gathers the stage's weights twice a microbatch (forward and
+    backward, as FSDP and DeepSpeed reshard after forward); gradients are all-reduced (ZeRO 0-1) or
+    reduce-scattered and the weights gathered again (ZeRO 2-3) once a step; tensor parallelism
+    all-reduces a microbatch's activations four times a block (Megatron's f and g, forward and
+    backward); a ring moves (n - 1) / n of a buffer per device, inside a node where its group
+    fits in one (tensor innermost, then context, then data, as Megatron orders ranks), else over
+    the slower link. Memory: weights, gradients and Adam's fp32 states sharded by the ZeRO stage,
+    and 34 bytes of activations per token and width a block (Korthikanti et al. 2022, no
+    recomputation) for the microbatches a first pipeline stage keeps in flight."""
+    j = _job(ctx)
+    rows = [
+        (
+            p.tp,
+            p.pp,
+            p.dp,
+            p.vpp,
+            p.microbatch,
+            float(p.sequence_parallel),
+            p.zero,
+            p.cp,
+            float(q.fp8_params),
+            _COMPUTE.index(q.compute) if q.compute in _COMPUTE else 2,
+        )
+        for p, q in cands
     ]
+    a = torch.tensor(rows, dtype=torch.float64).reshape(-1, 10)
+    tp, pp, dp, vpp, mb, sp, zero, cp, fp8, comp = a.unbind(1)
+
+    def lg(x: torch.Tensor, scale: float) -> torch.Tensor:
+        return torch.log2(1.0 + x.clamp(min=0.0)) / scale
+
+    base = [
+        lg(tp, 6),
+        lg(pp, 7),
+        lg(dp, 12),
+        lg(vpp, 6),
+        lg(mb, 10),
+        sp,
+        *((zero == z).double() for z in (0, 1, 2, 3)),
+        lg(tp * pp, 10),
+        fp8,
+        *((comp == i).double() for i in range(len(_COMPUTE))),
+    ]
+    bf16 = j.peaks.get("bf16") or j.peaks.get("fp32") or max(j.peaks.values(), default=1.0)
+    peak = torch.tensor([j.peaks.get(c, bf16) for c in _COMPUTE], dtype=torch.float64)[comp.long()]
+    used = tp * pp * dp * cp
+    compute_s = j.flops_token * j.batch * j.seq / used / peak
+    micro = (j.batch / (dp * mb)).clamp(min=1.0)  # microbatches a step
+    shard = j.params / (tp * pp)  # a data-parallel rank's parameters
+    wbytes = torch.where(fp8 > 0, 1.0, torch.where(comp == 0, 4.0, 2.0))
+
+    def link(span: torch.Tensor) -> torch.Tensor:
+        return torch.where(span <= j.per_node, j.intra, j.inter)
+
+    ring = (dp - 1.0) / dp
+    dp_bw = link(tp * cp * dp)
+    gathers = torch.where(zero >= 3, 2.0 * micro * shard * wbytes * ring / dp_bw, 0.0)
+    reduce = torch.where(zero >= 2, 1.0, 2.0) * shard * 4.0 * ring / dp_bw  # fp32 gradients
+    regather = torch.where(zero >= 1, shard * wbytes * ring / dp_bw, 0.0)
+    blocks = j.layers / pp
+    act = mb * (j.seq / cp) * j.width * 2.0  # a microbatch's activations, 16-bit
+    tp_s = 4.0 * blocks * micro * 2.0 * (tp - 1.0) / tp * act / link(tp)
+    bubble = (pp - 1.0) / (vpp * micro + pp - 1.0)
+    states = shard * (
+        wbytes * torch.where(zero >= 3, 1.0 / dp, 1.0)  # weights
+        + torch.where(zero >= 2, 4.0 / dp, 4.0)  # fp32 gradients
+        + torch.where(zero >= 1, 12.0 / dp, 12.0)  # fp32 master weights and Adam's two moments
+    )
+    in_flight = torch.minimum(pp, micro)
+    acts = 34.0 * blocks * act / 2.0 * in_flight / torch.where(sp > 0, tp, 1.0)
+    phys = [
+        _ratio(gathers / compute_s),
+        _ratio((reduce + regather) / compute_s),
+        _ratio(tp_s / compute_s),
+        bubble,
+        _ratio(states / j.budget),
+        _ratio(acts / j.budget),
+        ((states + acts) > j.budget).double(),
+        lg(mb * j.seq / cp, 18),  # a microbatch's tokens: the GEMMs' rows
+        lg(torch.full_like(tp, float(j.width)) / tp, 16),  # a tensor-parallel shard's width
+        lg(micro, 12),
+        lg(cp, 5),
+        lg(compute_s * 1e3, 16),  # the device's compute, in milliseconds
+    ]
+    out = torch.stack([*base, *phys], dim=1).float()
+    assert out.shape[1] == LAYOUT_DIM
+    return out
 
 
 @dataclass(frozen=True, slots=True)

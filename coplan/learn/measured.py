@@ -17,8 +17,6 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
-import torch
-
 from coplan.learn.costnet import CostExample, CostNet, predict_steps, rank_accuracy
 
 __all__ = ["accuracy", "measured_report", "read_runs", "run_examples"]
@@ -45,7 +43,7 @@ def run_examples(runs: list[dict[str, Any]]) -> tuple[list[CostExample], list[fl
     analytic model's step time for it today (same order)."""
     from coplan.apply.predict import make_context, run_cluster
     from coplan.hardware.cluster import ClusterSpec
-    from coplan.learn.features import job_graph, layout_features, plan_node_features
+    from coplan.learn.features import job_graph, layout_matrix, plan_node_features
     from coplan.models.spec import ModelSpec
     from coplan.plan.types import Plan
 
@@ -58,7 +56,7 @@ def run_examples(runs: list[dict[str, Any]]) -> tuple[list[CostExample], list[fl
         ctx = make_context(spec, cluster, r["global_batch"], r["seq"], r["device"])
         plan = Plan.from_dict(r["plan"])
         jg = job_graph(ctx, anchors="epilogue" in ctx.stack.fusion)
-        layout = torch.tensor(layout_features(plan.parallel, plan.precision), dtype=torch.float32)
+        layout = layout_matrix(ctx, [(plan.parallel, plan.precision)])[0]
         measured = r["measured"]
         examples.append(
             CostExample(

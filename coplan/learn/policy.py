@@ -26,7 +26,7 @@ from coplan.learn.gnn import gine_layers, propagate
 
 __all__ = ["POLICY_VERSION", "Outputs", "PolicyConfig", "PolicyNet"]
 
-POLICY_VERSION = 1
+POLICY_VERSION = 2
 
 
 @dataclass(frozen=True, slots=True)

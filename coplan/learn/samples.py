@@ -17,8 +17,13 @@ import torch
 
 from coplan.learn.costnet import CostExample
 from coplan.learn.decode import decode
-from coplan.learn.features import DTYPE_CLASSES, job_graph, layout_candidates, plan_node_features
-from coplan.learn.features import layout_features as _layout
+from coplan.learn.features import (
+    DTYPE_CLASSES,
+    job_graph,
+    layout_candidates,
+    layout_matrix,
+    plan_node_features,
+)
 from coplan.learn.jobs import Job
 from coplan.learn.policy import Outputs
 from coplan.plan.types import Plan
@@ -81,7 +86,7 @@ def cost_examples(
                     job.index,
                     jg,
                     plan_node_features(jg, p),
-                    torch.tensor(_layout(p.parallel, p.precision), dtype=torch.float32),
+                    layout_matrix(ctx, [(p.parallel, p.precision)])[0],
                     e.step_time_s,
                     e.memory.peak_bytes,
                 )

@@ -35,7 +35,7 @@ from coplan.learn.features import (
     _layout_key,
     job_graph,
     layout_candidates,
-    layout_features,
+    layout_matrix,
     plan_labels,
 )
 from coplan.learn.jobs import Job
@@ -86,7 +86,7 @@ def example_of(job: Job, plan: Plan | None, ctx: Any = None) -> Example:
     ctx = ctx if ctx is not None else job.context()
     jg = job_graph(ctx, anchors="epilogue" in ctx.stack.fusion)
     cands = layout_candidates(ctx)
-    layouts = torch.tensor([layout_features(p, q) for p, q in cands], dtype=torch.float32)
+    layouts = layout_matrix(ctx, cands)
     per_op = "greedy" in ctx.stack.fusion
     if plan is None:
         return Example(job, jg, layouts, -1, None, per_op)

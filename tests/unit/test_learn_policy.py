@@ -19,9 +19,11 @@ from coplan.learn.features import (
     GLOBAL_DIM,
     LAYOUT_DIM,
     NODE_DIM,
+    PHYS_FEATURES,
     job_graph,
     layout_candidates,
     layout_features,
+    layout_matrix,
     plan_labels,
 )
 from coplan.learn.policy import PolicyConfig, PolicyNet
@@ -61,8 +63,42 @@ def test_features_have_their_documented_shapes_and_labels_match_the_plan():
     assert lab.fuse.tolist() == expect and sum(expect) > 0
     kept = plan.remat.all_names
     assert lab.recompute.tolist() == [float(any(t in kept for t in ns)) for ns in jg.saved_names]
-    for par, prec in layout_candidates(ctx):
-        assert len(layout_features(par, prec)) == LAYOUT_DIM
+    cands = layout_candidates(ctx)
+    feats = layout_matrix(ctx, cands)
+    assert feats.shape == (len(cands), LAYOUT_DIM) and bool(torch.isfinite(feats).all())
+    for i in (0, len(cands) - 1):  # one layout alone reads the same as in the matrix
+        assert layout_features(ctx, *cands[i]) == pytest.approx(feats[i].tolist(), rel=1e-6)
+
+
+def test_roofline_features_follow_their_formulas():
+    """The layout's roofline shares (``layout_matrix``) as first-order accounting says: ZeRO-3's
+    gathers are paid once per microbatch, so twice the microbatch halves them; only ZeRO-3
+    gathers; sharding states by ZeRO's stage only shrinks them; one pipeline stage has no bubble,
+    and 1F1B's bubble is (pp - 1) / (m + pp - 1)."""
+    from coplan.plan.types import ParallelPlan, PrecisionPlan
+
+    ctx = ctx_for("megatron")
+    prec = PrecisionPlan(compute="bf16")
+    col = {name: LAYOUT_DIM - len(PHYS_FEATURES) + i for i, name in enumerate(PHYS_FEATURES)}
+    share = lambda f: 2.0 ** (4.0 * float(f)) - 1.0  # noqa: E731  (the inverse of features._ratio)
+    rows = layout_matrix(
+        ctx,
+        [
+            (ParallelPlan(dp=8, zero=3, microbatch=1), prec),
+            (ParallelPlan(dp=8, zero=3, microbatch=2), prec),
+            (ParallelPlan(dp=8, zero=0), prec),
+            (ParallelPlan(dp=8, zero=1), prec),
+            (ParallelPlan(dp=8, zero=2), prec),
+            (ParallelPlan(pp=4, dp=2), prec),
+        ],
+    ).double()
+    g = rows[:, col["gathers"]]
+    assert share(g[0]) == pytest.approx(2.0 * share(g[1]), rel=1e-5) and float(g[2:5].abs().max()) == 0.0
+    states = rows[[2, 3, 4, 0], col["states"]].tolist()
+    assert states == sorted(states, reverse=True) and states[0] > states[-1]
+    assert float(rows[:5, col["bubble"]].abs().max()) == 0.0
+    m = 16 / 2  # a global batch of 16 over 2 data-parallel ranks, microbatch 1
+    assert float(rows[5, col["bubble"]]) == pytest.approx(3 / (m + 3), rel=1e-6)
 
 
 @pytest.mark.parametrize("seed", [0, 1])
@@ -363,7 +399,7 @@ def test_the_fusion_decoded_at_other_odds_is_legal_and_wants_fewer_edges_as_the_
     net = default_policy()
     jg = job_graph(ctx)
     cands = layout_candidates(ctx)
-    feats = torch.tensor([layout_features(p, q) for p, q in cands], dtype=torch.float32)
+    feats = layout_matrix(ctx, cands)
     with torch.no_grad():
         x, g = net.encode(jg)
         out = Outputs(torch.zeros(0), *net.decisions(jg, x, g, feats[0]))
