@@ -205,22 +205,20 @@ def layout_plan(
     jg: Any,
     enc: tuple[torch.Tensor, torch.Tensor],
     layout: torch.Tensor,
-    i: int,
+    cand: tuple[ParallelPlan, PrecisionPlan],
     k: int,
     spread: bool = False,
 ) -> tuple[list[Plan], list[str]]:
-    """Layout ``i`` of ``layout_candidates(ctx)`` (features ``layout``) decoded from the policy's
+    """The layout and precision ``cand`` (features ``layout``) decoded from the policy's
     per-op heads (``enc``: ``net.encode(jg)``): its plans as the stack runs them (``_variants``)
     and the saved tensors, likeliest recomputed first (``repair``'s order). With ``spread``, where
     the stack compiles the plan's own kernels, the fusion is also decoded at the thresholds of
     ``FUSE_SPREAD``: the kernels the policy is unsure of, fused and left apart."""
-    from coplan.learn.features import layout_candidates
-
     x, g = enc
     out = Outputs(torch.zeros(0), *net.decisions(jg, x, g, layout))
     probs = torch.sigmoid(out.recompute).tolist()
     order = sorted(((p, n) for p, ns in zip(probs, jg.saved_names, strict=True) for n in ns), reverse=True)
-    par, prec = layout_candidates(ctx)[i]
+    par, prec = cand
     plan = decode(ctx, out, par, prec)
     per_op = "greedy" in ctx.stack.fusion  # the stack compiles the plan's own kernels
     plans = _variants(ctx, plan, per_op, k)
@@ -271,7 +269,7 @@ def plan_with_policy(ctx: Any, net: PolicyNet, k: int) -> tuple[Plan, int, list[
 
         def decoded(i: int) -> tuple[list[Plan], list[str]]:
             # the best-scored layout's fusion also decoded at ``FUSE_SPREAD``'s thresholds
-            return layout_plan(ctx, net, jg, (x, g), feats[i], i, k, spread=k > 1 and i == ranked[0])
+            return layout_plan(ctx, net, jg, (x, g), feats[i], cands[i], k, spread=k > 1 and i == ranked[0])
 
         fitting = False  # whether a priced plan is valid and fits
 

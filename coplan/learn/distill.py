@@ -151,7 +151,7 @@ def improve(ctx: Any, net: PolicyNet, k: int, seconds: float) -> Improved:
                 if time.perf_counter() - t0 >= seconds:
                     break
                 seen.add(i)
-                plans, names = layout_plan(ctx, net, jg, enc, feats[i], i, 1)
+                plans, names = layout_plan(ctx, net, jg, enc, feats[i], cands[i], 1)
                 for p in plans:
                     p = repair(p, ctx, names)
                     priced += 1

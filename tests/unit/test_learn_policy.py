@@ -175,6 +175,10 @@ def test_cli_train_eval_and_plan_with_a_policy(data, tmp_path, cli):
     }
     assert set(res["vs_sequential"]) == {"median_ratio", "p10_ratio", "wins", "losses"}
     assert set(res["vs_joint"]) == {"median_ratio", "p90_ratio"}
+    pair = res["fusion_remat"]  # fusion x remat alone, the layout fixed at the baseline's
+    assert set(pair) == {"n", "median_ratio", "p10_ratio", "wins", "losses"}
+    assert pair["n"] == sum(j["fusion_remat_ratio"] is not None for j in res["jobs"]) <= res["n"]
+    assert pair["wins"] + pair["losses"] <= pair["n"]
     assert set(res["plan_time_s"]) == {"learned", "joint", "sequential"}
     assert set(res["cost_model"]) == {"kendall_tau", "top1_regret", "mape"}
     assert res["verdict"] in ("validated", "killed") and res["split"] == "train"
