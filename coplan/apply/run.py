@@ -123,6 +123,10 @@ def priced_request(req: RunRequest) -> tuple[PlanContext, Plan, Prediction, list
     pads = req.mode == "compile" or (ctx.stack.gemm_padding and pads_head(req.mode, req.plan.parallel.tp))
     if pads != ctx.stack.gemm_padding:
         ctx.stack = replace(ctx.stack, gemm_padding=pads)
+    # torch.compile's own path partitions and schedules the whole step, loss included, so what
+    # one of its kernels alone reads is never written; the plan's groups compile one by one
+    if (req.mode == "compile") != ctx.stack.kernel_local_buffers:
+        ctx.stack = replace(ctx.stack, kernel_local_buffers=req.mode == "compile")
     optimizer = runner_optimizer(req.plan, ctx, req.mode, req.device)
     if optimizer != ctx.stack.optimizer:
         ctx.stack = replace(ctx.stack, optimizer=optimizer)

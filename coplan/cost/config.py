@@ -192,6 +192,17 @@ class TrainingConfig:
             ``torch/_inductor/fx_passes/pad_mm.py``); false where the stack runs the model's shapes
             as they are (eager PyTorch, coplan's runner), and an unaligned GEMM then runs at the
             device's ``matmul_unaligned`` fraction of its rate (``coplan.cost.kernels``).
+        kernel_local_buffers: under explicit fusion groups, the compiler scheduled the whole
+            step (``torch.compile``'s own partition of a model with its loss): a temporary every
+            reader of which runs in the kernel that computes it is never written (Inductor's
+            ``Scheduler.remove_kernel_local_buffers``, ``torch/_inductor/scheduler.py`` at v2.13.0),
+            and an fp32 loss-path output read only at the training dtype is written already cast
+            (``coplan.cost.liveness.fused_temporaries``). On this machine's Inductor the whole
+            cross-entropy of bf16 logits compiles to one forward kernel saving the logits and two
+            row statistics and one backward kernel writing the gradient into the logits' buffer
+            (``tests/unit/test_liveness_fused.py``). Off, a plan's groups are priced as kernels
+            compiled one by one, which write their outputs (coplan's runner: its compiled corners on
+            an H100 peaked 1.5 GiB under the eager ones, not the 4.5 GiB these would free).
         fused_rmsnorm: RMSNorm runs as one fused kernel each way that keeps its input and row
             statistics for backward, not the normalized tensor, and recomputes that inside its
             backward kernel (torchtitan's ``norm_type = "fused_rmsnorm"``, a Triton kernel:
@@ -264,6 +275,7 @@ class TrainingConfig:
     fsdp_shard: int | None = None
     nccl_ub: bool = False
     gemm_padding: bool = True
+    kernel_local_buffers: bool = False
     fused_rmsnorm: bool = False
     optimizer: str = ""
     zero3_gather: str = "unit"
@@ -359,6 +371,10 @@ class TrainingConfig:
             raise ConfigError("gemm_padding", f"must be true or false, got {self.gemm_padding!r}")
         if not isinstance(self.launch_blocking, bool):
             raise ConfigError("launch_blocking", f"must be true or false, got {self.launch_blocking!r}")
+        if not isinstance(self.kernel_local_buffers, bool):
+            raise ConfigError(
+                "kernel_local_buffers", f"must be true or false, got {self.kernel_local_buffers!r}"
+            )
         if not isinstance(self.fused_rmsnorm, bool):
             raise ConfigError("fused_rmsnorm", f"must be true or false, got {self.fused_rmsnorm!r}")
         if self.optimizer not in OPTIMIZER_IMPLEMENTATIONS:
@@ -511,6 +527,7 @@ class TrainingConfig:
             **({"fp8_scaling": self.fp8_scaling} if self.fp8_scaling != "tensorwise" else {}),
             **({"async_tp": True} if self.async_tp else {}),
             **({"gemm_padding": False} if not self.gemm_padding else {}),
+            **({"kernel_local_buffers": True} if self.kernel_local_buffers else {}),
             **({"fused_rmsnorm": True} if self.fused_rmsnorm else {}),
             **({"optimizer": self.optimizer} if self.optimizer else {}),
             **({"zero3_gather": self.zero3_gather} if self.zero3_gather != "unit" else {}),

@@ -94,7 +94,9 @@ def _base_prices(cost: PartCost, part: Part, fp8: bool) -> _Base:
     launches, and the fp8 weights' cast seconds and cache bytes."""
     c, s = cost.c, cost.s
     saved: Vec = part.saved["none"]
-    points = part.transient
+    points = (
+        part.transient_scheduled if c.kernel_local_buffers and part.transient_scheduled else part.transient
+    )
     for name, _, _, delta, pts in part.loss_variants:
         if name == c.loss_fusion:  # Megatron's own loss kernels (``loss.py``)
             saved, points = vadd(saved, delta), pts
@@ -186,6 +188,7 @@ class _Priced:
             c.activation_fusion,
             c.kernels,
             c.fused_rmsnorm,
+            c.kernel_local_buffers,
             c.optimizer,
             c.eager_loss and part is cost.profile.post,
             (c.tp, c.sequence_parallel, c.fp8_params, c.fp8_scaling, c.gathers_per_unit, c.num_microbatches)

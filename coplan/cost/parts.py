@@ -130,6 +130,9 @@ class Part:
     params: tuple[float, float]  # (replicated, tensor-parallel) parameter counts
     saved: dict[str, Vec]  # recompute mode -> saved element vector ("none", "selective", "full")
     transient: tuple[Vec, ...]  # live non-saved temporaries at each op of the part's fwd + bwd
+    # the same where the compiler scheduled the whole step (``TrainingConfig.kernel_local_buffers``);
+    # empty: as ``transient``
+    transient_scheduled: tuple[Vec, ...] = ()
     tp_exits: tuple[float, ...] = ()  # elements of tensors leaving a sharded region (forward)
     tp_entries: tuple[float, ...] = ()  # elements of tensors entering a sharded region (forward)
     boundary: float = 0.0  # elements of the activation passed to the next pipeline stage

@@ -25,7 +25,7 @@ from coplan.cost.families import vector_family
 from coplan.cost.fp8 import fp8_saved_delta, quant_gemms
 from coplan.cost.fusion import default_groups, fused_recomputed, readers, source_op
 from coplan.cost.geometry import attn_geometry, mm_dims, transposed_lhs
-from coplan.cost.liveness import is_temp, liveness
+from coplan.cost.liveness import fused_temporaries, is_temp, liveness
 from coplan.cost.looped import loop_reads
 from coplan.cost.loss import LOSS_FUSIONS, loss_ops, megatron_loss
 from coplan.cost.parts import (
@@ -505,6 +505,7 @@ class _Ctx:
                 "full": self.saved_vec(ops, ids, mode="full") if blocks else saved_none,
             },
             transient=liveness(self.g, self.vec, self._act_vec, ops, ids),
+            transient_scheduled=self.scheduled_transient(ops, ids, group_of),
             tp_exits=exits,
             tp_entries=entries,
             boundary=boundary,
@@ -520,6 +521,16 @@ class _Ctx:
             loss_variants=variants,
             eager_activation=eager_act,
         )
+
+    def scheduled_transient(
+        self, ops: Sequence[Op], ids: set[int], group_of: dict[int, tuple[int, ...]]
+    ) -> tuple[Vec, ...]:
+        """The part's temporaries where the compiler scheduled the whole step under these groups
+        (``liveness.fused_temporaries``); empty for a stack's own kernels, which write theirs."""
+        if not self.compiled:
+            return ()
+        unwritten, narrowed = fused_temporaries(self.g, ops, group_of, self._f32_ops)
+        return liveness(self.g, self.vec, self._act_vec, ops, ids, unwritten=unwritten, narrowed=narrowed)
 
     def loss_variants(
         self, ops: Sequence[Op], ids: set[int], fwd: Sequence[Kernel], bwd: Sequence[Kernel]

@@ -76,6 +76,7 @@ SETTINGS: tuple[str, ...] = (
     "fp8_params",
     "async_tp",
     "gemm_padding",
+    "kernel_local_buffers",
     "optimizer",
     "zero3_gather",
     "layer_checkpointing",
@@ -141,6 +142,11 @@ class StackSpec:
         gemm_padding: GEMM dimensions the tensor cores cannot load aligned are padded (Megatron's
             vocabulary padding, Inductor's ``shape_padding``); false where the model's shapes run
             as they are (``TrainingConfig.gemm_padding``).
+        kernel_local_buffers: its compiler partitions and schedules the whole step's graph itself
+            (``torch.compile`` of a model and its loss), so what one generated kernel alone reads
+            never reaches memory and an fp32 loss gradient is written already cast
+            (``TrainingConfig.kernel_local_buffers``); false where a plan's groups are compiled
+            one by one (coplan's runner) or the loss runs eagerly.
         optimizer: how its AdamW update runs (``TrainingConfig.optimizer``, ``coplan.cost.optimizer``):
             ``""`` as a plan's optimizer kernels say, ``"fused"``, ``"foreach"`` or ``"for-loop"``.
         zero3_gather: how its ZeRO-3 issues the parameter all-gathers and gradient reduce-scatters
@@ -183,6 +189,7 @@ class StackSpec:
     fp8_params: bool = True
     async_tp: bool = False
     gemm_padding: bool = True
+    kernel_local_buffers: bool = False
     optimizer: str = ""
     zero3_gather: str = "unit"
     layer_checkpointing: str = "none"
@@ -219,6 +226,7 @@ class StackSpec:
             "fp8_params",
             "async_tp",
             "gemm_padding",
+            "kernel_local_buffers",
             "expandable_segments",
         ):
             if not isinstance(getattr(self, flag), bool):
@@ -310,6 +318,8 @@ class StackSpec:
         the layout and any fusion groups."""
         if not self.gemm_padding:
             config = config.with_(gemm_padding=False)
+        if self.kernel_local_buffers:
+            config = config.with_(kernel_local_buffers=True)
         if self.optimizer and not config.optimizer:
             config = config.with_(optimizer=self.optimizer)
         if self.zero3_gather != "unit" and config.zero3_gather == "unit":
