@@ -525,8 +525,10 @@ class _Ctx:
     def scheduled_transient(
         self, ops: Sequence[Op], ids: set[int], group_of: dict[int, tuple[int, ...]]
     ) -> tuple[Vec, ...]:
-        """The part's temporaries where the compiler scheduled the whole step under these groups
-        (``liveness.fused_temporaries``); empty for a stack's own kernels, which write theirs."""
+        """The part's temporaries where a compiler scheduled the whole step under these groups
+        (``liveness.fused_temporaries``); empty for a fusion mode's groups (a stack's own kernels,
+        or ``compiled`` stacks priced by Inductor's rules over them), which are not the kernels
+        a scheduler made."""
         if not self.compiled:
             return ()
         unwritten, narrowed = fused_temporaries(self.g, ops, group_of, self._f32_ops)
