@@ -416,3 +416,31 @@ def test_the_fusion_decoded_at_other_odds_is_legal_and_wants_fewer_edges_as_the_
         assert check(plan, ctx, memory=False) == []
         fused.append(sum(len(grp) for grp in plan.fusion.groups))
     assert fused[-1] < fused[0]
+
+
+def test_fusion_and_recomputation_alone_keep_the_baselines_layout_and_precision(data):
+    """``learn eval``'s ``fusion_remat``: both sides keep the baseline's layout and precision
+    exactly; the production side is the fusion pass then the remat pass under them, the policy's
+    is valid."""
+    from coplan.learn.decode import default_policy
+    from coplan.learn.evaluate import _fusion_remat
+    from coplan.learn.jobs import Job
+    from coplan.plan.checker import is_valid
+    from coplan.plan.types import Plan
+
+    net = default_policy()
+    seen = 0
+    for r in open_dataset(data).records(None):
+        if "error" in r or not r["labels"]["baseline"]["fits"]:
+            continue
+        ctx = Job.from_dict(r["job"]).context()
+        fixed = Plan.from_dict(r["labels"]["baseline"]["plan"])
+        got = _fusion_remat(ctx, net, fixed, 2)
+        if got is None or got[1] is None:
+            continue
+        seq, own = got
+        for p in (seq, own):
+            assert p.parallel == fixed.parallel and p.precision == fixed.precision
+        assert is_valid(own, ctx)
+        seen += 1
+    assert seen >= 1
