@@ -285,10 +285,7 @@ def serve(
     except OSError as err:
         raise DashboardError(f"--port {port}: cannot listen on {HOST}: {err.strerror or err}") from None
     say = announce or _print
-    say(
-        f"coplan dashboard: {len(models)} model(s) in {db}\n"
-        f"serving {server.url} (Ctrl-C stops)"
-    )
+    say(f"coplan dashboard: {len(models)} model(s) in {db}\nserving {server.url} (Ctrl-C stops)")
     if open_browser:
         import webbrowser
 

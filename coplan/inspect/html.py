@@ -27,11 +27,11 @@ tr.changed td{background:#fff7e0}code,.fp{font-family:ui-monospace,monospace;fon
 .muted{color:#777}#lineage-results li{margin:2px 0}input{font-size:14px;padding:4px;width:420px}
 """
 
+
 def _script() -> str:
     from importlib.resources import files
 
     return files("coplan.inspect").joinpath("report.js").read_text(encoding="utf-8")
-
 
 
 def _fmt_s(x: Any) -> str:
@@ -47,17 +47,19 @@ def render(record: dict[str, Any]) -> str:
         ("torch", record.get("torch")),
         ("fingerprint", record.get("fingerprint")),
         ("kernels", f"{record.get('kernels')} ({record.get('bytes_moved', 0) / 2**20:.1f} MiB moved)"),
-        ("step", f"predicted {_fmt_s(record.get('predicted_step_s'))}, measured "
-                 f"{_fmt_s(measured.get('step_s'))}"),
+        (
+            "step",
+            f"predicted {_fmt_s(record.get('predicted_step_s'))}, measured {_fmt_s(measured.get('step_s'))}",
+        ),
         ("compile", f"{record.get('compile_s', 0):.1f} s"),
     ]
     rows = "".join(f"<tr><th>{e(k)}</th><td>{e(str(v))}</td></tr>" for k, v in head)
     # a "</script>" inside the JSON would end its element early: every "<" goes as its JSON escape
     data = json.dumps(record, default=str).replace("<", "\\u003c")
     return f"""<!doctype html>
-<html lang="en"><head><meta charset="utf-8"><title>coplan inspect: {e(str(record.get('model')))}</title>
+<html lang="en"><head><meta charset="utf-8"><title>coplan inspect: {e(str(record.get("model")))}</title>
 <style>{_STYLE}</style></head><body>
-<h1>coplan inspect: {e(str(record.get('model')))}</h1>
+<h1>coplan inspect: {e(str(record.get("model")))}</h1>
 <table id="summary">{rows}</table>
 <h2>Pass timeline</h2>
 <p class="muted">Every pass of every graph in the order it ran; highlighted rows changed the op count

@@ -169,9 +169,7 @@ def _xla_fusion(ctx: PlanContext, dropped: frozenset[str]) -> FusionPlan:
         if op.id in where:  # it leaves the kernel it was greedily fused into
             groups[where.pop(op.id)].remove(op.id)
     named = tuple(tuple(graph.ops[i].name for i in g) for g in groups if len(g) > 1)
-    return FusionPlan(
-        groups=named, duplicated=frozenset(graph.ops[i].name for i in dup), label="duplicate"
-    )
+    return FusionPlan(groups=named, duplicated=frozenset(graph.ops[i].name for i in dup), label="duplicate")
 
 
 @register("fusion")

@@ -92,7 +92,10 @@ def test_block_assignments_enumerate_every_block_dtype_and_keep_the_outside():
     got = block_assignments(ctx, auto)
     assert len(got) == 4 and len(set(got)) == 4
     assert {frozenset(n for n, _ in p.ops if n in in_blocks) for p in got} == {
-        frozenset(), frozenset(block_ops[:1]), frozenset(block_ops[1:]), frozenset(block_ops)
+        frozenset(),
+        frozenset(block_ops[:1]),
+        frozenset(block_ops[1:]),
+        frozenset(block_ops),
     }
     assert all(outside <= set(p.ops) for p in got)
     assert auto in got and fused in block_assignments(ctx, fused)

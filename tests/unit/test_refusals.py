@@ -172,8 +172,16 @@ def test_tf32_where_the_devices_have_no_tf32_is_one_line(cli: Cli) -> None:
 
 def test_every_strategy_keeps_to_the_dtypes_asked_for(cli: Cli) -> None:
     code, out, err = cli(
-        "compare", "-m", "gpt-tiny", "--cluster", "dgx-a100-80gb", "--dtypes", "fp32", "--json",
-        "--strategies", "sequential,sequential-best,iterated,hierarchical,joint",
+        "compare",
+        "-m",
+        "gpt-tiny",
+        "--cluster",
+        "dgx-a100-80gb",
+        "--dtypes",
+        "fp32",
+        "--json",
+        "--strategies",
+        "sequential,sequential-best,iterated,hierarchical,joint",
     )
     assert code == 0, err
     got = {n: e["plan"]["precision"]["compute"] for n, e in json.loads(out)["strategies"].items()}
