@@ -398,9 +398,16 @@ def exact_search(
         # GEMM template (``matmul_template``) is slower than the library call, so the bound prices
         # the widest plan with its GEMMs at the library's rate, and scales what the named-option
         # search solved for it by the same ratio
-        own = ctx.price(p).step_time_s
-        low = own if library is None else ctx.model.estimate(library, ctx.config_of(p)).step_time_s
-        return max(low, known.get((p.parallel, p.precision, widest), 0.0) * low / own)
+        if library is None:
+            low = own = ctx.price(p).step_time_s
+        else:
+            low = ctx.model.estimate(library, ctx.config_of(p)).step_time_s
+            own = 0.0
+        solved_here = known.get((p.parallel, p.precision, widest), 0.0)
+        if not solved_here:
+            return low
+        own = own or ctx.price(p).step_time_s  # priced once more only where a solution is scaled
+        return max(low, solved_here * low / own)
 
     found, n = bound_search(
         ctx,
