@@ -79,6 +79,11 @@ OPTIMIZER_IMPLEMENTATIONS: tuple[str, ...] = ("", "fused", "foreach", "for-loop"
 #: (gather) or input (reduce-scatter) tensor per rank, which ProcessGroupNCCL copies one by one,
 #: each gather after a device synchronize, so none overlaps compute (DeepSpeed before v0.5.6).
 ZERO3_GATHERS: tuple[str, ...] = ("unit", "module", "tensor-list")
+#: How a model written for eager PyTorch rotates q and k (``coplan.cost.eager``): ``complex`` as a
+#: complex product (torchtitan's and Meta's Llama: ``torch.view_as_complex`` times ``freqs_cis``),
+#: ``pairs`` as a 2 x 2 rotation matrix applied to real pairs by a broadcast product and a sum
+#: (fms's ``RotaryEmbedding``, written to avoid complex numbers)
+ROPE_FORMS: tuple[str, ...] = ("complex", "pairs")
 
 
 def recomputes_fully(recompute: object, per_stage: tuple[object, ...] | None) -> bool:
@@ -203,6 +208,9 @@ class TrainingConfig:
             (``tests/unit/test_liveness_fused.py``). Off, a plan's groups are priced as kernels
             compiled one by one, which write their outputs (coplan's runner: its compiled corners on
             an H100 peaked 1.5 GiB under the eager ones, not the 4.5 GiB these would free).
+        eager_rope: how eager kernels rotate q and k (``ROPE_FORMS``): a complex product, three
+            kernels each way per tensor, or fms's rotation of real pairs, four each way over twice
+            the fp32 elements (``coplan.cost.eager``).
         fused_rmsnorm: RMSNorm runs as one fused kernel each way that keeps its input and row
             statistics for backward, not the normalized tensor, and recomputes that inside its
             backward kernel (torchtitan's ``norm_type = "fused_rmsnorm"``, a Triton kernel:
@@ -277,6 +285,7 @@ class TrainingConfig:
     gemm_padding: bool = True
     kernel_local_buffers: bool = False
     fused_rmsnorm: bool = False
+    eager_rope: str = "complex"
     optimizer: str = ""
     zero3_gather: str = "unit"
     launch_blocking: bool = False
@@ -371,6 +380,10 @@ class TrainingConfig:
             raise ConfigError("gemm_padding", f"must be true or false, got {self.gemm_padding!r}")
         if not isinstance(self.launch_blocking, bool):
             raise ConfigError("launch_blocking", f"must be true or false, got {self.launch_blocking!r}")
+        if self.eager_rope not in ROPE_FORMS:
+            raise ConfigError(
+                "eager_rope", f"must be one of {', '.join(ROPE_FORMS)}, got {self.eager_rope!r}"
+            )
         if not isinstance(self.kernel_local_buffers, bool):
             raise ConfigError(
                 "kernel_local_buffers", f"must be true or false, got {self.kernel_local_buffers!r}"
@@ -529,6 +542,7 @@ class TrainingConfig:
             **({"gemm_padding": False} if not self.gemm_padding else {}),
             **({"kernel_local_buffers": True} if self.kernel_local_buffers else {}),
             **({"fused_rmsnorm": True} if self.fused_rmsnorm else {}),
+            **({"eager_rope": self.eager_rope} if self.eager_rope != "complex" else {}),
             **({"optimizer": self.optimizer} if self.optimizer else {}),
             **({"zero3_gather": self.zero3_gather} if self.zero3_gather != "unit" else {}),
             **({"overlap_zero": False} if not self.overlap_zero else {}),

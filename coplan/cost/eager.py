@@ -21,6 +21,14 @@ statistics), which cost a launch. The IR's own kernel for the op is replaced by 
 - ``rope`` (forward, per q and k tensor): ``xq.float()`` (16-bit read, fp32 write), the complex
   product with ``freqs_cis`` (fp32 read, write), ``type_as`` (fp32 read, 16-bit write); backward
   the same three in reverse (the product with the conjugate).
+- ``rope:pairs``, fms's ``RotaryEmbedding.adjusted_qk`` (foundation-model-stack
+  ``fms/modules/positions.py`` at 1f181f97bb), which avoids complex numbers: ``q.float()`` viewed
+  as pairs (16-bit read, fp32 write), the broadcast product with the 2 x 2 rotation matrices
+  (``freqs.mul(q_.unsqueeze(-2))``: the pairs read, twice their elements written), ``.sum(5)``
+  (two read, one written) and ``type_as`` (fp32 read, 16-bit write); backward: ``type_as``'s
+  gradient, the product's with the rotation (the sum's gradient is an expand, no kernel: one read,
+  two written), the reduction of that broadcast back to the pairs (two read, one written) and
+  ``float``'s (fp32 read, 16-bit write).
 - ``log_softmax`` on the logits (forward): ``logits.float()`` before it (16-bit read, fp32 write),
   then ATen's fp32 log-softmax (read, write). Backward: ``_log_softmax_backward_data`` (reads the
   output gradient and the output, writes the input gradient) and the cast back through
@@ -81,6 +89,8 @@ PLANS: dict[str, tuple[tuple[tuple[float, float], ...], int]] = {
     ),
     "rope": (((1, 1), (0, 2), (1, 1)), 0),
     "rope_bwd": (((1, 1), (0, 2), (1, 1)), 0),
+    "rope:pairs": (((1, 1), (0, 3), (0, 3), (1, 1)), 0),
+    "rope_bwd:pairs": (((1, 1), (0, 3), (0, 3), (1, 1)), 0),
     "log_softmax": (((1, 1), (0, 2)), 0),
     "log_softmax_bwd": (((0, 3), (1, 1)), 0),
     "nll_loss": ((), 1),
@@ -120,10 +130,12 @@ def _main_tensors(graph: Graph, op: Op) -> list[float]:
     return [float(graph.tensors[src].numel)] if op.inputs else []
 
 
-def op_kernels(graph: Graph, op: Op, shard: int, rows: float) -> list[Kernel]:
+def op_kernels(graph: Graph, op: Op, shard: int, rows: float, rope: str = "complex") -> list[Kernel]:
     """The kernels eager PyTorch launches for ``op`` (a ``PLANS`` op), ``rows`` the tokens of
-    its row statistics."""
+    its row statistics, RoPE in the form ``rope`` (``TrainingConfig.eager_rope``)."""
     key = plan_key(graph, op)
+    if key in ("rope", "rope_bwd") and rope != "complex":
+        key = f"{key}:{rope}"
     big, small = PLANS[key]
     again = WIDE_ROW_READS.get(key)
     out: list[Kernel] = []
@@ -198,10 +210,11 @@ def eager_kernels(
     bwd: Sequence[Kernel],
     shard_of: Callable[[Op], int],
     fused: frozenset[str] = frozenset(),
+    rope: str = "complex",
 ) -> tuple[tuple[Kernel, ...], tuple[Kernel, ...]]:
     """``(fwd, bwd)`` with each single-op kernel of a ``PLANS`` op replaced by its eager kernels, and
     grouped-query attention's key/value repeats beside its kernels. ``fused``: plan keys the stack
-    runs as the IR's one kernel instead (``FUSED_RMSNORM``)."""
+    runs as the IR's one kernel instead (``FUSED_RMSNORM``); ``rope``: the model's RoPE form."""
 
     def swap(kernels: Sequence[Kernel]) -> tuple[Kernel, ...]:
         out: list[Kernel] = []
@@ -218,7 +231,7 @@ def eager_kernels(
             op = real[0]
             main = graph.tensors[op.inputs[0]] if op.inputs else None
             rows = float(main.numel // main.shape[-1]) if main is not None and main.shape else 0.0
-            out.extend(op_kernels(graph, op, shard_of(op), rows))
+            out.extend(op_kernels(graph, op, shard_of(op), rows, rope))
         return tuple(out)
 
     return swap(fwd), swap(bwd)

@@ -83,7 +83,7 @@ def kernel_costs(
             # eager PyTorch's decompositions (``eager.py``), as ``estimate`` prices them: every
             # part, or the loss side beside compiled blocks
             fused = FUSED_RMSNORM if config.fused_rmsnorm else frozenset()
-            fwd, bwd = eager_kernels(g, fwd, bwd, shard_class, fused)
+            fwd, bwd = eager_kernels(g, fwd, bwd, shard_class, fused, config.eager_rope)
         for k in (*fwd, *bwd):
             if k.kind == "free":
                 continue

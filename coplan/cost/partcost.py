@@ -104,10 +104,12 @@ def _base_prices(cost: PartCost, part: Part, fp8: bool) -> _Base:
     if c.kernels == "eager" or (c.eager_loss and part is cost.profile.post):
         # eager PyTorch's decompositions of the ops a model writes in Python (``eager.py``)
         fused = FUSED_RMSNORM if c.fused_rmsnorm else frozenset()
-        key = ("eager", c.loss_fusion, c.activation_fusion, fused)
+        key = ("eager", c.loss_fusion, c.activation_fusion, fused, c.eager_rope)
         got = part.cache.get(key)
         if got is None:
-            got = part.cache[key] = eager_kernels(cost.profile.graph, fwd, bwd, shard_class, fused)
+            got = part.cache[key] = eager_kernels(
+                cost.profile.graph, fwd, bwd, shard_class, fused, c.eager_rope
+            )
         fwd, bwd = got  # type: ignore[misc]
     fwd_times = tuple(cost.time(k) for k in fwd)
     forward = sum(fwd_times)
@@ -189,6 +191,7 @@ class _Priced:
             c.kernels,
             c.fused_rmsnorm,
             c.kernel_local_buffers,
+            c.eager_rope,
             c.optimizer,
             c.eager_loss and part is cost.profile.post,
             (c.tp, c.sequence_parallel, c.fp8_params, c.fp8_scaling, c.gathers_per_unit, c.num_microbatches)

@@ -25,6 +25,7 @@ from coplan.cost.config import (
     DDP_BUCKET_BYTES,
     KERNEL_SETS,
     OPTIMIZER_IMPLEMENTATIONS,
+    ROPE_FORMS,
     ZERO3_GATHERS,
     TrainingConfig,
 )
@@ -77,6 +78,7 @@ SETTINGS: tuple[str, ...] = (
     "async_tp",
     "gemm_padding",
     "kernel_local_buffers",
+    "eager_rope",
     "optimizer",
     "zero3_gather",
     "layer_checkpointing",
@@ -147,6 +149,8 @@ class StackSpec:
             never reaches memory and an fp32 loss gradient is written already cast
             (``TrainingConfig.kernel_local_buffers``); false where a plan's groups are compiled
             one by one (coplan's runner) or the loss runs eagerly.
+        eager_rope: how the model it trains rotates q and k where its kernels are eager
+            (``TrainingConfig.eager_rope``, ``ROPE_FORMS``): a complex product or fms's real pairs.
         optimizer: how its AdamW update runs (``TrainingConfig.optimizer``, ``coplan.cost.optimizer``):
             ``""`` as a plan's optimizer kernels say, ``"fused"``, ``"foreach"`` or ``"for-loop"``.
         zero3_gather: how its ZeRO-3 issues the parameter all-gathers and gradient reduce-scatters
@@ -190,6 +194,7 @@ class StackSpec:
     async_tp: bool = False
     gemm_padding: bool = True
     kernel_local_buffers: bool = False
+    eager_rope: str = "complex"
     optimizer: str = ""
     zero3_gather: str = "unit"
     layer_checkpointing: str = "none"
@@ -207,6 +212,7 @@ class StackSpec:
         _choice(src, "fp8", self.fp8, FP8_MODES)
         _choice(src, "optimizer", self.optimizer, OPTIMIZER_IMPLEMENTATIONS)
         _choice(src, "zero3_gather", self.zero3_gather, ZERO3_GATHERS)
+        _choice(src, "eager_rope", self.eager_rope, ROPE_FORMS)
         if self.zero3_gather != "unit" and self.fsdp_units:
             raise StackError(src, "zero3_gather", "FSDP gathers a unit in one collective (needs 'unit')")
         for flag in (
@@ -298,6 +304,8 @@ class StackSpec:
             and not self.optimizer
             and self.zero3_gather == "unit"
             and self.overlap
+            and self.eager_rope == "complex"
+            and not self.kernel_local_buffers
         ):
             return config  # Megatron's own: nothing to change
         changes: dict[str, Any] = {}
@@ -320,6 +328,8 @@ class StackSpec:
             config = config.with_(gemm_padding=False)
         if self.kernel_local_buffers:
             config = config.with_(kernel_local_buffers=True)
+        if self.eager_rope != "complex":
+            config = config.with_(eager_rope=self.eager_rope)
         if self.optimizer and not config.optimizer:
             config = config.with_(optimizer=self.optimizer)
         if self.zero3_gather != "unit" and config.zero3_gather == "unit":

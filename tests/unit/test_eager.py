@@ -203,3 +203,32 @@ def test_aten_log_softmax_over_a_vocabulary_wider_than_shared_memory_reads_its_r
     assert not Rates.of(cpu, "bf16", "auto").looped_reductions
     assert Rates.of(device, "bf16", "auto").looped_reductions
     assert len(_head_rows(wide, "cpu")[("log_softmax", "forward")]) == 2
+
+
+def test_fms_rope_rotates_real_pairs_at_twice_the_fp32_traffic_of_a_complex_product():
+    """``eager_rope``: fms's RotaryEmbedding (real pairs times 2 x 2 rotations, then a sum) launches
+    four kernels each way per q or k tensor and moves, per element, 8 fp32 and 2 16-bit elements
+    forward, where a complex product launches three and moves 4 and 2; the ``fsdp`` preset, which
+    prices fms's LLaMA, runs it."""
+    from coplan.cost.eager import op_kernels
+    from coplan.cost.parts import ACT, F32, TP
+
+    graph = CostModel(spec=_spec(2, 8)).profile(MB, SEQ, "none").graph
+    for target in ("rope", "rope_bwd"):
+        op = next(o for o in graph.ops if o.target == target)
+        tensors = [graph.tensors[t].numel for t in op.outputs if graph.tensors[t].shape]
+        n = float(sum(tensors))
+        for form, kernels, f32 in (("complex", 3, 4.0), ("pairs", 4, 8.0)):
+            got = op_kernels(graph, op, TP, float(MB * SEQ), form)
+            assert len(got) == kernels * len(tensors)
+            assert sum(k.bytes[F32 * 2 + TP] for k in got) == f32 * n
+            assert sum(k.bytes[ACT * 2 + TP] for k in got) == 2.0 * n
+    assert load_stack("fsdp").eager_rope == "pairs" and load_stack("torchtitan").eager_rope == "complex"
+    config = load_stack("fsdp").configure(TrainingConfig(dp=8, global_batch=8))
+    assert config.eager_rope == "pairs"
+    spec = _spec(2, 8)
+    cluster = load_cluster("dgx-h100", 8)
+    eager = load_stack("fsdp").configure(TrainingConfig(dp=8, global_batch=8, seq=SEQ))
+    slower = CostModel(spec=spec).estimate(cluster, eager).step_time_s
+    faster = CostModel(spec=spec).estimate(cluster, eager.with_(eager_rope="complex")).step_time_s
+    assert slower > faster
