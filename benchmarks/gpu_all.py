@@ -448,10 +448,13 @@ def table(result: dict[str, Any]) -> str:
         "| predicted ranking = measured (pairs ordered right) |"
     )
     lines.append("|---|---|---:|---:|---:|---|")
+    def times(x: float) -> str:  # a ratio, or "-" where a run of the pair did not finish
+        return f"{x:.2f}x" if math.isfinite(x) else "-"
+
     for s in summary(result):
         lines.append(
-            f"| {s['model']} | {s['batch']} | {s['joint_vs_compile']:.2f}x | "
-            f"{s['joint_vs_compile_budget']:.2f}x | {s['joint_vs_sequential']:.2f}x | "
+            f"| {s['model']} | {s['batch']} | {times(s['joint_vs_compile'])} | "
+            f"{times(s['joint_vs_compile_budget'])} | {times(s['joint_vs_sequential'])} | "
             f"{s['ranking_matches']} ({s['pairs_ordered'][0]} of {s['pairs_ordered'][1]}"
             + (
                 f"; on the calibrated profile {s['calibrated']['pairs_ordered'][0]} of "
