@@ -8,6 +8,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable, Sequence
 
 from coplan.cost.families import prune_dominated
+from coplan.cost.fusion import readers
 from coplan.cost.parts import ZERO, Vec, vadd
 from coplan.ir.types import Graph, Op, OpKind, Phase, Tensor, TensorRole
 
@@ -22,7 +23,7 @@ def liveness(
     vec: Callable[[Tensor], Vec],
     act_vec: Callable[[Tensor], Vec],
     ops: Sequence[Op],
-    ids: set[int],
+    ids: set[int] | frozenset[int],
     skip: frozenset[int] = frozenset(),
     skip_returns: bool = True,
     kept: frozenset[int] = frozenset(),
@@ -103,12 +104,6 @@ def fused_temporaries(
     cast autocast puts before them is fused into the producing kernel; eager PyTorch writes the
     fp32 tensor and then its cast. Tensors kept for backward are the saved vector's (their
     unwritten copies: ``cost.remat.unwritten_items``), not these."""
-    readers: dict[int, set[int]] = {}
-    for op in g.ops:
-        if op.kind is OpKind.VIEW:
-            continue
-        for tid in op.inputs:
-            readers.setdefault(g.tensors[tid].storage_id, set()).add(op.id)
     f32 = frozenset(wide)
     unwritten, narrowed = set(), set()
     for op in ops:
@@ -118,7 +113,7 @@ def fused_temporaries(
             t = g.tensors[tid]
             if t.alias_of is not None or not is_temp(t) or t.saved_for_backward or tid in g.outputs:
                 continue
-            users = readers.get(t.storage_id, set())
+            users = readers(g, tid)
             if users and all(op.id in group_of.get(u, ()) for u in users):
                 unwritten.add(t.id)
             elif op.id in f32 and users and not users & f32:

@@ -94,9 +94,7 @@ def _base_prices(cost: PartCost, part: Part, fp8: bool) -> _Base:
     launches, and the fp8 weights' cast seconds and cache bytes."""
     c, s = cost.c, cost.s
     saved: Vec = part.saved["none"]
-    points = (
-        part.transient_scheduled if c.kernel_local_buffers and part.transient_scheduled else part.transient
-    )
+    points = part.scheduled_transient() if c.kernel_local_buffers else part.transient
     for name, _, _, delta, pts in part.loss_variants:
         if name == c.loss_fusion:  # Megatron's own loss kernels (``loss.py``)
             saved, points = vadd(saved, delta), pts

@@ -8,8 +8,9 @@ weights them with one dot product.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import cast
 
 from coplan.ir.oprules import attention_causal, attention_cp
 from coplan.ir.types import Graph, Op, OpKind, Phase
@@ -130,9 +131,9 @@ class Part:
     params: tuple[float, float]  # (replicated, tensor-parallel) parameter counts
     saved: dict[str, Vec]  # recompute mode -> saved element vector ("none", "selective", "full")
     transient: tuple[Vec, ...]  # live non-saved temporaries at each op of the part's fwd + bwd
-    # the same where the compiler scheduled the whole step (``TrainingConfig.kernel_local_buffers``);
-    # empty: as ``transient``
-    transient_scheduled: tuple[Vec, ...] = ()
+    # the same where the compiler scheduled the whole step (``TrainingConfig.kernel_local_buffers``),
+    # computed the first time a configuration asks (``scheduled_transient``); None: as ``transient``
+    transient_scheduled: Callable[[], tuple[Vec, ...]] | None = field(default=None, compare=False, repr=False)
     tp_exits: tuple[float, ...] = ()  # elements of tensors leaving a sharded region (forward)
     tp_entries: tuple[float, ...] = ()  # elements of tensors entering a sharded region (forward)
     boundary: float = 0.0  # elements of the activation passed to the next pipeline stage
@@ -159,6 +160,15 @@ class Part:
     param_tensors: int = 0
     param_modules: int = 0
     cache: dict[object, object] = field(default_factory=dict, compare=False, repr=False)
+
+    def scheduled_transient(self) -> tuple[Vec, ...]:
+        """``transient`` where the compiler scheduled the whole step, memoised on the part."""
+        if self.transient_scheduled is None:
+            return self.transient
+        got = self.cache.get("transient_scheduled")
+        if got is None:
+            got = self.cache["transient_scheduled"] = self.transient_scheduled()
+        return cast("tuple[Vec, ...]", got)
 
 
 def part_dtype(part: Part, dtype: str) -> str:

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Callable, Sequence
+from functools import partial
 
 from coplan.cost.activation import eager_variant, extra_passes
 from coplan.cost.boundaries import pipeline_boundary, tp_boundaries
@@ -505,7 +506,11 @@ class _Ctx:
                 "full": self.saved_vec(ops, ids, mode="full") if blocks else saved_none,
             },
             transient=liveness(self.g, self.vec, self._act_vec, ops, ids),
-            transient_scheduled=self.scheduled_transient(ops, ids, group_of),
+            transient_scheduled=(
+                partial(self.scheduled_transient, tuple(ops), frozenset(ids), group_of)
+                if self.compiled
+                else None
+            ),
             tp_exits=exits,
             tp_entries=entries,
             boundary=boundary,
@@ -523,14 +528,12 @@ class _Ctx:
         )
 
     def scheduled_transient(
-        self, ops: Sequence[Op], ids: set[int], group_of: dict[int, tuple[int, ...]]
+        self, ops: Sequence[Op], ids: set[int] | frozenset[int], group_of: dict[int, tuple[int, ...]]
     ) -> tuple[Vec, ...]:
-        """The part's temporaries where a compiler scheduled the whole step under these groups
-        (``liveness.fused_temporaries``); empty for a fusion mode's groups (a stack's own kernels,
-        or ``compiled`` stacks priced by Inductor's rules over them), which are not the kernels
-        a scheduler made."""
-        if not self.compiled:
-            return ()
+        """The part's temporaries where a compiler scheduled the whole step under these explicit
+        groups (``liveness.fused_temporaries``); a fusion mode's groups (a stack's own kernels, or
+        ``compiled`` stacks priced by Inductor's rules over them) are not the kernels a scheduler
+        made, and get none (``Part.transient_scheduled``)."""
         unwritten, narrowed = fused_temporaries(self.g, ops, group_of, self._f32_ops)
         return liveness(self.g, self.vec, self._act_vec, ops, ids, unwritten=unwritten, narrowed=narrowed)
 
