@@ -31,7 +31,6 @@ import subprocess
 import sys
 import tempfile
 import time
-from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -73,11 +72,10 @@ def _context(model: str, device: str, batch: int, budget: float | None = None) -
 
 def _baseline_peak(model: str, device: str, batch: int) -> tuple[float, float]:
     """(predicted peak of ``torch.compile``'s defaults in one microbatch, the planner's budget)."""
-    from coplan.apply.predict import baseline_plan, plan_for
+    from coplan.apply.predict import baseline_plan, mode_stack, plan_for
 
     ctx = _context(model, device, batch)
-    # as ``coplan run --mode compile`` prices it: Inductor schedules the whole step
-    ctx.stack = replace(ctx.stack, kernel_local_buffers=True)
+    ctx.stack = mode_stack(ctx.stack, "compile")  # as ``coplan run --mode compile`` prices it
     base = baseline_plan(plan_for(ctx, compute="bf16", microbatch=batch), ctx, "compile")
     return ctx.price(base).memory.peak_bytes, float(ctx.budget_bytes or 0.0)
 
@@ -448,6 +446,7 @@ def table(result: dict[str, Any]) -> str:
         "| predicted ranking = measured (pairs ordered right) |"
     )
     lines.append("|---|---|---:|---:|---:|---|")
+
     def times(x: float) -> str:  # a ratio, or "-" where a run of the pair did not finish
         return f"{x:.2f}x" if math.isfinite(x) else "-"
 

@@ -146,6 +146,14 @@ def plan_for(
     )
 
 
+def mode_stack(stack: StackSpec, mode: str) -> StackSpec:
+    """``stack`` as a run in ``mode`` executes it: ``torch.compile``'s own path partitions and
+    schedules the whole step, loss included, so what one of its kernels alone reads is never
+    written (``kernel_local_buffers``); a plan's groups compile one by one, eager runs write all."""
+    want = mode == "compile"
+    return stack if stack.kernel_local_buffers == want else replace(stack, kernel_local_buffers=want)
+
+
 def baseline_plan(plan: Plan, ctx: PlanContext, mode: str, *, keep_recompute: bool = False) -> Plan:
     """What a baseline run (``Job.mode``) executes, as a plan the cost model can price: the plan's
     layout and batch; recomputation as the baseline's own (eager: none; ``torch.compile``: what its

@@ -14,7 +14,15 @@ from typing import Any
 
 from coplan.apply.dist import from_torchrun, launch
 from coplan.apply.fusion import as_run, honoured_total, not_honoured, optimizer_record
-from coplan.apply.predict import Prediction, baseline_plan, make_context, predict, refuse, run_cluster
+from coplan.apply.predict import (
+    Prediction,
+    baseline_plan,
+    make_context,
+    mode_stack,
+    predict,
+    refuse,
+    run_cluster,
+)
 from coplan.apply.step import MODES, Job, RankResult, pads_head, step_time, tolerance_of
 from coplan.apply.train import run_rank
 from coplan.errors import CoplanError, SpecError
@@ -123,10 +131,7 @@ def priced_request(req: RunRequest) -> tuple[PlanContext, Plan, Prediction, list
     pads = req.mode == "compile" or (ctx.stack.gemm_padding and pads_head(req.mode, req.plan.parallel.tp))
     if pads != ctx.stack.gemm_padding:
         ctx.stack = replace(ctx.stack, gemm_padding=pads)
-    # torch.compile's own path partitions and schedules the whole step, loss included, so what
-    # one of its kernels alone reads is never written; the plan's groups compile one by one
-    if (req.mode == "compile") != ctx.stack.kernel_local_buffers:
-        ctx.stack = replace(ctx.stack, kernel_local_buffers=req.mode == "compile")
+    ctx.stack = mode_stack(ctx.stack, req.mode)
     optimizer = runner_optimizer(req.plan, ctx, req.mode, req.device)
     if optimizer != ctx.stack.optimizer:
         ctx.stack = replace(ctx.stack, optimizer=optimizer)
