@@ -279,12 +279,7 @@ def _job(ctx: Any) -> _Job:
     spec = ctx.model.spec
     seq = ctx.seq
     if spec is not None:
-        params = float(spec.param_count())
-        active = params
-        if spec.is_moe:
-            f = spec.ffn_hidden or 4 * spec.d_model
-            expert = (3 if spec.activation == "swiglu" else 2) * spec.d_model * f
-            active -= spec.n_layers * (spec.n_experts - min(spec.top_k, spec.n_experts)) * expert
+        params, active = float(spec.param_count()), float(spec.active_param_count())
         layers, width = spec.n_layers, spec.d_model
         # Narayanan et al. 2021 eq. 3 per token: 6 FLOPs a parameter, 12 L s h for the attention
         # scores and values (half of it where attention is causal, as flash kernels skip it)

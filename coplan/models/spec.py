@@ -154,17 +154,29 @@ class ModelSpec:
         """Tokens each expert processes for a microbatch of ``tokens`` tokens (static shape)."""
         return max(1, math.ceil(tokens * self.top_k / self.n_experts * self.capacity_factor))
 
+    def mlp_params(self) -> int:
+        """Parameters of one MLP (one expert's, in a mixture of experts)."""
+        d, f = self.d_model, self.ffn
+        b = 1 if self.bias else 0
+        n_mats = 3 if self.activation == "swiglu" else 2
+        return n_mats * d * f + b * ((n_mats - 1) * f + d)
+
     def block_params(self) -> int:
-        d, f, hd = self.d_model, self.ffn, self.head_dim
+        d, hd = self.d_model, self.head_dim
         kv = self.kv_heads * hd
         b = 1 if self.bias else 0
         norm = 2 * d if self.norm == "layernorm" and self.bias else d
         attn = d * (d + 2 * kv) + b * (d + 2 * kv) + d * d + b * d
-        n_mats = 3 if self.activation == "swiglu" else 2
-        mlp = n_mats * d * f + b * ((n_mats - 1) * f + d)
+        mlp = self.mlp_params()
         if self.is_moe:
             mlp = self.n_experts * mlp + d * self.n_experts  # experts + router (router has no bias)
         return 2 * norm + attn + mlp
+
+    def active_param_count(self) -> int:
+        """Parameters a token passes through: all of ``param_count`` but, in a mixture of experts,
+        the experts it is not routed to."""
+        unrouted = self.n_experts - self.top_k if self.is_moe else 0
+        return self.param_count() - self.n_layers * unrouted * self.mlp_params()
 
     def param_count(self) -> int:
         """Exact trainable-parameter count of the model this spec builds (tied weights once)."""
