@@ -257,13 +257,11 @@ class _Job:
     """What the roofline features read of a job (``_job``)."""
 
     params: float  # trainable parameters
-    active: float  # parameters a token passes through (an MoE block's top-k experts)
     flops_token: float  # training FLOPs a token costs at the job's sequence (6 x active + attention)
     layers: int
     width: int
     seq: int
     batch: int  # sequences a step
-    devices: int
     budget: float
     peaks: dict[str, float]  # dense matrix FLOP/s by compute dtype
     intra: float  # bytes/s per device inside a node
@@ -287,7 +285,7 @@ def _job(ctx: Any) -> _Job:
         flops = 6.0 * active + attn
     else:  # a captured graph: its own FLOPs per token, one block as wide as its parameters say
         graph = ctx.model.graph
-        params = active = float(graph.param_count)
+        params = float(graph.param_count)
         tokens = max(1, graph.meta.batch * graph.meta.seq)
         flops = graph.flops / tokens
         layers, width = 1, max(1, int(math.sqrt(params / 12.0)))
@@ -296,13 +294,11 @@ def _job(ctx: Any) -> _Job:
     peaks = {c: dev.peak(c) for c in _COMPUTE if dev.supports(c)}
     got = _Job(
         params=params,
-        active=active,
         flops_token=flops,
         layers=layers,
         width=width,
         seq=seq,
         batch=ctx.global_batch,
-        devices=ctx.cluster.num_devices,
         budget=float(ctx.budget),
         peaks=peaks,
         intra=group.intra_node.bandwidth,
@@ -313,9 +309,14 @@ def _job(ctx: Any) -> _Job:
     return got
 
 
+def _lgt(x: torch.Tensor, scale: float) -> torch.Tensor:
+    """``_lg`` of each element of ``x``."""
+    return torch.log2(1.0 + x.clamp(min=0.0)) / scale
+
+
 def _ratio(x: torch.Tensor) -> torch.Tensor:
     """A share, as log2(1 + x) / 4: 0 at none, 0.25 at parity, 1 at fifteen times."""
-    return torch.log2(1.0 + x.clamp(min=0.0)) / 4.0
+    return _lgt(x, 4.0)
 
 
 def layout_matrix(ctx: Any, cands: list[tuple[ParallelPlan, PrecisionPlan]]) -> torch.Tensor:
@@ -350,18 +351,15 @@ def layout_matrix(ctx: Any, cands: list[tuple[ParallelPlan, PrecisionPlan]]) -> 
     a = torch.tensor(rows, dtype=torch.float64).reshape(-1, 10)
     tp, pp, dp, vpp, mb, sp, zero, cp, fp8, comp = a.unbind(1)
 
-    def lg(x: torch.Tensor, scale: float) -> torch.Tensor:
-        return torch.log2(1.0 + x.clamp(min=0.0)) / scale
-
     base = [
-        lg(tp, 6),
-        lg(pp, 7),
-        lg(dp, 12),
-        lg(vpp, 6),
-        lg(mb, 10),
+        _lgt(tp, 6),
+        _lgt(pp, 7),
+        _lgt(dp, 12),
+        _lgt(vpp, 6),
+        _lgt(mb, 10),
         sp,
         *((zero == z).double() for z in (0, 1, 2, 3)),
-        lg(tp * pp, 10),
+        _lgt(tp * pp, 10),
         fp8,
         *((comp == i).double() for i in range(len(_COMPUTE))),
     ]
@@ -400,11 +398,11 @@ def layout_matrix(ctx: Any, cands: list[tuple[ParallelPlan, PrecisionPlan]]) -> 
         _ratio(states / j.budget),
         _ratio(acts / j.budget),
         ((states + acts) > j.budget).double(),
-        lg(mb * j.seq / cp, 18),  # a microbatch's tokens: the GEMMs' rows
-        lg(torch.full_like(tp, float(j.width)) / tp, 16),  # a tensor-parallel shard's width
-        lg(micro, 12),
-        lg(cp, 5),
-        lg(compute_s * 1e3, 16),  # the device's compute, in milliseconds
+        _lgt(mb * j.seq / cp, 18),  # a microbatch's tokens: the GEMMs' rows
+        _lgt(torch.full_like(tp, float(j.width)) / tp, 16),  # a tensor-parallel shard's width
+        _lgt(micro, 12),
+        _lgt(cp, 5),
+        _lgt(compute_s * 1e3, 16),  # the device's compute, in milliseconds
     ]
     out = torch.stack([*base, *phys], dim=1).float()
     assert out.shape[1] == LAYOUT_DIM
