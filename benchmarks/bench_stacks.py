@@ -7,7 +7,8 @@ Each run of ``benchmarks/data/published_stack_runs.json`` is priced twice: as ``
 cost model before stacks were named: Megatron + Transformer Engine kernels, per-op checkpointing as
 Megatron's selective) and with the preset of its stack (``torchtitan``, ``fsdp``, ``deepspeed``,
 ``eager``; the ``-compile`` preset where ``stack_settings.compile``, its loss eager where
-``stack_settings.loss_compiled`` is false; HYBRID_SHARD shards within a node; torchtitan's fused
+``stack_settings.loss_compiled`` is false; FSDP1's flat parameters where ``stack_settings.fsdp``
+says so (no FSDP2 copies around the collectives); HYBRID_SHARD shards within a node; torchtitan's fused
 RMSNorm where ``stack_settings.norm`` names ``fused_rmsnorm``). Checkpointing follows
 ``stack_settings.activation_checkpoint``: ``selective-op`` is torchtitan's per-op policy as a
 recompute set (``coplan.cost.checkpoint``); ``selective-layer:N`` / ``selective-fraction:p``
@@ -79,6 +80,9 @@ def price(run: dict, stack: str, reserved: bool = False) -> tuple[float, float, 
         # the run's own version of the stack says whether torch.compile covered the loss
         spec_of_stack = replace(spec_of_stack, eager_loss=not r["stack_settings"]["loss_compiled"])
     config = spec_of_stack.configure(run_config(r))
+    if r["stack_settings"].get("fsdp") == "fsdp1":
+        # a torchtitan run from before FSDP2: flat parameters, gathered and reduced in place
+        config = config.with_(gather_copies=False)
     if r["stack_settings"].get("async_tp"):
         # PyTorch's async TP (``coplan.cost.tp_overlap.async_tp_slots``)
         config = config.with_(async_tp=True)
@@ -186,6 +190,25 @@ def main() -> None:
             f"{b['worst']:>+6.1%} "
             f"| {p['mean_abs']:>15.1%} {p['mean_signed']:>+7.1%} {p['worst']:>+6.1%}"
         )
+    # where the gap lies: the same stack's runs by the device they ran on and eager or compiled
+    print("\nby device (preset's mean signed step-time error, runs):")
+    groups: dict[tuple[str, str, str], list[float]] = {}
+    for r, run in zip(rows, runs, strict=True):
+        device = load_cluster(run["cluster"], run["gpus"]).groups[0].device.name
+        key = (r["stack"], device, "compiled" if "compile" in r["preset"] else "eager")
+        groups.setdefault(key, []).append(r["priced"]["error"])
+    by_device = []
+    for (stack, device, mode), errors in sorted(groups.items()):
+        by_device.append(
+            {
+                "stack": stack,
+                "device": device,
+                "mode": mode,
+                "n": len(errors),
+                "mean_signed": statistics.fmean(errors),
+            }
+        )
+        print(f"  {stack:<11}{device:<17}{mode:<9}{len(errors):>3}  {statistics.fmean(errors):+6.1%}")
     print("\neager / compile pairs: step-time ratio eager/compiled, measured vs predicted (points)")
     pairs = []
     for r in rows:
@@ -227,7 +250,10 @@ def main() -> None:
         f"{statistics.median(walls) * 1e3:.0f} ms"
     )
     args.json.parent.mkdir(parents=True, exist_ok=True)
-    args.json.write_text(json.dumps({"summary": summary, "pairs": pairs, "runs": rows}, indent=1) + "\n")
+    args.json.write_text(
+        json.dumps({"summary": summary, "by_device": by_device, "pairs": pairs, "runs": rows}, indent=1)
+        + "\n"
+    )
 
 
 if __name__ == "__main__":

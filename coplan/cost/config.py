@@ -226,6 +226,10 @@ class TrainingConfig:
             a tensor per rank for PyTorch to copy in or out, each gather waiting for the device
             (``"tensor-list"``: nothing overlaps); each collective pays its own ring latency, and
             each per-rank copy a launch (``coplan.cost.zero``).
+        gather_copies: the stack copies each gathered unit out of the all-gather buffer into
+            its parameters and each unit's gradients into the reduce-scatter buffer on the compute
+            stream (PyTorch FSDP2; ``coplan.cost.zero.fsdp_copies``), priced with the unit's
+            collectives.
         launch_blocking: kernel launches are synchronous (``CUDA_LAUNCH_BLOCKING=1``, CUDA
             programming guide: "kernel launches are synchronous"), so the host's cost of issuing
             each kernel no longer overlaps the GPU's work: every launch adds the measured host
@@ -289,6 +293,7 @@ class TrainingConfig:
     optimizer: str = ""
     zero3_gather: str = "unit"
     launch_blocking: bool = False
+    gather_copies: bool = False
 
     def __post_init__(self) -> None:
         for name, bound in (
@@ -378,6 +383,8 @@ class TrainingConfig:
             raise ConfigError("eager_loss", f"must be true or false, got {self.eager_loss!r}")
         if not isinstance(self.gemm_padding, bool):
             raise ConfigError("gemm_padding", f"must be true or false, got {self.gemm_padding!r}")
+        if not isinstance(self.gather_copies, bool):
+            raise ConfigError("gather_copies", f"must be true or false, got {self.gather_copies!r}")
         if not isinstance(self.launch_blocking, bool):
             raise ConfigError("launch_blocking", f"must be true or false, got {self.launch_blocking!r}")
         if self.eager_rope not in ROPE_FORMS:
@@ -547,6 +554,7 @@ class TrainingConfig:
             **({"zero3_gather": self.zero3_gather} if self.zero3_gather != "unit" else {}),
             **({"overlap_zero": False} if not self.overlap_zero else {}),
             **({"launch_blocking": True} if self.launch_blocking else {}),
+            **({"gather_copies": True} if self.gather_copies else {}),
         }
 
 

@@ -68,7 +68,13 @@ from coplan.cost.stages import (
     stage_parts,
     static_bytes,
 )
-from coplan.cost.zero import fsdp_schedule, fsdp_transient, zero3_exposed, zero3_transient
+from coplan.cost.zero import (
+    fsdp_copies,
+    fsdp_schedule,
+    fsdp_transient,
+    zero3_exposed,
+    zero3_transient,
+)
 from coplan.hardware.cluster import ClusterSpec
 from coplan.hardware.device import DeviceSpec
 from coplan.ir.types import OpKind, Phase
@@ -311,6 +317,14 @@ def estimate(profile: GraphProfile, cluster: ClusterSpec, config: TrainingConfig
                 zero_comm = zero3_exposed(
                     dp_group, p_local, pieces, param_bytes, grad_bytes, hide, gathers, share, copy_s, hbm
                 )
+            if config.gather_copies and config.fsdp_units:
+                # FSDP2 copies each gathered unit out of, and its gradients into, the collectives'
+                # buffers on the compute stream (``zero.fsdp_copies``)
+                hbm_rate = device.memory_bandwidth * device.efficiency_of("memory")
+                zero_comm += fsdp_copies(
+                    block_local, p_local - block_local, units, gathers, param_bytes, float(ab),
+                    grad_bytes, hbm_rate, device.kernel_launch_s,
+                )  # fmt: skip
             if config.fsdp_units:
                 # FSDP's units: one per block and the root (embedding, final norm, head), which
                 # stays gathered from the start of forward to the end of backward

@@ -332,6 +332,9 @@ class StackSpec:
             config = config.with_(eager_rope=self.eager_rope)
         if self.optimizer and not config.optimizer:
             config = config.with_(optimizer=self.optimizer)
+        if self.sharding == "fsdp2" and self.fsdp_units:
+            # FSDP2's copies around its collectives, on the compute stream (``zero.fsdp_copies``)
+            config = config.with_(gather_copies=True)
         if self.zero3_gather != "unit" and config.zero3_gather == "unit":
             config = config.with_(zero3_gather=self.zero3_gather)
         if self.kernels == "megatron":

@@ -94,6 +94,33 @@ def fsdp_transient(
     return root_params * param_bytes + per_unit * (2 * param_bytes + grad_bytes)
 
 
+def fsdp_copies(
+    block_params: float,
+    root_params: float,
+    units: int,
+    gathers: int,
+    param_bytes: float,
+    grad_in_bytes: float,
+    grad_bytes: float,
+    bandwidth: float,
+    launch_s: float,
+) -> float:
+    """Seconds of one microbatch's copies FSDP2 makes around its collectives on the compute
+    stream (torch/distributed/fsdp/_fully_shard/_fsdp_collectives.py at v2.13.0): after each
+    all-gather, ``foreach_all_gather_copy_out`` copies the gathered buffer into the unit's
+    parameters (``split_with_sizes_copy``, waiting on the gather's event: every gathered byte
+    read and written once more), and before each reduce-scatter ``foreach_reduce`` copies the
+    unit's gradients into the reduce-scatter buffer, cast to the reduce dtype (``chunk_cat``,
+    issued on the current stream before the collective's stream waits for it). The blocks are
+    gathered ``gathers`` times a microbatch, the root unit once (it is not resharded after
+    forward). Memory-bound at ``bandwidth``; one launch per copy. FSDP1 gathers into its flat
+    parameter's own buffer and reduce-scatters the flat gradient, copying neither."""
+    gathered = gathers * block_params + root_params
+    moved = 2 * gathered * param_bytes + (block_params + root_params) * (grad_in_bytes + grad_bytes)
+    copies = (gathers + 1) * max(1, units) + 2
+    return moved / bandwidth + copies * launch_s
+
+
 def zero3_transient(p_local: float, units: int, param_bytes: float, grad_bytes: float) -> float:
     """Bytes ZeRO-3 holds beyond the shards: two gathered units and one unit of unsharded
     gradients."""
