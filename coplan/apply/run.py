@@ -131,7 +131,7 @@ def priced_request(req: RunRequest) -> tuple[PlanContext, Plan, Prediction, list
     pads = req.mode == "compile" or (ctx.stack.gemm_padding and pads_head(req.mode, req.plan.parallel.tp))
     if pads != ctx.stack.gemm_padding:
         ctx.stack = replace(ctx.stack, gemm_padding=pads)
-    ctx.stack = mode_stack(ctx.stack, req.mode)
+    ctx.stack = mode_stack(ctx.stack, req.mode, req.device)
     optimizer = runner_optimizer(req.plan, ctx, req.mode, req.device)
     if optimizer != ctx.stack.optimizer:
         ctx.stack = replace(ctx.stack, optimizer=optimizer)

@@ -1,0 +1,98 @@
+"""The baselines of a recorded GPU benchmark (``bench_gpu.py all``'s ``bench_gpu.json``) priced
+again by today's cost model, beside what was measured and what was predicted when they ran.
+
+    python benchmarks/reprice_gpu.py [benchmarks/results/gpu/bench_gpu.json] [--json OUT]
+
+Each eager and ``torch.compile`` run is priced as ``coplan run --mode eager|compile`` prices it
+(``coplan.apply.run.priced_request``): the run's model, batch, microbatch and sequence, on the
+cluster the record names in ``priced_as``, with no GPU needed. The plans' own runs are left out:
+their plans are files of the planning session, which a later planner need not reproduce. Prints
+each run's step time measured, predicted then and now, and each model's eager / compiled step-time
+ratio measured and priced (the points between them).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+HERE = Path(__file__).parent
+sys.path.insert(0, str(HERE))
+
+from gpu_all import MODELS  # noqa: E402
+
+from coplan.apply.predict import make_context, plan_for, run_cluster  # noqa: E402
+from coplan.apply.run import RunRequest, priced_request  # noqa: E402
+from coplan.hardware import load_cluster  # noqa: E402
+from coplan.models.spec import load_model_spec  # noqa: E402
+
+RECORD = HERE / "results" / "gpu" / "bench_gpu.json"
+BASELINES = ("eager", "compile")
+
+
+def reprice(record: dict[str, Any]) -> dict[str, Any]:
+    """Per model: each baseline run's figures and the eager / compiled ratios by batch."""
+    out: dict[str, Any] = {"device": record["device"], "torch": record["torch"], "models": {}}
+    for model, got in record["models"].items():
+        spec_name, _, seq = MODELS["cuda"][model]
+        spec = load_model_spec(spec_name)
+        cluster = load_cluster(record["priced_as"][model])
+        runs: dict[str, Any] = {}
+        for key, r in got["runs"].items():
+            mode, _, batch_kind = key.partition("@")
+            if mode not in BASELINES or "step_time_s" not in r:
+                continue
+            ctx = make_context(spec, run_cluster(cluster, 1, "cuda"), r["batch"], seq, "cuda")
+            plan = plan_for(ctx, compute="bf16", microbatch=r["microbatch"])
+            req = RunRequest(
+                plan=plan, spec=spec, steps=1, nproc=1, global_batch=r["batch"], seq=seq,
+                cluster=cluster, device="cuda", mode=mode,
+            )  # fmt: skip
+            _, _, pred, _ = priced_request(req)
+            runs[key] = {
+                "batch": batch_kind,
+                "measured_s": r["step_time_s"],
+                "predicted_then_s": r["predicted_step_time_s"],
+                "predicted_s": pred.step_time_s,
+                "error": pred.step_time_s / r["step_time_s"] - 1,
+            }
+        ratios = {}
+        for batch_kind in ("tight", "loose"):
+            e, c = runs.get(f"eager@{batch_kind}"), runs.get(f"compile@{batch_kind}")
+            if e and c:
+                measured = e["measured_s"] / c["measured_s"]
+                priced = e["predicted_s"] / c["predicted_s"]
+                then = e["predicted_then_s"] / c["predicted_then_s"]
+                ratios[batch_kind] = {"measured": measured, "priced": priced, "priced_then": then}
+        out["models"][model] = {"runs": runs, "eager_over_compiled": ratios}
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("record", nargs="?", type=Path, default=RECORD)
+    ap.add_argument("--json", type=Path, default=HERE / "results" / "gpu_repriced.json")
+    args = ap.parse_args()
+    got = reprice(json.loads(args.record.read_text()))
+    print(f"{got['device']}, torch {got['torch']}: step ms measured, predicted then, now (error)")
+    for model, m in got["models"].items():
+        for key, r in m["runs"].items():
+            print(
+                f"  {model:<12} {key:<14} {r['measured_s'] * 1e3:7.1f} {r['predicted_then_s'] * 1e3:7.1f} "
+                f"{r['predicted_s'] * 1e3:7.1f} ({r['error']:+.1%})"
+            )
+        for batch_kind, x in m["eager_over_compiled"].items():
+            print(
+                f"  {model:<12} eager/compiled at the {batch_kind} batch: measured {x['measured']:.3f}, "
+                f"priced {x['priced']:.3f} ({100 * (x['priced'] - x['measured']):+.1f} points; "
+                f"then {100 * (x['priced_then'] - x['measured']):+.1f})"
+            )
+    args.json.parent.mkdir(parents=True, exist_ok=True)
+    args.json.write_text(json.dumps(got, indent=1) + "\n")
+
+
+if __name__ == "__main__":
+    main()
