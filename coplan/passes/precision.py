@@ -20,7 +20,7 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from coplan.ir.types import Graph, Op, OpKind, Phase
+from coplan.ir.types import Graph, Op, OpKind, Phase, TensorRole
 from coplan.passes.base import register
 from coplan.plan.context import PlanContext
 from coplan.plan.types import Plan, PrecisionPlan
@@ -51,6 +51,41 @@ def autocast_ops(ctx: PlanContext) -> tuple[tuple[str, str], ...]:
         for op in _forward_ops(ctx)
         if op.kind in _AUTOCAST_FP32_KINDS or _target(op).removesuffix("_") in _AUTOCAST_FP32_TARGETS
     )
+
+
+#: op kinds torch.autocast runs in its 16-bit dtype whatever their inputs (its lower-precision
+#: list: ``linear``, ``matmul``, ``scaled_dot_product_attention``)
+_AUTOCAST_16BIT_KINDS = frozenset({OpKind.MATMUL, OpKind.ATTENTION})
+
+
+def autocast_stream_ops(ctx: PlanContext) -> tuple[tuple[str, str], ...]:
+    """fp32 overrides for what ``torch.autocast`` over fp32 parameters computes in fp32: its fp32
+    list (``autocast_ops``) and, by type promotion, every other op reading an fp32 tensor or
+    parameter. The embedding is on neither of autocast's lists, so it returns its fp32 weight's
+    rows; the residual stream it starts stays fp32 through every block (an fp32 input plus a GEMM's
+    16-bit output promotes to fp32), so each norm reads fp32 and each GEMM after one casts its
+    input; a 16-bit tensor times an fp32 buffer (RoPE's tables, which ``module.to(torch.float32)``
+    leaves fp32) is fp32 too. What ``coplan run`` baselines run: the model in fp32 under autocast
+    (``coplan.apply.train``); a plan's own steps cast the model, buffers included
+    (``model_dtype``), instead. Found by propagating dtypes over the whole forward graph in order,
+    then named for the reference blocks and the ops outside."""
+    graph = ctx.index.graph
+    fp32 = {
+        t.id
+        for t in graph.tensors
+        if t.role in (TensorRole.PARAMETER, TensorRole.BUFFER) and t.dtype.startswith("float")
+    }
+    listed = {name for name, _ in autocast_ops(ctx)}
+    promoted: set[int] = set()
+    for op in graph.ops:
+        if op.phase is not Phase.FORWARD or op.kind in _AUTOCAST_16BIT_KINDS:
+            continue
+        on_list = op.kind in _AUTOCAST_FP32_KINDS or _target(op).removesuffix("_") in _AUTOCAST_FP32_TARGETS
+        if on_list or op.kind is OpKind.EMBEDDING or any(t in fp32 for t in op.inputs):
+            fp32.update(op.outputs)
+            promoted.add(op.id)
+    names = {op.name for op in _forward_ops(ctx) if op.id in promoted or op.name in listed}
+    return tuple((op.name, "fp32") for op in _forward_ops(ctx) if op.name in names)
 
 
 def loss16_ops(ctx: PlanContext, dtype: str) -> tuple[tuple[str, str], ...]:

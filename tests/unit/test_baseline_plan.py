@@ -35,3 +35,39 @@ def test_a_budgeted_compile_keeps_the_plans_set():
     plan = plan_for(ctx, compute="bf16", microbatch=4, recompute=frozenset(saved_names(ctx)[:2]))
     kept = baseline_plan(plan, ctx, "compile", keep_recompute=True)
     assert kept.remat.recompute == plan.remat.recompute
+
+
+def test_an_eager_baseline_keeps_autocasts_fp32_residual_stream():
+    import torch
+
+    from coplan.models.transformer import build_model
+    from coplan.passes.precision import autocast_ops, autocast_stream_ops
+
+    ctx = _ctx()
+    plan = plan_for(ctx, compute="bf16", microbatch=4)
+    stream = dict(autocast_stream_ops(ctx))
+    kinds = {ctx.index.op_by_name[n].target for n in stream}
+    # the embedding's fp32 rows, the residual adds, the norms, RoPE over its fp32 tables, the loss
+    assert {"embedding", "add", "rms_norm", "rope", "log_softmax", "nll_loss"} <= kinds
+    # what autocast runs in 16 bits, and what reads only 16-bit tensors, stay out
+    assert not kinds & {"linear", "attention", "silu", "mul"}
+    assert dict(autocast_ops(ctx)).keys() < stream.keys()
+    assert dict(baseline_plan(plan, ctx, "eager").precision.ops) == stream
+    assert dict(baseline_plan(plan, ctx, "compile").precision.ops) == dict(autocast_ops(ctx))
+    # PyTorch's autocast over the fp32 model, on this CPU: the same dtypes module by module
+    model = build_model(ctx.model.spec)
+    seen: dict[str, torch.dtype] = {}
+    for name, module in model.named_modules():
+        if name in ("wte", "h.0", "h.0.ln_1", "h.0.attn", "h.0.mlp", "lm_head"):
+            module.register_forward_hook(lambda _m, _i, out, name=name: seen.__setitem__(name, out.dtype))
+    idx = torch.randint(0, ctx.model.spec.vocab_size, (2, 16))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        model(idx, idx)
+    assert seen == {
+        "wte": torch.float32,
+        "h.0.ln_1": torch.float32,
+        "h.0.attn": torch.bfloat16,
+        "h.0.mlp": torch.bfloat16,
+        "h.0": torch.float32,  # the block's output: fp32 residual plus 16-bit branches
+        "lm_head": torch.bfloat16,
+    }
