@@ -80,6 +80,9 @@ def price(run: dict, stack: str, reserved: bool = False) -> tuple[float, float, 
         # the run's own version of the stack says whether torch.compile covered the loss
         spec_of_stack = replace(spec_of_stack, eager_loss=not r["stack_settings"]["loss_compiled"])
     config = spec_of_stack.configure(run_config(r))
+    if r["stack_settings"].get("loss_fn") == "fused_crossentropy":
+        # flash-attn's fused cross-entropy: the IR's loss kernels (``TrainingConfig.eager_loss_cast``)
+        config = config.with_(eager_loss_cast="fused")
     if r["stack_settings"].get("fsdp") == "fsdp1":
         # a torchtitan run from before FSDP2: flat parameters, gathered and reduced in place
         config = config.with_(gather_copies=False)

@@ -84,6 +84,10 @@ ZERO3_GATHERS: tuple[str, ...] = ("unit", "module", "tensor-list")
 #: ``pairs`` as a 2 x 2 rotation matrix applied to real pairs by a broadcast product and a sum
 #: (fms's ``RotaryEmbedding``, written to avoid complex numbers)
 ROPE_FORMS: tuple[str, ...] = ("complex", "pairs")
+#: How eager kernels bring a 16-bit model's logits to the loss (``coplan.cost.eager``): the model
+#: casts them (``logits.float()``), autocast runs log-softmax in fp32 over the 16-bit logits, the
+#: loss runs in the logits' own 16 bits, or a fused cross-entropy kernel takes them as they are
+LOSS_CASTS: tuple[str, ...] = ("float", "autocast", "none", "fused")
 
 
 def recomputes_fully(recompute: object, per_stage: tuple[object, ...] | None) -> bool:
@@ -211,6 +215,15 @@ class TrainingConfig:
         eager_rope: how eager kernels rotate q and k (``ROPE_FORMS``): a complex product, three
             kernels each way per tensor, or fms's rotation of real pairs, four each way over twice
             the fp32 elements (``coplan.cost.eager``).
+        eager_loss_cast: how eager kernels bring 16-bit logits to the loss (``LOSS_CASTS``):
+            ``"float"``, the model's own ``logits.float()`` (a cast kernel each way and an fp32
+            copy, torchtitan's and Meta's Llama); ``"autocast"``, ``torch.autocast``'s fp32
+            log-softmax, which converts bf16 logits as ``.float()`` does but reads fp16 ones into
+            fp32 inside its kernel and writes their 16-bit gradient (no cast kernel, no copy);
+            ``"none"``, the loss in the logits' 16 bits; ``"fused"``, a fused cross-entropy
+            kernel each way, priced as the IR's own loss kernels (flash-attn's
+            ``CrossEntropyLoss``, llm-foundry's default ``fused_crossentropy``;
+            ``coplan.cost.eager``).
         fused_rmsnorm: RMSNorm runs as one fused kernel each way that keeps its input and row
             statistics for backward, not the normalized tensor, and recomputes that inside its
             backward kernel (torchtitan's ``norm_type = "fused_rmsnorm"``, a Triton kernel:
@@ -290,6 +303,7 @@ class TrainingConfig:
     kernel_local_buffers: bool = False
     fused_rmsnorm: bool = False
     eager_rope: str = "complex"
+    eager_loss_cast: str = "float"
     optimizer: str = ""
     zero3_gather: str = "unit"
     launch_blocking: bool = False
@@ -387,6 +401,10 @@ class TrainingConfig:
             raise ConfigError("gather_copies", f"must be true or false, got {self.gather_copies!r}")
         if not isinstance(self.launch_blocking, bool):
             raise ConfigError("launch_blocking", f"must be true or false, got {self.launch_blocking!r}")
+        if self.eager_loss_cast not in LOSS_CASTS:
+            raise ConfigError(
+                "eager_loss_cast", f"must be one of {', '.join(LOSS_CASTS)}, got {self.eager_loss_cast!r}"
+            )
         if self.eager_rope not in ROPE_FORMS:
             raise ConfigError(
                 "eager_rope", f"must be one of {', '.join(ROPE_FORMS)}, got {self.eager_rope!r}"
@@ -550,6 +568,7 @@ class TrainingConfig:
             **({"kernel_local_buffers": True} if self.kernel_local_buffers else {}),
             **({"fused_rmsnorm": True} if self.fused_rmsnorm else {}),
             **({"eager_rope": self.eager_rope} if self.eager_rope != "complex" else {}),
+            **({"eager_loss_cast": self.eager_loss_cast} if self.eager_loss_cast != "float" else {}),
             **({"optimizer": self.optimizer} if self.optimizer else {}),
             **({"zero3_gather": self.zero3_gather} if self.zero3_gather != "unit" else {}),
             **({"overlap_zero": False} if not self.overlap_zero else {}),

@@ -42,6 +42,22 @@ statistics), which cost a launch. The IR's own kernel for the op is replaced by 
   ``benchmarks/data/h200_step_probe.json``) a 4,096 x 128,256 fp32 log-softmax took 2.03 ms
   forward and 2.14 backward, four passes over 2.1 GB each. The extra reads are the kernels'
   ``loop_reads``, paid where rows do not stay in a cache between passes (GPUs; ``looped.py``).
+- ``log_softmax:autocast``: under ``torch.autocast`` (no ``.float()`` in the model: nanoGPT,
+  coplan's runner baselines) log-softmax is on autocast's fp32-with-``dtype`` list
+  (``aten/src/ATen/autocast_mode.cpp``: it runs as ``log_softmax(x, dim, dtype=float32)``).
+  ATen reads fp16 logits into fp32 inside its kernel (``half_to_float``) but converts any other
+  dtype first (``aten/src/ATen/native/SoftMax.cpp`` ``log_softmax``: the in-kernel path takes
+  ``ScalarType::Half`` only, else ``input_.toType(dtype)``), so bf16 logits run the ``float``
+  plan above, and fp16 ones this one: one kernel reading the 16-bit logits and writing fp32, no
+  fp32 copy; backward, ``_log_softmax_backward_data`` reads the fp32 output gradient and output
+  and writes the 16-bit input gradient. The wide row's extra reads are then of the 16-bit input.
+- ``log_softmax:none``: the loss in the logits' 16 bits (a model whose logits stay 16-bit and that
+  runs no autocast: fms-fsdp's loss on its FSDP-mixed-precision Llama's bf16 output), one 16-bit
+  kernel each way, and ``nll_loss``'s zero-filled input gradient in 16 bits.
+- ``fused``: a fused cross-entropy kernel (flash-attn's ``CrossEntropyLoss``, a Triton kernel
+  reading the 16-bit logits once and writing their gradient in its backward: llm-foundry's
+  default ``fused_crossentropy``) is priced as the IR's own log-softmax and loss kernels: no plan
+  replaces them.
 - ``nll_loss``: forward gathers one log-probability a token (token-sized); backward zero-fills the
   fp32 input gradient (one fp32 write: ``FillFunctor<float>``, 0.45 ms in the same profile) and
   scatters into it (token-sized).
@@ -63,7 +79,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 
 from coplan.cost.parts import ACT, F32, FIX, NV, REPL, TP, ZERO, Kernel, Vec
-from coplan.ir.types import DTYPE_BYTES, Graph, Op
+from coplan.ir.types import Graph, Op
 
 #: (big kernels as (16-bit elements, fp32 elements) read + written per element, small kernels),
 #: forward and backward, per IR op target; see the module docstring for each.
@@ -93,6 +109,12 @@ PLANS: dict[str, tuple[tuple[tuple[float, float], ...], int]] = {
     "rope_bwd:pairs": (((1, 1), (0, 3), (0, 3), (1, 1)), 0),
     "log_softmax": (((1, 1), (0, 2)), 0),
     "log_softmax_bwd": (((0, 3), (1, 1)), 0),
+    "log_softmax:autocast": (((1, 1),), 0),
+    "log_softmax_bwd:autocast": (((1, 2),), 0),
+    "log_softmax:none": (((2, 0),), 0),
+    "log_softmax_bwd:none": (((3, 0),), 0),
+    "nll_loss_bwd:autocast": (((0, 1),), 1),
+    "nll_loss_bwd:none": (((1, 0),), 1),
     "nll_loss": ((), 1),
     "nll_loss_bwd": (((0, 1),), 1),
 }
@@ -101,9 +123,26 @@ PLANS: dict[str, tuple[tuple[tuple[float, float], ...], int]] = {
 #: CUDA GPU; the opt-in larger carve-out is not asked for), less nothing for the few warps' partial
 #: sums, which this rounding ignores
 SOFTMAX_SMEM_BYTES = 48 * 1024
-#: per plan key, (big kernel's index, the fp32 elements it reads again per element) where the row
-#: is wider than ``SOFTMAX_SMEM_BYTES`` holds in fp32 (module docstring)
-WIDE_ROW_READS: dict[str, tuple[int, float]] = {"log_softmax": (1, 2.0), "log_softmax_bwd": (0, 1.0)}
+#: per plan key, (big kernel's index, the 16-bit and the fp32 elements it reads again per element,
+#: the bytes of an element of the row it stages) where the row is wider than
+#: ``SOFTMAX_SMEM_BYTES`` holds (module docstring)
+WIDE_ROW_READS: dict[str, tuple[int, float, float, int]] = {
+    "log_softmax": (1, 0.0, 2.0, 4),
+    "log_softmax_bwd": (0, 0.0, 1.0, 4),
+    "log_softmax:autocast": (0, 2.0, 0.0, 2),
+    "log_softmax_bwd:autocast": (0, 0.0, 1.0, 4),
+    "log_softmax:none": (0, 2.0, 0.0, 2),
+    "log_softmax_bwd:none": (0, 1.0, 0.0, 2),
+}
+#: the plan keys a loss cast (``TrainingConfig.eager_loss_cast``) other than ``float`` replaces
+LOSS_KEYS = frozenset({"log_softmax", "log_softmax_bwd", "nll_loss_bwd"})
+
+
+def loss_form(cast: str, dtype: str) -> str:
+    """The loss plan a configuration's ``eager_loss_cast`` runs at training dtype ``dtype``:
+    autocast's fp32 log-softmax reads only fp16 logits in its kernel and converts bf16 ones first,
+    as ``.float()`` does (module docstring)."""
+    return "float" if cast == "autocast" and dtype != "fp16" else cast
 
 
 def plan_key(graph: Graph, op: Op) -> str:
@@ -130,12 +169,17 @@ def _main_tensors(graph: Graph, op: Op) -> list[float]:
     return [float(graph.tensors[src].numel)] if op.inputs else []
 
 
-def op_kernels(graph: Graph, op: Op, shard: int, rows: float, rope: str = "complex") -> list[Kernel]:
+def op_kernels(
+    graph: Graph, op: Op, shard: int, rows: float, rope: str = "complex", loss: str = "float"
+) -> list[Kernel]:
     """The kernels eager PyTorch launches for ``op`` (a ``PLANS`` op), ``rows`` the tokens of
-    its row statistics, RoPE in the form ``rope`` (``TrainingConfig.eager_rope``)."""
+    its row statistics, RoPE in the form ``rope`` (``TrainingConfig.eager_rope``), the logits
+    brought to the loss as ``loss`` says (``TrainingConfig.eager_loss_cast``)."""
     key = plan_key(graph, op)
     if key in ("rope", "rope_bwd") and rope != "complex":
         key = f"{key}:{rope}"
+    if key in LOSS_KEYS and loss != "float":
+        key = f"{key}:{loss}"
     big, small = PLANS[key]
     again = WIDE_ROW_READS.get(key)
     out: list[Kernel] = []
@@ -143,8 +187,8 @@ def op_kernels(graph: Graph, op: Op, shard: int, rows: float, rope: str = "compl
         width = n / rows if rows > 0 else 0.0
         for i, (a, f) in enumerate(big):
             loop = ZERO
-            if again is not None and i == again[0] and width * DTYPE_BYTES["float32"] >= SOFTMAX_SMEM_BYTES:
-                loop = _vec(0.0, again[1] * n, shard)
+            if again is not None and i == again[0] and width * again[3] >= SOFTMAX_SMEM_BYTES:
+                loop = _vec(again[1] * n, again[2] * n, shard)
             out.append(
                 Kernel(
                     op.phase,
@@ -211,10 +255,15 @@ def eager_kernels(
     shard_of: Callable[[Op], int],
     fused: frozenset[str] = frozenset(),
     rope: str = "complex",
+    loss: str = "float",
 ) -> tuple[tuple[Kernel, ...], tuple[Kernel, ...]]:
     """``(fwd, bwd)`` with each single-op kernel of a ``PLANS`` op replaced by its eager kernels, and
     grouped-query attention's key/value repeats beside its kernels. ``fused``: plan keys the stack
-    runs as the IR's one kernel instead (``FUSED_RMSNORM``); ``rope``: the model's RoPE form."""
+    runs as the IR's one kernel instead (``FUSED_RMSNORM``); ``rope``: the model's RoPE form;
+    ``loss``: how the logits reach the loss."""
+
+    # a fused cross-entropy keeps the IR's loss kernels
+    kept = (*LOSS_KEYS, "nll_loss") if loss == "fused" else ()
 
     def swap(kernels: Sequence[Kernel]) -> tuple[Kernel, ...]:
         out: list[Kernel] = []
@@ -225,13 +274,13 @@ def eager_kernels(
                 reps = _repeat_kernels(graph, real[0], TP)
                 out.extend([*reps, k] if real[0].phase.name == "FORWARD" else [k, *reps])
                 continue
-            if len(real) != 1 or plan_key(graph, real[0]) in ("", *fused):
+            if len(real) != 1 or plan_key(graph, real[0]) in ("", *fused, *kept):
                 out.append(k)
                 continue
             op = real[0]
             main = graph.tensors[op.inputs[0]] if op.inputs else None
             rows = float(main.numel // main.shape[-1]) if main is not None and main.shape else 0.0
-            out.extend(op_kernels(graph, op, shard_of(op), rows, rope))
+            out.extend(op_kernels(graph, op, shard_of(op), rows, rope, loss))
         return tuple(out)
 
     return swap(fwd), swap(bwd)
@@ -248,6 +297,7 @@ __all__ = [
     "PLANS",
     "eager_kernels",
     "gqa_repeat",
+    "loss_form",
     "op_kernels",
     "plan_key",
     "repeat_kv_saved",

@@ -24,6 +24,7 @@ from coplan.cost.config import (
     ATTENTION_KERNEL_CHOICES,
     DDP_BUCKET_BYTES,
     KERNEL_SETS,
+    LOSS_CASTS,
     OPTIMIZER_IMPLEMENTATIONS,
     ROPE_FORMS,
     ZERO3_GATHERS,
@@ -79,6 +80,7 @@ SETTINGS: tuple[str, ...] = (
     "gemm_padding",
     "kernel_local_buffers",
     "eager_rope",
+    "eager_loss_cast",
     "optimizer",
     "zero3_gather",
     "layer_checkpointing",
@@ -151,6 +153,9 @@ class StackSpec:
             one by one (coplan's runner) or the loss runs eagerly.
         eager_rope: how the model it trains rotates q and k where its kernels are eager
             (``TrainingConfig.eager_rope``, ``ROPE_FORMS``): a complex product or fms's real pairs.
+        eager_loss_cast: how its model's 16-bit logits reach the loss where its kernels are eager
+            (``TrainingConfig.eager_loss_cast``, ``LOSS_CASTS``): the model's ``.float()``,
+            autocast's fp32 log-softmax, or none (the loss in 16 bits).
         optimizer: how its AdamW update runs (``TrainingConfig.optimizer``, ``coplan.cost.optimizer``):
             ``""`` as a plan's optimizer kernels say, ``"fused"``, ``"foreach"`` or ``"for-loop"``.
         zero3_gather: how its ZeRO-3 issues the parameter all-gathers and gradient reduce-scatters
@@ -195,6 +200,7 @@ class StackSpec:
     gemm_padding: bool = True
     kernel_local_buffers: bool = False
     eager_rope: str = "complex"
+    eager_loss_cast: str = "float"
     optimizer: str = ""
     zero3_gather: str = "unit"
     layer_checkpointing: str = "none"
@@ -213,6 +219,7 @@ class StackSpec:
         _choice(src, "optimizer", self.optimizer, OPTIMIZER_IMPLEMENTATIONS)
         _choice(src, "zero3_gather", self.zero3_gather, ZERO3_GATHERS)
         _choice(src, "eager_rope", self.eager_rope, ROPE_FORMS)
+        _choice(src, "eager_loss_cast", self.eager_loss_cast, LOSS_CASTS)
         if self.zero3_gather != "unit" and self.fsdp_units:
             raise StackError(src, "zero3_gather", "FSDP gathers a unit in one collective (needs 'unit')")
         for flag in (
@@ -305,6 +312,7 @@ class StackSpec:
             and self.zero3_gather == "unit"
             and self.overlap
             and self.eager_rope == "complex"
+            and self.eager_loss_cast == "float"
             and not self.kernel_local_buffers
         ):
             return config  # Megatron's own: nothing to change
@@ -330,6 +338,8 @@ class StackSpec:
             config = config.with_(kernel_local_buffers=True)
         if self.eager_rope != "complex":
             config = config.with_(eager_rope=self.eager_rope)
+        if self.eager_loss_cast != "float":
+            config = config.with_(eager_loss_cast=self.eager_loss_cast)
         if self.optimizer and not config.optimizer:
             config = config.with_(optimizer=self.optimizer)
         if self.sharding == "fsdp2" and self.fsdp_units:
