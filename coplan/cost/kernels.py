@@ -415,11 +415,16 @@ def _attention(k: Kernel, r: Rates, s: Scale) -> float:
             # a causal mask)
             shape = shape_factor((sq, sk), r.half_dim) * shape_factor((d,), r.attn_head_half)
             half = r.attn_bwd_par_half if backward else r.attn_par_half
+            occupancy = 1.0
             if half > 0:
                 # one thread block per 128-row query tile of each local (batch, head): few tiles
                 # leave SMs idle in the last, unequal (causal) wave
-                shape *= shape_factor((bh / div * math.ceil(sq / ATTN_TILE_ROWS),), half)
-            compute = k.share * k.mm_flops / div / (rate * shape)
+                occupancy = shape_factor((bh / div * math.ceil(sq / ATTN_TILE_ROWS),), half)
+            # under context parallelism only the ring's diagonal step is such a call; its other
+            # steps are full blocks of equal tiles (Transformer Engine's ``AttnFuncWithCPAndKVP2P``:
+            # step 0 causal, every later one a full block of the rank's queries or keys)
+            per_flop = k.diagonal / occupancy + (1.0 - k.diagonal)
+            compute = k.share * k.mm_flops / div / (rate * shape) * per_flop
         if k.dropout:
             compute *= 1.0 + r.attn_dropout
         return max(compute, memory) + first_touch(k, r, s) + r.launch_s

@@ -93,6 +93,11 @@ class Kernel:
     dtype: str = ""  # the precision it runs in when overridden ("": the training dtype)
     dropout: float = 0.0  # attention kernels: dropout probability on the attention probabilities
     share: float = CAUSAL_FRACTION  # attention kernels: the share of counted FLOPs its mask computes
+    # attention kernels: the share of their work in calls whose tiles a causal mask makes unequal,
+    # which the occupancy derating (``attention_parallel_half``) was fitted on; under context
+    # parallelism a causal rank runs 1/c of its work as the diagonal step and the rest as full
+    # blocks (``coplan.cost.kernels``)
+    diagonal: float = 1.0
     tn: bool = False
     # generated kernels with a reduction too wide for registers: what their later loops load again
     # (``looped.loop_reads``; paid where ``Rates.looped_reductions``)

@@ -49,7 +49,7 @@ from coplan.cost.parts import (
 )
 from coplan.cost.remat import unwritten_items
 from coplan.hardware.device import VECTOR_FAMILIES
-from coplan.ir.oprules import attention_cp, attention_dropout
+from coplan.ir.oprules import attention_causal, attention_cp, attention_dropout
 from coplan.ir.types import Graph, Op, OpKind, Phase, Tensor, TensorRole
 
 #: Submodules of a block whose ops Megatron-style tensor parallelism shards.
@@ -679,7 +679,7 @@ class _Ctx:
         # one launched kernel: an attention or GEMM kernel (a generated template where a GEMM
         # carries other ops), or generated vector code; only the anchor's geometry differs
         attn, dims, sdim = (0, 0, 0, 0), (0, 0, 0), -1
-        drop, tn, looped, share, template = 0.0, False, ZERO, CAUSAL_FRACTION, False
+        drop, tn, looped, share, template, diagonal = 0.0, False, ZERO, CAUSAL_FRACTION, False, 1.0
         if at is not None:
             fwd_op = g.ops[at.forward_op] if at.phase is Phase.BACKWARD and at.forward_op is not None else at
             kind, attn, core = "attention", attn_geometry(g, fwd_op), True
@@ -688,6 +688,9 @@ class _Ctx:
             cp = attention_cp(fwd_op)
             if cp > 1:  # the rank's queries meet every rank's keys (``attention_share``)
                 attn = (attn[0], attn[1], attn[2] * cp, attn[3])
+                if attention_causal(fwd_op):
+                    # the ring's diagonal step is the rank's one causal call (``Kernel.diagonal``)
+                    diagonal = 1.0 / cp
         elif mm is not None:
             kind, core = "matmul", False
             dims, sdim = mm_dims(g, mm, shard, self.tokens)
@@ -717,6 +720,7 @@ class _Ctx:
             dtype=dtype,
             dropout=drop,
             share=share,
+            diagonal=diagonal,
             tn=tn,
             loop_reads=looped,
             template=template,

@@ -155,3 +155,37 @@ def test_a_context_parallel_plan_is_checked_priced_emitted_and_reloaded():
     fsdp = _ctx("fsdp", 16384)
     problems = check(plan.with_(parallel=ParallelPlan(cp=8, microbatch=1, zero=3)), fsdp)
     assert any("context parallelism" in str(p) for p in problems)
+
+
+def test_only_the_rings_diagonal_step_pays_the_causal_occupancy_derating():
+    """A causal rank's ring runs one causal call (its diagonal step, 1/cp of its attention) and
+    full blocks for the rest (Transformer Engine's ``AttnFuncWithCPAndKVP2P``): the occupancy
+    derating fitted on causal kernels (``attention_parallel_half``) prices only that share."""
+    import math
+
+    from coplan.cost.kernels import ATTN_TILE_ROWS, Rates, Scale, kernel_time, shape_factor
+
+    model = CostModel(spec=SPEC)
+    cluster = load_cluster("dgx-h100", 16)
+    rates = Rates.of(cluster.groups[0].device, "bf16", "auto")
+    for cp, dp in ((1, 8), (4, 2)):
+        config = _config(cp, dp)
+        kernels = [
+            k for part in model.profile_for(config).templates for k in (*part.forward, *part.backward)
+            if k.kind == "attention"
+        ]  # fmt: skip
+        assert kernels and all(k.diagonal == 1.0 / cp for k in kernels)
+        k = kernels[0]
+        scale = Scale.of(config)
+        whole = kernel_time(replace(k, diagonal=1.0), rates, scale)
+        got = kernel_time(k, rates, scale)
+        bh, sq, _, _ = k.attn
+        backward = k.phase is Phase.BACKWARD
+        half = rates.attn_bwd_par_half if backward else rates.attn_par_half
+        occupancy = shape_factor((bh / scale.div(k.shard) * math.ceil(sq / ATTN_TILE_ROWS),), half)
+        if cp == 1:
+            assert got == whole
+        else:  # the compute term scales by (1/cp) / occupancy + (1 - 1/cp), against 1 / occupancy
+            launch = rates.launch_s
+            ratio = (1 / cp / occupancy + 1 - 1 / cp) * occupancy
+            assert got - launch == pytest.approx((whole - launch) * ratio, rel=1e-9)
