@@ -85,7 +85,7 @@ ZERO3_GATHERS: tuple[str, ...] = ("unit", "module", "tensor-list")
 #: (fms's ``RotaryEmbedding``, written to avoid complex numbers)
 ROPE_FORMS: tuple[str, ...] = ("complex", "pairs")
 #: How eager kernels bring a 16-bit model's logits to the loss (``coplan.cost.eager``): the model
-#: casts them (``logits.float()``), autocast runs log-softmax in fp32 over the 16-bit logits, the
+#: casts them (``logits.float()``), autocast casts the 16-bit log-probabilities for ``nll_loss``, the
 #: loss runs in the logits' own 16 bits, or a fused cross-entropy kernel takes them as they are
 LOSS_CASTS: tuple[str, ...] = ("float", "autocast", "none", "fused")
 
@@ -217,9 +217,9 @@ class TrainingConfig:
             the fp32 elements (``coplan.cost.eager``).
         eager_loss_cast: how eager kernels bring 16-bit logits to the loss (``LOSS_CASTS``):
             ``"float"``, the model's own ``logits.float()`` (a cast kernel each way and an fp32
-            copy, torchtitan's and Meta's Llama); ``"autocast"``, ``torch.autocast``'s fp32
-            log-softmax, which converts bf16 logits as ``.float()`` does but reads fp16 ones into
-            fp32 inside its kernel and writes their 16-bit gradient (no cast kernel, no copy);
+            copy, torchtitan's and Meta's Llama); ``"autocast"``, ``F.cross_entropy`` under
+            ``torch.autocast``: a 16-bit log-softmax, then ``nll_loss``'s cast of the
+            log-probabilities to fp32;
             ``"none"``, the loss in the logits' 16 bits; ``"fused"``, a fused cross-entropy
             kernel each way, priced as the IR's own loss kernels (flash-attn's
             ``CrossEntropyLoss``, llm-foundry's default ``fused_crossentropy``;

@@ -42,15 +42,15 @@ statistics), which cost a launch. The IR's own kernel for the op is replaced by 
   ``benchmarks/data/h200_step_probe.json``) a 4,096 x 128,256 fp32 log-softmax took 2.03 ms
   forward and 2.14 backward, four passes over 2.1 GB each. The extra reads are the kernels'
   ``loop_reads``, paid where rows do not stay in a cache between passes (GPUs; ``looped.py``).
-- ``log_softmax:autocast``: under ``torch.autocast`` (no ``.float()`` in the model: nanoGPT,
-  coplan's runner baselines) log-softmax is on autocast's fp32-with-``dtype`` list
-  (``aten/src/ATen/autocast_mode.cpp``: it runs as ``log_softmax(x, dim, dtype=float32)``).
-  ATen reads fp16 logits into fp32 inside its kernel (``half_to_float``) but converts any other
-  dtype first (``aten/src/ATen/native/SoftMax.cpp`` ``log_softmax``: the in-kernel path takes
-  ``ScalarType::Half`` only, else ``input_.toType(dtype)``), so bf16 logits run the ``float``
-  plan above, and fp16 ones this one: one kernel reading the 16-bit logits and writing fp32, no
-  fp32 copy; backward, ``_log_softmax_backward_data`` reads the fp32 output gradient and output
-  and writes the 16-bit input gradient. The wide row's extra reads are then of the 16-bit input.
+- ``log_softmax:autocast``: ``F.cross_entropy`` under ``torch.autocast`` (no ``.float()`` in the
+  model: nanoGPT, coplan's runner baselines). ``cross_entropy_loss`` has no autocast rule on CUDA
+  and decomposes into ``at::log_softmax(self, dim, self.scalar_type())`` then ``nll_loss``
+  (``aten/src/ATen/native/LossNLL.cpp``); autocast's fp32-with-``dtype`` rule for log-softmax keeps
+  a dtype the call gives (``aten/src/ATen/autocast_mode.h`` ``set_opt_dtype``), so the log-softmax
+  runs in the logits' 16 bits and saves a 16-bit output, and ``nll_loss``, on autocast's fp32
+  list, casts those log-probabilities to fp32 first: a 16-bit log-softmax (its wide row read again
+  in 16 bits) and a cast kernel forward; backward the cast's gradient back to 16 bits and a
+  16-bit log-softmax backward.
 - ``log_softmax:none``: the loss in the logits' 16 bits (a model whose logits stay 16-bit and that
   runs no autocast: fms-fsdp's loss on its FSDP-mixed-precision Llama's bf16 output), one 16-bit
   kernel each way, and ``nll_loss``'s zero-filled input gradient in 16 bits.
@@ -109,8 +109,8 @@ PLANS: dict[str, tuple[tuple[tuple[float, float], ...], int]] = {
     "rope_bwd:pairs": (((1, 1), (0, 3), (0, 3), (1, 1)), 0),
     "log_softmax": (((1, 1), (0, 2)), 0),
     "log_softmax_bwd": (((0, 3), (1, 1)), 0),
-    "log_softmax:autocast": (((1, 1),), 0),
-    "log_softmax_bwd:autocast": (((1, 2),), 0),
+    "log_softmax:autocast": (((2, 0), (1, 1)), 0),
+    "log_softmax_bwd:autocast": (((1, 1), (3, 0)), 0),
     "log_softmax:none": (((2, 0),), 0),
     "log_softmax_bwd:none": (((3, 0),), 0),
     "nll_loss_bwd:autocast": (((0, 1),), 1),
@@ -130,19 +130,12 @@ WIDE_ROW_READS: dict[str, tuple[int, float, float, int]] = {
     "log_softmax": (1, 0.0, 2.0, 4),
     "log_softmax_bwd": (0, 0.0, 1.0, 4),
     "log_softmax:autocast": (0, 2.0, 0.0, 2),
-    "log_softmax_bwd:autocast": (0, 0.0, 1.0, 4),
+    "log_softmax_bwd:autocast": (1, 1.0, 0.0, 2),
     "log_softmax:none": (0, 2.0, 0.0, 2),
     "log_softmax_bwd:none": (0, 1.0, 0.0, 2),
 }
 #: the plan keys a loss cast (``TrainingConfig.eager_loss_cast``) other than ``float`` replaces
 LOSS_KEYS = frozenset({"log_softmax", "log_softmax_bwd", "nll_loss_bwd"})
-
-
-def loss_form(cast: str, dtype: str) -> str:
-    """The loss plan a configuration's ``eager_loss_cast`` runs at training dtype ``dtype``:
-    autocast's fp32 log-softmax reads only fp16 logits in its kernel and converts bf16 ones first,
-    as ``.float()`` does (module docstring)."""
-    return "float" if cast == "autocast" and dtype != "fp16" else cast
 
 
 def plan_key(graph: Graph, op: Op) -> str:
@@ -297,7 +290,6 @@ __all__ = [
     "PLANS",
     "eager_kernels",
     "gqa_repeat",
-    "loss_form",
     "op_kernels",
     "plan_key",
     "repeat_kv_saved",

@@ -13,7 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from coplan.cost.config import TrainingConfig
-from coplan.cost.eager import FUSED_RMSNORM, eager_kernels, loss_form, shard_class
+from coplan.cost.eager import FUSED_RMSNORM, eager_kernels, shard_class
 from coplan.cost.fp8 import fp8_cost, runs_fp8
 from coplan.cost.kernels import Rates, Scale, kernel_time, local_dims, memory_s
 from coplan.cost.parts import GraphProfile, Kernel, Part, part_dtype, run_kernels
@@ -90,7 +90,7 @@ def kernel_costs(
                 shard_class,
                 fused,
                 config.eager_rope,
-                loss_form(config.eager_loss_cast, config.dtype),
+                config.eager_loss_cast,
             )
         for k in (*fwd, *bwd):
             if k.kind == "free":

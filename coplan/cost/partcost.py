@@ -11,7 +11,7 @@ from typing import cast
 
 from coplan.cost.comm import Group
 from coplan.cost.config import TrainingConfig
-from coplan.cost.eager import FUSED_RMSNORM, eager_kernels, loss_form, shard_class
+from coplan.cost.eager import FUSED_RMSNORM, eager_kernels, shard_class
 from coplan.cost.fp8 import fp8_cost, runs_fp8
 from coplan.cost.fusion import readers
 from coplan.cost.kernels import (
@@ -102,7 +102,7 @@ def _base_prices(cost: PartCost, part: Part, fp8: bool) -> _Base:
     if c.kernels == "eager" or (c.eager_loss and part is cost.profile.post):
         # eager PyTorch's decompositions of the ops a model writes in Python (``eager.py``)
         fused = FUSED_RMSNORM if c.fused_rmsnorm else frozenset()
-        loss = loss_form(c.eager_loss_cast, c.dtype)
+        loss = c.eager_loss_cast
         key = ("eager", c.loss_fusion, c.activation_fusion, fused, c.eager_rope, loss)
         got = part.cache.get(key)
         if got is None:
@@ -191,7 +191,7 @@ class _Priced:
             c.fused_rmsnorm,
             c.kernel_local_buffers,
             c.eager_rope,
-            loss_form(c.eager_loss_cast, c.dtype),
+            c.eager_loss_cast,
             c.optimizer,
             c.eager_loss and part is cost.profile.post,
             (c.tp, c.sequence_parallel, c.fp8_params, c.fp8_scaling, c.gathers_per_unit, c.num_microbatches)
