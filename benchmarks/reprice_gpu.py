@@ -1,12 +1,12 @@
 """The baselines of a recorded GPU benchmark (``bench_gpu.py all``'s ``bench_gpu.json``) priced
-again by today's cost model, beside what was measured and what was predicted when they ran.
+again by the cost model as it stands, beside what was measured and what was predicted when they ran.
 
     python benchmarks/reprice_gpu.py [benchmarks/results/gpu/bench_gpu.json] [--json OUT]
 
 Each eager and ``torch.compile`` run is priced as ``coplan run --mode eager|compile`` prices it
 (``coplan.apply.run.priced_request``): the run's model, batch, microbatch and sequence, on the
 cluster the record names in ``priced_as``, with no GPU needed. The plans' own runs are left out:
-their plans are files of the planning session, which a later planner need not reproduce. Prints
+their plans are files made by the planner of the time, which a later planner need not reproduce. Prints
 each run's step time measured, predicted then and now, and each model's eager / compiled step-time
 ratio measured and priced (the points between them).
 """
