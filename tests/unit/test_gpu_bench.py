@@ -143,3 +143,25 @@ def test_a_calibrated_profile_ranks_the_runs_a_second_time(gpu_all):
         r.update(batch=8, saved_activation_bytes=0.0, predicted_saved_activation_bytes=0.0, peak_bytes=0.0)
         r.update(recomputed=0, grad_ok=True)
     assert "on the calibrated profile 1 of 1" in gpu_all.table({"device": "d", "torch": "t", **result})
+
+
+def test_recorded_gpu_baselines_are_priced_again_as_coplan_run_prices_them(gpu_all):
+    """``benchmarks/reprice_gpu.py``: each recorded eager and compiled baseline priced now, beside
+    the record's own figures, with its eager / compiled ratios measured and priced."""
+    sys.path.insert(0, str(BENCH))
+    try:
+        import reprice_gpu
+    finally:
+        sys.path.remove(str(BENCH))
+    record = json.loads(reprice_gpu.RECORD.read_text())
+    got = reprice_gpu.reprice(record)
+    for model, m in got["models"].items():
+        runs = record["models"][model]["runs"]
+        for key, r in m["runs"].items():
+            assert key.split("@")[0] in ("eager", "compile")
+            assert r["measured_s"] == runs[key]["step_time_s"]
+            assert r["error"] == pytest.approx(r["predicted_s"] / r["measured_s"] - 1)
+        assert m["eager_over_compiled"]  # every model's pair ran at one batch at least
+        for ratio in m["eager_over_compiled"].values():
+            # eager kernels are never priced faster than the compiler's fused ones
+            assert ratio["priced"] > 1.0 and ratio["measured"] > 1.0
