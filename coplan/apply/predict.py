@@ -189,7 +189,7 @@ def baseline_plan(plan: Plan, ctx: PlanContext, mode: str, *, keep_recompute: bo
         # 41.3 GiB where this prices 40.2, 38.1 without). Compiled, the partitioner picks what to
         # save (the same run saved 28.4 GiB, 33.9 priced this way, 31.9 without), so the
         # compiled baseline keeps autocast's list alone
-        prec = replace(prec, ops=autocast_stream_ops(ctx))
+        prec = replace(prec, ops=autocast_stream_ops(ctx, compute))
     fusion = fusion_option(ctx, "greedy" if mode == "compile" else "eager")
     remat = plan.remat if keep_recompute else RematPlan()
     ran = plan.with_(fusion=fusion, remat=remat, precision=prec)

@@ -330,9 +330,16 @@ class _Ctx:
         generated kernel (free), or as a kernel of its own."""
         g = self.g
         for op in g.ops:
-            if op.kind not in (OpKind.MATMUL, OpKind.ATTENTION) or op.phase is Phase.OPTIMIZER:
+            if op.phase is Phase.OPTIMIZER:
                 continue
-            need = self.needed_dtype(op)
+            # the loss on the vocabulary reads fp32 unless overridden: autocast casts a 16-bit
+            # log-softmax output for ``nll_loss`` (on its fp32 list), and autograd keeps that copy,
+            # ``nll_loss``'s input, for its backward (``saved_copy``); the cast's time is the eager
+            # kernels' (``eager.py``, ``log_softmax:autocast``), so it is placed as absorbed
+            loss = op.kind is OpKind.LOSS and op.phase is Phase.FORWARD and op.id in self._f32_ops
+            if op.kind not in (OpKind.MATMUL, OpKind.ATTENTION) and not loss:
+                continue
+            need = self._dtype.get(op.id, "fp32") if loss else self.needed_dtype(op)
             for tid in op.inputs:
                 t = g.tensors[tid]
                 base = g.tensors[t.storage_id]
@@ -345,6 +352,9 @@ class _Ctx:
                 if op.id not in self._dtype and (src is None or src not in self._dtype):
                     # the default precision's own conversions (fp32 loss gradients into the LM
                     # head's GEMM) are part of the stack's fused kernels, priced without overrides too
+                    continue
+                if loss:
+                    self._casts[key] = (op.id, True)
                     continue
                 prod_grp = self.group_of.get(src, (src,)) if src is not None else ()
                 own = self.group_of.get(op.id, (op.id,))
@@ -368,6 +378,11 @@ class _Ctx:
         g = self.g
         total: Vec = ZERO
         plain = False
+        for (tid, need), (consumer, _) in self._casts.items():
+            if tid == t.id and need in needs and g.ops[consumer].kind is OpKind.LOSS:
+                # the loss's cast input, which autograd keeps for ``nll_loss_backward(grad, self)``
+                needs.discard(need)
+                total = vadd(total, self.as_dtype(t, need))
         for c in readers(g, t.id):
             op = g.ops[c]
             if op.phase is not Phase.BACKWARD:

@@ -58,7 +58,7 @@ def autocast_ops(ctx: PlanContext) -> tuple[tuple[str, str], ...]:
 _AUTOCAST_16BIT_KINDS = frozenset({OpKind.MATMUL, OpKind.ATTENTION})
 
 
-def autocast_stream_ops(ctx: PlanContext) -> tuple[tuple[str, str], ...]:
+def autocast_stream_ops(ctx: PlanContext, compute: str = "bf16") -> tuple[tuple[str, str], ...]:
     """fp32 overrides for what ``torch.autocast`` over fp32 parameters computes in fp32: its fp32
     list (``autocast_ops``) and, by type promotion, every other op reading an fp32 tensor or
     parameter. The embedding is on neither of autocast's lists, so it returns its fp32 weight's
@@ -85,7 +85,16 @@ def autocast_stream_ops(ctx: PlanContext) -> tuple[tuple[str, str], ...]:
             fp32.update(op.outputs)
             promoted.add(op.id)
     names = {op.name for op in _forward_ops(ctx) if op.id in promoted or op.name in listed}
-    return tuple((op.name, "fp32") for op in _forward_ops(ctx) if op.name in names)
+    # ``F.cross_entropy`` asks log-softmax for the logits' own dtype, which autocast keeps
+    # (``coplan.cost.eager``, ``log_softmax:autocast``): it runs in 16 bits, and ``nll_loss``, on
+    # autocast's fp32 list, reads a cast copy (``coplan.cost.profile``)
+    half = "fp16" if compute == "fp16" else "bf16"
+    loss = dict(loss16_ops(ctx, half))
+    return tuple(
+        (op.name, half if op.name in loss and _target(op) == "log_softmax" else "fp32")
+        for op in _forward_ops(ctx)
+        if op.name in names
+    )
 
 
 def loss16_ops(ctx: PlanContext, dtype: str) -> tuple[tuple[str, str], ...]:

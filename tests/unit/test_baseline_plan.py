@@ -6,6 +6,8 @@ output); eager PyTorch recomputes nothing; a budgeted ``torch.compile`` keeps th
 
 from __future__ import annotations
 
+import pytest
+
 from coplan.apply.predict import baseline_plan, make_context, plan_for
 from coplan.hardware import load_cluster
 from coplan.models.spec import load_model_spec
@@ -71,3 +73,24 @@ def test_an_eager_baseline_keeps_autocasts_fp32_residual_stream():
         "h.0": torch.float32,  # the block's output: fp32 residual plus 16-bit branches
         "lm_head": torch.bfloat16,
     }
+
+
+def test_an_eager_baselines_loss_keeps_16_bit_log_probabilities_and_nll_losss_fp32_copy():
+    """``F.cross_entropy`` under autocast: log-softmax in the logits' 16 bits (the explicit dtype
+    ``cross_entropy`` passes, which autocast keeps), ``nll_loss`` on autocast's fp32 list reading a
+    cast copy, and autograd keeping both for backward (``nll_loss_backward`` takes its input): 2 + 4
+    bytes a logit, where an fp32 log-softmax keeps 4."""
+    from dataclasses import replace
+
+    from coplan.passes.precision import autocast_stream_ops
+
+    ctx = _ctx()
+    stream = dict(autocast_stream_ops(ctx, "bf16"))
+    (lsm,) = [n for n in stream if ctx.index.op_by_name[n].target == "log_softmax"]
+    (nll,) = [n for n in stream if ctx.index.op_by_name[n].target == "nll_loss"]
+    assert stream[lsm] == "bf16" and stream[nll] == "fp32"
+    eager = baseline_plan(plan_for(ctx, compute="bf16", microbatch=4), ctx, "eager")
+    fp32_lsm = eager.with_(precision=replace(eager.precision, ops=tuple({**stream, lsm: "fp32"}.items())))
+    logits = 4 * 64 * ctx.model.spec.vocab_size
+    saved = [ctx.price(p).memory.activations_bytes for p in (eager, fp32_lsm)]
+    assert saved[0] - saved[1] == pytest.approx(2 * logits)
