@@ -89,6 +89,13 @@ class Zero3Gather(enum.StrEnum):  # coplan.cost.config.ZERO3_GATHERS
     tensor_list = "tensor-list"
 
 
+class LossCast(enum.StrEnum):  # coplan.cost.config.LOSS_CASTS
+    float = "float"
+    autocast = "autocast"
+    none = "none"
+    fused = "fused"
+
+
 def estimate(
     model: ModelOpt = DEFAULT_MODEL,
     cluster: ClusterOpt = DEFAULT_CLUSTER,
@@ -238,6 +245,16 @@ def estimate(
             help="How ZeRO-3 issues its all-gathers and reduce-scatters: one per layer (FSDP), one per "
             "module owning parameters (DeepSpeed), or one per parameter tensor with a tensor per rank "
             "for PyTorch to copy (DeepSpeed before v0.5.6) \\[default: the stack's].",
+            show_default=False,
+        ),
+    ] = None,
+    eager_loss_cast: Annotated[
+        LossCast | None,
+        typer.Option(
+            "--eager-loss-cast",
+            help="Where the loss runs eager, how the 16-bit logits reach it: the model's .float() "
+            "(torchtitan), F.cross_entropy under autocast (a 16-bit log-softmax, an fp32 cast for "
+            "nll_loss), the loss in 16 bits, or a fused cross-entropy kernel \\[default: the stack's].",
             show_default=False,
         ),
     ] = None,
@@ -419,6 +436,8 @@ def estimate(
     config = the_stack.configure(config)
     if zero3_gather is not None:
         config = config.with_(zero3_gather=zero3_gather.value)
+    if eager_loss_cast is not None:
+        config = config.with_(eager_loss_cast=eager_loss_cast.value)
     if not zero3_overlap:
         config = config.with_(overlap_zero=False)
     if launch_blocking:

@@ -305,3 +305,34 @@ def test_a_fused_cross_entropy_keeps_the_irs_loss_kernels():
         f: model.estimate(cluster, config.with_(eager_loss_cast=f)).step_time_s for f in ("float", "fused")
     }
     assert step["fused"] < step["float"]
+
+
+def test_cli_prices_the_loss_cast_as_named(cli) -> None:  # type: ignore[no-untyped-def]
+    """``coplan estimate --eager-loss-cast``: the stack's own form unless named; the named one in
+    the JSON config, and a 16-bit loss pricing below ``.float()``'s on an eager stack."""
+    import json
+
+    args = (
+        "estimate",
+        "--model",
+        "llama3-8b",
+        "--gpus",
+        "8",
+        "--zero",
+        "3",
+        "--stack",
+        "torchtitan",
+        "--json",
+    )
+    step = {}
+    for form in ("float", "none"):
+        code, out, err = cli(*args, "--eager-loss-cast", form)
+        assert code == 0, err
+        data = json.loads(out)
+        step[form] = data["step_time_s"]
+        assert data["config"].get("eager_loss_cast", "float") == form
+    code, out, _ = cli(*args)
+    assert json.loads(out)["step_time_s"] == step["float"]  # torchtitan's own .float()
+    assert step["none"] < step["float"]
+    code, _, err = cli(*args, "--eager-loss-cast", "fp8")
+    assert code == 2 and len(err.strip().splitlines()) == 1

@@ -187,6 +187,7 @@ _ESTIMATE = {
     "--dp-bucket-params": _numbers,
     "--kernels": _numbers,
     "--zero3-gather": st.sampled_from(["unit", "module", "tensor-list", "layer", ""]),
+    "--eager-loss-cast": st.sampled_from(["float", "autocast", "none", "fused", "fp8", ""]),
     "--stack": st.sampled_from(["megatron", "deepspeed", "fsdp", "eager", "nope", ""]),
     "--cluster": st.sampled_from(["cpu", "dgx-h100", "a100-sxm", "nope", "/tmp", "/proc/version"]),
 }
