@@ -5,7 +5,7 @@ kept for backward) live after each op, by liveness over the part's ops in execut
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 
 from coplan.cost.families import prune_dominated
 from coplan.cost.fusion import readers
@@ -29,6 +29,7 @@ def liveness(
     kept: frozenset[int] = frozenset(),
     unwritten: frozenset[int] = frozenset(),
     narrowed: frozenset[int] = frozenset(),
+    freed: Mapping[int, Vec] | None = None,
 ) -> tuple[Vec, ...]:
     """Live temporaries (not kept for backward) after each op of the part, forward and backward.
     Ops in ``skip`` run as other kernels (Megatron's loss): their temporaries are left out, a
@@ -36,7 +37,9 @@ def liveness(
     a walked op counts as an incoming temporary in the training dtype (``skip_returns``; off:
     it is storage counted elsewhere). Storages in ``kept`` are counted as saved, not here;
     storages in ``unwritten`` never reach memory, those in ``narrowed`` are written in the training
-    dtype (``fused_temporaries``).
+    dtype (``fused_temporaries``). ``freed``: saved storage an op's backward node releases when it
+    finishes (op id -> its vector), which the saved vector counts to the end of the part's backward:
+    the points after that op carry it as freed.
     ``vec`` gives a tensor's element vector as stored, ``act_vec`` in the training dtype."""
     last_use: dict[int, int] = {}
     for op in ops:
@@ -83,6 +86,8 @@ def liveness(
                 live[t.id] = act_vec(t) if t.id in narrowed else vec(t)
                 current = vadd(current, live[t.id])
         points.append(current)
+        if freed and op.id in freed:
+            current = tuple(a - b for a, b in zip(current, freed[op.id], strict=True))  # type: ignore[assignment]
         ended = {g.tensors[tid].storage_id for tid in (*op.inputs, *op.outputs)}
         release([sid for sid in ended if sid in live and last_use.get(sid, -1) <= op.id])
     return prune_dominated(points)

@@ -395,6 +395,21 @@ class _Ctx:
                 plain = True
         return vadd(total, self.vec(t)) if plain else total
 
+    def _loss_copies(self, ops: Sequence[Op]) -> dict[int, Vec]:
+        """The loss's cast inputs kept for its backward (``saved_copy``), by the backward op of the
+        loss that releases them: autograd frees ``nll_loss``'s saved input when its node is done,
+        before the log-softmax's backward, whose saved output the saved vector holds to the end."""
+        out: dict[int, Vec] = {}
+        if not self._casts:
+            return out
+        for (tid, need), (consumer, _) in self._casts.items():
+            if self.g.ops[consumer].kind is not OpKind.LOSS:
+                continue
+            for op in ops:
+                if op.phase is Phase.BACKWARD and op.kind is OpKind.LOSS and op.forward_op == consumer:
+                    out[op.id] = vadd(out.get(op.id, ZERO), self.as_dtype(self.g.tensors[tid], need))
+        return out
+
     def cast_kernels(self, ops: Sequence[Op]) -> list[Kernel]:
         """Stand-alone cast kernels needed by ``ops`` (one per tensor and dtype)."""
         out = []
@@ -520,7 +535,7 @@ class _Ctx:
                 "selective": self.saved_vec(ops, ids, mode="selective"),
                 "full": self.saved_vec(ops, ids, mode="full") if blocks else saved_none,
             },
-            transient=liveness(self.g, self.vec, self._act_vec, ops, ids),
+            transient=liveness(self.g, self.vec, self._act_vec, ops, ids, freed=self._loss_copies(ops)),
             transient_scheduled=(
                 partial(self.scheduled_transient, tuple(ops), frozenset(ids), group_of)
                 if self.compiled

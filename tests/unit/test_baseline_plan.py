@@ -94,3 +94,19 @@ def test_an_eager_baselines_loss_keeps_16_bit_log_probabilities_and_nll_losss_fp
     logits = 4 * 64 * ctx.model.spec.vocab_size
     saved = [ctx.price(p).memory.activations_bytes for p in (eager, fp32_lsm)]
     assert saved[0] - saved[1] == pytest.approx(2 * logits)
+
+
+def test_nll_losss_saved_copy_is_freed_when_its_backward_is_done():
+    """Autograd frees ``nll_loss``'s saved fp32 input once its backward node has run, before the
+    log-softmax's backward: the points after it carry the copy as freed (``liveness(freed=...)``),
+    so the loss's peak is the fp32 gradient beside everything saved, not that plus the copy."""
+    from coplan.cost.parts import FIX, TP
+
+    ctx = _ctx()
+    eager = baseline_plan(plan_for(ctx, compute="bf16", microbatch=4), ctx, "eager")
+    est = ctx.price(eager)
+    post = ctx.model.profile_for(est.config).post
+    copy = 4.0 * 4 * 64 * ctx.model.spec.vocab_size  # the fp32 log-probabilities, one microbatch
+    fix = [p[FIX * 2 + TP] for p in post.transient]  # bytes on the vocabulary's shard
+    assert min(fix) == pytest.approx(-copy)
+    assert max(fix) < copy  # no point holds the copy as a temporary on top of the saved one
