@@ -113,7 +113,6 @@ PLANS: dict[str, tuple[tuple[tuple[float, float], ...], int]] = {
     "log_softmax_bwd:autocast": (((1, 1), (3, 0)), 0),
     "log_softmax:none": (((2, 0),), 0),
     "log_softmax_bwd:none": (((3, 0),), 0),
-    "nll_loss_bwd:autocast": (((0, 1),), 1),
     "nll_loss_bwd:none": (((1, 0),), 1),
     "nll_loss": ((), 1),
     "nll_loss_bwd": (((0, 1),), 1),
@@ -171,8 +170,8 @@ def op_kernels(
     key = plan_key(graph, op)
     if key in ("rope", "rope_bwd") and rope != "complex":
         key = f"{key}:{rope}"
-    if key in LOSS_KEYS and loss != "float":
-        key = f"{key}:{loss}"
+    if key in LOSS_KEYS and f"{key}:{loss}" in PLANS:
+        key = f"{key}:{loss}"  # a form that changes nothing for an op keeps the op's own plan
     big, small = PLANS[key]
     again = WIDE_ROW_READS.get(key)
     out: list[Kernel] = []

@@ -304,8 +304,9 @@ def estimate(profile: GraphProfile, cluster: ClusterSpec, config: TrainingConfig
             # parameters each (``zero.py``; FSDP's are its units)
             calls = {"unit": units, "module": ps.modules, "tensor-list": ps.tensors}
             pieces = max(units, calls[config.zero3_gather])
+            # FSDP's root unit: every parameter no block owns (embedding, final norm, head)
+            root = p_local - block_local
             if config.fsdp_units and config.overlap_zero:
-                root = p_local - block_local
                 fsdp = (block_local, root, units, param_bytes, grad_bytes, fwd, bwd + recompute, gathers)
                 zero_comm = _fsdp_comm(cluster, config, net, device, *fsdp)
             else:
@@ -322,13 +323,12 @@ def estimate(profile: GraphProfile, cluster: ClusterSpec, config: TrainingConfig
                 # buffers on the compute stream (``zero.fsdp_copies``)
                 hbm_rate = device.memory_bandwidth * device.efficiency_of("memory")
                 zero_comm += fsdp_copies(
-                    block_local, p_local - block_local, units, gathers, param_bytes, float(ab),
+                    block_local, root, units, gathers, param_bytes, float(ab),
                     grad_bytes, hbm_rate, device.kernel_launch_s,
                 )  # fmt: skip
             if config.fsdp_units:
                 # FSDP's units: one per block and the root (embedding, final norm, head), which
                 # stays gathered from the start of forward to the end of backward
-                root = p_local - block_local
                 transient += fsdp_transient(block_local, root, units, param_bytes, grad_bytes)
             else:
                 # the pieces gathered at once: a layer, or (on average) a module or a tensor

@@ -52,10 +52,13 @@ def liveness(
     current: Vec = ZERO
     walked = ids - skip
 
-    def release(sids: Iterable[int]) -> None:
+    def drop(v: Vec) -> None:
         nonlocal current
+        current = tuple(a - b for a, b in zip(current, v, strict=True))  # type: ignore[assignment]
+
+    def release(sids: Iterable[int]) -> None:
         for sid in sids:
-            current = tuple(a - b for a, b in zip(current, live.pop(sid), strict=True))  # type: ignore[assignment]
+            drop(live.pop(sid))
 
     for op in ops:
         if op.phase is Phase.OPTIMIZER or op.kind is OpKind.VIEW or op.id in skip:
@@ -87,7 +90,7 @@ def liveness(
                 current = vadd(current, live[t.id])
         points.append(current)
         if freed and op.id in freed:
-            current = tuple(a - b for a, b in zip(current, freed[op.id], strict=True))  # type: ignore[assignment]
+            drop(freed[op.id])
         ended = {g.tensors[tid].storage_id for tid in (*op.inputs, *op.outputs)}
         release([sid for sid in ended if sid in live and last_use.get(sid, -1) <= op.id])
     return prune_dominated(points)

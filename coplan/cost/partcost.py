@@ -102,12 +102,11 @@ def _base_prices(cost: PartCost, part: Part, fp8: bool) -> _Base:
     if c.kernels == "eager" or (c.eager_loss and part is cost.profile.post):
         # eager PyTorch's decompositions of the ops a model writes in Python (``eager.py``)
         fused = FUSED_RMSNORM if c.fused_rmsnorm else frozenset()
-        loss = c.eager_loss_cast
-        key = ("eager", c.loss_fusion, c.activation_fusion, fused, c.eager_rope, loss)
+        key = ("eager", c.loss_fusion, c.activation_fusion, fused, c.eager_rope, c.eager_loss_cast)
         got = part.cache.get(key)
         if got is None:
             got = part.cache[key] = eager_kernels(
-                cost.profile.graph, fwd, bwd, shard_class, fused, c.eager_rope, loss
+                cost.profile.graph, fwd, bwd, shard_class, fused, c.eager_rope, c.eager_loss_cast
             )
         fwd, bwd = got  # type: ignore[misc]
     fwd_times = tuple(cost.time(k) for k in fwd)

@@ -370,19 +370,20 @@ class _Ctx:
         """What keeping ``t`` for backward stores: a library kernel that read a cast copy keeps
         that copy (autocast's linear saves its 16-bit input, not the fp32 norm output); other
         backward readers keep ``t`` itself."""
-        if not self._casts:
-            return self.vec(t)
-        needs = {d for (tid, d) in self._casts if tid == t.id}
-        if not needs:
-            return self.vec(t)
         g = self.g
+        needs: set[str] = set()
         total: Vec = ZERO
-        plain = False
         for (tid, need), (consumer, _) in self._casts.items():
-            if tid == t.id and need in needs and g.ops[consumer].kind is OpKind.LOSS:
+            if tid != t.id:
+                continue
+            if g.ops[consumer].kind is OpKind.LOSS:
                 # the loss's cast input, which autograd keeps for ``nll_loss_backward(grad, self)``
-                needs.discard(need)
                 total = vadd(total, self.as_dtype(t, need))
+            else:
+                needs.add(need)
+        if not needs and total == ZERO:
+            return self.vec(t)
+        plain = False
         for c in readers(g, t.id):
             op = g.ops[c]
             if op.phase is not Phase.BACKWARD:
