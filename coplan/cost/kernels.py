@@ -210,6 +210,9 @@ class Scale:
     # kernel launches are synchronous: each pays the host's issue time in series
     # (``TrainingConfig.launch_blocking``)
     launch_blocking: bool = False
+    # batched GEMMs are padded too: Inductor's pad_mm pads bmm operands as it pads mm's, where eager
+    # PyTorch and Megatron's kernels run the head dimension as the model has it
+    pads_bmm: bool = False
 
     def div(self, shard: int) -> int:
         return self.tp if shard == TP or self.sp else 1
@@ -235,6 +238,7 @@ class Scale:
             config.gemm_padding,
             config.kernels == "eager",
             config.launch_blocking,
+            config.gemm_padding and config.kernels == "inductor",
         )
 
 
@@ -442,6 +446,11 @@ def _attention(k: Kernel, r: Rates, s: Scale) -> float:
     # These kernels compute the whole score matrix and mask it: all the counted FLOPs are paid,
     # though model FLOPs (MFU) count only the causal share, the useful work.
     compute = k.mm_flops / div / (r.mm_flops * shape_factor((sq, sk, d), r.half_dim))
+    if not s.pads_bmm and r.mm_unaligned < 1.0 and (d * s.act_bytes) % GEMM_ALIGN_BYTES:
+        # every one of these batched GEMMs loads an operand whose leading dimension is the head
+        # dimension (QK^T's K; V's, P's and dS's partners backward), so a head dimension that is not
+        # a multiple of 16 bytes runs them all on cuBLAS's narrow-alignment kernels
+        compute /= r.mm_unaligned
     forward = k.phase.value == "forward"
     if s.eager_attention:
         per_elem = eager_scores(forward, s.act_bytes)

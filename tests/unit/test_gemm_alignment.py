@@ -3,7 +3,8 @@
 An H100 ran GPT-2's LM-head gradient GEMMs over the 50,257-wide vocabulary at 0.20 of the rate of
 the aligned shape (``devices.json``, ``matmul_unaligned``); the forward, whose only unaligned
 dimension is its output's, ran as fast as priced. Stacks that pad (Megatron's vocabulary,
-Inductor's ``shape_padding``) pay nothing.
+Inductor's ``shape_padding``) pay nothing. An A100 pays for an unaligned head dimension in
+Megatron's unfused attention (fitted to BigScience's trials of BLOOM's widths).
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ import pytest
 import torch
 
 from coplan.cost import CostModel, TrainingConfig
-from coplan.cost.kernels import Rates, Scale, kernel_time, misaligned
+from coplan.cost.kernels import Rates, Scale, kernel_time, misaligned, shape_factor
 from coplan.cost.parts import ZERO, Kernel
 from coplan.cost.stacks import load_stack, stack_names
 from coplan.hardware import load_cluster
@@ -62,8 +63,39 @@ def test_unpadded_misaligned_gemm_runs_at_the_devices_fraction():
 
 
 def test_devices_without_a_measurement_pay_nothing():
-    dev = load_cluster("dgx-a100-80gb").groups[0].device
+    dev = load_cluster("mi300x-node").groups[0].device
     assert Rates.of(dev, "bf16").mm_unaligned == 1.0
+
+
+def _unfused_attention(head_dim: int) -> Kernel:
+    bh, s = 16, 2048
+    flops = 4.0 * bh * s * s * head_dim
+    return Kernel(Phase.FORWARD, "attention", 0, flops, 0.0, ZERO, attn=(bh, s, s, head_dim))
+
+
+@pytest.mark.parametrize("head_dim", [225, 150, 108])
+def test_unfused_attention_with_an_unaligned_head_dim_runs_its_gemms_at_the_devices_fraction(head_dim):
+    # BLOOM's trial widths (hidden 14400 over 64 / 96 heads, 13824 over 128): every batched GEMM of
+    # baddbmm + softmax + bmm loads an operand whose leading dimension is the head dimension
+    dev = load_cluster("dgx-a100-80gb").groups[0].device
+    r = Rates.of(dev, "fp16")
+    assert r.mm_unaligned == pytest.approx(0.15)
+    megatron = Scale(1, False, (2.0, 2.0, 4.0, 4.0, 1.0, 1.0), 2, False, True, True)
+    inductor = dataclasses.replace(megatron, pads_bmm=True)  # pad_mm pads bmm operands too
+    k, aligned = _unfused_attention(head_dim), _unfused_attention(head_dim + 8 - head_dim % 8)
+    assert kernel_time(k, r, megatron) > kernel_time(k, r, inductor)
+    # the GEMM part alone is what slows: the score traffic is the same
+    slow = kernel_time(k, r, megatron) - kernel_time(k, r, inductor)
+    gemm = k.mm_flops / (r.mm_flops * shape_factor((2048, 2048, head_dim), r.half_dim))
+    assert slow == pytest.approx(gemm * (1 / 0.15 - 1), rel=1e-9)
+    assert kernel_time(aligned, r, megatron) == kernel_time(aligned, r, inductor)
+
+
+def test_only_inductor_pads_the_head_dimension():
+    base = TrainingConfig(tp=1, pp=1, dp=1, microbatch=1, global_batch=1, seq=64)
+    assert Scale.of(base.with_(kernels="inductor")).pads_bmm
+    assert not Scale.of(base).pads_bmm  # Megatron's kernels: the vocabulary is padded, heads are not
+    assert not Scale.of(base.with_(kernels="inductor", gemm_padding=False)).pads_bmm
 
 
 def test_eager_pytorch_pays_for_gpt2s_vocabulary_on_hopper_and_megatron_does_not():
