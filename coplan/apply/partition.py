@@ -165,7 +165,7 @@ def kept_copies(node: fx.Node, forward: set[fx.Node]) -> list[fx.Node]:
     (``precision._cast_exits``), and the GEMM's weight gradient reads that 16-bit copy; nothing
     in backward reads the fp32 output (the norm's backward reads its input, mean and rstd). Keeping
     the fp32 output would store twice the bytes and re-cast it in backward; the cost model, like
-    eager autocast's ``linear``, keeps the 16-bit copy (``cost.profile._Ctx.saved_copy``). A
+    eager autocast's ``linear``, keeps the 16-bit copy (``cost.lookups.GraphLookups.saved_copy``). A
     widening cast (the bf16 residual read by the fp32 norm) is the other way round: the narrow
     original is kept and backward re-casts it exactly, as the cost model prices the residual at
     its producer's width.

@@ -66,7 +66,7 @@ def test_a_recomputed_tensor_kept_only_for_backward_is_not_written():
     bandwidth = device.memory_bandwidth * device.efficiency_of("memory")
     layers = ctx.model.spec.n_layers
     # microbatch 8 x seq 1024 values, 2 bytes: the cost model keeps a norm's statistics in the
-    # activation dtype's class (``profile._Ctx.tensor_class``)
+    # activation dtype's class (``lookups.GraphLookups.tensor_class``)
     written = 8 * 1024 * 2
     # the recompute re-runs the norm (whole: a norm is no pointwise op), which the estimate
     # charges as recompute; the forward loses exactly the write (one microbatch of 8)
