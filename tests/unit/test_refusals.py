@@ -189,6 +189,7 @@ def test_every_strategy_keeps_to_the_dtypes_asked_for(cli: Cli) -> None:
 
 
 def test_strategy_choices_match_the_registry() -> None:
+    import coplan.learn.strategy  # noqa: F401  (registers the learned strategies, as ``plan`` does)
     from coplan.cli.options import Strategy
     from coplan.search import STRATEGIES
 
