@@ -9,7 +9,8 @@ Megatron's selective) and with the preset of its stack (``torchtitan``, ``fsdp``
 ``eager``; the ``-compile`` preset where ``stack_settings.compile``, its loss eager where
 ``stack_settings.loss_compiled`` is false; FSDP1's flat parameters where ``stack_settings.fsdp``
 says so (no FSDP2 copies around the collectives); HYBRID_SHARD shards within a node; torchtitan's fused
-RMSNorm where ``stack_settings.norm`` names ``fused_rmsnorm``). Checkpointing follows
+RMSNorm where ``stack_settings.norm`` names ``fused_rmsnorm``; the network between nodes the run's
+source gives where it has one, ``network.node_gbps``). Checkpointing follows
 ``stack_settings.activation_checkpoint``: ``selective-op`` is torchtitan's per-op policy as a
 recompute set (``coplan.cost.checkpoint``); ``selective-layer:N`` / ``selective-fraction:p``
 checkpoint some blocks fully, as many as the stack's own rule picks
@@ -57,13 +58,24 @@ def _base(run: dict) -> dict:
     return r
 
 
+def with_network(cluster, run: dict):  # type: ignore[no-untyped-def]
+    """``cluster`` with the network the run's source gives (``network.node_gbps``: Gb/s between
+    nodes per node, shared by its devices) where it differs from the preset's; the link's other
+    settings are the preset's."""
+    net = run.get("network")
+    if not net or cluster.inter_node is None:
+        return cluster
+    per_device = net["node_gbps"] * 1e9 / 8 / cluster.groups[0].devices_per_node
+    return replace(cluster, inter_node=replace(cluster.inter_node, bandwidth=per_device))
+
+
 def price(run: dict, stack: str, reserved: bool = False) -> tuple[float, float, bool, float | None]:
     """(step seconds, allocated peak bytes, fits, reserved peak bytes) of ``run`` under preset
     ``stack``; the reserved peak (with the caching allocator as the run's launcher set it) only
     where ``reserved`` asks, else None."""
     r = _base(run)
     spec = ModelSpec(**{k: v for k, v in r["model"].items() if v is not None})
-    cluster = load_cluster(r["cluster"], r["gpus"])
+    cluster = with_network(load_cluster(r["cluster"], r["gpus"]), run)
     model = CostModel(spec=spec)
     if stack == "megatron":
         if r["recompute"] == "partial":
