@@ -232,6 +232,8 @@ def _one(
         "grad_max_rel_err": out["grad_check"]["max_rel_err"],
         "activation_budget": budget,
         "microbatch": Plan.load(str(plan_file)).parallel.microbatch,
+        # the AdamW form the run built (``coplan run``'s ``run.optimizer``), which repricing keeps
+        "optimizer": out["run"].get("optimizer"),
         "recomputed": len(out["run"]["recomputed"]),
         "groups_planned": out["fusion"]["groups_planned"],
         "groups_honoured": out["fusion"]["groups_honoured"],

@@ -5,7 +5,8 @@ again by the cost model as it stands, beside what was measured and what was pred
 
 Each eager and ``torch.compile`` run is priced as ``coplan run --mode eager|compile`` prices it
 (``coplan.apply.run.priced_request``): the run's model, batch, microbatch and sequence, on the
-cluster the record names in ``priced_as``, with no GPU needed. The plans' own runs are left out:
+cluster the record names in ``priced_as``, with the AdamW form the run built (its record's
+``optimizer``, or ``RAN_AS``), with no GPU needed. The plans' own runs are left out:
 their plans are files made by the planner of the time, which a later planner need not reproduce. Prints
 each run's step time measured, predicted then and now, and each model's eager / compiled step-time
 ratio measured and priced (the points between them).
@@ -31,6 +32,12 @@ from coplan.models.spec import load_model_spec  # noqa: E402
 
 RECORD = HERE / "results" / "gpu" / "bench_gpu.json"
 BASELINES = ("eager", "compile")
+#: The AdamW form a model's recorded baselines built, where their records predate the runs'
+#: ``optimizer`` field: GPT-2's H200 runs were made by the runner of commit 2def4a4, which built
+#: every run's AdamW with ``foreach=False`` (``coplan/apply/train.py`` there), the per-parameter
+#: loop; Llama 3.2 1B's, made after the runner took PyTorch's default for baselines, the
+#: multi-tensor form its runner prices today.
+RAN_AS = {"gpt2-124m": "for-loop"}
 
 
 def reprice(record: dict[str, Any]) -> dict[str, Any]:
@@ -51,7 +58,7 @@ def reprice(record: dict[str, Any]) -> dict[str, Any]:
                 plan=plan, spec=spec, steps=1, nproc=1, global_batch=r["batch"], seq=seq,
                 cluster=cluster, device="cuda", mode=mode,
             )  # fmt: skip
-            _, _, pred, _ = priced_request(req)
+            _, _, pred, _ = priced_request(req, optimizer=r.get("optimizer", RAN_AS.get(model)))
             runs[key] = {
                 "batch": batch_kind,
                 "measured_s": r["step_time_s"],

@@ -118,11 +118,14 @@ def _validate(req: RunRequest) -> None:
             )
 
 
-def priced_request(req: RunRequest) -> tuple[PlanContext, Plan, Prediction, list[str]]:
+def priced_request(
+    req: RunRequest, *, optimizer: str | None = None
+) -> tuple[PlanContext, Plan, Prediction, list[str]]:
     """(the run's context, what it executes as a plan, the cost model's prediction of that, notes):
     ``req`` validated (``PlanError`` when the plan was made for another model, world size, batch
     or sequence) and priced on ``req.cluster``, as ``run_plan`` runs it; a calibrated profile as
-    the cluster prices the same run on the device as measured."""
+    the cluster prices the same run on the device as measured. ``optimizer`` prices another AdamW
+    form (``TrainingConfig.optimizer``) than this runner builds: a recorded run's own."""
     cluster = run_cluster(req.cluster, req.nproc, req.device)
     ctx = make_context(req.spec, cluster, req.global_batch, req.seq, req.device)
     # torch.compile's own path runs Inductor's joint-graph passes, which pad unaligned GEMMs
@@ -132,7 +135,8 @@ def priced_request(req: RunRequest) -> tuple[PlanContext, Plan, Prediction, list
     if pads != ctx.stack.gemm_padding:
         ctx.stack = replace(ctx.stack, gemm_padding=pads)
     ctx.stack = mode_stack(ctx.stack, req.mode, req.device)
-    optimizer = runner_optimizer(req.plan, ctx, req.mode, req.device)
+    if optimizer is None:
+        optimizer = runner_optimizer(req.plan, ctx, req.mode, req.device)
     if optimizer != ctx.stack.optimizer:
         ctx.stack = replace(ctx.stack, optimizer=optimizer)
     notes = refuse(req.plan, ctx, req.nproc)
@@ -177,6 +181,8 @@ def run_plan(req: RunRequest) -> dict[str, Any]:
     )
     res = execute(job, req.nproc)
     out = report(req, cluster, pred.figures(), pred.breakdown_s, res, notes)
+    # the AdamW form built and priced (``runner_optimizer``; "": the plan's own kernels)
+    out["run"]["optimizer"] = ctx.stack.optimizer
     if req.mode == "plan" and out["fusion"]["groups_planned"] > out["fusion"]["groups_honoured"]:
         # the compiler left some of the plan's kernels apart: the price of what it ran beside the
         # price of what was planned, so a prediction's error is not the compiler's

@@ -361,6 +361,23 @@ def test_the_optimizer_is_priced_as_the_runner_runs_it() -> None:
     assert runner_optimizer(staged, two, "plan", "cuda") == "for-loop"
 
 
+def test_a_recorded_run_is_priced_with_the_adamw_it_built() -> None:
+    from coplan.apply.predict import run_cluster
+    from coplan.apply.run import RunRequest, priced_request
+
+    cluster = load_cluster("dgx-h100")
+    ctx = make_context(PRESETS["gpt-tiny"], run_cluster(cluster, 1, "cuda"), 8, 64, "cuda")
+    req = RunRequest(
+        plan=plan_for(ctx, compute="bf16"), spec=PRESETS["gpt-tiny"], steps=1, nproc=1,
+        global_batch=8, seq=64, cluster=cluster, device="cuda", mode="eager",
+    )  # fmt: skip
+    own_ctx, _, own, _ = priced_request(req)
+    loop_ctx, _, loop, _ = priced_request(req, optimizer="for-loop")
+    assert (own_ctx.stack.optimizer, loop_ctx.stack.optimizer) == ("foreach", "for-loop")
+    # the loop issues eight ops per parameter from the host: a tiny model's step pays for it
+    assert loop.step_time_s > own.step_time_s
+
+
 def test_a_plan_as_run_leaves_out_the_groups_the_compiler_split() -> None:
     from coplan.apply.fusion import as_run, expand_groups_from
     from coplan.search.space import fusion_option
