@@ -149,8 +149,8 @@ def plan_for(
 def mode_stack(stack: StackSpec, mode: str, device: str = "cuda") -> StackSpec:
     """``stack`` as a run in ``mode`` on ``device`` executes it: ``torch.compile``'s own path
     partitions and schedules the whole step, loss included, so what one of its kernels alone reads
-    is never written (``kernel_local_buffers``); a plan's groups compile one by one, eager runs
-    write all. An eager run on a GPU launches each op the model writes in Python as eager PyTorch
+    is never written (``kernel_local_buffers``); a plan's groups write their outputs, an fp32
+    loss-path output already cast (the stack's ``fused_output_casts``); eager runs write all. An eager run on a GPU launches each op the model writes in Python as eager PyTorch
     decomposes it (``kernels="eager"``, ``coplan.cost.eager``): ``F.cross_entropy``'s 16-bit
     log-softmax over the vocabulary and the fp32 cast autocast makes for ``nll_loss``, RMSNorm's
     ATen ops. With autocast's fp32 residual stream (``baseline_plan``) this moved the eager /
@@ -160,6 +160,8 @@ def mode_stack(stack: StackSpec, mode: str, device: str = "cuda") -> StackSpec:
     want = mode == "compile"
     if stack.kernel_local_buffers != want:
         stack = replace(stack, kernel_local_buffers=want)
+    if mode == "eager" and stack.fused_output_casts:
+        stack = replace(stack, fused_output_casts=False)  # an fp32 output and its cast: two kernels
     if mode == "eager" and device != "cpu" and stack.kernels == "megatron":
         stack = replace(stack, kernels="eager")
     return stack

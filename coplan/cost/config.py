@@ -212,6 +212,12 @@ class TrainingConfig:
             (``tests/unit/test_liveness_fused.py``). Off, a plan's groups are priced as kernels
             compiled one by one, which write their outputs (coplan's runner: its compiled corners on
             an H100 peaked 1.5 GiB under the eager ones, not the 4.5 GiB these would free).
+        fused_output_casts: under explicit fusion groups, an fp32 loss-path output read only at
+            the training dtype is written already cast, the cast fused into the generated kernel
+            that computes it, while the groups' other outputs are written (coplan's runner, whose
+            Inductor compiles the plan's groups with each fused cast in its producer:
+            ``coplan.cost.liveness.fused_temporaries``' narrowed outputs alone). Implied by
+            ``kernel_local_buffers``.
         eager_rope: how eager kernels rotate q and k (``ROPE_FORMS``): a complex product, three
             kernels each way per tensor, or fms's rotation of real pairs, four each way over twice
             the fp32 elements (``coplan.cost.eager``).
@@ -301,6 +307,7 @@ class TrainingConfig:
     nccl_ub: bool = False
     gemm_padding: bool = True
     kernel_local_buffers: bool = False
+    fused_output_casts: bool = False
     fused_rmsnorm: bool = False
     eager_rope: str = "complex"
     eager_loss_cast: str = "float"
@@ -409,6 +416,8 @@ class TrainingConfig:
             raise ConfigError(
                 "eager_rope", f"must be one of {', '.join(ROPE_FORMS)}, got {self.eager_rope!r}"
             )
+        if not isinstance(self.fused_output_casts, bool):
+            raise ConfigError("fused_output_casts", f"must be true or false, got {self.fused_output_casts!r}")
         if not isinstance(self.kernel_local_buffers, bool):
             raise ConfigError(
                 "kernel_local_buffers", f"must be true or false, got {self.kernel_local_buffers!r}"
@@ -566,6 +575,7 @@ class TrainingConfig:
             **({"async_tp": True} if self.async_tp else {}),
             **({"gemm_padding": False} if not self.gemm_padding else {}),
             **({"kernel_local_buffers": True} if self.kernel_local_buffers else {}),
+            **({"fused_output_casts": True} if self.fused_output_casts else {}),
             **({"fused_rmsnorm": True} if self.fused_rmsnorm else {}),
             **({"eager_rope": self.eager_rope} if self.eager_rope != "complex" else {}),
             **({"eager_loss_cast": self.eager_loss_cast} if self.eager_loss_cast != "float" else {}),

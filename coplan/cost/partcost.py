@@ -94,7 +94,12 @@ def _base_prices(cost: PartCost, part: Part, fp8: bool) -> _Base:
     launches, and the fp8 weights' cast seconds and cache bytes."""
     c, s = cost.c, cost.s
     saved: Vec = part.saved["none"]
-    points = part.scheduled_transient() if c.kernel_local_buffers else part.transient
+    if c.kernel_local_buffers:
+        points = part.scheduled_transient()
+    elif c.fused_output_casts:
+        points = part.cast_transient()
+    else:
+        points = part.transient
     for name, _, _, delta, pts in part.loss_variants:
         if name == c.loss_fusion:  # Megatron's own loss kernels (``loss.py``)
             saved, points = vadd(saved, delta), pts
@@ -189,6 +194,7 @@ class _Priced:
             c.kernels,
             c.fused_rmsnorm,
             c.kernel_local_buffers,
+            c.fused_output_casts,
             c.eager_rope,
             c.eager_loss_cast,
             c.optimizer,

@@ -139,6 +139,9 @@ class Part:
     # the same where the compiler scheduled the whole step (``TrainingConfig.kernel_local_buffers``),
     # computed the first time a configuration asks (``scheduled_transient``); None: as ``transient``
     transient_scheduled: Callable[[], tuple[Vec, ...]] | None = field(default=None, compare=False, repr=False)
+    # the same where only the casts of fp32 loss-path outputs are fused into the kernels computing
+    # them (``TrainingConfig.fused_output_casts``); None: as ``transient``
+    transient_cast: Callable[[], tuple[Vec, ...]] | None = field(default=None, compare=False, repr=False)
     tp_exits: tuple[float, ...] = ()  # elements of tensors leaving a sharded region (forward)
     tp_entries: tuple[float, ...] = ()  # elements of tensors entering a sharded region (forward)
     boundary: float = 0.0  # elements of the activation passed to the next pipeline stage
@@ -173,6 +176,15 @@ class Part:
         got = self.cache.get("transient_scheduled")
         if got is None:
             got = self.cache["transient_scheduled"] = self.transient_scheduled()
+        return cast("tuple[Vec, ...]", got)
+
+    def cast_transient(self) -> tuple[Vec, ...]:
+        """``transient`` with the fp32 loss-path outputs written already cast, memoised."""
+        if self.transient_cast is None:
+            return self.transient
+        got = self.cache.get("transient_cast")
+        if got is None:
+            got = self.cache["transient_cast"] = self.transient_cast()
         return cast("tuple[Vec, ...]", got)
 
 

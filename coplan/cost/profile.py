@@ -251,6 +251,9 @@ class _Ctx(GraphLookups):
                 if self.compiled
                 else None
             ),
+            transient_cast=(
+                partial(self.cast_transient, tuple(ops), frozenset(ids), group_of) if self.compiled else None
+            ),
             tp_exits=exits,
             tp_entries=entries,
             boundary=boundary,
@@ -276,6 +279,17 @@ class _Ctx(GraphLookups):
         made, and get none (``Part.transient_scheduled``)."""
         unwritten, narrowed = fused_temporaries(self.g, ops, group_of, self._f32_ops)
         return liveness(self.g, self.vec, self._act_vec, ops, ids, unwritten=unwritten, narrowed=narrowed)
+
+    def cast_transient(
+        self, ops: Sequence[Op], ids: set[int] | frozenset[int], group_of: dict[int, tuple[int, ...]]
+    ) -> tuple[Vec, ...]:
+        """The part's temporaries where the explicit groups' kernels write what they compute, but
+        an fp32 loss-path output read only at the training dtype already cast (the narrowed
+        storages of ``liveness.fused_temporaries`` alone: ``TrainingConfig.fused_output_casts``)."""
+        _, narrowed = fused_temporaries(self.g, ops, group_of, self._f32_ops)
+        return liveness(
+            self.g, self.vec, self._act_vec, ops, ids, narrowed=narrowed, freed=self._loss_copies(ops)
+        )
 
     def loss_variants(
         self, ops: Sequence[Op], ids: set[int], fwd: Sequence[Kernel], bwd: Sequence[Kernel]

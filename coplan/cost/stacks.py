@@ -79,6 +79,7 @@ SETTINGS: tuple[str, ...] = (
     "async_tp",
     "gemm_padding",
     "kernel_local_buffers",
+    "fused_output_casts",
     "eager_rope",
     "eager_loss_cast",
     "optimizer",
@@ -151,6 +152,9 @@ class StackSpec:
             never reaches memory and an fp32 loss gradient is written already cast
             (``TrainingConfig.kernel_local_buffers``); false where a plan's groups are compiled
             one by one (coplan's runner) or the loss runs eagerly.
+        fused_output_casts: where a plan's groups are compiled, each fp32 loss-path output read
+            only at the training dtype is written already cast, the cast fused into the kernel
+            that computes it (``TrainingConfig.fused_output_casts``).
         eager_rope: how the model it trains rotates q and k where its kernels are eager
             (``TrainingConfig.eager_rope``, ``ROPE_FORMS``): a complex product or fms's real pairs.
         eager_loss_cast: how its model's 16-bit logits reach the loss where its kernels are eager
@@ -199,6 +203,7 @@ class StackSpec:
     async_tp: bool = False
     gemm_padding: bool = True
     kernel_local_buffers: bool = False
+    fused_output_casts: bool = False
     eager_rope: str = "complex"
     eager_loss_cast: str = "float"
     optimizer: str = ""
@@ -240,6 +245,7 @@ class StackSpec:
             "async_tp",
             "gemm_padding",
             "kernel_local_buffers",
+            "fused_output_casts",
             "expandable_segments",
         ):
             if not isinstance(getattr(self, flag), bool):
@@ -314,6 +320,7 @@ class StackSpec:
             and self.eager_rope == "complex"
             and self.eager_loss_cast == "float"
             and not self.kernel_local_buffers
+            and not self.fused_output_casts
         ):
             return config  # Megatron's own: nothing to change
         changes: dict[str, Any] = {}
@@ -336,6 +343,8 @@ class StackSpec:
             config = config.with_(gemm_padding=False)
         if self.kernel_local_buffers:
             config = config.with_(kernel_local_buffers=True)
+        if self.fused_output_casts:
+            config = config.with_(fused_output_casts=True)
         if self.eager_rope != "complex":
             config = config.with_(eager_rope=self.eager_rope)
         if self.eager_loss_cast != "float":

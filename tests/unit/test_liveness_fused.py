@@ -88,3 +88,21 @@ def test_inductor_writes_no_fp32_logit_sized_buffer_for_a_bf16_cross_entropy():
     wide = f"(({n}, {v}), ({v}, 1), torch.float32)"
     assert wide not in text
     assert text.count(f"(({n}, {v}), ({v}, 1), torch.bfloat16)") <= 2
+
+
+def test_a_runner_plan_writes_its_groups_outputs_but_the_loss_gradient_already_cast():
+    # coplan's runner (``fused_output_casts``): its groups' outputs are written, the fp32 logits'
+    # gradient only in the training dtype; between writing everything and a scheduled step
+    plain, casts, scheduled = _ctx(False), _ctx(False), _ctx(True)
+    plain.stack = replace(plain.stack, fused_output_casts=False)
+    assert casts.stack.fused_output_casts  # the coplan preset's own
+    got = {
+        name: c.price(_plan(c, "greedy")).memory.transient_bytes
+        for name, c in (("plain", plain), ("casts", casts), ("scheduled", scheduled))
+    }
+    assert got["scheduled"] < got["casts"] < got["plain"], got
+    # what the cast saves at the peak: the logits' gradient in 2 bytes an element instead of 4
+    tokens = _plan(casts, "greedy").parallel.microbatch * 64
+    assert got["plain"] - got["casts"] == tokens * PRESETS["gpt-tiny"].vocab_size * 2
+    eager_plain, eager_casts = plain.price(_plan(plain, "eager")), casts.price(_plan(casts, "eager"))
+    assert eager_plain.memory.peak_bytes == eager_casts.memory.peak_bytes  # no generated kernels
