@@ -341,9 +341,9 @@ class StackSpec:
         the layout and any fusion groups."""
         if not self.gemm_padding:
             config = config.with_(gemm_padding=False)
-        if self.kernel_local_buffers:
+        if self.kernel_local_buffers and not config.kernel_local_buffers:
             config = config.with_(kernel_local_buffers=True)
-        if self.fused_output_casts:
+        if self.fused_output_casts and not config.fused_output_casts:
             config = config.with_(fused_output_casts=True)
         if self.eager_rope != "complex":
             config = config.with_(eager_rope=self.eager_rope)
