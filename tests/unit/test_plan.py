@@ -597,8 +597,8 @@ def test_plans_price_tp_overlap_as_the_stack_that_runs_them(cluster, sp, runner,
     ("cluster", "runner", "want"),
     [
         ("dgx-h100", False, "auto"),  # Megatron-Core: TE picks cuDNN's kernel, the profile's own
-        ("dgx-h100", True, "flash2"),  # coplan's runner: PyTorch SDPA's FlashAttention-2
-        ("dgx-a100-80gb", True, "flash2"),  # the A100 profile's own kernel
+        ("dgx-h100", True, "auto"),  # coplan's runner: SDPA runs cuDNN's kernel on Hopper, the profile's own
+        ("dgx-a100-80gb", True, "auto"),  # FlashAttention-2 on an A100, its profile's own
         ("l4-node", True, "auto"),  # no FlashAttention-2 rates on an L4: its profile's kernel
     ],
 )
