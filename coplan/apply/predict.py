@@ -150,12 +150,13 @@ def mode_stack(stack: StackSpec, mode: str, device: str = "cuda") -> StackSpec:
     """``stack`` as a run in ``mode`` on ``device`` executes it: ``torch.compile``'s own path
     partitions and schedules the whole step, loss included, so what one of its kernels alone reads
     is never written (``kernel_local_buffers``); a plan's groups write their outputs, an fp32
-    loss-path output already cast (the stack's ``fused_output_casts``); eager runs write all. An eager run on a GPU launches each op the model writes in Python as eager PyTorch
-    decomposes it (``kernels="eager"``, ``coplan.cost.eager``): ``F.cross_entropy``'s 16-bit
-    log-softmax over the vocabulary and the fp32 cast autocast makes for ``nll_loss``, RMSNorm's
-    ATen ops. With autocast's fp32 residual stream (``baseline_plan``) this moved the eager /
-    compiled ratios priced for GPT-2 124M and Llama 3.2 1B on one H200 from 23-38 points under the
-    measured to 7-34 (``benchmarks/reprice_gpu.py``). On a CPU the runner's profile was fitted to
+    loss-path output already cast (the stack's ``fused_output_casts``); eager runs write all. An
+    eager run on a GPU launches each op the model writes in Python as eager PyTorch decomposes it
+    (``kernels="eager"``, ``coplan.cost.eager``): ``F.cross_entropy``'s 16-bit log-softmax over the
+    vocabulary and the fp32 cast autocast makes for ``nll_loss``, RMSNorm's ATen ops. With
+    autocast's fp32 residual stream (``baseline_plan``) this moved the eager / compiled ratios
+    priced for GPT-2 124M and Llama 3.2 1B on one H200 from 23-38 points under the measured to
+    6-34 (``benchmarks/reprice_gpu.py``). On a CPU the runner's profile was fitted to
     the IR's own kernels (``coplan.hardware.calibrate``), so they stay."""
     want = mode == "compile"
     if stack.kernel_local_buffers != want:
