@@ -171,20 +171,20 @@ class Part:
 
     def scheduled_transient(self) -> tuple[Vec, ...]:
         """``transient`` where the compiler scheduled the whole step, memoised on the part."""
-        if self.transient_scheduled is None:
-            return self.transient
-        got = self.cache.get("transient_scheduled")
-        if got is None:
-            got = self.cache["transient_scheduled"] = self.transient_scheduled()
-        return cast("tuple[Vec, ...]", got)
+        return self._transient_variant("transient_scheduled", self.transient_scheduled)
 
     def cast_transient(self) -> tuple[Vec, ...]:
         """``transient`` with the fp32 loss-path outputs written already cast, memoised."""
-        if self.transient_cast is None:
+        return self._transient_variant("transient_cast", self.transient_cast)
+
+    def _transient_variant(self, key: str, make: Callable[[], tuple[Vec, ...]] | None) -> tuple[Vec, ...]:
+        """The transient points ``make`` computes the first time they are asked for (kept in
+        ``cache`` under ``key``), or ``transient`` where the part has no such variant."""
+        if make is None:
             return self.transient
-        got = self.cache.get("transient_cast")
+        got = self.cache.get(key)
         if got is None:
-            got = self.cache["transient_cast"] = self.transient_cast()
+            got = self.cache[key] = make()
         return cast("tuple[Vec, ...]", got)
 
 

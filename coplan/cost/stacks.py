@@ -159,7 +159,8 @@ class StackSpec:
             (``TrainingConfig.eager_rope``, ``ROPE_FORMS``): a complex product or fms's real pairs.
         eager_loss_cast: how its model's 16-bit logits reach the loss where its kernels are eager
             (``TrainingConfig.eager_loss_cast``, ``LOSS_CASTS``): the model's ``.float()``,
-            autocast's fp32 log-softmax, or none (the loss in 16 bits).
+            ``F.cross_entropy`` under autocast (a 16-bit log-softmax, an fp32 cast for
+            ``nll_loss``), none (the loss in 16 bits), or a fused cross-entropy kernel.
         optimizer: how its AdamW update runs (``TrainingConfig.optimizer``, ``coplan.cost.optimizer``):
             ``""`` as a plan's optimizer kernels say, ``"fused"``, ``"foreach"`` or ``"for-loop"``.
         zero3_gather: how its ZeRO-3 issues the parameter all-gathers and gradient reduce-scatters
