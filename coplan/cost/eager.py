@@ -118,6 +118,27 @@ PLANS: dict[str, tuple[tuple[tuple[float, float], ...], int]] = {
     "nll_loss_bwd": (((0, 1),), 1),
 }
 
+#: per plan key, its big kernels that copy a 16-bit tensor to fp32 (``x.float()``, ``type_as``'s
+#: gradient, autocast's cast for ``nll_loss``): on CUDA, ATen's copy has a vectorized kernel for
+#: fp32 to 16 bits only (``bfloat16_copy_kernel_cuda``, ``float16_copy_kernel_cuda``; the reverse
+#: pair exists under ``USE_ROCM`` alone, ``aten/src/ATen/native/cuda/Copy.cu``), so the upcast goes
+#: through ``gpu_kernel``'s dynamic casting: ``unrolled_elementwise_kernel`` with ``LoadWithCast``
+#: and ``StoreWithCast``, one element a thread per step. Priced at the device's ``memory_upcast``
+#: (``Kernel.upcast``): on one H200 (torch 2.11, ``benchmarks/data/h200_step_probe.json``) these
+#: kernels moved 5.97 GB in 3.07 ms in the eager step (0.48 of the memory rate the device prices
+#: elementwise kernels at) and 3.35 GB in 1.75 ms with the blocks compiled (0.47), where the
+#: vectorized downcast of the same logits ran at 0.91 of the peak bandwidth.
+UPCASTS: dict[str, frozenset[int]] = {
+    "rms_norm": frozenset({0}),
+    "norm_bwd:rms_norm": frozenset({3}),
+    "rope": frozenset({0}),
+    "rope_bwd": frozenset({0}),
+    "rope:pairs": frozenset({0}),
+    "rope_bwd:pairs": frozenset({0}),
+    "log_softmax": frozenset({0}),
+    "log_softmax:autocast": frozenset({1}),
+}
+
 #: ATen's shared memory a softmax block stages its row in (``sharedMemPerBlock``: 48 KiB on every
 #: CUDA GPU; the opt-in larger carve-out is not asked for), less nothing for the few warps' partial
 #: sums, which this rounding ignores
@@ -174,6 +195,7 @@ def op_kernels(
         key = f"{key}:{loss}"  # a form that changes nothing for an op keeps the op's own plan
     big, small = PLANS[key]
     again = WIDE_ROW_READS.get(key)
+    up = UPCASTS.get(key, frozenset())
     out: list[Kernel] = []
     for n in _main_tensors(graph, op):
         width = n / rows if rows > 0 else 0.0
@@ -191,6 +213,7 @@ def op_kernels(
                     _vec(a * n, f * n, shard),
                     ops=(op.id,),
                     loop_reads=loop,
+                    upcast=i in up,
                 )
             )
     tok = [0.0] * NV
@@ -287,6 +310,7 @@ def shard_class(op: Op) -> int:
 __all__ = [
     "FUSED_RMSNORM",
     "PLANS",
+    "UPCASTS",
     "eager_kernels",
     "gqa_repeat",
     "op_kernels",

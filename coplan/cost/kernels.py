@@ -28,7 +28,9 @@ do not, and price exactly as without them):
   in eager mode where the host is the device (a CPU);
 - ``matmul_unaligned``: the fraction of a GEMM's rate it keeps when it loads an operand whose
   leading dimension is not a multiple of 16 bytes, where the stack does not pad it
-  (``TrainingConfig.gemm_padding``): cuBLAS then runs kernels built for narrower alignment.
+  (``TrainingConfig.gemm_padding``): cuBLAS then runs kernels built for narrower alignment;
+- ``memory_upcast``: the fraction of the memory rate an eager copy from 16 bits to fp32 reaches
+  (``Kernel.upcast``, the ``x.float()`` kernels of ``coplan.cost.eager``).
 """
 
 from __future__ import annotations
@@ -92,6 +94,7 @@ class Rates:
     looped_reductions: bool = False
     mm_unaligned: float = 1.0  # fraction of the GEMM rate kept with a misaligned loaded operand
     mm_template: float = 1.0  # fraction of the GEMM rate a generated GEMM template reaches
+    upcast: float = 1.0  # fraction of ``bandwidth`` an eager 16-bit-to-fp32 copy reaches
 
     @classmethod
     def of(cls, device: DeviceSpec, dtype: str, attention: str = "auto") -> Rates:
@@ -149,6 +152,7 @@ class Rates:
             looped_reductions=device.kind == "gpu",
             mm_unaligned=device.efficiency_of("matmul_unaligned"),
             mm_template=device.efficiency_of("matmul_template"),
+            upcast=device.efficiency_of("memory_upcast"),
         )
 
 
@@ -341,8 +345,10 @@ def first_touch(k: Kernel, r: Rates, s: Scale) -> float:
 
 def memory_s(k: Kernel, r: Rates, s: Scale) -> float:
     """Seconds of a kernel's traffic at the device's bandwidth: what crosses its boundary, and what
-    a looped reduction loads again where rows do not stay in a cache (``Rates.looped_reductions``)."""
-    memory = vdot(k.bytes, s.weights) / r.bandwidth
+    a looped reduction loads again where rows do not stay in a cache (``Rates.looped_reductions``).
+    An eager upcast (``Kernel.upcast``) moves its bytes at the device's ``memory_upcast`` share of
+    the rate."""
+    memory = vdot(k.bytes, s.weights) / (r.bandwidth * r.upcast if k.upcast else r.bandwidth)
     if r.looped_reductions and any(k.loop_reads):
         memory += vdot(k.loop_reads, s.weights) / r.bandwidth
     return memory

@@ -105,6 +105,9 @@ class Kernel:
     # a GEMM carrying other ops of its group (an epilogue or prologue) in generated code: a GEMM
     # template, not the library's call, which takes none (``Rates.mm_template``)
     template: bool = False
+    # an eager copy of a 16-bit tensor to fp32 (``x.float()``): ATen's dynamically casting loop
+    # (``Rates.upcast``)
+    upcast: bool = False
 
 
 @dataclass(frozen=True, slots=True)

@@ -44,11 +44,15 @@ from coplan.hardware.tiling import PHASES, AttentionTiling
 #: stack does not pad it (``TrainingConfig.gemm_padding``); absent, 1. ``matmul_template`` is the
 #: fraction of the GEMM rate a compiler's generated GEMM (Inductor's Triton template, the only GEMM
 #: that can carry a fused epilogue or prologue) reaches beside the vendor library's; absent, 1.
+#: ``memory_upcast`` is the fraction of the achievable ``memory`` rate an eager copy from a 16-bit
+#: tensor to fp32 reaches (``x.float()``: ATen's CUDA copy has a vectorized kernel only for the
+#: other direction, so the upcast runs TensorIterator's dynamically casting, unrolled loop); absent, 1.
 EFFICIENCY_KINDS: tuple[str, ...] = (
     "matmul",
     "matmul_tn",
     "matmul_unaligned",
     "matmul_template",
+    "memory_upcast",
     "attention",
     "attention_backward",
     "vector",

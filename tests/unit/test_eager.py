@@ -183,6 +183,7 @@ def test_aten_log_softmax_over_a_vocabulary_wider_than_shared_memory_reads_its_r
     tokens = MB * SEQ
     device = load_cluster("dgx-h100", 1).device
     bw = device.memory_bandwidth * 0.85  # the preset's memory efficiency
+    upcast_rate = device.efficiency_of("memory_upcast")  # 1 on an H100: measured on an H200 only
     launch = device.kernel_launch_s
     wide, narrow = 16384, 8192  # 64 KiB and 32 KiB rows of fp32
     for vocab, passes in ((wide, (4, 4)), (narrow, (2, 3))):
@@ -191,9 +192,12 @@ def test_aten_log_softmax_over_a_vocabulary_wider_than_shared_memory_reads_its_r
         bwd = sorted(rows[("log_softmax_bwd", "backward")])
         assert len(fwd) == len(bwd) == 2  # the cast and the softmax, each way
         logits = tokens * vocab * 4
-        for got, n in ((fwd, passes[0]), (bwd, passes[1])):
-            softmax = max(got)
-            assert softmax == pytest.approx(n * logits / bw + launch, rel=0.01)
+        # the casts move 16 bits and fp32 per element: forward the upcast, at the device's
+        # ``memory_upcast`` share of the rate (ATen's unrolled casting copy), backward the downcast
+        up, down = (1.5 * logits / (bw * rate) + launch for rate in (upcast_rate, 1.0))
+        for got, n, cast in ((fwd, passes[0], up), (bwd, passes[1], down)):
+            softmax = n * logits / bw + launch
+            assert got == pytest.approx(sorted((softmax, cast)), rel=0.01)
         assert max(rows[("nll_loss", "forward")]) < 1e-4  # launches only
         assert max(rows[("nll_loss_bwd", "backward")]) == pytest.approx(logits / bw + launch, rel=0.01)
     # on a CPU the passes over one row stay in the core's cache: no extra reads
@@ -232,6 +236,32 @@ def test_fms_rope_rotates_real_pairs_at_twice_the_fp32_traffic_of_a_complex_prod
     slower = CostModel(spec=spec).estimate(cluster, eager).step_time_s
     faster = CostModel(spec=spec).estimate(cluster, eager.with_(eager_rope="complex")).step_time_s
     assert slower > faster
+
+
+def test_each_eager_upcast_is_a_16_bit_to_fp32_copy_priced_at_the_devices_upcast_rate():
+    """``UPCASTS``: every kernel marked is a copy reading 16 bits and writing fp32 per element (the
+    ``(1, 1)`` kernels that read fp32 and write 16 bits are the vectorized downcasts); marked, a
+    kernel moves its bytes at ``memory_upcast`` of the memory rate on the H200, where it was
+    measured, and at the full rate on an H100, whose memory system differs."""
+    import dataclasses
+
+    from coplan.cost.eager import PLANS, UPCASTS, op_kernels
+    from coplan.cost.kernels import Rates, Scale, memory_s
+    from coplan.cost.parts import REPL
+
+    for key, marked in UPCASTS.items():
+        big, _ = PLANS[key]
+        assert marked and all(big[i] == (1, 1) for i in marked), key
+    graph = CostModel(spec=_spec(2, 8)).profile(MB, SEQ, "none").graph
+    op = next(o for o in graph.ops if o.target == "rms_norm")
+    got = op_kernels(graph, op, REPL, float(MB * SEQ))
+    assert [k.upcast for k in got] == [True] + [False] * (len(got) - 1)
+    config = TrainingConfig(microbatch=MB, global_batch=MB, seq=SEQ)
+    scale = Scale.of(config)
+    up, plain = got[0], dataclasses.replace(got[0], upcast=False)
+    for cluster, rate in (("dgx-h200", 0.47), ("dgx-h100", 1.0)):
+        r = Rates.of(load_cluster(cluster, 1).device, "bf16", "auto")
+        assert memory_s(up, r, scale) == pytest.approx(memory_s(plain, r, scale) / rate)
 
 
 def test_the_logits_reach_the_loss_as_each_stack_casts_them():
