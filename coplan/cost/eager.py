@@ -77,6 +77,7 @@ saved bytes per token are the same with 8 and with 2 key/value heads of 8,
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from dataclasses import replace
 
 from coplan.cost.parts import ACT, F32, FIX, NV, REPL, TP, ZERO, Kernel, Vec
 from coplan.ir.types import Graph, Op
@@ -301,6 +302,45 @@ def eager_kernels(
     return swap(fwd), swap(bwd)
 
 
+#: The ``PLANS`` Inductor leaves to ATen: RoPE through ``view_as_complex`` (torchtitan's and Meta's
+#: Llama). Inductor generates no code for complex dtypes and falls back to the ATen op
+#: (``torch/_inductor/lowering.py`` warns "Torchinductor does not support code generation for complex
+#: operators"; pytorch/torchtitan issue #15 reports it for its RoPE; complex compilation is an opt-in
+#: from torch 2.14, ``torch._functorch.config.enable_complex_wrapper``). On one H200 (torch 2.11,
+#: ``benchmarks/data/h200_step_probe.json``) the compiled blocks still ran ATen's
+#: ``BinaryFunctor<c10::complex<float>>`` kernel. Around it the generated kernels write the fp32
+#: pairs the complex view needs and read its fp32 product back: the eager plan's three kernels, its
+#: casts in generated code (vectorized, so not ``UPCASTS``).
+INDUCTOR_FALLBACKS = frozenset({"rope", "rope_bwd"})
+
+
+def inductor_kernels(
+    graph: Graph,
+    fwd: Sequence[Kernel],
+    bwd: Sequence[Kernel],
+    shard_of: Callable[[Op], int],
+    rope: str = "complex",
+) -> tuple[tuple[Kernel, ...], tuple[Kernel, ...]]:
+    """``(fwd, bwd)`` as torch.compile runs them: each single-op kernel of an
+    ``INDUCTOR_FALLBACKS`` op (RoPE written with complex numbers, ``rope`` ``"complex"``) replaced
+    by the ATen kernel Inductor falls back to and the generated casts around it."""
+    if rope != "complex":
+        return tuple(fwd), tuple(bwd)
+
+    def swap(kernels: Sequence[Kernel]) -> tuple[Kernel, ...]:
+        out: list[Kernel] = []
+        for k in kernels:
+            real = [graph.ops[i] for i in k.ops if graph.ops[i].kind.name != "VIEW"]
+            if len(real) != 1 or plan_key(graph, real[0]) not in INDUCTOR_FALLBACKS:
+                out.append(k)
+                continue
+            op = real[0]
+            out.extend(replace(e, upcast=False) for e in op_kernels(graph, op, shard_of(op), 0.0))
+        return tuple(out)
+
+    return swap(fwd), swap(bwd)
+
+
 def shard_class(op: Op) -> int:
     """Norms run on replicated activations (sequence parallelism divides them); RoPE on the heads
     and the loss on the vocabulary, which tensor parallelism divides."""
@@ -309,10 +349,12 @@ def shard_class(op: Op) -> int:
 
 __all__ = [
     "FUSED_RMSNORM",
+    "INDUCTOR_FALLBACKS",
     "PLANS",
     "UPCASTS",
     "eager_kernels",
     "gqa_repeat",
+    "inductor_kernels",
     "op_kernels",
     "plan_key",
     "repeat_kv_saved",

@@ -13,7 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from coplan.cost.config import TrainingConfig
-from coplan.cost.eager import FUSED_RMSNORM, eager_kernels, shard_class
+from coplan.cost.eager import FUSED_RMSNORM, eager_kernels, inductor_kernels, shard_class
 from coplan.cost.fp8 import fp8_cost, runs_fp8
 from coplan.cost.kernels import Rates, Scale, kernel_time, local_dims, memory_s
 from coplan.cost.parts import GraphProfile, Kernel, Part, part_dtype, run_kernels
@@ -92,6 +92,8 @@ def kernel_costs(
                 config.eager_rope,
                 config.eager_loss_cast,
             )
+        elif config.kernels == "inductor":
+            fwd, bwd = inductor_kernels(g, fwd, bwd, shard_class, config.eager_rope)
         for k in (*fwd, *bwd):
             if k.kind == "free":
                 continue

@@ -11,7 +11,7 @@ from typing import cast
 
 from coplan.cost.comm import Group
 from coplan.cost.config import TrainingConfig
-from coplan.cost.eager import FUSED_RMSNORM, eager_kernels, shard_class
+from coplan.cost.eager import FUSED_RMSNORM, eager_kernels, inductor_kernels, shard_class
 from coplan.cost.fp8 import fp8_cost, runs_fp8
 from coplan.cost.fusion import readers
 from coplan.cost.kernels import (
@@ -113,6 +113,13 @@ def _base_prices(cost: PartCost, part: Part, fp8: bool) -> _Base:
             got = part.cache[key] = eager_kernels(
                 cost.profile.graph, fwd, bwd, shard_class, fused, c.eager_rope, c.eager_loss_cast
             )
+        fwd, bwd = got  # type: ignore[misc]
+    elif c.kernels == "inductor" and c.eager_rope == "complex":
+        # what Inductor leaves to ATen (``eager.INDUCTOR_FALLBACKS``)
+        ikey = ("inductor", c.loss_fusion, c.activation_fusion, c.eager_rope)
+        got = part.cache.get(ikey)
+        if got is None:
+            got = part.cache[ikey] = inductor_kernels(cost.profile.graph, fwd, bwd, shard_class, c.eager_rope)
         fwd, bwd = got  # type: ignore[misc]
     fwd_times = tuple(cost.time(k) for k in fwd)
     forward = sum(fwd_times)

@@ -264,6 +264,43 @@ def test_each_eager_upcast_is_a_16_bit_to_fp32_copy_priced_at_the_devices_upcast
         assert memory_s(up, r, scale) == pytest.approx(memory_s(plain, r, scale) / rate)
 
 
+def test_inductor_leaves_a_complex_rope_to_aten_between_generated_fp32_casts():
+    """``INDUCTOR_FALLBACKS``: under ``torch.compile`` a RoPE written with complex numbers runs
+    ATen's complex product between a generated cast to fp32 pairs and one back (three kernels per
+    q or k tensor each way, the casts vectorized: no ``upcast``); a real-valued RoPE (fms's pairs)
+    is generated code like any pointwise op, and the compiled step with a complex RoPE is priced
+    slower."""
+    from coplan.cost.eager import inductor_kernels
+    from coplan.cost.parts import run_kernels
+
+    spec = _spec(2, 8)
+    model = CostModel(spec=spec)
+    config = load_stack("torchtitan-compile").configure(
+        TrainingConfig(microbatch=MB, global_batch=MB, seq=SEQ)
+    )
+    assert config.kernels == "inductor" and config.eager_rope == "complex"
+    profile = model.profile_for(config)
+    graph = profile.graph
+    fwd, bwd = run_kernels(profile.templates[0], config.loss_fusion, config.activation_fusion)
+    got_f, got_b = inductor_kernels(graph, fwd, bwd, lambda op: 0, "complex")
+
+    def rope_op(k):  # type: ignore[no-untyped-def]
+        real = [graph.ops[i] for i in k.ops if graph.ops[i].kind.name != "VIEW"]
+        return real[0] if len(real) == 1 and real[0].target in ("rope", "rope_bwd") else None
+
+    ropes = [op for k in (*fwd, *bwd) if (op := rope_op(k)) is not None]
+    assert ropes  # a forward and a backward RoPE op
+    tensors = sum(len([t for t in op.outputs if graph.tensors[t].shape]) for op in ropes)
+    kept = [k for k in (*got_f, *got_b) if k not in (*fwd, *bwd)]
+    assert len(kept) == 3 * tensors and not any(k.upcast for k in kept)
+    assert len(got_f) + len(got_b) == len(fwd) + len(bwd) - len(ropes) + 3 * tensors
+    assert inductor_kernels(graph, fwd, bwd, lambda op: 0, "pairs") == (tuple(fwd), tuple(bwd))
+    cluster = load_cluster("dgx-h100", 1)
+    complex_s = model.estimate(cluster, config).step_time_s
+    pairs_s = model.estimate(cluster, config.with_(eager_rope="pairs")).step_time_s
+    assert complex_s > pairs_s
+
+
 def test_the_logits_reach_the_loss_as_each_stack_casts_them():
     """``eager_loss_cast``: the model's ``.float()`` (a cast kernel and an fp32 copy each way),
     ``F.cross_entropy`` under autocast (a 16-bit log-softmax, then ``nll_loss``'s cast of the
