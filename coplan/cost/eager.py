@@ -304,10 +304,10 @@ def eager_kernels(
 
 #: The ``PLANS`` Inductor leaves to ATen: RoPE through ``view_as_complex`` (torchtitan's and Meta's
 #: Llama). Inductor generates no code for complex dtypes and falls back to the ATen op
-#: (``torch/_inductor/lowering.py`` warns "Torchinductor does not support code generation for complex
-#: operators"; pytorch/torchtitan issue #15 reports it for its RoPE; complex compilation is an opt-in
-#: from torch 2.14, ``torch._functorch.config.enable_complex_wrapper``). On one H200 (torch 2.11,
-#: ``benchmarks/data/h200_step_probe.json``) the compiled blocks still ran ATen's
+#: (``torch/_inductor/lowering.py`` warns "Torchinductor does not support code generation for
+#: complex operators"; github.com/pytorch/torchtitan/issues/15 reports it for its RoPE; complex
+#: compilation is an opt-in from torch 2.14, ``torch._functorch.config.enable_complex_wrapper``).
+#: On one H200 (torch 2.11, ``benchmarks/data/h200_step_probe.json``) the compiled blocks ran ATen's
 #: ``BinaryFunctor<c10::complex<float>>`` kernel. Around it the generated kernels write the fp32
 #: pairs the complex view needs and read its fp32 product back: the eager plan's three kernels, its
 #: casts in generated code (vectorized, so not ``UPCASTS``).
