@@ -30,7 +30,9 @@ do not, and price exactly as without them):
   leading dimension is not a multiple of 16 bytes, where the stack does not pad it
   (``TrainingConfig.gemm_padding``): cuBLAS then runs kernels built for narrower alignment;
 - ``memory_upcast``: the fraction of the memory rate an eager copy from 16 bits to fp32 reaches
-  (``Kernel.upcast``, the ``x.float()`` kernels of ``coplan.cost.eager``).
+  (``Kernel.upcast``, the ``x.float()`` kernels of ``coplan.cost.eager``);
+- ``gemm_tiles`` (a device field): the library GEMM's output tiles, whose count over the device's
+  SMs sets the waves a GEMM runs; the last wave's idle SMs cost time (``wave_efficiency``).
 """
 
 from __future__ import annotations
@@ -95,6 +97,10 @@ class Rates:
     mm_unaligned: float = 1.0  # fraction of the GEMM rate kept with a misaligned loaded operand
     mm_template: float = 1.0  # fraction of the GEMM rate a generated GEMM template reaches
     upcast: float = 1.0  # fraction of ``bandwidth`` an eager 16-bit-to-fp32 copy reaches
+    # the library GEMMs' output tiles and the SMs their waves fill (``DeviceSpec.gemm_tiles``;
+    # () prices no wave quantization beyond the shape derating)
+    mm_tiles: tuple[tuple[int, int], ...] = ()
+    units: int = 0
 
     @classmethod
     def of(cls, device: DeviceSpec, dtype: str, attention: str = "auto") -> Rates:
@@ -153,6 +159,8 @@ class Rates:
             mm_unaligned=device.efficiency_of("matmul_unaligned"),
             mm_template=device.efficiency_of("matmul_template"),
             upcast=device.efficiency_of("memory_upcast"),
+            mm_tiles=device.gemm_tiles,
+            units=device.compute_units,
         )
 
 
@@ -386,6 +394,21 @@ def misaligned(k: Kernel, dims: tuple[int, int, int], elem_bytes: int) -> bool:
     return kk % align != 0 or (k.tn and m % align != 0)
 
 
+@lru_cache(maxsize=65536)
+def wave_efficiency(m: int, n: int, tiles: tuple[tuple[int, int], ...], units: int) -> float:
+    """Share of its last wave's SMs an M x N GEMM output keeps busy, for the best of the library's
+    ``tiles`` (NVIDIA's Matrix Multiplication Background User's Guide, "wave quantization": the
+    ``t`` output tiles run ``ceil(t / units)`` waves). An output of fewer tiles than SMs is split
+    along K instead (cuBLAS's split-K), so it is priced whole: 1."""
+    best = 0.0
+    for tm, tn in tiles:
+        t = math.ceil(m / tm) * math.ceil(n / tn)
+        if t < units:
+            return 1.0
+        best = max(best, t / (math.ceil(t / units) * units))
+    return best if best > 0.0 else 1.0
+
+
 @kernel_rule("matmul")
 def _matmul(k: Kernel, r: Rates, s: Scale) -> float:
     div = s.div(k.shard)
@@ -398,6 +421,8 @@ def _matmul(k: Kernel, r: Rates, s: Scale) -> float:
     elif not s.pads and r.mm_unaligned < 1.0 and misaligned(k, dims, s.act_bytes):
         rate *= r.mm_unaligned
     compute = k.mm_flops / div / (rate * shape_factor(dims, r.half_dim))
+    if r.mm_tiles:
+        compute /= wave_efficiency(dims[0], dims[1], r.mm_tiles, r.units)
     compute += vector_compute(k, r, s)  # fused epilogue work, if any
     memory = vdot(k.bytes, s.weights) / r.bandwidth
     # fp8: the casts and transposes of the GEMM's operands are kernels of their own, priced per

@@ -128,10 +128,27 @@ _OPTIONAL = (
     "attention_kernel",
     "attention_kernels",
     "kind",
+    "gemm_tiles",
 )
 #: What a device is to the software that runs on it: a GPU, a CPU (the host computes: its compiler
 #: calls the BLAS library for GEMMs) or another accelerator (TPU, Trainium).
 DEVICE_KINDS = ("gpu", "cpu", "accelerator")
+
+
+def _tiles(src: str, value: object, units: int) -> tuple[tuple[int, int], ...]:
+    """``gemm_tiles`` as a tuple of (rows, columns) pairs of positive integers; they need the
+    device's ``compute_units`` to count waves."""
+    if isinstance(value, (str, bytes)) or not isinstance(value, (list, tuple)):
+        fail(src, "gemm_tiles", f"expected a list of [rows, columns] pairs, got {kind(value)}")
+    out = []
+    for i, pair in enumerate(value):
+        ok = isinstance(pair, (list, tuple)) and len(pair) == 2
+        if not ok or not all(isinstance(x, int) and not isinstance(x, bool) and x > 0 for x in pair):
+            fail(src, f"gemm_tiles[{i}]", f"expected [rows, columns] of positive integers, got {pair!r}")
+        out.append((int(pair[0]), int(pair[1])))
+    if out and units <= 0:
+        fail(src, "gemm_tiles", "needs compute_units (the SMs the tiles' waves fill)")
+    return tuple(out)
 
 
 @dataclass(frozen=True, slots=True)
@@ -185,6 +202,12 @@ class DeviceSpec:
             shape and occupancy deratings, which all kernels share) and ``<kernel>.dropout`` (the
             fractional slowdown with dropout on the probabilities); a training configuration picks
             one with ``attention_kernel``.
+        gemm_tiles: output tiles (rows, columns) the vendor library's 16-bit GEMM kernels compute per
+            thread block, largest first. A GEMM whose output cuts into ``t`` such tiles runs
+            ``ceil(t / compute_units)`` waves, the last one partly idle (NVIDIA's Matrix
+            Multiplication Background User's Guide, "wave quantization"); the cost model takes
+            the tile that quantizes best. Empty (the default): no wave derating beyond
+            ``matmul_half_dim``'s smooth one (libraries whose kernels schedule tiles persistently).
         kind: one of ``DEVICE_KINDS``. On a ``"cpu"`` coplan's runner compiles GEMMs as library
             calls (``coplan.apply.fusion``: Inductor's GEMM templates run only on CUDA tensors),
             so no pointwise work fuses into them (``StackSpec.runner_for``).
@@ -209,6 +232,7 @@ class DeviceSpec:
     attention_kernel: str = ""
     attention_kernels: Mapping[str, float] = field(default_factory=FrozenMap)
     kind: str = "gpu"
+    gemm_tiles: tuple[tuple[int, int], ...] = ()
 
     def __post_init__(self) -> None:
         named = isinstance(self.name, str) and bool(self.name.strip())
@@ -242,6 +266,7 @@ class DeviceSpec:
         if self.attention_kernel and self.attention_kernel not in ATTENTION_KERNELS:
             fail(src, "attention_kernel", f"unknown kernel; expected one of: {', '.join(ATTENTION_KERNELS)}")
         put(self, "attention_kernels", _attention_kernels(src, self.attention_kernels, self.attention_kernel))
+        put(self, "gemm_tiles", _tiles(src, self.gemm_tiles, self.compute_units))
         if self.kind not in DEVICE_KINDS:
             fail(src, "kind", f"expected one of: {', '.join(DEVICE_KINDS)}, got {self.kind!r}")
 
@@ -350,6 +375,8 @@ class DeviceSpec:
             out["attention_kernels"] = dict(self.attention_kernels)
         if self.kind != "gpu":
             out["kind"] = self.kind
+        if self.gemm_tiles:
+            out["gemm_tiles"] = [list(t) for t in self.gemm_tiles]
         return out
 
     @classmethod
@@ -372,6 +399,7 @@ class DeviceSpec:
         attn = r.text("attention_kernel", default="")
         attn_kernels = r.numbers("attention_kernels") if "attention_kernels" in r.data else {}
         dev_kind = r.text("kind", default="gpu")
+        gemm_tiles = r.data.get("gemm_tiles", ())
         # Readers above already name ``source`` and the full path; only __post_init__ errors need
         # re-anchoring, so nothing else may run inside this block.
         with anchored(source, path):
@@ -395,6 +423,7 @@ class DeviceSpec:
                 attention_kernel=attn,
                 attention_kernels=attn_kernels,
                 kind=dev_kind,
+                gemm_tiles=gemm_tiles,
             )
 
 

@@ -215,12 +215,24 @@ def test_specs_are_hashable_and_normalised() -> None:
         ({"vector_flops": True}, "vector_flops"),
         ({"efficiency": {"matmul": 1.5}}, "efficiency.matmul"),
         ({"efficiency": {"typo": 0.5}}, "efficiency.typo"),
+        ({"gemm_tiles": [[256, 0]], "compute_units": 108}, "gemm_tiles[0]"),
+        ({"gemm_tiles": [[256]], "compute_units": 108}, "gemm_tiles[0]"),
+        ({"gemm_tiles": "256x128", "compute_units": 108}, "gemm_tiles"),
+        ({"gemm_tiles": [[256, 128]]}, "gemm_tiles"),  # no SMs to count waves over
     ],
 )
 def test_device_validation(overrides: dict[str, Any], field: str) -> None:
     with pytest.raises(SpecError) as info:
         _device(**overrides)
     assert info.value.field == field
+
+
+def test_gemm_tiles_round_trip_through_json() -> None:
+    dev = _device(gemm_tiles=[[256, 128], [128, 256]], compute_units=108)
+    assert dev.gemm_tiles == ((256, 128), (128, 256))
+    again = DeviceSpec.from_dict(json.loads(json.dumps(dev.to_dict())))
+    assert again == dev and hash(again) == hash(dev)
+    assert "gemm_tiles" not in _device().to_dict()
 
 
 def test_cluster_validation() -> None:

@@ -353,3 +353,49 @@ def test_synchronous_launches_add_each_kernels_host_time() -> None:
     assert slow.step_time_s > fast.step_time_s
     assert config.with_(launch_blocking=True).to_dict()["launch_blocking"] is True
     assert "launch_blocking" not in config.to_dict()
+
+
+# --- wave quantization of library GEMMs (``DeviceSpec.gemm_tiles``) --------------------------------
+
+
+@pytest.mark.parametrize(
+    ("m", "n", "expected"),
+    [
+        (2048, 7168, 448 / 540),  # 8 x 56 tiles either way: 5 waves of 108, the last 16 full
+        (8192, 7168, 1792 / 1836),  # 32 x 56 = 1,792 tiles: 17 waves
+        (13824, 1024, 1.0),  # 54 x 8 = 432 tiles: exactly 4 waves (BigScience's 864-multiple width)
+        (1024, 1024, 1.0),  # 32 tiles, fewer than SMs: cuBLAS splits K instead
+        (2304, 4096, 288 / 324),  # 9 x 32 = 288 tiles (and 18 x 16): 3 waves
+        (2048, 2176, 144 / 216),  # 128 x 256: 16 x 9 = 144 tiles beat 256 x 128's 8 x 17 = 136
+    ],
+)
+def test_wave_efficiency_is_the_busy_share_of_the_best_tiles_waves(m: int, n: int, expected: float) -> None:
+    from coplan.cost.kernels import wave_efficiency
+
+    tiles = ((256, 128), (128, 256))
+    assert wave_efficiency(m, n, tiles, 108) == pytest.approx(expected)
+
+
+def test_a100_gemms_pay_for_their_last_wave_and_hopper_gemms_do_not() -> None:
+    """The A100 presets give cuBLAS's Ampere tiles: a compute-bound GEMM takes its shape-derated
+    time over its wave efficiency; the Hopper presets give none (persistent kernels), so their
+    GEMMs price as the shape derating alone."""
+    from dataclasses import replace as _replace
+
+    from coplan.cost.kernels import Rates, Scale, kernel_time, wave_efficiency
+    from coplan.cost.parts import ZERO, Kernel
+    from coplan.ir.types import Phase
+
+    m, n, k = 2048, 7168, 14336
+    gemm = Kernel(Phase.FORWARD, "matmul", 0, 2.0 * m * n * k, 0.0, ZERO, dims=(m, n, k))
+    scale = Scale.of(TrainingConfig(microbatch=1, global_batch=1, seq=2048))
+    a100 = load_cluster("dgx-a100-80gb", 1).device
+    assert a100.gemm_tiles and a100.compute_units == 108
+    plain = _replace(a100, gemm_tiles=())
+    with_waves = kernel_time(gemm, Rates.of(a100, "bf16"), scale)
+    without = kernel_time(gemm, Rates.of(plain, "bf16"), scale)
+    launch = a100.kernel_launch_s
+    wave = wave_efficiency(m, n, a100.gemm_tiles, 108)
+    assert wave < 1.0
+    assert with_waves - launch == pytest.approx((without - launch) / wave)
+    assert not load_cluster("dgx-h100", 1).device.gemm_tiles
