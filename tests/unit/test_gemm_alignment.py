@@ -79,7 +79,7 @@ def test_unfused_attention_with_an_unaligned_head_dim_runs_its_gemms_at_the_devi
     # baddbmm + softmax + bmm loads an operand whose leading dimension is the head dimension
     dev = load_cluster("dgx-a100-80gb").groups[0].device
     r = Rates.of(dev, "fp16")
-    assert r.mm_unaligned == pytest.approx(0.15)
+    assert r.mm_unaligned == pytest.approx(0.14)
     megatron = Scale(1, False, (2.0, 2.0, 4.0, 4.0, 1.0, 1.0), 2, False, True, True)
     inductor = dataclasses.replace(megatron, pads_bmm=True)  # pad_mm pads bmm operands too
     k, aligned = _unfused_attention(head_dim), _unfused_attention(head_dim + 8 - head_dim % 8)
@@ -87,7 +87,7 @@ def test_unfused_attention_with_an_unaligned_head_dim_runs_its_gemms_at_the_devi
     # the GEMM part alone is what slows: the score traffic is the same
     slow = kernel_time(k, r, megatron) - kernel_time(k, r, inductor)
     gemm = k.mm_flops / (r.mm_flops * shape_factor((2048, 2048, head_dim), r.half_dim))
-    assert slow == pytest.approx(gemm * (1 / 0.15 - 1), rel=1e-9)
+    assert slow == pytest.approx(gemm * (1 / r.mm_unaligned - 1), rel=1e-9)
     assert kernel_time(aligned, r, megatron) == kernel_time(aligned, r, inductor)
 
 
