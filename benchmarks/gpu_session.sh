@@ -3,9 +3,9 @@
 # checks in order of what they decide, each under its own time limit so that a slow compile
 # costs only its own part. Results land under $OUT; run from the repository root:
 #
-#   OUT=/some/dir [CAL_S=0] [BENCH_S=360] [PROBE_S=150] bash benchmarks/gpu_session.sh [gpt2-124m|llama3.2-1b] [tight|loose]
+#   OUT=/some/dir [CAL_S=0] [BENCH_S=360] [PROBE_S=150] [SUSTAIN_S=0] bash benchmarks/gpu_session.sh [gpt2-124m|llama3.2-1b] [tight|loose]
 #
-# CAL_S, BENCH_S and PROBE_S bound the parts in seconds (0 skips a part). Each of bench_gpu's runs is
+# CAL_S, BENCH_S, PROBE_S and SUSTAIN_S bound the parts in seconds (0 skips a part). Each of bench_gpu's runs is
 # a process of its own (a run that runs out of memory leaves the next one its GPU); on one H200,
 # GPT-2 124M's ten runs took 350 s, and Llama 3.2 1B's joint plan compiled for 275 s.
 #
@@ -15,6 +15,9 @@
 #    joint plan's activation budget, coplan's joint and sequential plans (bench_gpu.json).
 # 2. The step probe: per-kernel-class time, GPU idle time and host issue time of a LLaMA-3 8B-shaped
 #    stack, eager and with compiled blocks, beside coplan's prices (the eager-step gap).
+# 3. (SUSTAIN_S > 0) The sustained-load probe: bf16 GEMMs back to back for SUSTAIN_S - 15 seconds,
+#    the GEMM rate per half second beside nvidia-smi's SM clock, power and temperature: whether a
+#    short measurement's GEMM rate holds under minutes of load (sustained.json).
 set -u
 OUT="${OUT:?set OUT to the folder results go to}"
 MODEL="${1:-gpt2-124m}"
@@ -47,4 +50,11 @@ if [ "$PROBE_S" -gt 0 ]; then
         > "$OUT/step_probe.json" 2> "$OUT/step_probe.txt")
     echo "step probe exit $?" >> "$OUT/step_probe.txt"
     tail -n 14 "$OUT/step_probe.txt"
+fi
+SUSTAIN_S="${SUSTAIN_S:-0}"
+if [ "$SUSTAIN_S" -gt 15 ]; then
+    timeout "$SUSTAIN_S" "$PY" benchmarks/data/gpu_sustained_probe.py --seconds "$((SUSTAIN_S - 15))" \
+        > "$OUT/sustained.json" 2> "$OUT/sustained.txt"
+    echo "sustained probe exit $?" >> "$OUT/sustained.txt"
+    tail -n 2 "$OUT/sustained.txt"
 fi

@@ -165,3 +165,21 @@ def test_recorded_gpu_baselines_are_priced_again_as_coplan_run_prices_them(gpu_a
         for ratio in m["eager_over_compiled"].values():
             # eager kernels are never priced faster than the compiler's fused ones
             assert ratio["priced"] > 1.0 and ratio["measured"] > 1.0
+
+
+def test_sustained_probe_times_windows_and_summarises_them_on_a_cpu():
+    """The sustained-load probe (``benchmarks/data/gpu_sustained_probe.py``) runs its loop here:
+    windows of back-to-back GEMMs, each with its rate, and the first and last spans' medians."""
+    data = BENCH / "data"
+    sys.path.insert(0, str(data))
+    try:
+        import gpu_sustained_probe as probe
+    finally:
+        sys.path.remove(str(data))
+    rows = probe.windows(0.6, 64, "cpu", window_s=0.1)
+    assert len(rows) >= 3 and all(r["calls"] > 0 and r["tflops"] > 0 for r in rows)
+    assert [r["t_s"] for r in rows] == sorted(r["t_s"] for r in rows)
+    got = probe.summary(rows, span_s=0.25)
+    assert got["first"]["tflops"] > 0 and got["last"]["tflops"] > 0
+    assert got["last_over_first"] == pytest.approx(got["last"]["tflops"] / got["first"]["tflops"])
+    assert got["first"]["clocks.sm"] is None  # no nvidia-smi readings on a CPU
