@@ -12,9 +12,9 @@ from coplan.ir.types import Graph, Op, OpKind, Phase, TensorRole
 
 def tp_boundaries(
     g: Graph, shard: dict[int, int], ops: Sequence[Op]
-) -> tuple[tuple[float, ...], tuple[float, ...]]:
+) -> tuple[tuple[float, ...], tuple[float, ...], tuple[int, ...]]:
     """Elements of the tensors crossing between replicated and sharded ops in the forward pass:
-    (exits, entries).
+    (exits, entries, the entries' storage ids).
 
     An exit (a sharded op's output read by a replicated op: a reduce-scatter or all-reduce) is
     the part of the op that produced it, an entry (a replicated value read by a sharded op: an
@@ -42,7 +42,7 @@ def tp_boundaries(
                 continue
             if shard[src] == REPL and mine == TP and g.ops[src].kind is not OpKind.CREATION:
                 entries[t.storage_id] = float(t.numel)
-    return tuple(exits.values()), tuple(entries.values())
+    return tuple(exits.values()), tuple(entries.values()), tuple(entries)
 
 
 def _read_replicated(g: Graph, shard: dict[int, int], tid: int) -> bool:

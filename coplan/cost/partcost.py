@@ -364,7 +364,7 @@ class _Priced:
                 if c.async_tp:
                     # the fused reduce-scatters' partial sums, reduced by a kernel of their own
                     fwd += async_tp_reduce_bytes(part.tp_exits, c.tp, ab) / cost.r.bandwidth
-                return fwd + bwd + (fwd if mode == "full" else 0.0)
+                return fwd + bwd + (fwd if mode == "full" else 0.0) + self._regather(part, mode, ag)
         # each collective's own time: without userbuffers, or where they do not apply
         fwd = bwd = 0.0
         for n in part.tp_exits:
@@ -383,12 +383,35 @@ class _Priced:
             else:
                 bwd += g.all_reduce(n * ab)
         total = fwd + bwd + (fwd if mode == "full" else 0.0)
+        if c.sequence_parallel:
+            total += self._regather(part, mode, ag)
         if c.tp_comm_overlap:
             # the embedding and head, or a block of another shape: what the part's GEMMs' time can
             # cover is hidden
             gemm = sum(t for k, t in zip(self.fwd_kernels, self.fwd_times, strict=True) if k.kind == "matmul")
             total = max(0.0, total - 2 * gemm)
         return total
+
+    def _regather(self, part: Part, mode: str | frozenset[str], elem_bytes: int) -> float:
+        """The all-gathers a per-op recompute set re-runs in backward on a PyTorch stack: DTensor's
+        column-parallel linear saves the gathered input for its weight gradient, and a checkpoint
+        policy that recomputes that input (torchtitan's per-op policy: an all-gather is not among
+        the ops it saves, ``torchtitan/models/llama3/infra/parallelize.py`` ``_save_list``)
+        gathers it again, before the GEMM that needs it. Megatron's sequence parallelism keeps only
+        the shard either way and overlaps the re-gather with the input-gradient GEMM (the exposed
+        tally above leaves it out), so its kernels pay nothing here."""
+        c = self.cost.c
+        if isinstance(mode, str) or c.kernels not in ("eager", "inductor") or not part.tp_entry_ids:
+            return 0.0
+        dropped = {tid for tid, name, _ in part.saved_items if name in mode}
+        if not dropped:
+            return 0.0
+        g = self.cost.tp
+        return sum(
+            g.all_gather(n * elem_bytes)
+            for sid, n in zip(part.tp_entry_ids, part.tp_entries, strict=True)
+            if sid in dropped
+        )
 
     def transient(self, part: Part) -> float:
         w = self.cost.s.weights

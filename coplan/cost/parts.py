@@ -147,6 +147,8 @@ class Part:
     transient_cast: Callable[[], tuple[Vec, ...]] | None = field(default=None, compare=False, repr=False)
     tp_exits: tuple[float, ...] = ()  # elements of tensors leaving a sharded region (forward)
     tp_entries: tuple[float, ...] = ()  # elements of tensors entering a sharded region (forward)
+    # their storages' tensor ids, in the same order (which a recompute set may drop and re-gather)
+    tp_entry_ids: tuple[int, ...] = ()
     boundary: float = 0.0  # elements of the activation passed to the next pipeline stage
     scores: float = 0.0  # batch * heads * q * k elements of non-flash attention scores
     scores_dropout: float = 0.0  # of those, the elements of attention with dropout on the probabilities

@@ -222,7 +222,7 @@ class _Ctx(GraphLookups):
             params[shard] += g.tensors[tid].numel
         modules = {_module_of(g, tid) for tid in owned}
         saved_none = self.saved_vec(ops, ids, mode="none")
-        exits, entries = tp_boundaries(self.g, self._shard, ops)
+        exits, entries, entry_ids = tp_boundaries(self.g, self._shard, ops)
         boundary = pipeline_boundary(self.g, ops, ids)
         scores = scores_dropout = 0.0
         for op in ops:
@@ -256,6 +256,7 @@ class _Ctx(GraphLookups):
             ),
             tp_exits=exits,
             tp_entries=entries,
+            tp_entry_ids=entry_ids,
             boundary=boundary,
             scores=scores,
             scores_dropout=scores_dropout,

@@ -170,6 +170,32 @@ def test_selective_op_policy_keeps_odd_matmuls_and_attention() -> None:
     assert est.breakdown_s["recompute"] > 0
 
 
+def test_per_op_recompute_regathers_the_tp_inputs_it_drops_on_pytorch_stacks_only() -> None:
+    """DTensor's column-parallel linears keep their gathered input; torchtitan's per-op policy
+    recomputes the norm outputs they gather (an all-gather is not among the ops it saves), so each
+    dropped input is gathered again in backward: one more all-gather of it per microbatch, on the
+    PyTorch stacks' kernels. Megatron's sequence parallelism re-gathers (overlapped) either way."""
+    names = selective_op_names(build_graph(SPEC, 1, 64))
+    assert "h.0.ln_1.out" in names and "h.0.ln_2.out" in names
+    cluster = load_cluster("dgx-h100", 2)
+    base = TrainingConfig(tp=2, sequence_parallel=True, microbatch=1, global_batch=1, seq=64)
+    model = CostModel(spec=SPEC)
+
+    def tp_comm(config: TrainingConfig) -> float:
+        return model.estimate(cluster, config).breakdown_s["tp_comm"]
+
+    titan = load_stack("torchtitan").configure(base)
+    plain = tp_comm(titan)
+    both = tp_comm(titan.with_(recompute=names)) - plain
+    attention_input = tp_comm(titan.with_(recompute=names - {"h.0.ln_2.out"})) - plain
+    # the two inputs have the same elements (tokens x d_model), so dropping both gathers twice
+    assert attention_input > 0 and both == pytest.approx(2 * attention_input, rel=1e-9)
+    kept = frozenset(n for n in names if not n.endswith(("ln_1.out", "ln_2.out")))
+    assert tp_comm(titan.with_(recompute=kept)) == pytest.approx(tp_comm(titan))
+    megatron = base.with_(recompute=names)
+    assert tp_comm(megatron) == pytest.approx(tp_comm(base))
+
+
 def test_checkpointed_blocks_follow_each_stacks_rule() -> None:
     # torchtitan: blocks N, 2N, ... (counted from 1)
     assert checkpointed_blocks("selective-layer:2", 40) == 20
