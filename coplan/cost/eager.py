@@ -78,9 +78,13 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import replace
+from typing import TYPE_CHECKING
 
 from coplan.cost.parts import ACT, F32, FIX, NV, REPL, TP, ZERO, Kernel, Vec
 from coplan.ir.types import Graph, Op
+
+if TYPE_CHECKING:
+    from coplan.cost.config import TrainingConfig
 
 #: (big kernels as (16-bit elements, fp32 elements) read + written per element, small kernels),
 #: forward and backward, per IR op target; see the module docstring for each.
@@ -341,6 +345,20 @@ def inductor_kernels(
     return swap(fwd), swap(bwd)
 
 
+def stack_kernels(
+    graph: Graph, fwd: Sequence[Kernel], bwd: Sequence[Kernel], config: TrainingConfig, post: bool
+) -> tuple[tuple[Kernel, ...], tuple[Kernel, ...]]:
+    """The kernels ``config``'s stack launches for a part's IR kernels ``fwd`` and ``bwd``: eager
+    PyTorch's decompositions under eager kernels, or on the loss side (``post``) beside compiled
+    blocks (``eager_loss``); Inductor's, with the ops it leaves to ATen; else the IR's own."""
+    if config.kernels == "eager" or (config.eager_loss and post):
+        fused = FUSED_RMSNORM if config.fused_rmsnorm else frozenset()
+        return eager_kernels(graph, fwd, bwd, shard_class, fused, config.eager_rope, config.eager_loss_cast)
+    if config.kernels == "inductor":
+        return inductor_kernels(graph, fwd, bwd, shard_class, config.eager_rope)
+    return tuple(fwd), tuple(bwd)
+
+
 def shard_class(op: Op) -> int:
     """Norms run on replicated activations (sequence parallelism divides them); RoPE on the heads
     and the loss on the vocabulary, which tensor parallelism divides."""
@@ -359,4 +377,5 @@ __all__ = [
     "plan_key",
     "repeat_kv_saved",
     "shard_class",
+    "stack_kernels",
 ]

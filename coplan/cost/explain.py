@@ -13,7 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from coplan.cost.config import TrainingConfig
-from coplan.cost.eager import FUSED_RMSNORM, eager_kernels, inductor_kernels, shard_class
+from coplan.cost.eager import stack_kernels
 from coplan.cost.fp8 import fp8_cost, runs_fp8
 from coplan.cost.kernels import Rates, Scale, kernel_time, local_dims, memory_s
 from coplan.cost.parts import GraphProfile, Kernel, Part, part_dtype, run_kernels
@@ -79,21 +79,8 @@ def kernel_costs(
     for part, n in stage_parts(profile, config, stage):
         base = part_dtype(part, config.dtype)
         fwd, bwd = run_kernels(part, config.loss_fusion, config.activation_fusion)
-        if config.kernels == "eager" or (config.eager_loss and part is profile.post):
-            # eager PyTorch's decompositions (``eager.py``), as ``estimate`` prices them: every
-            # part, or the loss side beside compiled blocks
-            fused = FUSED_RMSNORM if config.fused_rmsnorm else frozenset()
-            fwd, bwd = eager_kernels(
-                g,
-                fwd,
-                bwd,
-                shard_class,
-                fused,
-                config.eager_rope,
-                config.eager_loss_cast,
-            )
-        elif config.kernels == "inductor":
-            fwd, bwd = inductor_kernels(g, fwd, bwd, shard_class, config.eager_rope)
+        # as ``estimate`` prices them: eager PyTorch's decompositions, Inductor's ATen fallbacks
+        fwd, bwd = stack_kernels(g, fwd, bwd, config, part is profile.post)
         for k in (*fwd, *bwd):
             if k.kind == "free":
                 continue

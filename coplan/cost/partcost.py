@@ -11,7 +11,7 @@ from typing import cast
 
 from coplan.cost.comm import Group
 from coplan.cost.config import TrainingConfig
-from coplan.cost.eager import FUSED_RMSNORM, eager_kernels, inductor_kernels, shard_class
+from coplan.cost.eager import stack_kernels
 from coplan.cost.fp8 import fp8_cost, runs_fp8
 from coplan.cost.fusion import readers
 from coplan.cost.kernels import (
@@ -104,23 +104,22 @@ def _base_prices(cost: PartCost, part: Part, fp8: bool) -> _Base:
         if name == c.loss_fusion:  # Megatron's own loss kernels (``loss.py``)
             saved, points = vadd(saved, delta), pts
     fwd, bwd = run_kernels(part, c.loss_fusion, c.activation_fusion)
-    if c.kernels == "eager" or (c.eager_loss and part is cost.profile.post):
-        # eager PyTorch's decompositions of the ops a model writes in Python (``eager.py``)
-        fused = FUSED_RMSNORM if c.fused_rmsnorm else frozenset()
-        key = ("eager", c.loss_fusion, c.activation_fusion, fused, c.eager_rope, c.eager_loss_cast)
-        got = part.cache.get(key)
-        if got is None:
-            got = part.cache[key] = eager_kernels(
-                cost.profile.graph, fwd, bwd, shard_class, fused, c.eager_rope, c.eager_loss_cast
-            )
-        fwd, bwd = got  # type: ignore[misc]
-    elif c.kernels == "inductor" and c.eager_rope == "complex":
-        # what Inductor leaves to ATen (``eager.INDUCTOR_FALLBACKS``)
-        ikey = ("inductor", c.loss_fusion, c.activation_fusion, c.eager_rope)
-        got = part.cache.get(ikey)
-        if got is None:
-            got = part.cache[ikey] = inductor_kernels(cost.profile.graph, fwd, bwd, shard_class, c.eager_rope)
-        fwd, bwd = got  # type: ignore[misc]
+    # the kernels the stack launches for them (``eager.stack_kernels``), kept on the part
+    post = part is cost.profile.post
+    key = (
+        "stack",
+        c.kernels,
+        c.eager_loss and post,
+        c.loss_fusion,
+        c.activation_fusion,
+        c.fused_rmsnorm,
+        c.eager_rope,
+        c.eager_loss_cast,
+    )
+    got = part.cache.get(key)
+    if got is None:
+        got = part.cache[key] = stack_kernels(cost.profile.graph, fwd, bwd, c, post)
+    fwd, bwd = got  # type: ignore[misc]
     fwd_times = tuple(cost.time(k) for k in fwd)
     forward = sum(fwd_times)
     backward = sum(cost.time(k) for k in bwd)
@@ -382,9 +381,7 @@ class _Priced:
                 bwd += g.reduce_scatter(n * ab)
             else:
                 bwd += g.all_reduce(n * ab)
-        total = fwd + bwd + (fwd if mode == "full" else 0.0)
-        if c.sequence_parallel:
-            total += self._regather(part, mode, ag)
+        total = fwd + bwd + (fwd if mode == "full" else 0.0) + self._regather(part, mode, ag)
         if c.tp_comm_overlap:
             # the embedding and head, or a block of another shape: what the part's GEMMs' time can
             # cover is hidden
@@ -401,7 +398,7 @@ class _Priced:
         the shard either way and overlaps the re-gather with the input-gradient GEMM (the exposed
         tally above leaves it out), so its kernels pay nothing here."""
         c = self.cost.c
-        if isinstance(mode, str) or c.kernels not in ("eager", "inductor") or not part.tp_entry_ids:
+        if isinstance(mode, str) or not c.sequence_parallel or c.kernels not in ("eager", "inductor"):
             return 0.0
         dropped = {tid for tid, name, _ in part.saved_items if name in mode}
         if not dropped:
