@@ -72,6 +72,7 @@ from coplan.cost.zero import (
     fsdp_copies,
     fsdp_schedule,
     fsdp_transient,
+    recompute_regathered,
     zero3_exposed,
     zero3_transient,
 )
@@ -152,6 +153,7 @@ def estimate(profile: GraphProfile, cluster: ClusterSpec, config: TrainingConfig
         transient = 0.0
         weight_cache = 0.0
         block_local = 0.0  # this GPU's parameters in the stage's blocks
+        regathered = 0.0  # of them, gathered again after a DeepSpeed recompute (``zero.py``)
         tensors = modules = 0  # parameter tensors, and the modules owning them
         for part, n in parts:
             pc = cost_of(device, part_dtype(part, config.dtype)).of(part)
@@ -181,6 +183,9 @@ def estimate(profile: GraphProfile, cluster: ClusterSpec, config: TrainingConfig
                     if k <= 0:
                         continue
                     recompute += k * pc.recompute(part, mode)
+                    if mode == "full":
+                        sizes = [a + b / t for a, b in part.param_module_sizes]
+                        regathered += k * recompute_regathered(sizes)
                     fwd -= k * pc.unwritten(part, mode)
                     if isinstance(mode, frozenset) and mode and drops_output(profile, part, mode):
                         # every block's input is gone: block j of a chunk re-runs the j - 1 before it
@@ -230,6 +235,7 @@ def estimate(profile: GraphProfile, cluster: ClusterSpec, config: TrainingConfig
             fwd=fwd, bwd=bwd, recompute=recompute, tp_comm=tp_comm, cp_comm=cp_comm, opt=opt, kern=kern,
             params=params, saved=saved, saved_head=saved_head, transient=transient,
             weight_cache=weight_cache, block_local=block_local, tensors=tensors, modules=modules,
+            regathered=regathered,
         )  # fmt: skip
         return got
 
@@ -300,6 +306,11 @@ def estimate(profile: GraphProfile, cluster: ClusterSpec, config: TrainingConfig
             overlaps = config.overlap_zero and config.zero3_gather != "tensor-list"
             hide = fwd + bwd + recompute if overlaps else 0.0
             gathers = 2 if config.zero == 3 else 1
+            again = 0.0
+            if config.zero == 3 and config.zero3_gather != "unit" and p_local > 0:
+                # DeepSpeed's module hooks gather a checkpointed block's modules for its recompute
+                # and, where the block is large, again for its backward (``zero.recompute_regathered``)
+                again = ps.regathered / p_local
             # collectives per microbatch of each kind: a layer's, a module's or a tensor's
             # parameters each (``zero.py``; FSDP's are its units)
             calls = {"unit": units, "module": ps.modules, "tensor-list": ps.tensors}
@@ -316,7 +327,16 @@ def estimate(profile: GraphProfile, cluster: ClusterSpec, config: TrainingConfig
                 copy_s = dp_group.size * device.kernel_launch_s if lists else 0.0
                 hbm = device.memory_bandwidth * device.efficiency_of("memory") if lists else 0.0
                 zero_comm = zero3_exposed(
-                    dp_group, p_local, pieces, param_bytes, grad_bytes, hide, gathers, share, copy_s, hbm
+                    dp_group,
+                    p_local,
+                    pieces,
+                    param_bytes,
+                    grad_bytes,
+                    hide,
+                    gathers + again,
+                    share,
+                    copy_s,
+                    hbm,
                 )
             if config.gather_copies and config.fsdp_units:
                 # FSDP2 copies each gathered unit out of, and its gradients into, the collectives'
@@ -612,7 +632,8 @@ class _Sums(NamedTuple):
     seconds forward, backward, recomputing, in TP and CP collectives and in the optimizer; kernels
     launched; parameters (replicated, TP-sharded); saved activations of the blocks and of the parts
     outside them; the largest transient working set; fp8 weight-cache bytes; this GPU's block
-    parameters; the parameter tensors and the modules owning them."""
+    parameters; the parameter tensors and the modules owning them; the block parameter elements
+    DeepSpeed gathers a third time after a recompute (``zero.recompute_regathered``)."""
 
     fwd: float
     bwd: float
@@ -629,6 +650,7 @@ class _Sums(NamedTuple):
     block_local: float
     tensors: int
     modules: int
+    regathered: float
 
 
 def _cp_ring(

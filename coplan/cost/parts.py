@@ -172,6 +172,9 @@ class Part:
     # tensor or per module, ``TrainingConfig.zero3_gather``)
     param_tensors: int = 0
     param_modules: int = 0
+    # (replicated, tensor-parallel) parameter elements of each module owning parameters, in the
+    # order the forward first reads them (DeepSpeed's reuse distance, ``zero.recompute_regathered``)
+    param_module_sizes: tuple[tuple[float, float], ...] = ()
     cache: dict[object, object] = field(default_factory=dict, compare=False, repr=False)
 
     def scheduled_transient(self) -> tuple[Vec, ...]:

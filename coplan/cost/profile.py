@@ -220,7 +220,9 @@ class _Ctx(GraphLookups):
         owned = self.param_shards(ops)
         for tid, shard in owned.items():
             params[shard] += g.tensors[tid].numel
-        modules = {_module_of(g, tid) for tid in owned}
+        sizes: dict[str, list[float]] = {}  # per module, in the order the forward reads them
+        for tid, shard in owned.items():
+            sizes.setdefault(_module_of(g, tid), [0.0, 0.0])[shard] += g.tensors[tid].numel
         saved_none = self.saved_vec(ops, ids, mode="none")
         exits, entries, entry_ids = tp_boundaries(self.g, self._shard, ops)
         boundary = pipeline_boundary(self.g, ops, ids)
@@ -239,7 +241,8 @@ class _Ctx(GraphLookups):
             optimizer=tuple(opt),
             params=(params[0], params[1]),
             param_tensors=len(owned),
-            param_modules=len(modules),
+            param_modules=len(sizes),
+            param_module_sizes=tuple((a, b) for a, b in sizes.values()),
             saved={
                 "none": saved_none,
                 "selective": self.saved_vec(ops, ids, mode="selective"),

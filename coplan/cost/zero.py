@@ -28,6 +28,12 @@ So, per microbatch:
   reduce-scatter of unit ``i`` with the backward of unit ``i - 1``; what compute cannot cover shows,
   and the first unit's all-gather (nothing to hide behind at the start of forward) and the last
   unit's reduce-scatter (after the last backward) always show;
+- DeepSpeed hooks every module's forward and backward, and a checkpointed block's recompute runs
+  its modules' forwards again: each module is gathered for the recompute and, once its forward
+  ends, released unless the module trace uses it again within ``stage3_max_reuse_distance``
+  parameter elements (``recompute_regathered``), so all but the modules last in a large block are
+  gathered a third time for their backward. FSDP gathers a unit around the checkpointed block and
+  the recompute runs inside it: two gathers either way;
 - memory holds, beyond the 1/d shards, the gathered weights of the unit in use and of the one
   prefetched, and one unit's unsharded gradients before their reduce-scatter (FSDP's default
   ``limit_all_gathers`` keeps at most two units gathered, Zhao et al. Sec. 3.4).
@@ -35,8 +41,38 @@ So, per microbatch:
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 from coplan.cost.comm import Group
 from coplan.cost.contention import run_beside, slowdown
+
+#: DeepSpeed ZeRO-3 keeps a module's gathered parameters after its forward where the module trace
+#: reads them again within this many parameter elements: ``stage3_max_reuse_distance``, default
+#: 1e9 (deepspeed/runtime/zero/config.py ``max_reuse_distance``, "Do not release a parameter if it
+#: will be reused within this threshold of parameters"; constants.py at 5d721e092, 2021, the same).
+DEEPSPEED_REUSE_DISTANCE = 1e9
+
+
+def recompute_regathered(sizes: Sequence[float], reuse_distance: float = DEEPSPEED_REUSE_DISTANCE) -> float:
+    """Parameter elements of one checkpointed block that DeepSpeed ZeRO-3 gathers again for the
+    backward after gathering them for the block's recompute, of modules holding ``sizes`` elements
+    each on this GPU, in forward order.
+
+    The recompute re-runs the block's forward, whose module hooks gather each module and release
+    it after its forward (deepspeed/runtime/zero/parameter_offload.py ``_post_forward_module_hook``
+    -> ``release_sub_module``; stage3.py ``post_sub_module_forward_function`` at 5d721e092;
+    microsoft/DeepSpeed#4784: the recompute's forward calls ``pre_sub_module_forward_function``).
+    Release keeps what the trace reads again before ``reuse_distance`` elements of other uses
+    (partitioned_param_coordinator.py ``__params_to_release``; stage3.py ``_keep_for_later``):
+    between module ``j``'s recomputed forward and its backward the trace holds the recomputed
+    forwards of the modules after it and then their backwards, twice their elements. The last
+    module is always kept; in a block of billions of elements the rest are gathered a third time."""
+    regathered = after = 0.0
+    for n in reversed(sizes):
+        if 2 * after >= reuse_distance:
+            regathered += n
+        after += n
+    return regathered
 
 
 def zero3_exposed(
@@ -46,7 +82,7 @@ def zero3_exposed(
     param_bytes: float,
     grad_bytes: float,
     compute: float,
-    gathers: int = 2,
+    gathers: float = 2,
     share: float = 0.0,
     copy_s: float = 0.0,
     copy_bandwidth: float = 0.0,
@@ -56,8 +92,9 @@ def zero3_exposed(
     before the data-parallel sharding) split evenly into ``units`` collectives of each kind (the
     layers, or the modules or tensors a stack gathers one by one: ``TrainingConfig.zero3_gather``).
     ``gathers`` all-gathers per unit: 2 for ZeRO-3 (forward and backward), 1 for FSDP without
-    resharding after forward. ``copy_s``: seconds each collective spends launching the copies of
-    its per-rank tensors in or out beside the collective itself; ``copy_bandwidth`` (bytes per
+    resharding after forward, more where a recompute gathers some again (on average per unit).
+    ``copy_s``: seconds each collective spends launching the copies of its per-rank tensors in
+    or out beside the collective itself; ``copy_bandwidth`` (bytes per
     second, 0: none) the device memory those copies move through: a gather's output zero-filled
     before it and copied once more after it (three passes of the gathered bytes), a
     reduce-scatter's input copied once before it (two passes). The hidden collectives take

@@ -10,9 +10,9 @@ import pytest
 from coplan.cost import CostModel, TrainingConfig, load_stack
 from coplan.cost.comm import Group
 from coplan.cost.config import ConfigError
-from coplan.cost.zero import zero3_exposed
+from coplan.cost.zero import recompute_regathered, zero3_exposed
 from coplan.hardware import load_cluster
-from coplan.models.spec import PRESETS
+from coplan.models.spec import PRESETS, ModelSpec
 
 GPT = PRESETS["gpt-tiny"]  # learned positions, biases, a tied embedding
 LLAMA = PRESETS["llama-tiny"]  # no biases
@@ -130,3 +130,51 @@ def test_cli_prices_the_collectives_as_named(cli) -> None:  # type: ignore[no-un
     assert comm[()] < comm[("--zero3-gather", "tensor-list", "--no-zero3-overlap")]
     code, _, err = cli(*args, "--stack", "fsdp", "--zero3-gather", "module")
     assert code == 2 and "zero3_gather" in err and len(err.strip().splitlines()) == 1
+
+
+def test_deepspeed_regathers_a_recomputed_module_used_again_beyond_the_reuse_distance() -> None:
+    h = 20480.0  # MT-NLG 530B's blocks: QKV, projection, the two MLP linears
+    sizes = [3 * h * h, h * h, 4 * h * h, 4 * h * h]
+    # the last module's backward follows its recomputed forward at once; the others wait for
+    # twice the elements of the modules after them (their recompute, then their backward)
+    assert recompute_regathered(sizes) == 8 * h * h
+    assert recompute_regathered(sizes, reuse_distance=2 * 4 * h * h + 1) == 4 * h * h
+    # a small block is kept whole between its recompute and its backward
+    assert recompute_regathered([3e6, 1e6, 4e6, 4e6]) == 0.0
+    assert recompute_regathered([]) == 0.0
+
+
+def test_block_modules_in_forward_order_hold_the_block_parameters() -> None:
+    (block,) = CostModel(spec=GPT).profile(1, 64, "megatron").templates
+    sizes = block.param_module_sizes
+    assert len(sizes) == block.param_modules
+    assert sum(a + b for a, b in sizes) == pytest.approx(sum(block.params))
+    d = GPT.d_model
+    # ln_1, then QKV (weight and bias, tensor-parallel), ...; the MLP's output linear last
+    assert sizes[0] == (2 * d, 0.0)
+    assert sizes[1] == (0.0, 3 * d * d + 3 * d)
+    assert sum(sizes[-1]) == 4 * d * d + d
+
+
+def test_deepspeed_recompute_gathers_large_blocks_a_third_time() -> None:
+    big = ModelSpec(n_layers=2, d_model=16384, n_heads=128, vocab_size=32000, seq_len=256)
+    cm = CostModel(spec=big)
+    cluster = load_cluster("dgx-a100-80gb", 64)
+
+    def comm(gather: str, recompute: str) -> float:
+        cfg = TrainingConfig(
+            dp=64, global_batch=64, zero=3, zero3_gather=gather, overlap_zero=False, recompute=recompute
+        )
+        return cm.estimate(cluster, cfg).breakdown_s["zero_comm"]
+
+    # per-module hooks fire again in the recompute: all but the last module are gathered again
+    assert comm("tensor-list", "full") > comm("tensor-list", "none")
+    assert comm("module", "full") > comm("module", "none")
+    # a unit gathered around the checkpointed block (FSDP) is gathered twice either way
+    assert comm("unit", "full") == pytest.approx(comm("unit", "none"))
+    # a small model's blocks stay gathered from their recompute to their backward
+    small = CostModel(spec=GPT)
+    cfg = _zero3("module", overlap=False)
+    none = small.estimate(cluster, cfg).breakdown_s["zero_comm"]
+    full = small.estimate(cluster, cfg.with_(recompute="full")).breakdown_s["zero_comm"]
+    assert full == pytest.approx(none)
