@@ -381,6 +381,19 @@ class _Priced:
                 bwd += g.reduce_scatter(n * ab)
             else:
                 bwd += g.all_reduce(n * ab)
+        if c.sequence_parallel and c.kernels in ("eager", "inductor"):
+            # DTensor's sequence parallelism shards dim 1 ([batch, seq, hidden]) and NCCL gathers
+            # and scatters dim 0: each all-gather's output is re-laid out by a copy after it and
+            # each reduce-scatter's input by one before it, on the compute stream
+            # (torch/distributed/_functional_collectives.py ``all_gather_tensor``: ``torch.cat(
+            # torch.chunk(res, group_size, dim=0), dim=gather_dim)``; ``reduce_scatter_tensor``:
+            # the same for ``scatter_dim != 0``; torchtitan's TP plan: ``Shard(1)`` around every
+            # block, its parallelize.py noting that folding batch and sequence would avoid it)
+            r = self.cost.r
+            fwd += sum(self._relayout(n * ab, r) for n in part.tp_exits)
+            fwd += sum(self._relayout(n * ag, r) for n in part.tp_entries)
+            bwd += sum(self._relayout(n * ag, r) for n in part.tp_exits)
+            bwd += sum(self._relayout(n * ab, r) for n in part.tp_entries)
         total = fwd + bwd + (fwd if mode == "full" else 0.0) + self._regather(part, mode, ag)
         if c.tp_comm_overlap:
             # the embedding and head, or a block of another shape: what the part's GEMMs' time can
@@ -403,12 +416,18 @@ class _Priced:
         dropped = {tid for tid, name, _ in part.saved_items if name in mode}
         if not dropped:
             return 0.0
-        g = self.cost.tp
+        g, r = self.cost.tp, self.cost.r
         return sum(
-            g.all_gather(n * elem_bytes)
+            # (with DTensor's copy re-laying the gathered sequence out, ``_tp_comm``)
+            g.all_gather(n * elem_bytes) + self._relayout(n * elem_bytes, r)
             for sid, n in zip(part.tp_entry_ids, part.tp_entries, strict=True)
             if sid in dropped
         )
+
+    @staticmethod
+    def _relayout(nbytes: float, r: Rates) -> float:
+        """One copy of a gathered tensor of ``nbytes``: read and written once, one launch."""
+        return 2 * nbytes / r.bandwidth + r.launch_s
 
     def transient(self, part: Part) -> float:
         w = self.cost.s.weights

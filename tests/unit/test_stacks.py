@@ -12,6 +12,7 @@ from coplan.cost import CostModel, TrainingConfig, load_stack, load_stack_file, 
 from coplan.cost.checkpoint import checkpointed_blocks, selective_op_names
 from coplan.cost.config import ConfigError
 from coplan.cost.eager import PLANS, eager_kernels, op_kernels, shard_class
+from coplan.cost.kernels import Rates
 from coplan.cost.parts import ACT, F32, REPL, TP
 from coplan.cost.stacks import SETTINGS, StackError, StackSpec, stack_from_dict
 from coplan.hardware import load_cluster
@@ -194,6 +195,36 @@ def test_per_op_recompute_regathers_the_tp_inputs_it_drops_on_pytorch_stacks_onl
     assert tp_comm(titan.with_(recompute=kept)) == pytest.approx(tp_comm(titan))
     megatron = base.with_(recompute=names)
     assert tp_comm(megatron) == pytest.approx(tp_comm(base))
+
+
+def test_dtensor_sequence_parallel_copies_each_gathered_tensor_once_more() -> None:
+    """DTensor shards the sequence (dim 1) and NCCL gathers and scatters dim 0, so every
+    all-gather's output and every reduce-scatter's input is re-laid out by one copy on the compute
+    stream (``torch.cat(torch.chunk(...))``): per TP collective, its full tensor read and written
+    once and one launch, on the PyTorch stacks' kernels only."""
+    cluster = load_cluster("dgx-h100", 2)
+    base = TrainingConfig(tp=2, sequence_parallel=True, microbatch=1, global_batch=1, seq=64)
+    model = CostModel(spec=SPEC)
+    titan = load_stack("torchtitan").configure(base)
+    prof = model.profile(1, 64, titan.fusion)
+    r = Rates.of(cluster.groups[0].device, titan.dtype, titan.attention_kernel)
+    parts = [(prof.pre, 1), *((t, len(t.blocks)) for t in prof.templates), (prof.post, 1)]
+    # forward and backward: each entry's all-gather and its gradient's reduce-scatter, each exit's
+    # reduce-scatter and its gradient's all-gather, 16-bit elements
+    copies = sum(
+        n * 2 * (2 * k * 2 / r.bandwidth + r.launch_s)
+        for part, n in parts
+        for k in (*part.tp_entries, *part.tp_exits)
+    )
+    assert copies > 0
+
+    def tp_comm(config: TrainingConfig) -> float:
+        return model.estimate(cluster, config).breakdown_s["tp_comm"]
+
+    assert tp_comm(titan) - tp_comm(base) == pytest.approx(copies, rel=1e-9)
+    # without sequence parallelism the collectives are all-reduces in place: nothing to re-lay out
+    plain = base.with_(sequence_parallel=False)
+    assert tp_comm(load_stack("torchtitan").configure(plain)) == pytest.approx(tp_comm(plain))
 
 
 def test_checkpointed_blocks_follow_each_stacks_rule() -> None:
