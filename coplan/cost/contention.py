@@ -24,6 +24,8 @@ across GPT and LLaMA training on A100s and H100s overlapped compute ran 18.9% sl
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 from coplan.cost.comm import Group
 from coplan.hardware.device import DeviceSpec
 
@@ -62,6 +64,20 @@ def run_beside(start: float, work: float, busy_until: float, share: float) -> fl
     if (busy_until - start) * rate >= work:
         return start + work / rate
     return busy_until + work - (busy_until - start) * rate
+
+
+def run_beside_each(start: float, work: float, busy: Sequence[tuple[float, float]]) -> float:
+    """When compute of ``work`` seconds (alone) that starts at ``start`` ends, beside collectives
+    on streams of their own, each ``(until, share)`` holding ``share`` of the device until
+    ``until``: while several run, their shares add (their channels hold SMs of their own)."""
+    t, left = start, work
+    for until in sorted({u for u, sh in busy if u > start and sh > 0.0}):
+        rate = 1.0 - min(MAX_SHARE, sum(sh for u, sh in busy if u >= until and sh > 0.0))
+        if (until - t) * rate >= left:
+            return t + left / rate
+        left -= (until - t) * rate
+        t = until
+    return t + left
 
 
 def slowdown(compute: float, hidden: float, share: float) -> float:

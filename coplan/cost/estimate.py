@@ -540,7 +540,7 @@ def _fsdp_comm(
     the last. With a sharding group smaller than the data-parallel ranks (HYBRID_SHARD) the
     collectives stay in the group and each unit's gradient shard is all-reduced across the
     replicas. Compute beside a collective runs on the SMs the collective leaves (``contention.py``;
-    the larger of the two groups' shares where the replicas' all-reduce runs too)."""
+    each group's own share while its collectives run)."""
     shard = config.shard_ranks
     group = Group.of(cluster, shard, config.tp, net)
     replicas = Group.of(cluster, config.dp_cp // shard, config.tp * shard, net)
@@ -553,8 +553,8 @@ def _fsdp_comm(
         repl = replicas.all_reduce(per_unit * grad_bytes / shard)
         edges += replicas.all_reduce(root * grad_bytes / shard)
     ub = config.nccl_ub
-    share = max(sm_share(group, device, ub), sm_share(replicas, device, ub) if repl else 0.0)
-    return edges + fsdp_schedule(units, gather, scatter, fwd, bwd, gathers, repl, share)
+    share, rshare = sm_share(group, device, ub), sm_share(replicas, device, ub) if repl else 0.0
+    return edges + fsdp_schedule(units, gather, scatter, fwd, bwd, gathers, repl, share, rshare)
 
 
 def cluster_latency(cluster: ClusterSpec, cross_node: bool) -> float:

@@ -44,7 +44,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from coplan.cost.comm import Group
-from coplan.cost.contention import run_beside, slowdown
+from coplan.cost.contention import run_beside, run_beside_each, slowdown
 
 #: DeepSpeed ZeRO-3 keeps a module's gathered parameters after its forward where the module trace
 #: reads them again within this many parameter elements: ``stage3_max_reuse_distance``, default
@@ -174,6 +174,7 @@ def fsdp_schedule(
     gathers: int = 2,
     replicate: float = 0.0,
     share: float = 0.0,
+    replicate_share: float | None = None,
 ) -> float:
     """Seconds one microbatch of PyTorch FSDP takes beyond its compute, from the schedule itself:
     ``units`` equal units, each all-gathering its parameters (``gather`` seconds) before its
@@ -192,10 +193,13 @@ def fsdp_schedule(
     on the group is the prefetched all-gather of unit ``i - 1``, then unit ``i``'s reduce-scatter
     once its backward ends. So the first all-gather and the last reduce-scatter always show, and
     a unit whose collectives outlast its neighbour's compute stalls the next one. A unit's compute
-    runs on ``1 - share`` of the device while a collective it overlaps is in flight
-    (``contention.run_beside``)."""
+    runs on ``1 - share`` of the device while a collective of the group it overlaps is in flight,
+    less ``replicate_share`` (None: ``share``) more while the replicas' all-reduce is
+    (``contention.run_beside_each``): the two groups' collectives hold SMs each, and an
+    all-reduce across nodes with one GPU of each holds far fewer than a gather inside the node."""
     if units <= 0:
         return 0.0
+    rshare = share if replicate_share is None else replicate_share
     f, b = forward / units, backward / units
     comm = 0.0  # when the group's stream is free
     # forward: the first unit's all-gather is issued at the start, each next one when the
@@ -217,7 +221,7 @@ def fsdp_schedule(
         start = max(compute_end, done)
         if gathers >= 2 and i + 1 < units:
             done = comm = max(comm, start) + gather
-        compute_end = run_beside(start, b, max(comm, repl), share)
+        compute_end = run_beside_each(start, b, ((comm, share), (repl, rshare)))
         comm = max(comm, compute_end) + scatter
         if replicate:
             repl = max(repl, comm) + replicate

@@ -6,7 +6,7 @@ import pytest
 
 from coplan.cost import CostModel, TrainingConfig
 from coplan.cost.comm import Group
-from coplan.cost.contention import run_beside, slowdown, sm_share
+from coplan.cost.contention import run_beside, run_beside_each, slowdown, sm_share
 from coplan.cost.zero import fsdp_schedule, zero3_exposed
 from coplan.hardware import load_cluster
 from coplan.hardware._fields import FieldError
@@ -45,6 +45,32 @@ def test_fsdp_schedule_with_share() -> None:
     # Compute alone is 6 + 12 = 18: 4.5 s beyond it
     assert fsdp_schedule(2, 1.0, 1.0, 6.0, 12.0, share=0.5) == pytest.approx(4.5)
     assert fsdp_schedule(2, 1.0, 1.0, 6.0, 12.0) == pytest.approx(3.0)
+
+
+def test_run_beside_each_adds_the_shares_of_collectives_in_flight() -> None:
+    # [0,1] beside both (1/4 of the rate): 0.25 s; [1,2] beside the second (1/2): 0.5 s; the other
+    # 2.25 s alone
+    assert run_beside_each(0.0, 3.0, ((1.0, 0.25), (2.0, 0.5))) == pytest.approx(4.25)
+    # one collective: as run_beside
+    for args in ((1.0, 2.0, 0.5, 0.25), (0.0, 3.0, 10.0, 0.25), (0.0, 3.0, 1.0, 0.25)):
+        start, work, until, share = args
+        assert run_beside_each(start, work, ((until, share),)) == pytest.approx(run_beside(*args))
+    assert run_beside_each(0.0, 3.0, ()) == pytest.approx(3.0)
+
+
+def test_fsdp_schedule_prices_each_groups_share() -> None:
+    # 2 units without resharding, forward 2 x 3 s, backward 2 x 6 s, collectives of 1 s inside
+    # the node holding no SMs, and a 4 s all-reduce across the replicas after each reduce-scatter.
+    # Backward: unit 1 [7,13], its reduce-scatter [13,14], its all-reduce [14,18]; unit 0 from 13
+    # at half rate beside the all-reduce until 18 (2.5 s of work), then 3.5 s alone -> 21.5; its
+    # reduce-scatter [21.5,22.5] and all-reduce [22.5,26.5]: 8.5 s past the 18 s of compute
+    assert fsdp_schedule(
+        2, 1.0, 1.0, 6.0, 12.0, gathers=1, replicate=4.0, share=0.0, replicate_share=0.5
+    ) == pytest.approx(8.5)
+    # an all-reduce holding no SMs: unit 0 [13,19], reduce-scatter [19,20], all-reduce [20,24]
+    assert fsdp_schedule(
+        2, 1.0, 1.0, 6.0, 12.0, gathers=1, replicate=4.0, share=0.0, replicate_share=0.0
+    ) == pytest.approx(6.0)
 
 
 def test_zero3_exposed_share() -> None:
