@@ -356,6 +356,11 @@ class _Priced:
                     cost.device.compute_units,
                     slots or cost.ub_slots,
                     lambda k, rows: cost.time(with_rows(k, rows)),
+                    # the collectives async TP leaves unfused re-lay DTensor's sequence out
+                    # (``_tp_comm`` below)
+                    (lambda n, gathered: self._relayout(n * (ag if gathered else ab), cost.r))
+                    if c.async_tp and c.kernels in ("eager", "inductor")
+                    else None,
                 )
             got = cast("tuple[float, float] | None", part.cache[key])
             if got is not None:

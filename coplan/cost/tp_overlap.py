@@ -213,12 +213,15 @@ def block_overlap(
     sms: int,
     slots: dict[str, UbSlot],
     chunk: ChunkTime,
+    relayout: Callable[[float, bool], float] | None = None,
 ) -> tuple[float, float] | None:
     """(forward, backward) seconds the block's overlapped TP collectives add, or None where the
     block is not Megatron's attention + MLP shape (QKV, attention, projection, FC1, FC2).
 
     ``entries``/``exits`` are the elements gathered into (QKV, FC1) and scattered out of
-    (projection, FC2); ``gather``/``scatter`` price one collective of that many elements."""
+    (projection, FC2); ``gather``/``scatter`` price one collective of that many elements;
+    ``relayout`` (elements, whether gathered) the copy a collective left unfused (``EXPOSED``)
+    adds where the stack re-lays its tensor out around it (DTensor's sequence dimension)."""
     if len(entries) != 2 or len(exits) != 2:
         return None
     kinds = [k.kind for k in kernels]
@@ -242,18 +245,26 @@ def block_overlap(
     def pair(name: str, gemm: tuple[Kernel, float], comm: float) -> float:
         return _pair(slots[name], gemm[0], gemm[1], comm, tp, sms, chunk)
 
+    def copy(name: str, n: float, gathered: bool) -> float:
+        return relayout(n, gathered) if relayout is not None and slots[name].method == EXPOSED else 0.0
+
     fwd = (
         pair("qkv_fprop", qkv, gather(e_attn))
         + pair("fc1_fprop", fc1, gather(e_mlp))
         + pair("proj_fprop", proj, scatter(x_attn))
         + pair("fc2_fprop", fc2, scatter(x_mlp))
+        + copy("qkv_fprop", e_attn, True)
+        + copy("fc1_fprop", e_mlp, True)
+        + copy("proj_fprop", x_attn, False)
+        + copy("fc2_fprop", x_mlp, False)
     )
     bwd = pair("proj_dgrad", proj, gather(x_attn)) + pair("fc2_dgrad", fc2, gather(x_mlp))
+    bwd += copy("proj_dgrad", x_attn, True) + copy("fc2_dgrad", x_mlp, True)
     for layer, gemm, n in (("qkv", qkv, e_attn), ("fc1", fc1, e_mlp)):
         dgrad = slots[f"{layer}_dgrad"]
         if dgrad.method == EXPOSED:
             # async TP: the input gradient's reduce-scatter shows whole; no re-gather
-            bwd += scatter(n)
+            bwd += scatter(n) + copy(f"{layer}_dgrad", n, False)
         elif dgrad.method == "bulk":
             bwd += pair(f"{layer}_dgrad", gemm, gather(n)) + pair(f"{layer}_wgrad", gemm, scatter(n))
         else:

@@ -231,6 +231,33 @@ def test_async_tp_with_nothing_fused_is_the_exposed_collectives():
     )
 
 
+def test_collectives_async_tp_leaves_unfused_pay_the_stacks_relayout():
+    # DTensor re-lays the sequence out around each plain collective; the fused pairs need none
+    from coplan.cost.tp_overlap import async_tp_slots, block_overlap
+    from coplan.models.spec import PRESETS
+
+    spec = PRESETS["llama-tiny"]
+    part = CostModel(spec=spec).profile(1, spec.seq_len).templates[0]
+    times = [1e-4] * len(part.forward)
+    comm = lambda n: 1e-9 * n  # noqa: E731
+    copy = lambda n, gathered: (3e-10 if gathered else 5e-10) * n  # noqa: E731
+    args = (part.forward, times, part.tp_entries, part.tp_exits, comm, comm, 2, 132)
+    for gathers_fused in (True, False):
+        slots = async_tp_slots(gathers_fused)
+        plain = block_overlap(*args, slots, _rate)
+        relaid = block_overlap(*args, slots, _rate, copy)
+        assert plain is not None and relaid is not None
+        # the input gradients' reduce-scatters, and under rowwise fp8 every all-gather too
+        (e_attn, e_mlp), (x_attn, x_mlp) = part.tp_entries, part.tp_exits
+        want_bwd = copy(e_attn, False) + copy(e_mlp, False)
+        want_fwd = 0.0
+        if not gathers_fused:
+            want_fwd = copy(e_attn, True) + copy(e_mlp, True)
+            want_bwd += copy(x_attn, True) + copy(x_mlp, True)
+        assert relaid[0] - plain[0] == pytest.approx(want_fwd)
+        assert relaid[1] - plain[1] == pytest.approx(want_bwd)
+
+
 def test_async_tp_fuses_what_the_micro_pipeline_pass_matches():
     from coplan.cost.tp_overlap import EXPOSED, async_tp_slots
 
