@@ -9,7 +9,8 @@ this module prices it for the NCCL collectives the data-parallel schedules hide 
 FSDP's and ZeRO-3's per-unit all-gathers and reduce-scatters, and the bucketed gradient reduction
 and parameter gathers of DDP and ZeRO-1/2.
 
-While a collective runs, compute progresses at ``1 - share`` of its rate, ``share`` the collective's
+While a collective runs, compute progresses at ``1 - share`` of its rate (the shares of collectives
+of different groups in flight at once adding up: ``run_beside_each``), ``share`` the collective's
 SMs over the device's (``InterconnectLevel.comm_sms`` of the level the group's ring crosses:
 NCCL logs 24 collective channels inside an 8-GPU NVSwitch node and 16 once the ring crosses the
 nodes' NICs, the cluster presets' sources). Memory-bound kernels lose about as much to the
