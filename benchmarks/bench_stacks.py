@@ -116,6 +116,9 @@ def price(run: dict, stack: str, reserved: bool = False) -> tuple[float, float, 
     if "zero3_gather" in r["stack_settings"]:
         # the run's DeepSpeed issues ZeRO-3's collectives its own way (``TrainingConfig.zero3_gather``)
         config = config.with_(zero3_gather=r["stack_settings"]["zero3_gather"])
+    if "grad_accumulation" in r["stack_settings"]:
+        # how the run's stack accumulated gradients over microbatches (``TrainingConfig.grad_accumulation``)
+        config = config.with_(grad_accumulation=r["stack_settings"]["grad_accumulation"])
     if r["stack_settings"].get("zero3_overlap") is False:
         # each gather waits for the device (``TrainingConfig.overlap_zero``)
         config = config.with_(overlap_zero=False)

@@ -88,6 +88,11 @@ ROPE_FORMS: tuple[str, ...] = ("complex", "pairs")
 #: casts them (``logits.float()``), autocast casts the 16-bit log-probabilities for ``nll_loss``, the
 #: loss runs in the logits' own 16 bits, or a fused cross-entropy kernel takes them as they are
 LOSS_CASTS: tuple[str, ...] = ("float", "autocast", "none", "fused")
+#: How gradients accumulate over a step's microbatches (``TrainingConfig.grad_accumulation``):
+#: ``fused`` inside the weight-gradient GEMMs, ``autograd16`` / ``autograd32`` by autograd into
+#: 16-bit or fp32 parameters' ``.grad``, ``fp32-buffer`` by a copy of each microbatch's 16-bit
+#: gradients into fp32 buffers
+GRAD_ACCUMULATIONS: tuple[str, ...] = ("fused", "autograd16", "autograd32", "fp32-buffer")
 
 
 def recomputes_fully(recompute: object, per_stage: tuple[object, ...] | None) -> bool:
@@ -245,6 +250,16 @@ class TrainingConfig:
             a tensor per rank for PyTorch to copy in or out, each gather waiting for the device
             (``"tensor-list"``: nothing overlaps); each collective pays its own ring latency, and
             each per-rank copy a launch (``coplan.cost.zero``).
+        grad_accumulation: how gradients accumulate over the step's microbatches where they are
+            not sharded between them (ZeRO 0-1; ``GRAD_ACCUMULATIONS``): ``"fused"``, the
+            weight-gradient GEMMs add into the gradient buffer themselves (Megatron-LM's
+            ``--gradient-accumulation-fusion``, on by default: nothing more to price);
+            ``"autograd16"`` / ``"autograd32"``, autograd adds each later microbatch's gradient
+            into the 16-bit or fp32 parameters' ``.grad`` (AccumulateGrad's in-place add: the
+            old and new gradient read, the sum written, per local parameter); ``"fp32-buffer"``,
+            each microbatch's 16-bit gradients added into fp32 buffers (DeepSpeed's
+            ``BF16_Optimizer.update_hp_grads``: 2 + 4 + 4 bytes a parameter). Memory-bound passes
+            on the compute stream after each microbatch's backward (``estimate``).
         gather_copies: the stack copies each gathered unit out of the all-gather buffer into
             its parameters and each unit's gradients into the reduce-scatter buffer on the compute
             stream (PyTorch FSDP2; ``coplan.cost.zero.fsdp_copies``), priced with the unit's
@@ -313,6 +328,7 @@ class TrainingConfig:
     eager_loss_cast: str = "float"
     optimizer: str = ""
     zero3_gather: str = "unit"
+    grad_accumulation: str = "fused"
     launch_blocking: bool = False
     gather_copies: bool = False
 
@@ -434,6 +450,11 @@ class TrainingConfig:
         if self.zero3_gather != "unit" and self.fsdp_units:
             raise ConfigError(
                 "zero3_gather", "FSDP gathers each unit's parameters in one collective (needs 'unit')"
+            )
+        if self.grad_accumulation not in GRAD_ACCUMULATIONS:
+            raise ConfigError(
+                "grad_accumulation",
+                f"must be one of {', '.join(GRAD_ACCUMULATIONS)}, got {self.grad_accumulation!r}",
             )
         if self.fp8_scaling not in FP8_SCALINGS:
             raise ConfigError(
@@ -581,6 +602,7 @@ class TrainingConfig:
             **({"eager_loss_cast": self.eager_loss_cast} if self.eager_loss_cast != "float" else {}),
             **({"optimizer": self.optimizer} if self.optimizer else {}),
             **({"zero3_gather": self.zero3_gather} if self.zero3_gather != "unit" else {}),
+            **({"grad_accumulation": self.grad_accumulation} if self.grad_accumulation != "fused" else {}),
             **({"overlap_zero": False} if not self.overlap_zero else {}),
             **({"launch_blocking": True} if self.launch_blocking else {}),
             **({"gather_copies": True} if self.gather_copies else {}),

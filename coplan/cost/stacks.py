@@ -23,6 +23,7 @@ from coplan.cost.buckets import BUCKET_SCOPES
 from coplan.cost.config import (
     ATTENTION_KERNEL_CHOICES,
     DDP_BUCKET_BYTES,
+    GRAD_ACCUMULATIONS,
     KERNEL_SETS,
     LOSS_CASTS,
     OPTIMIZER_IMPLEMENTATIONS,
@@ -84,6 +85,7 @@ SETTINGS: tuple[str, ...] = (
     "eager_loss_cast",
     "optimizer",
     "zero3_gather",
+    "grad_accumulation",
     "layer_checkpointing",
 )
 #: How a stack runs fp8 GEMMs: natively, emulated (runs, not faster) or not at all.
@@ -165,6 +167,9 @@ class StackSpec:
             ``""`` as a plan's optimizer kernels say, ``"fused"``, ``"foreach"`` or ``"for-loop"``.
         zero3_gather: how its ZeRO-3 issues the parameter all-gathers and gradient reduce-scatters
             (``TrainingConfig.zero3_gather``): per layer, per module or per parameter tensor.
+        grad_accumulation: how its gradients accumulate over microbatches where they are not
+            sharded (``TrainingConfig.grad_accumulation``): inside the GEMMs, by autograd into
+            16-bit or fp32 ``.grad``, or copied into fp32 buffers.
         layer_checkpointing: which blocks its per-layer checkpointing (``selective-layer``)
             checkpoints (``LAYER_CHECKPOINTINGS``); ``none`` exactly where it offers none.
         reserved_fraction: reserved bytes beyond what the caching allocator's replay gives
@@ -209,6 +214,7 @@ class StackSpec:
     eager_loss_cast: str = "float"
     optimizer: str = ""
     zero3_gather: str = "unit"
+    grad_accumulation: str = "fused"
     layer_checkpointing: str = "none"
     about: str = ""
     sources: tuple[tuple[str, str], ...] = ()
@@ -224,6 +230,7 @@ class StackSpec:
         _choice(src, "fp8", self.fp8, FP8_MODES)
         _choice(src, "optimizer", self.optimizer, OPTIMIZER_IMPLEMENTATIONS)
         _choice(src, "zero3_gather", self.zero3_gather, ZERO3_GATHERS)
+        _choice(src, "grad_accumulation", self.grad_accumulation, GRAD_ACCUMULATIONS)
         _choice(src, "eager_rope", self.eager_rope, ROPE_FORMS)
         _choice(src, "eager_loss_cast", self.eager_loss_cast, LOSS_CASTS)
         if self.zero3_gather != "unit" and self.fsdp_units:
@@ -317,6 +324,7 @@ class StackSpec:
             and self.attention_kernel == "auto"
             and not self.optimizer
             and self.zero3_gather == "unit"
+            and self.grad_accumulation == "fused"
             and self.overlap
             and self.eager_rope == "complex"
             and self.eager_loss_cast == "float"
@@ -357,6 +365,8 @@ class StackSpec:
             config = config.with_(gather_copies=True)
         if self.zero3_gather != "unit" and config.zero3_gather == "unit":
             config = config.with_(zero3_gather=self.zero3_gather)
+        if self.grad_accumulation != "fused" and config.grad_accumulation == "fused":
+            config = config.with_(grad_accumulation=self.grad_accumulation)
         if self.kernels == "megatron":
             return config
         changes: dict[str, Any] = {"kernels": self.kernels}

@@ -392,3 +392,46 @@ def test_fsdp_keeps_one_fp32_shard_where_megatron_keeps_a_16_bit_copy_beside_its
     assert got["megatron"] == pytest.approx((2 * w, 4 * w, 12 * w), rel=1e-12)
     assert got["torchtitan"] == pytest.approx((4 * w, 4 * w, 8 * w), rel=1e-12)
     assert got["fsdp"] == got["torchtitan"]  # a 16-bit reduction comes back in fp32 too
+
+
+def test_gradient_accumulation_outside_the_gemms_costs_a_pass_over_the_parameters() -> None:
+    """Where no ZeRO stage shards the gradients between microbatches, autograd adds each later
+    microbatch's gradient into ``.grad`` (old and new read, sum written) and DeepSpeed's
+    BF16_Optimizer copies every microbatch's 16-bit gradients into fp32 (2 + 4 + 4 bytes): one
+    memory-bound pass over the local parameters after a microbatch's backward, averaged over the
+    step's microbatches. Megatron's weight-gradient GEMMs accumulate themselves: nothing."""
+    from coplan.cost.estimate import ACCUMULATION_BYTES, accumulation_s
+
+    assert accumulation_s("fused", 1e9, 8, 1e12) == 0.0
+    # four microbatches: the three later ones add 3 x 4 bytes a parameter in fp32
+    assert accumulation_s("autograd32", 1e9, 4, 1e12) == pytest.approx(1e9 * 12 * 3 / 4 / 1e12)
+    assert accumulation_s("autograd16", 1e9, 4, 1e12) == pytest.approx(1e9 * 6 * 3 / 4 / 1e12)
+    assert accumulation_s("autograd16", 1e9, 1, 1e12) == 0.0
+    assert accumulation_s("fp32-buffer", 1e9, 1, 1e12) == pytest.approx(1e9 * 10 / 1e12)
+    assert set(ACCUMULATION_BYTES) == {"fused", "autograd16", "autograd32", "fp32-buffer"}
+
+    cluster = load_cluster("dgx-h100", 8)
+    model = CostModel(spec=SPEC)
+    device = cluster.groups[0].device
+    rate = device.memory_bandwidth * device.efficiency_of("memory")
+    params = float(model.profile(1, 64, "megatron").graph.param_count)
+    base = TrainingConfig(dp=8, global_batch=32, microbatch=1, seq=64, zero=1)
+
+    def bwd(config: TrainingConfig) -> float:
+        return model.estimate(cluster, config).stages[0].backward_s
+
+    for mode in ("autograd16", "autograd32", "fp32-buffer"):
+        got = bwd(base.with_(grad_accumulation=mode)) - bwd(base)
+        assert got == pytest.approx(accumulation_s(mode, params, 4, rate), rel=1e-9)
+    # gradients sharded between microbatches (ZeRO-2): the accumulation is on the shard, left out
+    sharded = base.with_(zero=2)
+    assert bwd(sharded.with_(grad_accumulation="autograd32")) == pytest.approx(bwd(sharded))
+    with pytest.raises(ConfigError, match="grad_accumulation"):
+        TrainingConfig(grad_accumulation="later")
+    assert "grad_accumulation" not in base.to_dict()
+    assert base.with_(grad_accumulation="fp32-buffer").to_dict()["grad_accumulation"] == "fp32-buffer"
+    # the presets: Megatron's GEMMs accumulate, the PyTorch stacks' autograd in fp32, DeepSpeed's
+    # 16-bit modules in 16 bits
+    assert load_stack("megatron").grad_accumulation == "fused"
+    assert load_stack("deepspeed").configure(base).grad_accumulation == "autograd16"
+    assert load_stack("torchtitan").configure(base).grad_accumulation == "autograd32"
