@@ -89,6 +89,13 @@ class Zero3Gather(enum.StrEnum):  # coplan.cost.config.ZERO3_GATHERS
     tensor_list = "tensor-list"
 
 
+class GradAccumulation(enum.StrEnum):  # coplan.cost.config.GRAD_ACCUMULATIONS
+    fused = "fused"
+    autograd16 = "autograd16"
+    autograd32 = "autograd32"
+    fp32_buffer = "fp32-buffer"
+
+
 class LossCast(enum.StrEnum):  # coplan.cost.config.LOSS_CASTS
     float = "float"
     autocast = "autocast"
@@ -245,6 +252,16 @@ def estimate(
             help="How ZeRO-3 issues its all-gathers and reduce-scatters: one per layer (FSDP), one per "
             "module owning parameters (DeepSpeed), or one per parameter tensor with a tensor per rank "
             "for PyTorch to copy (DeepSpeed before v0.5.6) \\[default: the stack's].",
+            show_default=False,
+        ),
+    ] = None,
+    grad_accumulation: Annotated[
+        GradAccumulation | None,
+        typer.Option(
+            "--grad-accumulation",
+            help="How gradients accumulate over microbatches where no ZeRO stage shards them: inside "
+            "the weight-gradient GEMMs (Megatron), by autograd into 16-bit or fp32 .grad, or copied "
+            "into fp32 buffers (DeepSpeed's BF16_Optimizer) \\[default: the stack's].",
             show_default=False,
         ),
     ] = None,
@@ -436,6 +453,8 @@ def estimate(
     config = the_stack.configure(config)
     if zero3_gather is not None:
         config = config.with_(zero3_gather=zero3_gather.value)
+    if grad_accumulation is not None:
+        config = config.with_(grad_accumulation=grad_accumulation.value)
     if eager_loss_cast is not None:
         config = config.with_(eager_loss_cast=eager_loss_cast.value)
     if not zero3_overlap:

@@ -178,3 +178,19 @@ def test_deepspeed_recompute_gathers_large_blocks_a_third_time() -> None:
     none = small.estimate(cluster, cfg).breakdown_s["zero_comm"]
     full = small.estimate(cluster, cfg.with_(recompute="full")).breakdown_s["zero_comm"]
     assert full == pytest.approx(none)
+
+
+def test_cli_prices_gradient_accumulation_as_named(cli) -> None:  # type: ignore[no-untyped-def]
+    args = ("estimate", "--model", "gpt2-124m", "--cluster", "dgx-a100-80gb", "--gpus", "8")
+    args = (*args, "--global-batch", "64", "--microbatch", "2", "--json")
+    code, out, err = cli(*args)
+    assert code == 0, err
+    plain = json.loads(out)
+    assert "grad_accumulation" not in plain["config"]
+    code, out, err = cli(*args, "--grad-accumulation", "autograd32")
+    assert code == 0, err
+    data = json.loads(out)
+    assert data["config"]["grad_accumulation"] == "autograd32"
+    assert data["step_time_s"] > plain["step_time_s"]
+    code, _, err = cli(*args[:-1], "--grad-accumulation", "later")
+    assert code == 2 and "grad-accumulation" in err
