@@ -259,7 +259,8 @@ class TrainingConfig:
             old and new gradient read, the sum written, per local parameter); ``"fp32-buffer"``,
             each microbatch's 16-bit gradients added into fp32 buffers (DeepSpeed's
             ``BF16_Optimizer.update_hp_grads``: 2 + 4 + 4 bytes a parameter). Memory-bound passes
-            on the compute stream after each microbatch's backward (``estimate``).
+            on the compute stream after each microbatch's backward
+            (``coplan.cost.optimizer.accumulation_s``).
         gather_copies: the stack copies each gathered unit out of the all-gather buffer into
             its parameters and each unit's gradients into the reduce-scatter buffer on the compute
             stream (PyTorch FSDP2; ``coplan.cost.zero.fsdp_copies``), priced with the unit's

@@ -37,6 +37,7 @@ from coplan.cost.kernels import (
     matmul_dtype,
     precision_notes,
 )
+from coplan.cost.optimizer import accumulation_s
 from coplan.cost.partcost import PartCost, rematerialised, saved_under
 from coplan.cost.parts import (
     ACT,
@@ -565,31 +566,6 @@ def _fsdp_comm(
     ub = config.nccl_ub
     share, rshare = sm_share(group, device, ub), sm_share(replicas, device, ub) if repl else 0.0
     return edges + fsdp_schedule(units, gather, scatter, fwd, bwd, gathers, repl, share, rshare)
-
-
-#: Bytes each way of accumulating one parameter's gradient (``TrainingConfig.grad_accumulation``):
-#: (bytes in every microbatch, bytes in each microbatch after the first). AccumulateGrad steals
-#: the first microbatch's gradient and adds the later ones in place (the old and the new read, the
-#: sum written: torch/csrc/autograd/functions/accumulate_grad.h); DeepSpeed's BF16_Optimizer adds
-#: every microbatch's 16-bit gradient into its fp32 copy (the 16-bit read, the fp32 read and
-#: written: deepspeed/runtime/bf16_optimizer.py ``update_hp_grads`` at 56c522386, 2022-04).
-ACCUMULATION_BYTES: dict[str, tuple[float, float]] = {
-    "fused": (0.0, 0.0),
-    "autograd16": (0.0, 3 * 2.0),
-    "autograd32": (0.0, 3 * 4.0),
-    "fp32-buffer": (2.0 + 4.0 + 4.0, 0.0),
-}
-
-
-def accumulation_s(mode: str, params: float, microbatches: int, bandwidth: float) -> float:
-    """Seconds per microbatch (averaged over ``microbatches``) of accumulating ``params``
-    parameters' gradients as ``mode`` does (``ACCUMULATION_BYTES``), memory-bound at
-    ``bandwidth`` bytes/s; nothing with one microbatch but a copy every microbatch makes."""
-    every, later = ACCUMULATION_BYTES[mode]
-    if params <= 0 or bandwidth <= 0 or not (every or later):
-        return 0.0
-    later_share = (microbatches - 1) / microbatches if microbatches > 1 else 0.0
-    return params * (every + later * later_share) / bandwidth
 
 
 def cluster_latency(cluster: ClusterSpec, cross_node: bool) -> float:

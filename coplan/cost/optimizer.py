@@ -18,6 +18,9 @@ Transformer Engine's FusedAdam) runs it. PyTorch's other two forms of the same u
   tensors at once as a ``torch._foreach_*`` kernel, so the same three-fold traffic in few launches
   (``aten/src/ATen/native/cuda/MultiTensorApply.cuh``: a launch holds at most 320 chunks of 65,536
   elements, and 36 to 110 tensors by the number of tensor lists an op reads).
+
+Before the update, where a step runs several microbatches, each one's gradients are accumulated:
+inside the weight-gradient GEMMs (Megatron), or by a pass of their own (``accumulation_s``).
 """
 
 from __future__ import annotations
@@ -73,3 +76,28 @@ def optimizer_seconds(
     chunks = elements / MTA_CHUNK + tensors  # each tensor's last chunk is a partial one
     per_op = max(math.ceil(chunks / MTA_BLOCKS), math.ceil(tensors / MTA_TENSORS))
     return traffic + ADAMW_OPS * per_op * launch_s, ADAMW_OPS * per_op
+
+
+#: Bytes each way of accumulating one parameter's gradient (``TrainingConfig.grad_accumulation``):
+#: (bytes in every microbatch, bytes in each microbatch after the first). AccumulateGrad steals
+#: the first microbatch's gradient and adds the later ones in place (the old and the new read, the
+#: sum written: torch/csrc/autograd/functions/accumulate_grad.h); DeepSpeed's BF16_Optimizer adds
+#: every microbatch's 16-bit gradient into its fp32 copy (the 16-bit read, the fp32 read and
+#: written: deepspeed/runtime/bf16_optimizer.py ``update_hp_grads`` at 56c522386, 2022-04).
+ACCUMULATION_BYTES: dict[str, tuple[float, float]] = {
+    "fused": (0.0, 0.0),
+    "autograd16": (0.0, 3 * 2.0),
+    "autograd32": (0.0, 3 * 4.0),
+    "fp32-buffer": (2.0 + 4.0 + 4.0, 0.0),
+}
+
+
+def accumulation_s(mode: str, params: float, microbatches: int, bandwidth: float) -> float:
+    """Seconds per microbatch (averaged over ``microbatches``) of accumulating ``params``
+    parameters' gradients as ``mode`` does (``ACCUMULATION_BYTES``), memory-bound at
+    ``bandwidth`` bytes/s; nothing with one microbatch but a copy every microbatch makes."""
+    every, later = ACCUMULATION_BYTES[mode]
+    if params <= 0 or bandwidth <= 0 or not (every or later):
+        return 0.0
+    later_share = (microbatches - 1) / microbatches if microbatches > 1 else 0.0
+    return params * (every + later * later_share) / bandwidth

@@ -400,7 +400,7 @@ def test_gradient_accumulation_outside_the_gemms_costs_a_pass_over_the_parameter
     BF16_Optimizer copies every microbatch's 16-bit gradients into fp32 (2 + 4 + 4 bytes): one
     memory-bound pass over the local parameters after a microbatch's backward, averaged over the
     step's microbatches. Megatron's weight-gradient GEMMs accumulate themselves: nothing."""
-    from coplan.cost.estimate import ACCUMULATION_BYTES, accumulation_s
+    from coplan.cost.optimizer import ACCUMULATION_BYTES, accumulation_s
 
     assert accumulation_s("fused", 1e9, 8, 1e12) == 0.0
     # four microbatches: the three later ones add 3 x 4 bytes a parameter in fp32
