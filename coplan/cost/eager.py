@@ -285,25 +285,31 @@ def eager_kernels(
     # a fused cross-entropy keeps the IR's loss kernels
     kept = (*LOSS_KEYS, "nll_loss") if loss == "fused" else ()
 
-    def swap(kernels: Sequence[Kernel]) -> tuple[Kernel, ...]:
-        out: list[Kernel] = []
-        for k in kernels:
-            real = [graph.ops[i] for i in k.ops if graph.ops[i].kind.name != "VIEW"]
-            if len(real) == 1 and real[0].kind.name == "ATTENTION":
-                # forward: the repeats before the kernel; backward: the sums after it
-                reps = _repeat_kernels(graph, real[0], TP)
-                out.extend([*reps, k] if real[0].phase.name == "FORWARD" else [k, *reps])
-                continue
-            if len(real) != 1 or plan_key(graph, real[0]) in ("", *fused, *kept):
-                out.append(k)
-                continue
-            op = real[0]
-            main = graph.tensors[op.inputs[0]] if op.inputs else None
-            rows = float(main.numel // main.shape[-1]) if main is not None and main.shape else 0.0
-            out.extend(op_kernels(graph, op, shard_of(op), rows, rope, loss))
-        return tuple(out)
+    def expand(k: Kernel, op: Op) -> Sequence[Kernel] | None:
+        if op.kind.name == "ATTENTION":
+            # forward: the repeats before the kernel; backward: the sums after it
+            reps = _repeat_kernels(graph, op, TP)
+            return [*reps, k] if op.phase.name == "FORWARD" else [k, *reps]
+        if plan_key(graph, op) in ("", *fused, *kept):
+            return None
+        main = graph.tensors[op.inputs[0]] if op.inputs else None
+        rows = float(main.numel // main.shape[-1]) if main is not None and main.shape else 0.0
+        return op_kernels(graph, op, shard_of(op), rows, rope, loss)
 
-    return swap(fwd), swap(bwd)
+    return _expand_single_ops(graph, fwd, expand), _expand_single_ops(graph, bwd, expand)
+
+
+def _expand_single_ops(
+    graph: Graph, kernels: Sequence[Kernel], expand: Callable[[Kernel, Op], Sequence[Kernel] | None]
+) -> tuple[Kernel, ...]:
+    """``kernels`` with each kernel of one op (views aside) replaced by what ``expand`` gives for
+    it; kept where it gives None, and every kernel of several ops kept."""
+    out: list[Kernel] = []
+    for k in kernels:
+        real = [graph.ops[i] for i in k.ops if graph.ops[i].kind.name != "VIEW"]
+        got = expand(k, real[0]) if len(real) == 1 else None
+        out.extend((k,) if got is None else got)
+    return tuple(out)
 
 
 #: The ``PLANS`` Inductor leaves to ATen: RoPE through ``view_as_complex`` (torchtitan's and Meta's
@@ -331,18 +337,12 @@ def inductor_kernels(
     if rope != "complex":
         return tuple(fwd), tuple(bwd)
 
-    def swap(kernels: Sequence[Kernel]) -> tuple[Kernel, ...]:
-        out: list[Kernel] = []
-        for k in kernels:
-            real = [graph.ops[i] for i in k.ops if graph.ops[i].kind.name != "VIEW"]
-            if len(real) != 1 or plan_key(graph, real[0]) not in INDUCTOR_FALLBACKS:
-                out.append(k)
-                continue
-            op = real[0]
-            out.extend(replace(e, upcast=False) for e in op_kernels(graph, op, shard_of(op), 0.0))
-        return tuple(out)
+    def expand(k: Kernel, op: Op) -> Sequence[Kernel] | None:
+        if plan_key(graph, op) not in INDUCTOR_FALLBACKS:
+            return None
+        return [replace(e, upcast=False) for e in op_kernels(graph, op, shard_of(op), 0.0)]
 
-    return swap(fwd), swap(bwd)
+    return _expand_single_ops(graph, fwd, expand), _expand_single_ops(graph, bwd, expand)
 
 
 def stack_kernels(
