@@ -183,3 +183,25 @@ def test_sustained_probe_times_windows_and_summarises_them_on_a_cpu():
     assert got["first"]["tflops"] > 0 and got["last"]["tflops"] > 0
     assert got["last_over_first"] == pytest.approx(got["last"]["tflops"] / got["first"]["tflops"])
     assert got["first"]["clocks.sm"] is None  # no nvidia-smi readings on a CPU
+
+
+def test_gemm_in_step_reads_the_committed_profile_and_prices_the_same_gemms():
+    """``benchmarks/data/gemm_in_step.py`` splits the compiled GPT-2 step's profile into GEMM classes
+    by cuBLAS's kernel names (four linear layers x 24 block passes each) and prices the same GEMMs:
+    every rate is a fraction of the peak, and the priced block GEMMs are the same FLOPs each way."""
+    sys.path.insert(0, str(BENCH))
+    sys.path.insert(0, str(BENCH / "data"))
+    try:
+        import gemm_in_step as g
+    finally:
+        sys.path.remove(str(BENCH / "data"))
+        sys.path.remove(str(BENCH))
+    rows = {r["class"]: r for r in g.table(g.PROFILE)}
+    assert rows["block forward"]["calls"] == 96
+    assert rows["block weight gradients"]["calls"] == 96
+    assert rows["input gradients (blocks + LM head)"]["calls"] == 96 + 2
+    for r in rows.values():
+        assert 0 < r["measured_of_peak"] <= 1 and 0 < r["priced_of_peak"] <= 1
+    # the forward, input-gradient and weight-gradient GEMMs of a linear layer do the same FLOPs, and
+    # the cost model prices them alike
+    assert rows["block forward"]["priced_ms"] == pytest.approx(rows["block weight gradients"]["priced_ms"])
