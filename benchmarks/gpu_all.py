@@ -14,9 +14,16 @@ Per model and batch, five runs of ``coplan run``'s path (``coplan.apply.run.run_
   for coplan's runner (bf16: the runner emulates fp8).
 
 The batches come from the cost model, not a table: the tight batch is the smallest power of two
-at which ``torch.compile``'s defaults in one microbatch do not fit the device (the planner must
-microbatch or recompute), the loose one a quarter of it. A CPU's memory is not the constraint, so
-there the tight plans get a budget of 3/4 of that baseline's predicted peak.
+at which ``torch.compile``'s defaults in one microbatch do not fit the device, the loose one a
+quarter of it. At the tight batch every run takes the whole batch in one microbatch: both
+strategies plan with the layout held there (``SearchSpace.fixed``), so the budget must be met by
+what recomputation, fusion and precision free, as ``torch.compile``'s memory-budgeted partitioner
+must meet it; splitting the batch instead would leave memory slack for every run and nothing to
+compare. On a GPU each run is held to the plans' memory budget
+(``torch.cuda.set_per_process_memory_fraction``), so a larger GPU than the plans were made for
+(an H200 running the H100's plans) is as tight. A CPU's memory is not the constraint, so there the
+tight plans get a budget halfway between that baseline's predicted peak and the same kernels'
+with every block recomputed (``cpu_budget``).
 
 Plans are made where OR-Tools is installed (``plans``; the GPU machine has none) and written to
 ``benchmarks/data/gpu/all/``; ``all`` plans any that are missing when it can. Results go to
@@ -53,7 +60,6 @@ MODELS: dict[str, dict[str, tuple[str, str, int]]] = {
     },
 }
 DEFAULT = {"cuda": ["gpt2-124m", "llama3.2-1b"], "cpu": ["gpt-b"]}
-CPU_BUDGET = 0.5  # of the one-microbatch compile baseline's predicted peak, on a CPU
 
 
 def _context(model: str, device: str, batch: int, budget: float | None = None) -> Any:
@@ -80,6 +86,20 @@ def _baseline_peak(model: str, device: str, batch: int) -> tuple[float, float]:
     return ctx.price(base).memory.peak_bytes, float(ctx.budget_bytes or 0.0)
 
 
+def cpu_budget(model: str, batch: int) -> float:
+    """A CPU's stand-in for a device's memory at the tight batch: halfway between the predicted
+    one-microbatch peaks of ``torch.compile``'s defaults and of the same kernels recomputing every
+    block (``passes.remat.full_names``), so the plans must recompute and one microbatch can fit."""
+    from coplan.apply.predict import baseline_plan, mode_stack, plan_for
+    from coplan.passes.remat import full_names, with_remat
+
+    ctx = _context(model, "cpu", batch)
+    ctx.stack = mode_stack(ctx.stack, "compile")
+    base = baseline_plan(plan_for(ctx, compute="bf16", microbatch=batch), ctx, "compile")
+    full = with_remat(base, full_names(ctx), ctx)
+    return (ctx.price(base).memory.peak_bytes + ctx.price(full).memory.peak_bytes) / 2
+
+
 def batches(model: str, device: str) -> dict[str, int]:
     """{"tight": ..., "loose": ...} for ``model`` on ``device`` (module docstring)."""
     if device == "cpu":
@@ -95,6 +115,7 @@ def batches(model: str, device: str) -> dict[str, int]:
 
 def write_plans(models: list[str], device: str, out: Path = PLAN_DIR) -> dict[str, Any]:
     """Plan both strategies for each model and batch; a manifest of batches and budgets."""
+    from coplan.apply.predict import plan_for
     from coplan.search import Options, run_strategy
     from coplan.search.space import SearchSpace
 
@@ -106,11 +127,17 @@ def write_plans(models: list[str], device: str, out: Path = PLAN_DIR) -> dict[st
         for kind, batch in sizes.items():
             budget = None
             if device == "cpu" and kind == "tight":
-                budget = CPU_BUDGET * _baseline_peak(model, device, batch)[0]
+                budget = cpu_budget(model, batch)
             for run, strategy in STRATEGIES.items():
                 ctx = _context(model, device, batch, budget)
                 entry["budgets"][kind] = ctx.budget_bytes
                 opts = Options(space=SearchSpace(dtypes=("bf16",)))
+                if kind == "tight":
+                    # the whole batch in one microbatch (module docstring)
+                    opts = Options(
+                        space=SearchSpace(dtypes=("bf16",), fixed=frozenset({"parallel"})),
+                        base=plan_for(ctx, compute="bf16", microbatch=batch),
+                    )
                 t0 = time.perf_counter()
                 plan = run_strategy(strategy, ctx, opts).plan
                 (out / f"{model}_{kind}_{run}.json").write_text(plan.to_json() + "\n")
@@ -166,7 +193,10 @@ def _one(
     steps: int,
     budget: float | None = None,
     profile: str | None = None,
+    memory_cap: float | None = None,
 ) -> dict[str, Any]:
+    """One run. ``memory_cap``: bytes the run may hold on a GPU (the plans' budget; module
+    docstring), None: the device's own."""
     from coplan.apply.run import RunRequest, run_plan
     from coplan.hardware import load_cluster
     from coplan.models.spec import load_model_spec
@@ -185,6 +215,7 @@ def _one(
         mode=mode,
         activation_budget=budget,
     )
+    cap = hold_memory(device, memory_cap)
     t0 = time.perf_counter()
     try:
         out = run_plan(req)
@@ -231,6 +262,7 @@ def _one(
         "grad_ok": out["grad_check"]["ok"],
         "grad_max_rel_err": out["grad_check"]["max_rel_err"],
         "activation_budget": budget,
+        "memory_cap_bytes": cap,
         "microbatch": Plan.load(str(plan_file)).parallel.microbatch,
         # the AdamW form the run built (``coplan run``'s ``run.optimizer``), which repricing keeps
         "optimizer": out["run"].get("optimizer"),
@@ -243,6 +275,21 @@ def _one(
     }
 
 
+def hold_memory(device: str, cap: float | None) -> float | None:
+    """Hold this process's CUDA allocations to ``cap`` bytes where the GPU has more (the caching
+    allocator refuses beyond ``torch.cuda.set_per_process_memory_fraction`` of the device); the cap
+    in force, or None."""
+    if device != "cuda" or not cap:
+        return None
+    import torch
+
+    total = torch.cuda.get_device_properties(0).total_memory
+    if cap >= total:
+        return None
+    torch.cuda.set_per_process_memory_fraction(cap / total)
+    return float(cap)
+
+
 def _isolated(
     model: str,
     device: str,
@@ -252,6 +299,7 @@ def _isolated(
     steps: int,
     budget: float | None,
     profile: str | None = None,
+    memory_cap: float | None = None,
 ) -> dict[str, Any]:
     """``_one`` in a process of its own: a run that runs out of memory leaves nothing behind for the
     next (its CUDA context, compiled graphs and allocator cache go with the process), and each
@@ -263,7 +311,7 @@ def _isolated(
             f"import json, sys; sys.path.insert(0, {str(HERE)!r}); import gpu_all; "
             "json.dump(gpu_all._one(*json.loads(sys.argv[1])), open(sys.argv[2], 'w'), default=str)"
         )
-        args = json.dumps([model, device, batch, str(plan_file), mode, steps, budget, profile])
+        args = json.dumps([model, device, batch, str(plan_file), mode, steps, budget, profile, memory_cap])
         proc = subprocess.run([sys.executable, "-c", code, args, str(out)], check=False)
         if out.exists():
             return dict(json.loads(out.read_text()))
@@ -337,8 +385,9 @@ def run_all(
                 else:
                     mode = run
                 one = _isolated if isolate else _one
+                cap = entry.get("budgets", {}).get(kind) if device == "cuda" else None
                 got = runs[f"{run}@{kind}"] = one(
-                    model, device, batch, plan_file, mode, steps, budget, profile
+                    model, device, batch, plan_file, mode, steps, budget, profile, cap
                 )
                 target.write_text(json.dumps(result, indent=1) + "\n")
                 shown = (

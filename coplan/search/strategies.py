@@ -1,7 +1,8 @@
 """The planning strategies, registered by name, all returning ``StrategyResult``.
 
 - ``sequential``: the production passes one after another (fusion -> remat -> parallel ->
-  precision by default; any order), each with the later decisions at their defaults;
+  precision by default; any order), each with the later decisions at their defaults; from
+  ``Options.base`` where given, the decisions ``space.fixed`` holds left as it has them;
 - ``sequential-best``: all 24 orders, the best kept;
 - ``iterated``: the passes repeated until a full round changes nothing (coordinate descent);
 - ``hierarchical``: Alpa-style: parallel layouts outside, fusion, precision and remat decided per
@@ -88,8 +89,15 @@ def run_strategy(name: str, ctx: PlanContext, opts: Options | None = None) -> St
 
 @strategy("sequential")
 def sequential(ctx: PlanContext, opts: Options) -> tuple[Plan, list[PassRecord], list[str]]:
-    plan, records = run_passes(ctx.default_plan(), ctx, opts.order)
-    return plan, records, [f"order: {' -> '.join(opts.order)}"]
+    # a decision the space holds is not a pass's to make: it stays the base plan's (the passes are
+    # named after the decisions they make)
+    held = [name for name in opts.order if name in opts.space.fixed]
+    base = opts.base if opts.base is not None else ctx.default_plan()
+    plan, records = run_passes(base, ctx, opts.order, disable=held)
+    notes = [f"order: {' -> '.join(opts.order)}"]
+    if held:
+        notes.append(f"held as the base plan has them: {', '.join(held)}")
+    return plan, records, notes
 
 
 @strategy("sequential-best")

@@ -102,6 +102,9 @@ def test_all_runs_end_to_end_on_a_cpu(tmp_path, gpu_all):
         assert r["grad_ok"], name
     budget = model["runs"]["compile_budget@tight"]["activation_budget"]
     assert 0.0 <= budget <= 1.0
+    # the tight batch runs whole: the plans meet their budget without splitting it
+    for run in gpu_all.RUNS:
+        assert model["runs"][f"{run}@tight"]["microbatch"] == model["batch_tight"], run
     assert "| gpt-tiny | tight |" in gpu_all.table(written)
 
 

@@ -493,3 +493,20 @@ def test_rebalancing_moves_layers_off_the_pacing_stage():
     assert out.parallel.stage_layers is not None
     assert sum(out.parallel.stage_layers) == 8 and out.parallel.stage_layers[1] < 4
     assert ctx.price(out).step_time_s < ctx.price(plan).step_time_s
+
+
+@pytest.mark.parametrize("name", ["sequential", "joint"])
+def test_a_held_layout_stays_the_base_plans(name):
+    """A decision ``SearchSpace.fixed`` holds is the base plan's under the passes too: one microbatch
+    of the whole batch (``benchmarks/gpu_all.py``'s memory-tight runs) stays one microbatch, and a
+    budget it cannot meet that way is met by what the other decisions free."""
+    ctx = make_ctx(gpus=1, global_batch=8)
+    base = ctx.default_plan().with_(parallel=dataclasses.replace(ctx.default_plan().parallel, microbatch=8))
+    ctx.budget_bytes = 0.6 * ctx.price(base).memory.peak_bytes
+    opts = Options(space=SearchSpace(fixed=frozenset({"parallel"})), base=base)
+    got = run_strategy(name, ctx, opts)
+    assert got.plan.parallel == base.parallel
+    assert got.violations == ()
+    assert ctx.fits(got.estimate)
+    assert not ctx.fits(ctx.price(base))
+    assert got.plan.remat.all_names or got.plan.precision != base.precision
