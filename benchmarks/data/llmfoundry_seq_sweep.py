@@ -1,0 +1,115 @@
+"""llm-foundry's MPT-1B on one node of 8 GPUs at sequence 512 to 32,768, priced with the ``fsdp``
+preset beside the measured step, on H100 and on A100 80GB:
+
+    python benchmarks/data/llmfoundry_seq_sweep.py [--json OUT]
+
+The rows are llm-foundry's own benchmark tables (mosaicml/llm-foundry
+``scripts/train/benchmarking/README.md`` at 5e85bd62d4, tables "H100 80GB BF16", lines 131-140,
+and "A100 80GB with 1600 Gbps node-node interconnect (RoCE)", lines 195-201: model 1b, 8 GPUs,
+FULL_SHARD, no activation checkpointing, amp_bf16 with the DEFAULT mixed precision): sequence
+length, microbatch, gradient accumulation and tokens per second per GPU. Every other setting is the
+128-GPU MPT-1B run's of ``published_stack_runs.json`` (the same sweep script, ``sweep.py``, and
+recipe, ``mpt-1b.yaml``, with the sequence length and its learned position table as the row
+says), so the rows differ from it and from each other in sequence length and batch alone. One node:
+the network between nodes plays no part. The step time is global batch x sequence / (tokens per
+second per GPU x 8).
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE.parent))
+
+#: (cluster preset, README line, sequence, microbatch, gradient accumulation, tokens/s per GPU)
+ROWS: tuple[tuple[str, int, int, int, int, int], ...] = (
+    ("dgx-h100", 140, 512, 56, 4, 52275),
+    ("dgx-h100", 139, 1024, 18, 4, 48910),
+    ("dgx-h100", 138, 2048, 14, 1, 45455),
+    ("dgx-h100", 134, 4096, 7, 4, 38535),
+    ("dgx-h100", 133, 8192, 3, 4, 29157),
+    ("dgx-h100", 132, 16384, 2, 4, 19649),
+    ("dgx-h100", 131, 32768, 1, 4, 12025),
+    ("dgx-a100-80gb", 201, 512, 56, 4, 23148),
+    ("dgx-a100-80gb", 200, 1024, 18, 4, 22112),
+    ("dgx-a100-80gb", 199, 2048, 14, 4, 20513),
+    ("dgx-a100-80gb", 198, 4096, 7, 4, 17807),
+    ("dgx-a100-80gb", 197, 8192, 3, 4, 13814),
+    ("dgx-a100-80gb", 196, 16384, 2, 4, 9956),
+    ("dgx-a100-80gb", 195, 32768, 1, 4, 6275),
+)
+BASE_RUN = "llmfoundry-h100-128gpu-mpt-1b"
+GPUS = 8
+
+
+def runs() -> list[dict[str, Any]]:
+    """The rows as runs of ``published_stack_runs.json``'s shape."""
+    data = json.loads((HERE / "published_stack_runs.json").read_text())
+    data = data["runs"] if isinstance(data, dict) else data
+    base = next(r for r in data if r["id"] == BASE_RUN)
+    out = []
+    for cluster, line, seq, mb, ga, tps in ROWS:
+        r = copy.deepcopy(base)
+        r.pop("network", None)  # one node
+        r.update(
+            id=f"llmfoundry-{cluster}-8gpu-mpt-1b-seq{seq}",
+            cluster=cluster,
+            gpus=GPUS,
+            seq=seq,
+            microbatch=mb,
+            global_batch=mb * ga * GPUS,
+            zero=3,
+        )
+        r["model"]["seq_len"] = seq
+        r["stack_settings"].update(sharding="FULL_SHARD", reshard_after_forward=True)
+        r["measured"] = {
+            "step_time_s": r["global_batch"] * seq / (tps * GPUS),
+            "published_as": f"README.md line {line} at 5e85bd62d4: {tps} tokens/s per GPU",
+        }
+        out.append(r)
+    return out
+
+
+def table() -> list[dict[str, Any]]:
+    import bench_stacks as bs
+
+    rows = []
+    for r in runs():
+        predicted, *_ = bs.price(r, bs.stack_of(r))
+        measured = r["measured"]["step_time_s"]
+        rows.append(
+            {
+                "id": r["id"],
+                "cluster": r["cluster"],
+                "seq": r["seq"],
+                "measured_s": measured,
+                "predicted_s": predicted,
+                "error": predicted / measured - 1,
+            }
+        )
+    return rows
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--json", type=Path)
+    args = ap.parse_args()
+    rows = table()
+    print(f"{'cluster':14s} {'sequence':>8s} {'step s measured':>16s} {'priced':>8s} {'error':>7s}")
+    for r in rows:
+        print(
+            f"{r['cluster']:14s} {r['seq']:8d} {r['measured_s']:16.3f} {r['predicted_s']:8.3f} "
+            f"{r['error'] * 100:+6.1f}%"
+        )
+    if args.json:
+        args.json.write_text(json.dumps(rows, indent=1) + "\n")
+
+
+if __name__ == "__main__":
+    main()
