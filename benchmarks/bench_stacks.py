@@ -69,10 +69,8 @@ def with_network(cluster, run: dict):  # type: ignore[no-untyped-def]
     return replace(cluster, inter_node=replace(cluster.inter_node, bandwidth=per_device))
 
 
-def price(run: dict, stack: str, reserved: bool = False) -> tuple[float, float, bool, float | None]:
-    """(step seconds, allocated peak bytes, fits, reserved peak bytes) of ``run`` under preset
-    ``stack``; the reserved peak (with the caching allocator as the run's launcher set it) only
-    where ``reserved`` asks, else None."""
+def configured(run: dict, stack: str):  # type: ignore[no-untyped-def]
+    """(cost model, cluster, training configuration) of ``run`` under preset ``stack``."""
     r = _base(run)
     spec = ModelSpec(**{k: v for k, v in r["model"].items() if v is not None})
     cluster = with_network(load_cluster(r["cluster"], r["gpus"]), run)
@@ -80,9 +78,7 @@ def price(run: dict, stack: str, reserved: bool = False) -> tuple[float, float, 
     if stack == "megatron":
         if r["recompute"] == "partial":
             r["recompute"] = "selective"
-        est = model.estimate(cluster, run_config(r))
-        got = _reserved(model, cluster, est, run, "megatron") if reserved else None
-        return est.step_time_s, est.memory.peak_bytes, est.fits, got
+        return model, cluster, run_config(r)
     policy = r["stack_settings"].get("activation_checkpoint", r["recompute"])
     # a per-layer policy: its own count of fully checkpointed blocks (these runs have no pipeline)
     count = checkpointed_blocks(policy, spec.n_layers)
@@ -130,9 +126,32 @@ def price(run: dict, stack: str, reserved: bool = False) -> tuple[float, float, 
         config = config.with_(recompute=selective_op_names(graph))
     if count:
         config = config.with_(recompute="full", recompute_layers=min(count, spec.n_layers))
+    return model, cluster, config
+
+
+def price(run: dict, stack: str, reserved: bool = False) -> tuple[float, float, bool, float | None]:
+    """(step seconds, allocated peak bytes, fits, reserved peak bytes) of ``run`` under preset
+    ``stack``; the reserved peak (with the caching allocator as the run's launcher set it) only
+    where ``reserved`` asks, else None."""
+    model, cluster, config = configured(run, stack)
     est = model.estimate(cluster, config)
     got = _reserved(model, cluster, est, run, stack) if reserved else None
     return est.step_time_s, est.memory.peak_bytes, est.fits, got
+
+
+def attention_share(run: dict, stack: str) -> float:
+    """The fused attention kernels' share of ``run``'s priced step under ``stack``: their share
+    of the slowest stage's kernel time in a microbatch, of the step's compute and recompute."""
+    from coplan.cost.explain import kernel_costs
+
+    model, cluster, config = configured(run, stack)
+    est = model.estimate(cluster, config)
+    stage = max(est.stages, key=lambda st: st.microbatch_s).index
+    rows = kernel_costs(model.profile_for(config), cluster, config, stage)
+    total = sum(k.total_s for k in rows)
+    attn = sum(k.total_s for k in rows if k.kind == "attention")
+    busy = est.breakdown_s["compute"] + est.breakdown_s["recompute"]
+    return attn / total * busy / est.step_time_s if total else 0.0
 
 
 def _reserved(model: CostModel, cluster, est, run: dict, stack: str) -> float:  # type: ignore[no-untyped-def]
@@ -145,6 +164,50 @@ def _reserved(model: CostModel, cluster, est, run: dict, stack: str) -> float:  
         )
     got = model.reserved(cluster, est, spec_of_stack)
     return got.reserved_bytes if got is not None else est.memory.peak_bytes
+
+
+#: fewest runs, and narrowest spread of attention shares, a source's split is fitted on
+SPLIT_MIN_RUNS = 6
+
+
+def attention_split(rows: list[dict], runs: list[dict]) -> list[dict]:
+    """Per stack and source (the run ids' first word: ``tt``, ``fms``, ``llmfoundry``, ...) with at
+    least ``SPLIT_MIN_RUNS`` runs: the two factors ``a``, ``b`` that make ``a x (priced step outside
+    fused attention) + b x (priced attention)`` closest to the measured steps in relative terms. A
+    factor far from 1 says which part of the price misses; it is a diagnosis, applied nowhere."""
+    import numpy as np
+
+    groups: dict[tuple[str, str], list[tuple[float, float, float]]] = {}
+    for r, run in zip(rows, runs, strict=True):
+        share = attention_share(run, stack_of(run))
+        source = run["id"].split("-")[0].rstrip("0123456789")
+        step = r["priced"]["predicted_s"]
+        groups.setdefault((r["stack"], source), []).append(
+            (step * share, step * (1 - share), r["measured_s"])
+        )
+    out = []
+    for (stack, source), got in sorted(groups.items()):
+        if len(got) < SPLIT_MIN_RUNS:
+            continue
+        attn = np.array([a for a, _, _ in got])
+        rest = np.array([b for _, b, _ in got])
+        meas = np.array([m for _, _, m in got])
+        design = np.stack([rest / meas, attn / meas], axis=1)
+        (a, b), *_ = np.linalg.lstsq(design, np.ones(len(got)), rcond=None)
+        shares = attn / (attn + rest)
+        out.append(
+            {
+                "stack": stack,
+                "source": source,
+                "n": len(got),
+                "share_min": float(shares.min()),
+                "share_max": float(shares.max()),
+                "rest": float(a),
+                "attention": float(b),
+                "mean_abs_residual": float(np.mean(np.abs(design @ np.array([a, b]) - 1))),
+            }
+        )
+    return out
 
 
 def main() -> None:
@@ -227,6 +290,17 @@ def main() -> None:
             }
         )
         print(f"  {stack:<11}{device:<17}{mode:<9}{len(errors):>3}  {statistics.fmean(errors):+6.1%}")
+    split = attention_split(rows, runs)
+    print(
+        "\nwhere the gap lies: measured step = a x the priced step outside fused attention + b x the "
+        "priced attention,\nleast squares over each source's runs (relative residuals)"
+    )
+    for g in split:
+        print(
+            f"  {g['stack']:<11}{g['source']:<11}{g['n']:>3} runs, attention {g['share_min']:.0%}-"
+            f"{g['share_max']:.0%} of the priced step: a {g['rest']:.2f}, b {g['attention']:.2f}, "
+            f"mean |residual| {g['mean_abs_residual']:.1%}"
+        )
     print("\neager / compile pairs: step-time ratio eager/compiled, measured vs predicted (points)")
     pairs = []
     for r in rows:
@@ -269,7 +343,10 @@ def main() -> None:
     )
     args.json.parent.mkdir(parents=True, exist_ok=True)
     args.json.write_text(
-        json.dumps({"summary": summary, "by_device": by_device, "pairs": pairs, "runs": rows}, indent=1)
+        json.dumps(
+            {"summary": summary, "by_device": by_device, "split": split, "pairs": pairs, "runs": rows},
+            indent=1,
+        )
         + "\n"
     )
 
