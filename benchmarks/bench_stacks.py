@@ -139,9 +139,14 @@ def price(run: dict, stack: str, reserved: bool = False) -> tuple[float, float, 
     return est.step_time_s, est.memory.peak_bytes, est.fits, got
 
 
-def attention_share(run: dict, stack: str) -> float:
-    """The fused attention kernels' share of ``run``'s priced step under ``stack``: their share
-    of the slowest stage's kernel time in a microbatch, of the step's compute and recompute."""
+#: the parts of a priced step ``step_parts`` splits it into
+PARTS = ("gemm", "attention", "other kernels", "rest")
+
+
+def step_parts(run: dict, stack: str) -> tuple[float, float, float, float]:
+    """``run``'s priced step under ``stack`` in seconds by ``PARTS``: its compute and recompute
+    split by the slowest stage's kernel time in a microbatch (GEMMs, fused attention, every other
+    kernel), and the rest of the step (exposed communication, the optimizer, pipeline bubbles)."""
     from coplan.cost.explain import kernel_costs
 
     model, cluster, config = configured(run, stack)
@@ -149,9 +154,10 @@ def attention_share(run: dict, stack: str) -> float:
     stage = max(est.stages, key=lambda st: st.microbatch_s).index
     rows = kernel_costs(model.profile_for(config), cluster, config, stage)
     total = sum(k.total_s for k in rows)
-    attn = sum(k.total_s for k in rows if k.kind == "attention")
     busy = est.breakdown_s["compute"] + est.breakdown_s["recompute"]
-    return attn / total * busy / est.step_time_s if total else 0.0
+    gemm = sum(k.total_s for k in rows if k.kind == "matmul") / total * busy if total else 0.0
+    attn = sum(k.total_s for k in rows if k.kind == "attention") / total * busy if total else 0.0
+    return gemm, attn, busy - gemm - attn, est.step_time_s - busy
 
 
 def _reserved(model: CostModel, cluster, est, run: dict, stack: str) -> float:  # type: ignore[no-untyped-def]
@@ -166,45 +172,60 @@ def _reserved(model: CostModel, cluster, est, run: dict, stack: str) -> float:  
     return got.reserved_bytes if got is not None else est.memory.peak_bytes
 
 
-#: fewest runs, and narrowest spread of attention shares, a source's split is fitted on
+#: fewest runs a source's two-factor split is fitted on, and its one factor per part: five runs a
+#: factor, fewer leave the factors undetermined (they trade against each other)
 SPLIT_MIN_RUNS = 6
+PARTS_MIN_RUNS = 5 * 4
 
 
-def attention_split(rows: list[dict], runs: list[dict]) -> list[dict]:
+def part_split(rows: list[dict], runs: list[dict]) -> list[dict]:
     """Per stack and source (the run ids' first word: ``tt``, ``fms``, ``llmfoundry``, ...) with at
-    least ``SPLIT_MIN_RUNS`` runs: the two factors ``a``, ``b`` that make ``a x (priced step outside
-    fused attention) + b x (priced attention)`` closest to the measured steps in relative terms. A
-    factor far from 1 says which part of the price misses; it is a diagnosis, applied nowhere."""
+    least ``SPLIT_MIN_RUNS`` runs, least squares on relative error: the two factors ``a``, ``b`` that
+    make ``a x (priced step outside fused attention) + b x (priced attention)`` closest to the
+    measured steps, and, with at least ``PARTS_MIN_RUNS`` runs, one factor per part of ``PARTS``. A
+    factor far from 1 says which part of the price misses; one the runs' shares hardly vary over is
+    poorly determined (the shares are given). A diagnosis, applied to no price."""
     import numpy as np
 
-    groups: dict[tuple[str, str], list[tuple[float, float, float]]] = {}
+    groups: dict[tuple[str, str], list[tuple[tuple[float, ...], float]]] = {}
     for r, run in zip(rows, runs, strict=True):
-        share = attention_share(run, stack_of(run))
         source = run["id"].split("-")[0].rstrip("0123456789")
-        step = r["priced"]["predicted_s"]
-        groups.setdefault((r["stack"], source), []).append(
-            (step * share, step * (1 - share), r["measured_s"])
-        )
+        groups.setdefault((r["stack"], source), []).append((step_parts(run, stack_of(run)), r["measured_s"]))
     out = []
     for (stack, source), got in sorted(groups.items()):
         if len(got) < SPLIT_MIN_RUNS:
             continue
-        attn = np.array([a for a, _, _ in got])
-        rest = np.array([b for _, b, _ in got])
-        meas = np.array([m for _, _, m in got])
-        design = np.stack([rest / meas, attn / meas], axis=1)
-        (a, b), *_ = np.linalg.lstsq(design, np.ones(len(got)), rcond=None)
-        shares = attn / (attn + rest)
+        parts = np.array([p for p, _ in got])
+        meas = np.array([m for _, m in got])
+        step = parts.sum(axis=1)
+        attn = parts[:, 1]
+        two = np.stack([(step - attn) / meas, attn / meas], axis=1)
+        (a, b), *_ = np.linalg.lstsq(two, np.ones(len(got)), rcond=None)
+        four = parts / meas[:, None]
+        by_part, *_ = np.linalg.lstsq(four, np.ones(len(got)), rcond=None)
+        shares = parts / step[:, None]
+        fitted = len(got) >= PARTS_MIN_RUNS
         out.append(
             {
                 "stack": stack,
                 "source": source,
                 "n": len(got),
-                "share_min": float(shares.min()),
-                "share_max": float(shares.max()),
+                "share_min": float(shares[:, 1].min()),
+                "share_max": float(shares[:, 1].max()),
                 "rest": float(a),
                 "attention": float(b),
-                "mean_abs_residual": float(np.mean(np.abs(design @ np.array([a, b]) - 1))),
+                "mean_abs_residual": float(np.mean(np.abs(two @ np.array([a, b]) - 1))),
+                "parts": {
+                    name: {
+                        "factor": float(f),
+                        "share_min": float(shares[:, i].min()),
+                        "share_max": float(shares[:, i].max()),
+                    }
+                    for i, (name, f) in enumerate(zip(PARTS, by_part, strict=True))
+                }
+                if fitted
+                else None,
+                "parts_mean_abs_residual": float(np.mean(np.abs(four @ by_part - 1))) if fitted else None,
             }
         )
     return out
@@ -290,17 +311,25 @@ def main() -> None:
             }
         )
         print(f"  {stack:<11}{device:<17}{mode:<9}{len(errors):>3}  {statistics.fmean(errors):+6.1%}")
-    split = attention_split(rows, runs)
+    split = part_split(rows, runs)
     print(
         "\nwhere the gap lies: measured step = a x the priced step outside fused attention + b x the "
-        "priced attention,\nleast squares over each source's runs (relative residuals)"
+        "priced attention,\nand one factor per part (shares of the priced step), least squares over "
+        "each source's runs (relative residuals)"
     )
     for g in split:
         print(
             f"  {g['stack']:<11}{g['source']:<11}{g['n']:>3} runs, attention {g['share_min']:.0%}-"
-            f"{g['share_max']:.0%} of the priced step: a {g['rest']:.2f}, b {g['attention']:.2f}, "
+            f"{g['share_max']:.0%}: a {g['rest']:.2f}, b {g['attention']:.2f}, "
             f"mean |residual| {g['mean_abs_residual']:.1%}"
         )
+        if g["parts"] is None:
+            continue  # too few runs to determine a factor per part
+        by_part = ", ".join(
+            f"{name} {v['factor']:.2f} ({v['share_min']:.0%}-{v['share_max']:.0%})"
+            for name, v in g["parts"].items()
+        )
+        print(f"  {'':<22}{by_part}; mean |residual| {g['parts_mean_abs_residual']:.1%}")
     print("\neager / compile pairs: step-time ratio eager/compiled, measured vs predicted (points)")
     pairs = []
     for r in rows:
