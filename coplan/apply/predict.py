@@ -179,7 +179,7 @@ def baseline_plan(plan: Plan, ctx: PlanContext, mode: str, *, keep_recompute: bo
     from coplan.passes.precision import autocast_stream_ops, precision_variant
     from coplan.passes.remat import with_mincut
     from coplan.plan.types import RematPlan
-    from coplan.search.space import fusion_option
+    from coplan.search.space import fusion_option, keep_remat
 
     if mode == "plan":
         return plan
@@ -194,9 +194,12 @@ def baseline_plan(plan: Plan, ctx: PlanContext, mode: str, *, keep_recompute: bo
         # compiled baseline keeps autocast's list alone
         prec = replace(prec, ops=autocast_stream_ops(ctx, compute))
     fusion = fusion_option(ctx, "greedy" if mode == "compile" else "eager")
-    remat = plan.remat if keep_recompute else RematPlan()
-    ran = plan.with_(fusion=fusion, remat=remat, precision=prec)
-    return with_mincut(ran, ctx) if mode == "compile" and not keep_recompute else ran
+    ran = plan.with_(fusion=fusion, remat=RematPlan(), precision=prec)
+    if keep_recompute:
+        # Inductor re-runs a recomputed pointwise op inside the backward kernels reading it, as
+        # the plan's own compiled kernels do (``passes.remat.with_remat``)
+        return keep_remat(ran, plan.remat, ctx)
+    return with_mincut(ran, ctx) if mode == "compile" else ran
 
 
 def megatron_recompute(ctx: PlanContext, mode: str) -> frozenset[str]:

@@ -39,6 +39,23 @@ def test_a_budgeted_compile_keeps_the_plans_set():
     assert kept.remat.recompute == plan.remat.recompute
 
 
+def test_a_budgeted_compile_reruns_recomputed_pointwise_ops_inside_its_backward_kernels():
+    """Inductor fuses a recomputed pointwise op into the backward kernels reading its output, so the
+    budgeted baseline recomputing the plan's set pays its arithmetic only (``with_remat``), no
+    kernel of its own: never slower than the same set priced as separate kernels."""
+    from dataclasses import replace
+
+    from coplan.passes.remat import in_backward
+
+    ctx = _ctx()
+    names = mincut_names(ctx)
+    plan = plan_for(ctx, compute="bf16", microbatch=4, recompute=names)
+    kept = baseline_plan(plan, ctx, "compile", keep_recompute=True)
+    assert kept.fusion.recompute_in_backward == in_backward(ctx, names) != frozenset()
+    apart = kept.with_(fusion=replace(kept.fusion, recompute_in_backward=frozenset()))
+    assert ctx.price(kept).step_time_s < ctx.price(apart).step_time_s
+
+
 def test_an_eager_baseline_keeps_autocasts_fp32_residual_stream():
     import torch
 
