@@ -19,9 +19,9 @@ quarter of it. At the tight batch every run takes the whole batch in one microba
 strategies plan with the layout held there (``SearchSpace.fixed``), so the budget must be met by
 what recomputation, fusion and precision free, as ``torch.compile``'s memory-budgeted partitioner
 must meet it; splitting the batch instead would leave memory slack for every run and nothing to
-compare. On a GPU each run is held to the plans' memory budget
-(``torch.cuda.set_per_process_memory_fraction``), so a larger GPU than the plans were made for
-(an H200 running the H100's plans) is as tight. A CPU's memory is not the constraint, so there the
+compare. On a GPU larger than the one the plans were made for (an H200 running the H100's plans)
+each run is held to that one's memory (``torch.cuda.set_per_process_memory_fraction``), so it is
+as tight there. A CPU's memory is not the constraint, so there the
 tight plans get a budget halfway between that baseline's predicted peak and the same kernels'
 with every block recomputed (``cpu_budget``).
 
@@ -195,8 +195,8 @@ def _one(
     profile: str | None = None,
     memory_cap: float | None = None,
 ) -> dict[str, Any]:
-    """One run. ``memory_cap``: bytes the run may hold on a GPU (the plans' budget; module
-    docstring), None: the device's own."""
+    """One run. ``memory_cap``: bytes the run may hold on a GPU (``plans_device_memory``), None:
+    the device's own."""
     from coplan.apply.run import RunRequest, run_plan
     from coplan.hardware import load_cluster
     from coplan.models.spec import load_model_spec
@@ -273,6 +273,17 @@ def _one(
         "predicted_as_run_step_time_s": out.get("predicted_as_run", p)["step_time_s"],
         "wall_s": time.perf_counter() - t0,
     }
+
+
+def plans_device_memory(model: str, device: str) -> float | None:
+    """Bytes of the GPU the plans for ``model`` were made for (on a CPU: None). A run on a larger
+    GPU is held to them (``hold_memory``), so the baselines have the memory the plans had; the
+    plans' own budget keeps the caching allocator's and CUDA's headroom below it."""
+    if device != "cuda":
+        return None
+    from coplan.hardware import load_cluster
+
+    return float(load_cluster(MODELS[device][model][1]).devices[0].memory_bytes)
 
 
 def hold_memory(device: str, cap: float | None) -> float | None:
@@ -385,7 +396,7 @@ def run_all(
                 else:
                     mode = run
                 one = _isolated if isolate else _one
-                cap = entry.get("budgets", {}).get(kind) if device == "cuda" else None
+                cap = plans_device_memory(model, device)
                 got = runs[f"{run}@{kind}"] = one(
                     model, device, batch, plan_file, mode, steps, budget, profile, cap
                 )
