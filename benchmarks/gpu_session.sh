@@ -12,7 +12,9 @@
 # 0. (CAL_S > 0) coplan calibrate on this GPU (benchmarks/data/gpu_calibrate.py): a profile that
 #    prices each of the runs below a second time (calibration.json, profile_cuda.json).
 # 1. bench_gpu.py all for one model at one batch: eager, torch.compile, torch.compile with the
-#    joint plan's activation budget, coplan's joint and sequential plans (bench_gpu.json).
+#    joint plan's activation budget, coplan's joint and sequential plans (bench_gpu.json). At the
+#    tight batch every run takes the whole batch in one microbatch, held to the H100's 80 GiB on a
+#    larger GPU, so a baseline that needs more is recorded as out of memory (benchmarks/gpu_all.py).
 # 2. The step probe: per-kernel-class time, GPU idle time and host issue time of a LLaMA-3 8B-shaped
 #    stack, eager and with compiled blocks, beside coplan's prices (the eager-step gap).
 # 3. (SUSTAIN_S > 0) The sustained-load probe: bf16 GEMMs back to back for SUSTAIN_S - 15 seconds,
