@@ -157,3 +157,30 @@ def test_token_throughput_derivations_reproduce_the_step_time() -> None:
         assert run["measured"]["step_time_s"] == pytest.approx(step, rel=1e-3), run["id"]
         checked += 1
     assert checked >= 40
+
+
+def test_llm_foundrys_one_node_sweep_derives_from_the_128_gpu_run() -> None:
+    """``benchmarks/data/llmfoundry_seq_sweep.py``: each README row becomes the 128-GPU MPT-1B run on
+    one node at its own sequence and batch, its step time from the row's tokens per second, and
+    each prices (``bench_stacks``) to a finite step; its learned position table grows with the
+    sequence as the README's parameter counts do."""
+    import sys
+
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    sys.path.insert(0, str(ROOT / "benchmarks" / "data"))
+    try:
+        import llmfoundry_seq_sweep as sweep
+    finally:
+        sys.path.remove(str(ROOT / "benchmarks" / "data"))
+        sys.path.remove(str(ROOT / "benchmarks"))
+    runs = sweep.runs()
+    assert len(runs) == len(sweep.ROWS)
+    for run, (cluster, _, seq, mb, ga, tps) in zip(runs, sweep.ROWS, strict=True):
+        assert (run["cluster"], run["gpus"], run["seq"], run["model"]["seq_len"]) == (cluster, 8, seq, seq)
+        assert run["global_batch"] == mb * ga * 8
+        assert run["measured"]["step_time_s"] == pytest.approx(run["global_batch"] * seq / (tps * 8))
+    # the README's NumParams for 1b at 32,768 tokens (line 131): 1,378,865,152
+    long = next(r for r in runs if r["seq"] == 32768)
+    assert ModelSpec.from_dict(long["model"]).param_count() == 1_378_865_152
+    rows = sweep.table()
+    assert all(-1.0 < r["error"] < 1.0 for r in rows)
