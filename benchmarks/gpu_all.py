@@ -76,13 +76,19 @@ def _context(model: str, device: str, batch: int, budget: float | None = None) -
     return ctx
 
 
-def _baseline_peak(model: str, device: str, batch: int) -> tuple[float, float]:
-    """(predicted peak of ``torch.compile``'s defaults in one microbatch, the planner's budget)."""
+def _compile_baseline(model: str, device: str, batch: int) -> tuple[Any, Any]:
+    """(context, plan) of ``torch.compile``'s defaults in one microbatch of ``batch``, priced as
+    ``coplan run --mode compile`` prices it."""
     from coplan.apply.predict import baseline_plan, mode_stack, plan_for
 
     ctx = _context(model, device, batch)
-    ctx.stack = mode_stack(ctx.stack, "compile")  # as ``coplan run --mode compile`` prices it
-    base = baseline_plan(plan_for(ctx, compute="bf16", microbatch=batch), ctx, "compile")
+    ctx.stack = mode_stack(ctx.stack, "compile")
+    return ctx, baseline_plan(plan_for(ctx, compute="bf16", microbatch=batch), ctx, "compile")
+
+
+def _baseline_peak(model: str, device: str, batch: int) -> tuple[float, float]:
+    """(predicted peak of ``torch.compile``'s defaults in one microbatch, the planner's budget)."""
+    ctx, base = _compile_baseline(model, device, batch)
     return ctx.price(base).memory.peak_bytes, float(ctx.budget_bytes or 0.0)
 
 
@@ -90,12 +96,9 @@ def cpu_budget(model: str, batch: int) -> float:
     """A CPU's stand-in for a device's memory at the tight batch: halfway between the predicted
     one-microbatch peaks of ``torch.compile``'s defaults and of the same kernels recomputing every
     block (``passes.remat.full_names``), so the plans must recompute and one microbatch can fit."""
-    from coplan.apply.predict import baseline_plan, mode_stack, plan_for
     from coplan.passes.remat import full_names, with_remat
 
-    ctx = _context(model, "cpu", batch)
-    ctx.stack = mode_stack(ctx.stack, "compile")
-    base = baseline_plan(plan_for(ctx, compute="bf16", microbatch=batch), ctx, "compile")
+    ctx, base = _compile_baseline(model, "cpu", batch)
     full = with_remat(base, full_names(ctx), ctx)
     return (ctx.price(base).memory.peak_bytes + ctx.price(full).memory.peak_bytes) / 2
 
@@ -374,6 +377,7 @@ def run_all(
     target = out_dir / "bench_gpu.json"
     for model in models:
         entry = manifest["models"][model]
+        cap = plans_device_memory(model, device)
         runs: dict[str, Any] = {}
         result["models"][model] = {
             "batch_tight": entry["batch_tight"],
@@ -396,7 +400,6 @@ def run_all(
                 else:
                     mode = run
                 one = _isolated if isolate else _one
-                cap = plans_device_memory(model, device)
                 got = runs[f"{run}@{kind}"] = one(
                     model, device, batch, plan_file, mode, steps, budget, profile, cap
                 )
