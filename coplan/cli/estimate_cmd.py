@@ -101,6 +101,7 @@ class LossCast(enum.StrEnum):  # coplan.cost.config.LOSS_CASTS
     autocast = "autocast"
     none = "none"
     fused = "fused"
+    parallel = "parallel"
 
 
 def estimate(
@@ -271,7 +272,8 @@ def estimate(
             "--eager-loss-cast",
             help="Where the loss runs eager, how the 16-bit logits reach it: the model's .float() "
             "(torchtitan), F.cross_entropy under autocast (a 16-bit log-softmax, an fp32 cast for "
-            "nll_loss), the loss in 16 bits, or a fused cross-entropy kernel \\[default: the stack's].",
+            "nll_loss), the loss in 16 bits, a fused cross-entropy kernel, or .float() then DTensor's "
+            "loss_parallel over vocabulary shards \\[default: the stack's].",
             show_default=False,
         ),
     ] = None,

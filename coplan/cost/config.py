@@ -86,8 +86,9 @@ ZERO3_GATHERS: tuple[str, ...] = ("unit", "module", "tensor-list")
 ROPE_FORMS: tuple[str, ...] = ("complex", "pairs")
 #: How eager kernels bring a 16-bit model's logits to the loss (``coplan.cost.eager``): the model
 #: casts them (``logits.float()``), autocast casts the 16-bit log-probabilities for ``nll_loss``, the
-#: loss runs in the logits' own 16 bits, or a fused cross-entropy kernel takes them as they are
-LOSS_CASTS: tuple[str, ...] = ("float", "autocast", "none", "fused")
+#: loss runs in the logits' own 16 bits, a fused cross-entropy kernel takes them as they are, or the
+#: model casts them and DTensor's loss-parallel handlers compute the loss over vocabulary shards
+LOSS_CASTS: tuple[str, ...] = ("float", "autocast", "none", "fused", "parallel")
 #: How gradients accumulate over a step's microbatches (``TrainingConfig.grad_accumulation``):
 #: ``fused`` inside the weight-gradient GEMMs, ``autograd16`` / ``autograd32`` by autograd into
 #: 16-bit or fp32 parameters' ``.grad``, ``fp32-buffer`` by a copy of each microbatch's 16-bit
@@ -234,7 +235,10 @@ class TrainingConfig:
             ``"none"``, the loss in the logits' 16 bits; ``"fused"``, a fused cross-entropy
             kernel each way, priced as the IR's own loss kernels (flash-attn's
             ``CrossEntropyLoss``, llm-foundry's default ``fused_crossentropy``;
-            ``coplan.cost.eager``).
+            ``coplan.cost.eager``); ``"parallel"``, the model's ``.float()`` and then DTensor's
+            ``loss_parallel`` over vocabulary-sharded logits (torchtitan under tensor
+            parallelism): a log-softmax written out op by op that holds one more fp32 logits
+            tensor than ATen's at its peak, and a backward fused into ``nll_loss``'s.
         fused_rmsnorm: RMSNorm runs as one fused kernel each way that keeps its input and row
             statistics for backward, not the normalized tensor, and recomputes that inside its
             backward kernel (torchtitan's ``norm_type = "fused_rmsnorm"``, a Triton kernel:

@@ -61,6 +61,22 @@ statistics), which cost a launch. The IR's own kernel for the op is replaced by 
 - ``nll_loss``: forward gathers one log-probability a token (token-sized); backward zero-fills the
   fp32 input gradient (one fp32 write: ``FillFunctor<float>``, 0.45 ms in the same profile) and
   scatters into it (token-sized).
+- ``parallel``: the model's ``logits.float()`` on vocabulary-sharded logits under DTensor's
+  ``loss_parallel`` (torchtitan under tensor parallelism: ``loss_parallel_enabled`` is
+  ``tp > 1`` unless disabled, torchtitan/parallelisms/parallel_dims.py). Its handlers
+  (``torch/distributed/tensor/parallel/loss.py``) write the log-softmax out op by op, following
+  ``torch._decomp``'s: ``amax`` (fp32 read), ``x - max`` (read, write), ``exp`` (read, write),
+  ``sum`` (read), ``log`` and two all-reduces of the row statistics (token-sized), ``shifted -
+  logsumexp`` (read, write). ``nll_loss``'s backward handler computes the log-softmax's gradient
+  too (``_nll_loss_and_log_softmax_backward``): ``zeros_like`` (fp32 write), the masked scatter of
+  the targets (token-sized, with the masks and offsets of ``_MaskPartial``: 15 launches), ``exp``
+  of the log-probabilities (read, write), ``+`` (two reads, a write) and ``*`` by the output
+  gradient (read, write); the log-softmax's backward handler then only returns its input, and
+  ``.float()``'s gradient casts it back. At its peak the backward holds the saved log-probabilities,
+  the zeros, the ``exp`` and their sum: one fp32 logits tensor more than ATen's (log-probabilities,
+  ``nll_loss``'s gradient, the log-softmax's gradient), which ``parallel_loss_temporary`` adds to
+  the loss's working set. Measured on this CPU (``tests/unit/test_loss_parallel.py``): 16 bytes a
+  logit at the peak where ATen's loss holds 12, 14 where it holds 10 in the forward.
 
 LayerNorm (``F.layer_norm``), SDPA, GEMMs and SiLU/GeLU are single ATen kernels either way.
 
@@ -121,6 +137,9 @@ PLANS: dict[str, tuple[tuple[tuple[float, float], ...], int]] = {
     "nll_loss_bwd:none": (((1, 0),), 1),
     "nll_loss": ((), 1),
     "nll_loss_bwd": (((0, 1),), 1),
+    "log_softmax:parallel": (((1, 1), (0, 1), (0, 2), (0, 2), (0, 1), (0, 2)), 3),
+    "log_softmax_bwd:parallel": (((1, 1),), 0),
+    "nll_loss_bwd:parallel": (((0, 1), (0, 2), (0, 3), (0, 2)), 15),
 }
 
 #: per plan key, its big kernels that copy a 16-bit tensor to fp32 (``x.float()``, ``type_as``'s
@@ -142,6 +161,7 @@ UPCASTS: dict[str, frozenset[int]] = {
     "rope_bwd:pairs": frozenset({0}),
     "log_softmax": frozenset({0}),
     "log_softmax:autocast": frozenset({1}),
+    "log_softmax:parallel": frozenset({0}),
 }
 
 #: ATen's shared memory a softmax block stages its row in (``sharedMemPerBlock``: 48 KiB on every
@@ -225,6 +245,17 @@ def op_kernels(
     tok[FIX * 2 + shard] = 8 * rows
     out += [Kernel(op.phase, "vector", shard, 0.0, rows, tuple(tok), ops=(op.id,)) for _ in range(small)]  # type: ignore[arg-type]
     return out
+
+
+def parallel_loss_temporary(graph: Graph, op_ids: Sequence[int]) -> Vec:
+    """The fp32 logits-sized temporary DTensor's loss-parallel backward holds beyond ATen's loss
+    (module docstring, ``parallel``): the logits of the forward log-softmax among ``op_ids``,
+    sharded by tensor parallelism; nothing where the part has no loss."""
+    for i in op_ids:
+        op = graph.ops[i]
+        if op.target == "log_softmax" and op.phase.name == "FORWARD" and op.inputs:
+            return _vec(0.0, float(graph.tensors[op.inputs[0]].numel), TP)
+    return ZERO
 
 
 def gqa_repeat(graph: Graph, op: Op) -> tuple[float, float] | None:
@@ -374,6 +405,7 @@ __all__ = [
     "gqa_repeat",
     "inductor_kernels",
     "op_kernels",
+    "parallel_loss_temporary",
     "plan_key",
     "repeat_kv_saved",
     "shard_class",

@@ -11,7 +11,7 @@ from typing import cast
 
 from coplan.cost.comm import Group
 from coplan.cost.config import TrainingConfig
-from coplan.cost.eager import stack_kernels
+from coplan.cost.eager import parallel_loss_temporary, stack_kernels
 from coplan.cost.fp8 import fp8_cost, runs_fp8
 from coplan.cost.fusion import readers
 from coplan.cost.kernels import (
@@ -103,9 +103,14 @@ def _base_prices(cost: PartCost, part: Part, fp8: bool) -> _Base:
     for name, _, _, delta, pts in part.loss_variants:
         if name == c.loss_fusion:  # Megatron's own loss kernels (``loss.py``)
             saved, points = vadd(saved, delta), pts
+    post = part is cost.profile.post
+    if post and c.eager_loss_cast == "parallel" and (c.kernels == "eager" or c.eager_loss):
+        # DTensor's loss-parallel handlers hold one fp32 logits tensor more than ATen's loss at
+        # the loss's peak, which is the part's (``eager.parallel_loss_temporary``)
+        extra = parallel_loss_temporary(cost.profile.graph, part.op_ids)
+        points = tuple(vadd(p, extra) for p in points)
     fwd, bwd = run_kernels(part, c.loss_fusion, c.activation_fusion)
     # the kernels the stack launches for them (``eager.stack_kernels``), kept on the part
-    post = part is cost.profile.post
     key = (
         "stack",
         c.kernels,

@@ -162,7 +162,9 @@ class StackSpec:
         eager_loss_cast: how its model's 16-bit logits reach the loss where its kernels are eager
             (``TrainingConfig.eager_loss_cast``, ``LOSS_CASTS``): the model's ``.float()``,
             ``F.cross_entropy`` under autocast (a 16-bit log-softmax, an fp32 cast for
-            ``nll_loss``), none (the loss in 16 bits), or a fused cross-entropy kernel.
+            ``nll_loss``), none (the loss in 16 bits), a fused cross-entropy kernel, or the
+            ``.float()`` then DTensor's ``loss_parallel`` (``"parallel"``: taken only under tensor
+            parallelism, which shards the logits; without it the ``.float()`` alone).
         optimizer: how its AdamW update runs (``TrainingConfig.optimizer``, ``coplan.cost.optimizer``):
             ``""`` as a plan's optimizer kernels say, ``"fused"``, ``"foreach"`` or ``"for-loop"``.
         zero3_gather: how its ZeRO-3 issues the parameter all-gathers and gradient reduce-scatters
@@ -356,7 +358,9 @@ class StackSpec:
             config = config.with_(fused_output_casts=True)
         if self.eager_rope != "complex":
             config = config.with_(eager_rope=self.eager_rope)
-        if self.eager_loss_cast != "float":
+        if self.eager_loss_cast != "float" and (self.eager_loss_cast != "parallel" or config.tp > 1):
+            # loss parallelism needs vocabulary-sharded logits: without tensor parallelism the
+            # stack's loss is the model's .float() and ATen's (torchtitan's loss_parallel_enabled)
             config = config.with_(eager_loss_cast=self.eager_loss_cast)
         if self.optimizer and not config.optimizer:
             config = config.with_(optimizer=self.optimizer)

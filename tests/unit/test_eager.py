@@ -337,8 +337,13 @@ def test_the_logits_reach_the_loss_as_each_stack_casts_them():
     assert moved("log_softmax_bwd", "none") == (1, 3.0, 0.0, 1.0, 0.0)
     assert moved("nll_loss_bwd", "none")[1:3] == (1.0, 0.0)
     assert moved("nll_loss_bwd", "autocast")[1:3] == moved("nll_loss_bwd", "float")[1:3] == (0.0, 1.0)
+    # DTensor's loss parallelism: the log-softmax written out (amax, sub, exp, sum, sub) after the
+    # .float(); its backward in nll_loss's handler (zeros, exp, add, mul), the cast back after it
+    assert moved("log_softmax", "parallel") == (6, 1.0, 9.0, 0.0, 0.0)
+    assert moved("log_softmax_bwd", "parallel") == (1, 1.0, 1.0, 0.0, 0.0)
+    assert moved("nll_loss_bwd", "parallel") == (4, 0.0, 8.0, 0.0, 0.0)
     casts = {name: load_stack(name).eager_loss_cast for name in ("torchtitan", "fsdp", "eager", "coplan")}
-    assert casts == {"torchtitan": "float", "fsdp": "none", "eager": "autocast", "coplan": "autocast"}
+    assert casts == {"torchtitan": "parallel", "fsdp": "none", "eager": "autocast", "coplan": "autocast"}
     cluster = load_cluster("dgx-h100", 1)
     config = load_stack("eager").configure(TrainingConfig(microbatch=MB, global_batch=MB, seq=SEQ))
     model = CostModel(spec=type(spec)(**{**spec.to_dict(), "vocab_size": vocab}))
