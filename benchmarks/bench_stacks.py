@@ -24,6 +24,7 @@ fitting; writes the rows to
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import statistics
 import sys
@@ -231,6 +232,48 @@ def part_split(rows: list[dict], runs: list[dict]) -> list[dict]:
     return out
 
 
+#: stack settings that change memory only (not what a step computes or sends): ignored where runs are
+#: matched for ``weak_scaling``
+MEMORY_ONLY = frozenset({"sources", "expandable_segments"})
+
+
+def weak_scaling(rows: list[dict], runs: list[dict]) -> list[dict]:
+    """Pairs of runs of one stack and source doing the same work per GPU (model, layout, microbatch,
+    sequence, recompute, precision, sequences per GPU and stack settings equal) on different GPU
+    counts: the measured step's change beside the priced one. Each GPU's work is the same, so what
+    changes is communication and what scale does to it (ring latency, the fabric, waiting for the
+    slowest rank); a measured change the price does not follow is a cost of scale it misses."""
+
+    def key(run: dict) -> str:
+        settings = {k: v for k, v in run["stack_settings"].items() if k not in MEMORY_ONLY}
+        fields = ("model", "cluster", "tp", "pp", "vpp", "microbatch", "seq", "recompute", "dtype", "zero")
+        return json.dumps(
+            [run["stack"], run["id"].split("-")[0], [run.get(f) for f in fields], settings,
+             run["global_batch"] / run["gpus"], run.get("network")],
+            sort_keys=True,
+        )  # fmt: skip
+
+    groups: dict[str, list[tuple[dict, dict]]] = {}
+    for r, run in zip(rows, runs, strict=True):
+        groups.setdefault(key(run), []).append((r, run))
+    out = []
+    for got in groups.values():
+        got.sort(key=lambda x: x[1]["gpus"])
+        for (ra, a), (rb, b) in itertools.pairwise(got):
+            if a["gpus"] == b["gpus"]:
+                continue
+            out.append(
+                {
+                    "small": ra["id"],
+                    "large": rb["id"],
+                    "gpus": [a["gpus"], b["gpus"]],
+                    "measured": rb["measured_s"] / ra["measured_s"],
+                    "priced": rb["priced"]["predicted_s"] / ra["priced"]["predicted_s"],
+                }
+            )
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--runs", type=Path, default=DATA)
@@ -330,6 +373,16 @@ def main() -> None:
             for name, v in g["parts"].items()
         )
         print(f"  {'':<22}{by_part}; mean |residual| {g['parts_mean_abs_residual']:.1%}")
+    scaling = weak_scaling(rows, runs)
+    print(
+        "\nweak scaling: runs doing the same work per GPU on more GPUs, the step's change measured and "
+        "priced with the preset"
+    )
+    for w in scaling:
+        print(
+            f"  {w['large']:<55} {w['gpus'][0]:>4} -> {w['gpus'][1]:<4} GPUs: measured x{w['measured']:.3f}, "
+            f"priced x{w['priced']:.3f}"
+        )
     print("\neager / compile pairs: step-time ratio eager/compiled, measured vs predicted (points)")
     pairs = []
     for r in rows:
@@ -373,7 +426,14 @@ def main() -> None:
     args.json.parent.mkdir(parents=True, exist_ok=True)
     args.json.write_text(
         json.dumps(
-            {"summary": summary, "by_device": by_device, "split": split, "pairs": pairs, "runs": rows},
+            {
+                "summary": summary,
+                "by_device": by_device,
+                "split": split,
+                "weak_scaling": scaling,
+                "pairs": pairs,
+                "runs": rows,
+            },
             indent=1,
         )
         + "\n"

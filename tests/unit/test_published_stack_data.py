@@ -184,3 +184,28 @@ def test_llm_foundrys_one_node_sweep_derives_from_the_128_gpu_run() -> None:
     assert ModelSpec.from_dict(long["model"]).param_count() == 1_378_865_152
     rows = sweep.table()
     assert all(-1.0 < r["error"] < 1.0 for r in rows)
+
+
+def test_weak_scaling_pairs_runs_doing_the_same_work_per_gpu() -> None:
+    """``bench_stacks.weak_scaling``: llm-foundry's 128- and 512-GPU runs of each MPT size (the same
+    microbatch, sequences per GPU and settings) pair up, and runs whose work per GPU differs (the
+    8-GPU seq-32k torchtitan run beside the 8B runs) do not."""
+    import sys
+
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    try:
+        import bench_stacks
+    finally:
+        sys.path.remove(str(ROOT / "benchmarks"))
+    runs = json.loads((ROOT / "benchmarks" / "data" / "published_stack_runs.json").read_text())["runs"]
+    rows = [
+        {"id": r["id"], "measured_s": r["measured"]["step_time_s"], "priced": {"predicted_s": 1.0}}
+        for r in runs
+    ]
+    pairs = {(w["small"], w["large"]): w for w in bench_stacks.weak_scaling(rows, runs)}
+    for size in ("1b", "3b", "7b", "13b", "30b", "70b"):
+        w = pairs[(f"llmfoundry-h100-128gpu-mpt-{size}", f"llmfoundry-h100-512gpu-mpt-{size}")]
+        assert w["gpus"] == [128, 512] and w["priced"] == 1.0
+    assert not any("seq32k" in a or "seq32k" in b for a, b in pairs)
+    per_gpu = {r["id"]: r["global_batch"] / r["gpus"] for r in runs}
+    assert all(per_gpu[a] == per_gpu[b] for a, b in pairs)
