@@ -54,6 +54,7 @@ from coplan.cost.parts import (
     vadd,
     vdot,
 )
+from coplan.cost.remat import inductor_recomputes
 from coplan.cost.results import BREAKDOWN_KEYS, Estimate, MemoryEstimate, StageEstimate
 from coplan.cost.stages import (
     boundary_held,
@@ -196,8 +197,13 @@ def estimate(profile: GraphProfile, cluster: ClusterSpec, config: TrainingConfig
                     if config.cp > 1:
                         cp_comm += k * _cp_ring(pc, part, mode, profile, ab, t, ring_transfer)
                     sv = saved_under(profile, part, mode, per_op=config.kernels != "megatron")
-                    if config.kernels == "eager" and _keeps_repeated_kv(mode):
-                        sv = vadd(sv, _repeat_kv_saved(profile, part))  # SDPA's repeated K/V (``eager.py``)
+                    if config.kernels == "inductor" and mode == "none":
+                        # what Inductor's min-cut partitioner recomputes without being asked
+                        sv = vadd(sv, tuple(-x for x in _inductor_recomputed(profile, part)))
+                    if config.kernels in ("eager", "inductor") and _keeps_repeated_kv(mode):
+                        # SDPA's repeated K/V (``eager.py``): a generated graph saves the copies too, as
+                        # SDPA's backward reads them ("materialized in backward" for the partitioner)
+                        sv = vadd(sv, _repeat_kv_saved(profile, part))
                     if config.fused_rmsnorm:
                         sv = vadd(
                             sv, tuple(-x for x in _normed_saved(profile, part, mode))
@@ -717,6 +723,13 @@ def _normed_saved(profile: GraphProfile, part: Part, mode: str | frozenset[str])
         if not (isinstance(mode, frozenset) and name in mode):
             out = vadd(out, vec)
     return out
+
+
+def _inductor_recomputed(profile: GraphProfile, part: Part) -> Vec:
+    got = part.cache.get("inductor_recomputed")
+    if got is None:
+        got = part.cache["inductor_recomputed"] = inductor_recomputes(profile.graph, part)[1]
+    return got  # type: ignore[return-value]
 
 
 def _repeat_kv_saved(profile: GraphProfile, part: Part) -> Vec:

@@ -12,7 +12,7 @@ from collections.abc import Callable, Sequence
 
 from coplan.cost.config import ConfigError
 from coplan.cost.fusion import readers
-from coplan.cost.parts import Part, Vec
+from coplan.cost.parts import ZERO, Part, Vec
 from coplan.ir.types import Graph, OpKind, Phase, Tensor, TensorRole
 
 
@@ -53,6 +53,47 @@ def recompute_closure(graph: Graph, part: Part, names: frozenset[str]) -> tuple[
         for i, x in enumerate(by_name[graph.tensors[tid].name][1]):
             vec[i] += x
     return frozenset(rerun), tuple(vec)  # type: ignore[return-value]
+
+
+#: Op kinds Inductor's min-cut partitioner treats as cheap to recompute: pointwise, copies, views and
+#: tensor creation (the planner's ``coplan.plan.checker.POINTWISE``)
+MINCUT_POINTWISE = frozenset({OpKind.ELEMENTWISE, OpKind.COPY, OpKind.VIEW, OpKind.CREATION})
+
+
+def inductor_recomputes(graph: Graph, part: Part) -> tuple[tuple[str, ...], Vec]:
+    """(names, element vector) of the tensors block ``part`` saves that Inductor's min-cut
+    partitioner recomputes by default (no memory budget): made by a pointwise, non-random forward
+    op (``should_ban_recomputation`` bans random and compute-intensive ops), read in backward only
+    by pointwise ops (else it is "materialized in backward" and banned), whose producer's
+    activation inputs are kept for backward anyway, so that recomputing it removes its bytes from
+    the cut and adds none (torch/_functorch/partitioners.py at v2.13.0,
+    ``min_cut_rematerialization_partition``, ``should_ban_recomputation``,
+    ``is_materialized_backwards``). SwiGLU's ``silu(x W1)`` is one: the product's backward reads
+    it, and its producer's input, ``x W1``, is kept for the SiLU's own gradient. The recomputed
+    op runs inside the backward kernel that reads its output: arithmetic only. Empty outside
+    blocks."""
+    if not part.blocks:
+        return (), ZERO
+    kept = {graph.tensors[tid].storage_id for tid, _, _ in part.saved_items}
+    kept |= {t.storage_id for t in graph.tensors if t.saved_for_backward}
+    names: list[str] = []
+    vec = [0.0] * 6
+    for tid, name, v in part.saved_items:
+        t = graph.tensors[tid]
+        if t.producer is None:
+            continue
+        op = graph.ops[t.producer]
+        if op.block is None or op.kind not in MINCUT_POINTWISE or "dropout" in op.target:
+            continue
+        bwd = [graph.ops[c] for c in readers(graph, tid) if graph.ops[c].phase is Phase.BACKWARD]
+        if any(r.kind not in MINCUT_POINTWISE for r in bwd):
+            continue
+        ins = [graph.tensors[graph.tensors[i].storage_id] for i in op.inputs]
+        if all(x.role is not TensorRole.ACTIVATION or x.id in kept or x.producer is None for x in ins):
+            names.append(name)
+            for i, x in enumerate(v):
+                vec[i] += x
+    return tuple(names), tuple(vec)  # type: ignore[return-value]
 
 
 def drops_output(graph: Graph, part: Part, names: frozenset[str]) -> bool:
