@@ -25,6 +25,7 @@ from collections.abc import Callable
 from typing import Any, NamedTuple
 
 from coplan.cost.buckets import StageBuckets, queued_exposure, serial_time
+from coplan.cost.checkpoint import selective_op_correction, selective_op_names
 from coplan.cost.comm import Group, p2p_time
 from coplan.cost.config import TrainingConfig
 from coplan.cost.contention import slowdown, sm_share
@@ -54,6 +55,7 @@ from coplan.cost.parts import (
     vadd,
     vdot,
 )
+from coplan.cost.profile import tensor_vec
 from coplan.cost.remat import inductor_recomputes
 from coplan.cost.results import BREAKDOWN_KEYS, Estimate, MemoryEstimate, StageEstimate
 from coplan.cost.stages import (
@@ -197,6 +199,9 @@ def estimate(profile: GraphProfile, cluster: ClusterSpec, config: TrainingConfig
                     if config.cp > 1:
                         cp_comm += k * _cp_ring(pc, part, mode, profile, ab, t, ring_transfer)
                     sv = saved_under(profile, part, mode, per_op=config.kernels != "megatron")
+                    if config.kernels in ("eager", "inductor") and _is_selective_op(profile, part, mode):
+                        # torchtitan's per-op policy as PyTorch keeps it (``selective_op_correction``)
+                        sv = vadd(sv, _selective_op_correction(profile, part, config.kernels == "eager"))
                     if config.kernels == "inductor" and mode == "none":
                         # what Inductor's min-cut partitioner recomputes without being asked
                         sv = vadd(sv, tuple(-x for x in _inductor_recomputed(profile, part)))
@@ -723,6 +728,36 @@ def _normed_saved(profile: GraphProfile, part: Part, mode: str | frozenset[str])
         if not (isinstance(mode, frozenset) and name in mode):
             out = vadd(out, vec)
     return out
+
+
+def _block_of(profile: GraphProfile, part: Part) -> int | None:
+    return next((b for i in part.op_ids if (b := profile.graph.ops[i].block) is not None), None)
+
+
+def _is_selective_op(profile: GraphProfile, part: Part, mode: str | frozenset[str]) -> bool:
+    """Whether ``mode`` is torchtitan's per-op policy's set for ``part``'s block."""
+    if not isinstance(mode, frozenset) or not mode:
+        return False
+    got = part.cache.get("selective_op")
+    if got is None:
+        block = _block_of(profile, part)
+        got = part.cache["selective_op"] = (
+            selective_op_names(profile.graph, block) if block is not None else frozenset()
+        )
+    return mode == got
+
+
+def _selective_op_correction(profile: GraphProfile, part: Part, eager: bool) -> Vec:
+    key = ("selective_op_correction", eager)
+    got = part.cache.get(key)
+    if got is None:
+        block = _block_of(profile, part)
+        got = part.cache[key] = (
+            selective_op_correction(profile.graph, block, tensor_vec(profile.graph), eager)
+            if block is not None
+            else ZERO
+        )
+    return got  # type: ignore[return-value]
 
 
 def _inductor_recomputed(profile: GraphProfile, part: Part) -> Vec:

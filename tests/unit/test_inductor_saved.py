@@ -96,3 +96,120 @@ def test_the_cost_model_and_the_planner_agree_on_the_min_cut_set():
         prof = ctx.reference_profile
         ref = {n for p in prof.templates for n in inductor_recomputes(prof.graph, p)[0] if ".0." in n}
         assert ref == {n for n in mincut_names(ctx) if ".0." in n}
+
+
+#: torchtitan's per-op policy (pytorch/torchtitan@9dec370ad2 parallelize_llama.py ``_save_list`` and
+#: ``_custom_policy``): save mm outputs but every second one, and SDPA's; the CPU's SDPA op stands
+#: in for the CUDA flash / efficient ones
+_SAVE = {
+    torch.ops.aten.mm.default,
+    torch.ops.aten._scaled_dot_product_efficient_attention.default,
+    torch.ops.aten._scaled_dot_product_flash_attention.default,
+    torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default,
+    torch.ops.aten.abs.default,
+    torch.ops.aten.max.default,
+}
+
+
+def _sac_block(kv: int):  # type: ignore[no-untyped-def]
+    """The step probe's block wrapped in torchtitan's per-op checkpointing, the caching modes it
+    creates kept in ``made``."""
+    import sys
+    from collections import defaultdict
+
+    from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
+
+    sys.path.insert(0, str(PROBE))
+    try:
+        import h100_step_probe as probe
+    finally:
+        sys.path.remove(str(PROBE))
+    made: list = []
+
+    def context_fn():  # type: ignore[no-untyped-def]
+        meta: dict[str, int] = defaultdict(int)
+
+        def policy(ctx, func, *args, **kwargs):  # type: ignore[no-untyped-def]
+            mode = "recompute" if ctx.is_recompute else "forward"
+            if func == torch.ops.aten.mm.default:
+                meta[mode] += 1
+            save = func in _SAVE and not (func == torch.ops.aten.mm.default and meta[mode] % 2 == 0)
+            return CheckpointPolicy.MUST_SAVE if save else CheckpointPolicy.PREFER_RECOMPUTE
+
+        got = create_selective_checkpoint_contexts(policy)
+        made.append(got[0])
+        return got
+
+    class Block(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.b = probe.Block(_spec(1, kv)).to(torch.bfloat16)
+
+        def forward(self, x: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
+            return checkpoint(
+                self.b, x, table, use_reentrant=False, context_fn=context_fn, preserve_rng_state=False
+            )
+
+    s = _spec(1, kv)
+    return Block(), probe.rope_table(s.head_dim, SEQ, s.rope_theta), made
+
+
+def _sac_measured(kv: int, compiled: bool) -> float:
+    """Bytes one block keeps under the per-op policy, its input included (the next block's output,
+    which the priced per-block difference counts): in eager PyTorch what the caching mode holds;
+    compiled, what the forward returns for backward."""
+    torch.manual_seed(0)
+    torch._dynamo.reset()
+    block, table, made = _sac_block(kv)
+    params = {p.untyped_storage().data_ptr() for p in block.parameters()}
+    params.add(table.untyped_storage().data_ptr())
+    x = torch.randn(MB, SEQ, 256, dtype=torch.bfloat16, requires_grad=True)
+    seen: dict[int, int] = {x.untyped_storage().data_ptr(): x.untyped_storage().nbytes()}
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        st = t.untyped_storage()
+        if st.data_ptr() not in params:
+            seen[st.data_ptr()] = st.nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        (torch.compile(block) if compiled else block)(x, table)
+    if not compiled:
+        for per_op in made[0].storage.values():
+            for out in per_op.values():
+                for leaf in torch.utils._pytree.tree_leaves(out):
+                    t = getattr(leaf, "val", None)
+                    if isinstance(t, torch.Tensor):
+                        seen[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+    return float(sum(seen.values()))
+
+
+def _sac_priced(kv: int, stack: str) -> float:
+    from coplan.cost.checkpoint import selective_op_names
+
+    cluster = load_cluster("dgx-h100", 1)
+
+    def act(layers: int) -> float:
+        model = CostModel(spec=_spec(layers, kv))
+        config = load_stack(stack).configure(TrainingConfig(microbatch=MB, global_batch=MB, seq=SEQ))
+        names = selective_op_names(model.profile(MB, SEQ, config.fusion).graph)
+        return model.estimate(cluster, config.with_(recompute=names)).memory.activations_bytes
+
+    return act(2) - act(1)
+
+
+@pytest.mark.compile
+@pytest.mark.parametrize("kv", [8, 2])
+def test_per_op_checkpointing_keeps_what_each_stack_prices(kv):
+    """Eager selective checkpointing holds every ``MUST_SAVE`` output (wq, wv, w1, w2 and SDPA's),
+    a compiled block only those its backward reads (not w2's); neither keeps wk's, the policy's
+    second ``mm``."""
+    eager, compiled = _sac_measured(kv, False), _sac_measured(kv, True)
+    d, ffn, kv_cols = 256, 704, 256 * kv // 8
+    w2 = MB * SEQ * d * 2
+    assert eager - compiled == w2
+    assert (
+        compiled == MB * SEQ * 2 * (d + d + kv_cols + ffn + d) + 8 * MB * SEQ * 4
+    )  # x, wq, wv, w1, out; lse
+    assert _sac_priced(kv, "torchtitan") == pytest.approx(eager)
+    assert _sac_priced(kv, "torchtitan-compile") == pytest.approx(compiled)
