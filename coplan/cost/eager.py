@@ -202,7 +202,9 @@ def _main_tensors(graph: Graph, op: Op) -> list[float]:
     """Elements of each tensor the plan runs over: q and k for RoPE (each its own kernels), the
     input for a norm and its gradient, the logits for the loss."""
     if op.target in ("rope", "rope_bwd"):
-        return [float(graph.tensors[t].numel) for t in op.outputs if graph.tensors[t].shape]
+        # q and k, the forward's outputs: the IR's gradient op writes the fused QKV gradient
+        fwd = graph.ops[op.forward_op] if op.target == "rope_bwd" and op.forward_op is not None else op
+        return [float(graph.tensors[t].numel) for t in fwd.outputs if graph.tensors[t].shape]
     src = op.inputs[0] if op.target in ("rms_norm", "log_softmax", "nll_loss") else op.outputs[0]
     return [float(graph.tensors[src].numel)] if op.inputs else []
 
@@ -351,7 +353,11 @@ def _expand_single_ops(
 #: On one H200 (torch 2.11, ``benchmarks/data/h200_step_probe.json``) the compiled blocks ran ATen's
 #: ``BinaryFunctor<c10::complex<float>>`` kernel. Around it the generated kernels write the fp32
 #: pairs the complex view needs and read its fp32 product back: the eager plan's three kernels, its
-#: casts in generated code (vectorized, so not ``UPCASTS``).
+#: casts in generated code (vectorized, so not ``UPCASTS``). A fusion group holding the op (RoPE's
+#: gradient and the add summing it into the fused QKV gradient) runs as those kernels: compiled on
+#: this CPU, a torchtitan-style block's backward lists the casts to fp32 pairs, ATen's complex
+#: product and the casts back for q and k, and no kernel of the add
+#: (``tests/unit/test_inductor_saved.py``).
 INDUCTOR_FALLBACKS = frozenset({"rope", "rope_bwd"})
 
 
@@ -368,12 +374,22 @@ def inductor_kernels(
     if rope != "complex":
         return tuple(fwd), tuple(bwd)
 
-    def expand(k: Kernel, op: Op) -> Sequence[Kernel] | None:
-        if plan_key(graph, op) not in INDUCTOR_FALLBACKS:
-            return None
-        return [replace(e, upcast=False) for e in op_kernels(graph, op, shard_of(op), 0.0)]
+    def expand(ks: Sequence[Kernel]) -> tuple[Kernel, ...]:
+        out: list[Kernel] = []
+        for k in ks:
+            ops = [graph.ops[i] for i in k.ops if graph.ops[i].kind.name != "VIEW"]
+            falls = [op for op in ops if plan_key(graph, op) in INDUCTOR_FALLBACKS]
+            if not falls:
+                out.append(k)
+                continue
+            # a group holding the fallback (RoPE's gradient with the add that sums it into the
+            # fused QKV gradient) runs as the fallback's kernels, the rest of the group fused into
+            # the generated casts around the ATen product (as the compiled step lists them)
+            for op in falls:
+                out.extend(replace(e, upcast=False) for e in op_kernels(graph, op, shard_of(op), 0.0))
+        return tuple(out)
 
-    return _expand_single_ops(graph, fwd, expand), _expand_single_ops(graph, bwd, expand)
+    return expand(fwd), expand(bwd)
 
 
 def stack_kernels(

@@ -213,3 +213,70 @@ def test_per_op_checkpointing_keeps_what_each_stack_prices(kv):
     )  # x, wq, wv, w1, out; lse
     assert _sac_priced(kv, "torchtitan") == pytest.approx(eager)
     assert _sac_priced(kv, "torchtitan-compile") == pytest.approx(compiled)
+
+
+@pytest.mark.compile
+def test_a_compiled_blocks_other_kernels_move_what_inductor_counts():
+    """The non-GEMM, non-attention kernels priced for one compiled torchtitan-style block beside
+    what Inductor generated for it on this CPU (a model of one and of two blocks, the difference):
+    its generated kernels and the ATen complex products RoPE falls back to, four a block (q and k,
+    each way), by the bytes its scheduler counts for them (every buffer a kernel reads or writes
+    once). Inductor fuses the residual adds into the norms, so it launches fewer; the bytes agree
+    within 10%."""
+    import sys
+
+    from coplan.cost.explain import kernel_costs
+    from coplan.inspect.api import inspect_module
+
+    sys.path.insert(0, str(PROBE))
+    try:
+        import h100_step_probe as probe
+    finally:
+        sys.path.remove(str(PROBE))
+
+    class Stack(torch.nn.Module):
+        def __init__(self, n: int) -> None:
+            super().__init__()
+            s = _spec(n, 8)
+            self.blocks = torch.nn.ModuleList(probe.Block(s) for _ in range(n))
+            self.table = probe.rope_table(s.head_dim, SEQ, s.rope_theta)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            for b in self.blocks:
+                x = b(x, self.table)
+            return x
+
+    def inductor(n: int) -> tuple[int, int, float]:
+        torch.manual_seed(0)
+        torch._dynamo.reset()
+        x = torch.randn(MB, SEQ, 256, dtype=torch.bfloat16, requires_grad=True)
+        rec = inspect_module(
+            Stack(n).to(torch.bfloat16), (x,), loss_fn=lambda out, *a: out.float().mean(), steps=0
+        )
+        ks = rec.record["kernel_table"]
+        gen = [k for k in ks if k["kind"] == "generated"]
+        products = [k for k in ks if k["kind"] == "fallback" and k["name"].startswith("torch.ops.aten.mul.")]
+        return len(gen), len(products), float(sum(k["bytes"] for k in (*gen, *products)))
+
+    one, two = inductor(1), inductor(2)
+    generated, products, moved = (b - a for a, b in zip(one, two, strict=True))
+    assert products == 4
+
+    cluster = load_cluster("dgx-h100", 1)
+    dev = cluster.groups[0].device
+    rate, launch = dev.memory_bandwidth * dev.efficiency["memory"], dev.kernel_launch_s
+
+    def priced(n: int) -> tuple[float, float]:
+        model = CostModel(spec=_spec(n, 8))
+        base = TrainingConfig(microbatch=MB, global_batch=MB, seq=SEQ)
+        config = load_stack("torchtitan-compile").configure(base).with_(recompute="none")
+        rows = [
+            k
+            for k in kernel_costs(model.profile_for(config), cluster, config)
+            if k.part.startswith("block") and k.kind == "vector"
+        ]
+        return sum(k.count for k in rows), sum(k.count * (k.seconds - launch) * rate for k in rows)
+
+    (k1, b1), (k2, b2) = priced(1), priced(2)
+    assert generated + products < k2 - k1
+    assert b2 - b1 == pytest.approx(moved, rel=0.10)
