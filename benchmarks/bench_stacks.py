@@ -130,14 +130,14 @@ def configured(run: dict, stack: str):  # type: ignore[no-untyped-def]
     return model, cluster, config
 
 
-def price(run: dict, stack: str, reserved: bool = False) -> tuple[float, float, bool, float | None]:
-    """(step seconds, allocated peak bytes, fits, reserved peak bytes) of ``run`` under preset
+def price(run: dict, stack: str, reserved: bool = False) -> tuple[float, float, bool, float | None, float]:
+    """(step seconds, allocated peak bytes, fits, reserved peak bytes, MFU) of ``run`` under preset
     ``stack``; the reserved peak (with the caching allocator as the run's launcher set it) only
     where ``reserved`` asks, else None."""
     model, cluster, config = configured(run, stack)
     est = model.estimate(cluster, config)
     got = _reserved(model, cluster, est, run, stack) if reserved else None
-    return est.step_time_s, est.memory.peak_bytes, est.fits, got
+    return est.step_time_s, est.memory.peak_bytes, est.fits, got, est.mfu
 
 
 #: the parts of a priced step ``step_parts`` splits it into
@@ -292,7 +292,7 @@ def main() -> None:
         for label, stack in (("baseline", "megatron"), ("priced", stack_of(run))):
             start = time.perf_counter()
             kind = measured.get("memory_kind")
-            step, peak, fits, reserved = price(run, stack, reserved=kind == "reserved")
+            step, peak, fits, reserved, mfu = price(run, stack, reserved=kind == "reserved")
             # compared with what the source reports: the reserved peak, or the allocated one
             shown = reserved if reserved is not None else peak
             row[label] = {
@@ -307,6 +307,7 @@ def main() -> None:
                 if measured.get("peak_memory_bytes")
                 else None,
                 "fits": fits,
+                "mfu": mfu,
                 "wall_s": time.perf_counter() - start,
             }
         row["memory_kind"] = measured.get("memory_kind")

@@ -90,7 +90,7 @@ def _rows() -> list[dict[str, Any]]:
     for run in others:
         res = results[run["id"]]
         # the stack as coplan prices it (the preset, compiled or not), not the data's family name
-        rows.append(_run_row(run, res["preset"], None, res["priced"]["error"]))
+        rows.append(_run_row(run, res["preset"], res["priced"].get("mfu"), res["priced"]["error"]))
     return sorted(rows, key=lambda r: r["id"])
 
 
@@ -116,16 +116,6 @@ def build() -> dict[str, Any]:
     pairs = _pairs(rows)
     inside = [r for r in rows if pairs[r["stack"]][r["device"]]["validated"]]
     stacks = sorted({r["stack"] for r in inside})
-    zero: dict[str, int] = {}
-    mfu: dict[str, float] = {}
-    dtypes: dict[str, list[str]] = {}
-    for r in inside:
-        zero[str(r["zero"])] = max(zero.get(str(r["zero"]), 0), r["gpus"])
-        if r["mfu"] is not None:
-            mfu[r["dtype"]] = max(mfu.get(r["dtype"], 0.0), r["mfu"])
-        dtypes.setdefault(r["device"], [])
-        if r["dtype"] not in dtypes[r["device"]]:
-            dtypes[r["device"]].append(r["dtype"])
     return {
         "about": (
             "The configurations coplan's cost model was checked on: published runs whose (stack, device) "
@@ -137,21 +127,40 @@ def build() -> dict[str, Any]:
         "bar_mean_abs_error": BAR,
         "min_runs": MIN_RUNS,
         "stacks": pairs,
-        "envelope": {
-            "stacks": stacks,
-            "devices": sorted(dtypes),
-            "dtypes": {d: sorted(v) for d, v in sorted(dtypes.items())},
-            "max": {k: max(r[k] for r in inside) for k in ("tp", "pp", "vpp", "cp", "dp", "gpus")},
-            "zero": dict(sorted(zero.items())),
-            "mfu_max": dict(sorted(mfu.items())),
-            "seq": [min(r["seq"] for r in inside), max(r["seq"] for r in inside)],
-            "params": [min(r["params"] for r in inside), max(r["params"] for r in inside)],
-            "moe": any(r["moe"] for r in inside),
-            "recompute": sorted({r["recompute"] for r in inside}),
-            "fusion": [_fusion_default()],
-            "runs": len(inside),
-        },
+        # every validated run's bounds (what a stack with no validated runs is compared with), and
+        # each validated stack's own
+        "envelope": _bounds(inside),
+        "by_stack": {s: _bounds([r for r in inside if r["stack"] == s]) for s in stacks},
         "runs": rows,
+    }
+
+
+def _bounds(inside: list[dict[str, Any]]) -> dict[str, Any]:
+    """What the runs ``inside`` reach, dimension by dimension."""
+    stacks = sorted({r["stack"] for r in inside})
+    zero: dict[str, int] = {}
+    mfu: dict[str, float] = {}
+    dtypes: dict[str, list[str]] = {}
+    for r in inside:
+        zero[str(r["zero"])] = max(zero.get(str(r["zero"]), 0), r["gpus"])
+        if r["mfu"] is not None:
+            mfu[r["dtype"]] = max(mfu.get(r["dtype"], 0.0), r["mfu"])
+        dtypes.setdefault(r["device"], [])
+        if r["dtype"] not in dtypes[r["device"]]:
+            dtypes[r["device"]].append(r["dtype"])
+    return {
+        "stacks": stacks,
+        "devices": sorted(dtypes),
+        "dtypes": {d: sorted(v) for d, v in sorted(dtypes.items())},
+        "max": {k: max(r[k] for r in inside) for k in ("tp", "pp", "vpp", "cp", "dp", "gpus")},
+        "zero": dict(sorted(zero.items())),
+        "mfu_max": dict(sorted(mfu.items())),
+        "seq": [min(r["seq"] for r in inside), max(r["seq"] for r in inside)],
+        "params": [min(r["params"] for r in inside), max(r["params"] for r in inside)],
+        "moe": any(r["moe"] for r in inside),
+        "recompute": sorted({r["recompute"] for r in inside}),
+        "fusion": [_fusion_default()],
+        "runs": len(inside),
     }
 
 

@@ -3,7 +3,10 @@
 The envelope is data (``envelope.json`` beside this module, built by ``benchmarks/build_envelope.py``
 from the published runs and their priced errors): a stack is validated on a device where at least 10
 of its published runs there are priced within a mean absolute step-time error of 10% (the accuracy
-bar); today that is the ``megatron`` stack on A100 80GB and H100. Those runs bound each dimension:
+bar); today that is the ``megatron`` stack on A100 80GB and H100 and the ``torchtitan-compile``
+stack on Meta's H100. Each validated stack's runs bound each dimension for that stack (another
+stack's runs do not: torchtitan's ZeRO-3 at 256 GPUs says nothing of Megatron's), and every
+validated run together for a stack with none:
 the devices and the dtypes run on each, the largest TP / PP / VPP / DP / GPU count, the ZeRO stages
 with the largest GPU count each reached, the highest MFU the model predicts for them per dtype
 (``Estimate.mfu``: the 16-bit dense peak), the sequence and model-size ranges, the recompute modes
@@ -24,7 +27,7 @@ from __future__ import annotations
 import heapq
 import json
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import cache
 from importlib import resources
 from typing import Any
@@ -82,7 +85,8 @@ class _Run:
 @dataclass(frozen=True, slots=True)
 class _Envelope:
     stacks: dict[str, dict[str, dict[str, Any]]]
-    bounds: dict[str, Any]
+    bounds: dict[str, Any]  # every validated run's; ``stack_bounds``: each validated stack's own
+    stack_bounds: dict[str, dict[str, Any]]
     by_stack: dict[str, tuple[_Run, ...]]
     validated_runs: tuple[_Run, ...]
     bar: float
@@ -111,6 +115,7 @@ def _load() -> _Envelope:
     return _Envelope(
         stacks=stacks,
         bounds=data["envelope"],
+        stack_bounds=data.get("by_stack", {}),
         by_stack=by_stack,
         validated_runs=tuple(r for r in runs if r.validated),
         bar=data["bar_mean_abs_error"],
@@ -227,6 +232,8 @@ def _kernel_notes(env: _Envelope, cfg: TrainingConfig) -> list[str]:
 
 def _mfu_note(env: _Envelope, mfu: float, dtype: str) -> str | None:
     tops = env.bounds["mfu_max"]
+    if not tops:
+        return None
     top = tops.get(dtype, max(tops.values()))
     if mfu <= top:
         return None
@@ -252,6 +259,9 @@ def validated(estimate: Estimate, spec: ModelSpec | None, stack: str = "megatron
     shape are not compared, it is marked extrapolated as such, and nearest runs go by layout alone.
     """
     env = _load()
+    own = env.stack_bounds.get(stack)
+    if own is not None:  # a validated stack is measured against its own runs
+        env = replace(env, bounds=own)
     cfg = estimate.config
     devices = sorted({s.device for s in estimate.stages})
     values = {"gpus": estimate.gpus, "tp": cfg.tp, "pp": cfg.pp, "vpp": cfg.vpp, "cp": cfg.cp, "dp": cfg.dp}

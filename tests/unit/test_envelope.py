@@ -91,8 +91,23 @@ def test_zero3_at_4096_gpus_is_extrapolated() -> None:
     est, spec = _priced(RUNS[RUN], tp=1, dp=4096, zero=3, global_batch=4096, microbatch=1)
     v = validated(est, spec)
     assert not v.inside
-    reach = _load().bounds["zero"]["3"]
+    reach = _load().stack_bounds["megatron"]["zero"]["3"]
     assert any(m.startswith("ZeRO-3 at 4,096 GPUs") and f"up to {reach:,}" in m for m in v.extrapolated)
+
+
+def test_each_validated_stack_is_held_to_its_own_runs() -> None:
+    """torchtitan's compiled runs reach ZeRO-3 at 256 GPUs on Meta's H100; that validates neither a
+    Megatron ZeRO-3 job at 64 GPUs nor a torchtitan job on an A100, which its runs never were."""
+    env = _load()
+    assert (
+        env.stack_bounds["torchtitan-compile"]["zero"]["3"] >= 64 > env.stack_bounds["megatron"]["zero"]["3"]
+    )
+    est, spec = _priced(RUNS[RUN], tp=1, dp=64, zero=3, global_batch=64, microbatch=1)
+    megatron = validated(est, spec, stack="megatron")
+    assert any(m.startswith("ZeRO-3 at 64 GPUs") for m in megatron.extrapolated), megatron.extrapolated
+    titan = validated(est, spec, stack="torchtitan-compile")
+    assert not any(m.startswith("ZeRO-3") for m in titan.extrapolated), titan.extrapolated
+    assert any(m.startswith("device a100-sxm-80gb outside") for m in titan.extrapolated), titan.extrapolated
 
 
 def test_tp_16_is_extrapolated() -> None:
@@ -128,7 +143,7 @@ def test_the_torchtitan_stack_is_extrapolated(inside: tuple[Estimate, ModelSpec]
 
 def test_mfu_above_the_range_is_extrapolated(inside: tuple[Estimate, ModelSpec]) -> None:
     est, spec = inside
-    top = _load().bounds["mfu_max"][est.config.dtype]
+    top = _load().stack_bounds["megatron"]["mfu_max"][est.config.dtype]
     v = validated(replace(est, mfu=top + 0.05), spec)
     assert not v.inside
     assert any(m.startswith("MFU ") and "above" in m for m in v.extrapolated), v.extrapolated
