@@ -413,3 +413,73 @@ def test_cli_prices_the_loss_cast_as_named(cli) -> None:  # type: ignore[no-unty
     assert step["none"] < step["float"]
     code, _, err = cli(*args, "--eager-loss-cast", "fp8")
     assert code == 2 and len(err.strip().splitlines()) == 1
+
+
+@pytest.mark.parametrize("kv", [8, 2])
+def test_an_eager_blocks_other_kernels_are_the_aten_ops_it_runs(kv):
+    """The non-GEMM, non-attention kernels priced for one eager torchtitan-style block beside the
+    ATen ops eager PyTorch dispatches for it forward and backward on this CPU (views aside; each a
+    kernel on a GPU), by the bytes their tensors hold (read and written once): within 6%, and no
+    more kernels priced than ops run."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+    from torch.utils._pytree import tree_flatten
+
+    from coplan.cost.explain import kernel_costs
+
+    class Count(TorchDispatchMode):
+        def __init__(self) -> None:
+            super().__init__()
+            self.ops = 0
+            self.bytes = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+            out = func(*args, **(kwargs or {}))
+            name = str(func)
+            view = any(a.alias_info is not None for a in func._schema.returns) and not func._schema.is_mutable
+            if view or func is torch.ops.aten.detach.default:
+                return out
+            if any(k in name for k in ("mm.default", "scaled_dot_product", "_unsafe_view")):
+                return out
+            tensors = [t for t in tree_flatten((args, kwargs, out))[0] if isinstance(t, torch.Tensor)]
+            self.ops += 1
+            self.bytes += sum(t.numel() * t.element_size() for t in tensors)
+            return out
+
+    sys.path.insert(0, str(PROBE))
+    try:
+        import h100_step_probe as probe
+    finally:
+        sys.path.remove(str(PROBE))
+
+    def measured(n: int) -> tuple[int, int]:
+        s = _spec(n, kv)
+        table = probe.rope_table(s.head_dim, SEQ, s.rope_theta)
+        torch.manual_seed(0)
+        blocks = [probe.Block(s).to(torch.bfloat16) for _ in range(n)]
+        x = torch.randn(MB, SEQ, s.d_model, dtype=torch.bfloat16, requires_grad=True)
+        count = Count()
+        with count:
+            y = x
+            for b in blocks:
+                y = b(y, table)
+            y.float().sum().backward()
+        return count.ops, count.bytes
+
+    cluster = load_cluster("dgx-h100", 1)
+    dev = cluster.groups[0].device
+    rate, launch = dev.memory_bandwidth * dev.efficiency["memory"], dev.kernel_launch_s
+
+    def priced(n: int) -> tuple[float, float]:
+        model = CostModel(spec=_spec(n, kv))
+        config = load_stack("torchtitan").configure(TrainingConfig(microbatch=MB, global_batch=MB, seq=SEQ))
+        rows = [
+            k
+            for k in kernel_costs(model.profile_for(config), cluster, config)
+            if k.part.startswith("block") and k.kind == "vector"
+        ]
+        return sum(k.count for k in rows), sum(k.count * (k.seconds - launch) * rate for k in rows)
+
+    (o1, m1), (o2, m2) = measured(1), measured(2)
+    (k1, b1), (k2, b2) = priced(1), priced(2)
+    assert 0.9 * (o2 - o1) <= k2 - k1 <= o2 - o1
+    assert b2 - b1 == pytest.approx(m2 - m1, rel=0.06)
