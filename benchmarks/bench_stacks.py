@@ -104,6 +104,9 @@ def configured(run: dict, stack: str):  # type: ignore[no-untyped-def]
     if str(r["stack_settings"].get("norm", "")).startswith("fused_rmsnorm"):
         # torchtitan's Triton RMSNorm (``TrainingConfig.fused_rmsnorm``)
         config = config.with_(fused_rmsnorm=True)
+    if r["stack_settings"].get("attention_unpad"):
+        # flash-attn's variable-length path with unpadded inputs (``TrainingConfig.attention_unpad``)
+        config = config.with_(attention_unpad=True)
     if "optimizer" in r["stack_settings"]:
         # how the run's PyTorch stepped AdamW (``TrainingConfig.optimizer``)
         config = config.with_(optimizer=r["stack_settings"]["optimizer"])

@@ -207,6 +207,14 @@ def estimate(
             "not the normalized tensor (torchtitan's norm_type fused_rmsnorm).",
         ),
     ] = False,
+    attention_unpad: Annotated[
+        bool,
+        typer.Option(
+            "--attention-unpad",
+            help="Eager attention through flash-attn's variable-length kernel, its inputs unpadded "
+            "and its output padded back around each call (llm-foundry's attn_impl flash).",
+        ),
+    ] = False,
     tp_overlap_cfg: Annotated[
         Path | None,
         typer.Option(
@@ -439,6 +447,7 @@ def estimate(
         tp_comm_overlap=tp_comm_overlap,
         async_tp=async_tp,
         fused_rmsnorm=fused_rmsnorm,
+        attention_unpad=attention_unpad,
         tp_overlap_cfg=_ub_cfg(tp_overlap_cfg),
         overlap_p2p=overlap_p2p,
         grad_reduce_fp32=grad_reduce_fp32,

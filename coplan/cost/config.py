@@ -245,6 +245,12 @@ class TrainingConfig:
             torchtitan/models/norms.py ``TritonFusedRMSNorm``, whose forward saves ``x, weight,
             rstd``); off, a Python RMSNorm keeps ``x * rstd`` for the weight's gradient and,
             under eager PyTorch, launches each of its ATen ops (``coplan.cost.eager``).
+        attention_unpad: eager attention through the flash-attn package's variable-length kernel
+            with its inputs unpadded and its output padded back around each call (llm-foundry's
+            ``attn_impl: flash``: ``bert_padding.index_first_axis`` on q, k and v,
+            ``pad_input`` on the output; ``coplan.cost.eager.unpad_kernels``): a gather kernel per
+            input and a zero fill and an index-put on the output forward, the gather's and the
+            index-put's gradients backward, and the unpadded output kept beside the padded one.
         optimizer: how the AdamW update runs (``coplan.cost.optimizer``): ``""`` as the plan's
             optimizer kernels say (a group per block is fused AdamW), ``"fused"`` the same,
             ``"foreach"`` PyTorch's multi-tensor ops (its default on CUDA), ``"for-loop"`` eight
@@ -329,6 +335,7 @@ class TrainingConfig:
     kernel_local_buffers: bool = False
     fused_output_casts: bool = False
     fused_rmsnorm: bool = False
+    attention_unpad: bool = False
     eager_rope: str = "complex"
     eager_loss_cast: str = "float"
     optimizer: str = ""
@@ -445,6 +452,8 @@ class TrainingConfig:
             )
         if not isinstance(self.fused_rmsnorm, bool):
             raise ConfigError("fused_rmsnorm", f"must be true or false, got {self.fused_rmsnorm!r}")
+        if not isinstance(self.attention_unpad, bool):
+            raise ConfigError("attention_unpad", f"must be true or false, got {self.attention_unpad!r}")
         if self.optimizer not in OPTIMIZER_IMPLEMENTATIONS:
             choices = ", ".join(repr(x) for x in OPTIMIZER_IMPLEMENTATIONS)
             raise ConfigError("optimizer", f"must be one of {choices}, got {self.optimizer!r}")
@@ -603,6 +612,7 @@ class TrainingConfig:
             **({"kernel_local_buffers": True} if self.kernel_local_buffers else {}),
             **({"fused_output_casts": True} if self.fused_output_casts else {}),
             **({"fused_rmsnorm": True} if self.fused_rmsnorm else {}),
+            **({"attention_unpad": True} if self.attention_unpad else {}),
             **({"eager_rope": self.eager_rope} if self.eager_rope != "complex" else {}),
             **({"eager_loss_cast": self.eager_loss_cast} if self.eager_loss_cast != "float" else {}),
             **({"optimizer": self.optimizer} if self.optimizer else {}),

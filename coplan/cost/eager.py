@@ -283,6 +283,41 @@ def _repeat_kernels(graph: Graph, op: Op, shard: int) -> list[Kernel]:
     return [Kernel(op.phase, "vector", shard, 0.0, full, _vec(kv + full, 0.0, shard), ops=(op.id,))] * 2
 
 
+def unpad_kernels(graph: Graph, op: Op, shard: int) -> list[Kernel]:
+    """The kernels around one attention call of the flash-attn package's variable-length path with
+    padded inputs (``TrainingConfig.attention_unpad``; flash_attn/bert_padding.py, which
+    llm-foundry's ``flash_attn_fn`` calls on q, k and v and on the output). Forward: a
+    ``torch.gather`` per input (read and written once), ``pad_input``'s zero fill and index-put on
+    the output. Backward: the index-put's gradient, a gather of the output gradient, and each
+    input's gradient a zero fill and a ``scatter_``. All 16-bit; the expanded index is a view."""
+    fwd = graph.ops[op.forward_op] if op.forward_op is not None else op
+    if not fwd.inputs or not fwd.outputs:
+        return []
+    # q, k and v: the attention op's three inputs, or the one fused QKV output it splits (a model
+    # without RoPE), gathered a third at a time
+    qkv = [float(graph.tensors[t].numel) for t in fwd.inputs[:3]]
+    ins = qkv if len(qkv) == 3 else [qkv[0] / 3] * 3
+    out = float(graph.tensors[fwd.outputs[0]].numel)
+
+    def k(elements: float, moved: float) -> Kernel:
+        return Kernel(op.phase, "vector", shard, 0.0, elements, _vec(moved, 0.0, shard), ops=(op.id,))
+
+    if op.phase.name == "FORWARD":
+        return [*(k(n, 2 * n) for n in ins), k(out, out), k(out, 2 * out)]
+    return [k(out, 2 * out), *(x for n in ins for x in (k(n, n), k(n, 2 * n)))]
+
+
+def unpad_saved(graph: Graph, op_ids: Sequence[int]) -> Vec:
+    """What the variable-length path keeps beyond the IR's saved set: flash-attn saves its
+    unpadded output for its backward, and the next projection the padded one."""
+    extra = 0.0
+    for i in op_ids:
+        op = graph.ops[i]
+        if op.phase.name == "FORWARD" and op.kind.name == "ATTENTION" and op.outputs:
+            extra += float(graph.tensors[op.outputs[0]].numel)
+    return _vec(extra, 0.0, TP)
+
+
 def repeat_kv_saved(graph: Graph, op_ids: Sequence[int]) -> Vec:
     """What SDPA keeps beyond the IR's saved set when eager PyTorch repeats the key/value heads
     (module docstring): per grouped-query attention op, the saved set of as many key/value heads as
@@ -309,11 +344,13 @@ def eager_kernels(
     fused: frozenset[str] = frozenset(),
     rope: str = "complex",
     loss: str = "float",
+    unpad: bool = False,
 ) -> tuple[tuple[Kernel, ...], tuple[Kernel, ...]]:
     """``(fwd, bwd)`` with each single-op kernel of a ``PLANS`` op replaced by its eager kernels, and
     grouped-query attention's key/value repeats beside its kernels. ``fused``: plan keys the stack
     runs as the IR's one kernel instead (``FUSED_RMSNORM``); ``rope``: the model's RoPE form;
-    ``loss``: how the logits reach the loss."""
+    ``loss``: how the logits reach the loss; ``unpad``: attention unpads its inputs and pads its
+    output around each call (``unpad_kernels``)."""
 
     # a fused cross-entropy keeps the IR's loss kernels
     kept = (*LOSS_KEYS, "nll_loss") if loss == "fused" else ()
@@ -322,6 +359,8 @@ def eager_kernels(
         if op.kind.name == "ATTENTION":
             # forward: the repeats before the kernel; backward: the sums after it
             reps = _repeat_kernels(graph, op, TP)
+            if unpad:
+                reps = [*reps, *unpad_kernels(graph, op, TP)]
             return [*reps, k] if op.phase.name == "FORWARD" else [k, *reps]
         if plan_key(graph, op) in ("", *fused, *kept):
             return None
@@ -400,7 +439,16 @@ def stack_kernels(
     blocks (``eager_loss``); Inductor's, with the ops it leaves to ATen; else the IR's own."""
     if config.kernels == "eager" or (config.eager_loss and post):
         fused = FUSED_RMSNORM if config.fused_rmsnorm else frozenset()
-        return eager_kernels(graph, fwd, bwd, shard_class, fused, config.eager_rope, config.eager_loss_cast)
+        return eager_kernels(
+            graph,
+            fwd,
+            bwd,
+            shard_class,
+            fused,
+            config.eager_rope,
+            config.eager_loss_cast,
+            config.attention_unpad,
+        )
     if config.kernels == "inductor":
         return inductor_kernels(graph, fwd, bwd, shard_class, config.eager_rope)
     return tuple(fwd), tuple(bwd)
@@ -426,4 +474,6 @@ __all__ = [
     "repeat_kv_saved",
     "shard_class",
     "stack_kernels",
+    "unpad_kernels",
+    "unpad_saved",
 ]

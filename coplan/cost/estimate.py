@@ -30,7 +30,7 @@ from coplan.cost.comm import Group, p2p_time
 from coplan.cost.config import TrainingConfig
 from coplan.cost.contention import slowdown, sm_share
 from coplan.cost.context import kv_elements, ring_exposed
-from coplan.cost.eager import repeat_kv_saved
+from coplan.cost.eager import repeat_kv_saved, unpad_saved
 from coplan.cost.fp8 import runs_fp8
 from coplan.cost.kernels import (
     Rates,
@@ -205,6 +205,10 @@ def estimate(profile: GraphProfile, cluster: ClusterSpec, config: TrainingConfig
                     if config.kernels == "inductor" and mode == "none":
                         # what Inductor's min-cut partitioner recomputes without being asked
                         sv = vadd(sv, tuple(-x for x in _inductor_recomputed(profile, part)))
+                    if config.attention_unpad and config.kernels == "eager" and _keeps_attention_out(mode):
+                        sv = vadd(
+                            sv, _unpad_saved(profile, part)
+                        )  # flash-attn's unpadded output (``eager.py``)
                     if config.kernels in ("eager", "inductor") and _keeps_repeated_kv(mode):
                         # SDPA's repeated K/V (``eager.py``): a generated graph saves the copies too, as
                         # SDPA's backward reads them ("materialized in backward" for the partitioner)
@@ -639,6 +643,20 @@ def _dp_exposure(
         else:
             param_gather = serial_time(bk, gather, param_bytes)
     return per_mb, param_gather
+
+
+def _keeps_attention_out(mode: str | frozenset[str]) -> bool:
+    """Whether a block under recompute ``mode`` keeps attention's output for backward."""
+    if isinstance(mode, str):
+        return mode not in ("full", "selective")
+    return not any(name.endswith(".attn.out") for name in mode)
+
+
+def _unpad_saved(profile: GraphProfile, part: Part) -> Vec:
+    got = part.cache.get("unpad_saved")
+    if got is None:
+        got = part.cache["unpad_saved"] = unpad_saved(profile.graph, part.op_ids)
+    return got  # type: ignore[return-value]
 
 
 def _keeps_repeated_kv(mode: str | frozenset[str]) -> bool:

@@ -118,6 +118,7 @@ def _base_prices(cost: PartCost, part: Part, fp8: bool) -> _Base:
         c.loss_fusion,
         c.activation_fusion,
         c.fused_rmsnorm,
+        c.attention_unpad,
         c.eager_rope,
         c.eager_loss_cast,
     )
@@ -204,6 +205,7 @@ class _Priced:
             c.activation_fusion,
             c.kernels,
             c.fused_rmsnorm,
+            c.attention_unpad,
             c.kernel_local_buffers,
             c.fused_output_casts,
             c.eager_rope,

@@ -483,3 +483,31 @@ def test_an_eager_blocks_other_kernels_are_the_aten_ops_it_runs(kv):
     (k1, b1), (k2, b2) = priced(1), priced(2)
     assert 0.9 * (o2 - o1) <= k2 - k1 <= o2 - o1
     assert b2 - b1 == pytest.approx(m2 - m1, rel=0.06)
+
+
+def test_flash_attns_variable_length_path_gathers_its_inputs_and_pads_its_output():
+    """``attention_unpad`` (llm-foundry's ``attn_impl: flash``): per attention call a gather of q, k
+    and v (each read and written once) and a zero fill plus an index-put of the output forward;
+    the output gradient's gather and, per input, a zero fill and a scatter backward; and the
+    unpadded output kept beside the padded one. A step priced with it is slower and holds more."""
+    from coplan.cost.eager import unpad_kernels
+    from coplan.cost.parts import ACT, TP
+
+    spec = PRESETS["gpt2-124m"]
+    model = CostModel(spec=spec)
+    graph = model.profile(MB, SEQ, "none").graph
+    fwd = next(o for o in graph.ops if o.kind.name == "ATTENTION" and o.phase.name == "FORWARD")
+    bwd = next(o for o in graph.ops if o.forward_op == fwd.id)
+    tokens = MB * SEQ
+    qkv, out = 3 * tokens * spec.d_model, tokens * spec.d_model
+    f, b = unpad_kernels(graph, fwd, TP), unpad_kernels(graph, bwd, TP)
+    assert (len(f), len(b)) == (5, 7)
+    assert sum(k.bytes[ACT * 2 + TP] for k in f) == pytest.approx(2 * qkv + 3 * out)
+    assert sum(k.bytes[ACT * 2 + TP] for k in b) == pytest.approx(2 * out + 3 * qkv)
+    cluster = load_cluster("dgx-h100", 1)
+    config = load_stack("fsdp").configure(TrainingConfig(microbatch=MB, global_batch=MB, seq=SEQ))
+    plain = model.estimate(cluster, config)
+    unpadded = model.estimate(cluster, config.with_(attention_unpad=True))
+    assert unpadded.step_time_s > plain.step_time_s
+    saved = unpadded.memory.activations_bytes - plain.memory.activations_bytes
+    assert saved == pytest.approx(spec.n_layers * out * 2)  # one 16-bit output a block
