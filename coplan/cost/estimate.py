@@ -652,11 +652,16 @@ def _keeps_attention_out(mode: str | frozenset[str]) -> bool:
     return not any(name.endswith(".attn.out") for name in mode)
 
 
+def _memo(part: Part, key: object, make: Callable[[], Any]) -> Any:
+    """``make()``, computed once for ``part`` and kept in its cache under ``key``: what a block's
+    graph alone decides, which the thousands of estimates of a search share."""
+    if key not in part.cache:
+        part.cache[key] = make()
+    return part.cache[key]
+
+
 def _unpad_saved(profile: GraphProfile, part: Part) -> Vec:
-    got = part.cache.get("unpad_saved")
-    if got is None:
-        got = part.cache["unpad_saved"] = unpad_saved(profile.graph, part.op_ids)
-    return got  # type: ignore[return-value]
+    return _memo(part, "unpad_saved", lambda: unpad_saved(profile.graph, part.op_ids))
 
 
 def _keeps_repeated_kv(mode: str | frozenset[str]) -> bool:
@@ -756,37 +761,27 @@ def _is_selective_op(profile: GraphProfile, part: Part, mode: str | frozenset[st
     """Whether ``mode`` is torchtitan's per-op policy's set for ``part``'s block."""
     if not isinstance(mode, frozenset) or not mode:
         return False
-    got = part.cache.get("selective_op")
-    if got is None:
+
+    def names() -> frozenset[str]:
         block = _block_of(profile, part)
-        got = part.cache["selective_op"] = (
-            selective_op_names(profile.graph, block) if block is not None else frozenset()
-        )
-    return mode == got
+        return selective_op_names(profile.graph, block) if block is not None else frozenset()
+
+    return bool(mode == _memo(part, "selective_op", names))
 
 
 def _selective_op_correction(profile: GraphProfile, part: Part, eager: bool) -> Vec:
-    key = ("selective_op_correction", eager)
-    got = part.cache.get(key)
-    if got is None:
+    def correction() -> Vec:
         block = _block_of(profile, part)
-        got = part.cache[key] = (
-            selective_op_correction(profile.graph, block, tensor_vec(profile.graph), eager)
-            if block is not None
-            else ZERO
-        )
-    return got  # type: ignore[return-value]
+        if block is None:
+            return ZERO
+        return selective_op_correction(profile.graph, block, tensor_vec(profile.graph), eager)
+
+    return _memo(part, ("selective_op_correction", eager), correction)
 
 
 def _inductor_recomputed(profile: GraphProfile, part: Part) -> Vec:
-    got = part.cache.get("inductor_recomputed")
-    if got is None:
-        got = part.cache["inductor_recomputed"] = inductor_recomputes(profile.graph, part)[1]
-    return got  # type: ignore[return-value]
+    return _memo(part, "inductor_recomputed", lambda: inductor_recomputes(profile.graph, part)[1])
 
 
 def _repeat_kv_saved(profile: GraphProfile, part: Part) -> Vec:
-    got = part.cache.get("repeat_kv_saved")
-    if got is None:
-        got = part.cache["repeat_kv_saved"] = repeat_kv_saved(profile.graph, part.op_ids)
-    return got  # type: ignore[return-value]
+    return _memo(part, "repeat_kv_saved", lambda: repeat_kv_saved(profile.graph, part.op_ids))
