@@ -18,8 +18,9 @@ from __future__ import annotations
 
 from dataclasses import replace
 
+from coplan.cost.remat import inductor_recomputes
 from coplan.errors import CoplanError
-from coplan.ir.types import Graph, Phase, TensorRole
+from coplan.ir.types import Graph
 from coplan.passes.base import choose, register, score
 from coplan.passes.fusion import xla_fusion
 from coplan.plan.capabilities import chunk_sizes, executable_remat, policy_sets
@@ -86,42 +87,17 @@ def ranked(plan: Plan, ctx: PlanContext, base: frozenset[str] = frozenset()) -> 
 
 
 def mincut_names(ctx: PlanContext) -> frozenset[str]:
-    """The saved tensors Inductor's min-cut partitioner recomputes by default (no budget): made
-    by a pointwise, non-random forward op of a block (``should_ban_recomputation`` bans random and
-    compute-intensive ops), read in backward only by pointwise ops (else it is "materialized in
-    backward" and banned), whose producer's activation inputs are kept for backward anyway, so
-    recomputing it removes its bytes from the cut and adds none (torch/_functorch/partitioners.py
-    at v2.13.0, ``min_cut_rematerialization_partition``, ``should_ban_recomputation``,
-    ``is_materialized_backwards``)."""
+    """The saved tensors Inductor's min-cut partitioner recomputes by default (no budget), in each
+    reference block: ``coplan.cost.remat.inductor_recomputes``, the rule the estimate prices a
+    compiled block that no set checkpoints with."""
     key = ("mincut", saved_names(ctx))
     got = ctx.memo.get(key)
-    if got is not None:
-        return got  # type: ignore[return-value]
-    from coplan.cost.fusion import readers
-
-    idx = ctx.index
-    g = idx.graph
-    names = set(saved_names(ctx))
-    kept = {
-        g.tensors[t].storage_id
-        for op in idx.op_by_name.values()
-        for t in op.outputs
-        if g.tensors[t].name in names
-    }
-    out = set()
-    for n in names:
-        op = idx.producer_of.get(n)
-        if op is None or op.block is None or op.kind not in POINTWISE or "dropout" in op.target:
-            continue
-        tid = next(t for t in op.outputs if g.tensors[t].name == n)
-        bwd = [g.ops[c] for c in readers(g, tid) if g.ops[c].phase is Phase.BACKWARD]
-        if any(r.kind not in POINTWISE for r in bwd):
-            continue
-        ins = [g.tensors[g.tensors[t].storage_id] for t in op.inputs]
-        if all(t.role is not TensorRole.ACTIVATION or t.id in kept or t.producer is None for t in ins):
-            out.add(n)
-    got = ctx.memo[key] = frozenset(out)
-    return got
+    if got is None:
+        prof = ctx.reference_profile
+        got = ctx.memo[key] = frozenset(
+            n for part in prof.templates for n in inductor_recomputes(prof.graph, part)[0]
+        )
+    return got  # type: ignore[return-value]
 
 
 def with_mincut(plan: Plan, ctx: PlanContext) -> Plan:
