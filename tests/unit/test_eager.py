@@ -5,6 +5,8 @@ where ``repeat_kv`` copies the key/value heads before SDPA, which saves the copi
 from __future__ import annotations
 
 import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -25,40 +27,79 @@ def _spec(layers: int, kv: int) -> ModelSpec:
                      tied_embeddings=False, bias=False)  # fmt: skip
 
 
-def _measured_per_block(s: ModelSpec) -> float:
-    """Bytes one block saves for backward (two blocks less one), bf16, parameters excluded: the
-    step probe's torchtitan-style block (``benchmarks/data/h100_step_probe.py``)."""
+def _probe():  # type: ignore[no-untyped-def]
+    """The step probe (``benchmarks/data/h100_step_probe.py``): its torchtitan-style block."""
     sys.path.insert(0, str(PROBE))
     try:
         import h100_step_probe as probe
     finally:
         sys.path.remove(str(PROBE))
+    return probe
+
+
+@contextmanager
+def saved_storages(skip: set[int]) -> Iterator[dict[int, int]]:
+    """The bytes of each storage autograd packs for backward inside the block, by data pointer;
+    storages in ``skip`` (parameters, inputs: it may grow inside the block) left out."""
+    seen: dict[int, int] = {}
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        st = t.untyped_storage()
+        if st.data_ptr() not in skip:
+            seen[st.data_ptr()] = st.nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        yield seen
+
+
+def _measured_per_block(s: ModelSpec, compile: bool = False) -> float:
+    """Bytes one block saves for backward (two blocks less one), bf16, parameters and each block's
+    input excluded: the step probe's torchtitan-style block, eager or each block compiled
+    (torchtitan's ``apply_compile``)."""
+    probe = _probe()
     table = probe.rope_table(s.head_dim, SEQ, s.rope_theta)
 
     def saved(n: int) -> int:
         torch.manual_seed(0)
+        if compile:
+            torch._dynamo.reset()
         blocks = [probe.Block(s).to(torch.bfloat16) for _ in range(n)]
-        params = {p.untyped_storage().data_ptr() for b in blocks for p in b.parameters()}
-        params.add(table.untyped_storage().data_ptr())
+        skip = {p.untyped_storage().data_ptr() for b in blocks for p in b.parameters()}
+        skip.add(table.untyped_storage().data_ptr())
         x = torch.randn(MB, SEQ, s.d_model, dtype=torch.bfloat16, requires_grad=True)
-        seen: dict[int, int] = {}
-
-        def pack(t: torch.Tensor) -> torch.Tensor:
-            st = t.untyped_storage()
-            if st.data_ptr() not in params and st.data_ptr() != x.untyped_storage().data_ptr():
-                seen[st.data_ptr()] = st.nbytes()
-            return t
-
-        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        with saved_storages(skip) as seen:
             for b in blocks:
-                x = b(x, table)
+                skip.add(x.untyped_storage().data_ptr())
+                x = (torch.compile(b) if compile else b)(x, table)
         return sum(seen.values())
 
     return float(saved(2) - saved(1))
 
 
-def _priced_per_block(kv: int) -> float:
-    config = load_stack("torchtitan").configure(TrainingConfig(microbatch=MB, global_batch=MB, seq=SEQ))
+def priced_vector_kernels(stack: str, kv: int, layers: int) -> tuple[float, float]:
+    """(kernels, bytes) of the non-GEMM, non-attention kernels ``stack`` prices for the blocks of
+    ``_spec(layers, kv)`` in one microbatch, nothing recomputed; bytes from each kernel's time less
+    its launch at the H100's memory rate."""
+    from coplan.cost.explain import kernel_costs
+
+    cluster = load_cluster("dgx-h100", 1)
+    dev = cluster.groups[0].device
+    rate, launch = dev.memory_bandwidth * dev.efficiency["memory"], dev.kernel_launch_s
+    model = CostModel(spec=_spec(layers, kv))
+    base = TrainingConfig(microbatch=MB, global_batch=MB, seq=SEQ)
+    config = load_stack(stack).configure(base).with_(recompute="none")
+    rows = [
+        k
+        for k in kernel_costs(model.profile_for(config), cluster, config)
+        if k.part.startswith("block") and k.kind == "vector"
+    ]
+    return sum(k.count for k in rows), sum(k.count * (k.seconds - launch) * rate for k in rows)
+
+
+def _priced_per_block(kv: int, stack: str = "torchtitan") -> float:
+    base = TrainingConfig(microbatch=MB, global_batch=MB, seq=SEQ)
+    config = load_stack(stack).configure(base).with_(recompute="none")
     cluster = load_cluster("dgx-h100", 1)
 
     def act(layers: int) -> float:
@@ -424,8 +465,6 @@ def test_an_eager_blocks_other_kernels_are_the_aten_ops_it_runs(kv):
     from torch.utils._python_dispatch import TorchDispatchMode
     from torch.utils._pytree import tree_flatten
 
-    from coplan.cost.explain import kernel_costs
-
     class Count(TorchDispatchMode):
         def __init__(self) -> None:
             super().__init__()
@@ -445,11 +484,7 @@ def test_an_eager_blocks_other_kernels_are_the_aten_ops_it_runs(kv):
             self.bytes += sum(t.numel() * t.element_size() for t in tensors)
             return out
 
-    sys.path.insert(0, str(PROBE))
-    try:
-        import h100_step_probe as probe
-    finally:
-        sys.path.remove(str(PROBE))
+    probe = _probe()
 
     def measured(n: int) -> tuple[int, int]:
         s = _spec(n, kv)
@@ -465,22 +500,11 @@ def test_an_eager_blocks_other_kernels_are_the_aten_ops_it_runs(kv):
             y.float().sum().backward()
         return count.ops, count.bytes
 
-    cluster = load_cluster("dgx-h100", 1)
-    dev = cluster.groups[0].device
-    rate, launch = dev.memory_bandwidth * dev.efficiency["memory"], dev.kernel_launch_s
-
-    def priced(n: int) -> tuple[float, float]:
-        model = CostModel(spec=_spec(n, kv))
-        config = load_stack("torchtitan").configure(TrainingConfig(microbatch=MB, global_batch=MB, seq=SEQ))
-        rows = [
-            k
-            for k in kernel_costs(model.profile_for(config), cluster, config)
-            if k.part.startswith("block") and k.kind == "vector"
-        ]
-        return sum(k.count for k in rows), sum(k.count * (k.seconds - launch) * rate for k in rows)
-
     (o1, m1), (o2, m2) = measured(1), measured(2)
-    (k1, b1), (k2, b2) = priced(1), priced(2)
+    (k1, b1), (k2, b2) = (
+        priced_vector_kernels("torchtitan", kv, 1),
+        priced_vector_kernels("torchtitan", kv, 2),
+    )
     assert 0.9 * (o2 - o1) <= k2 - k1 <= o2 - o1
     assert b2 - b1 == pytest.approx(m2 - m1, rel=0.06)
 

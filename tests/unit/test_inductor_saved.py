@@ -6,7 +6,16 @@ from __future__ import annotations
 
 import pytest
 import torch
-from test_eager import MB, PROBE, SEQ, _spec
+from test_eager import (
+    MB,
+    SEQ,
+    _measured_per_block,
+    _priced_per_block,
+    _probe,
+    _spec,
+    priced_vector_kernels,
+    saved_storages,
+)
 
 from coplan.cost import CostModel, TrainingConfig, load_stack
 from coplan.cost.remat import inductor_recomputes
@@ -14,61 +23,13 @@ from coplan.hardware import load_cluster
 from coplan.models.spec import PRESETS
 
 
-def _measured_per_block(kv: int) -> float:
-    """Bytes one compiled block saves for backward (two blocks less one), bf16, parameters
-    excluded: the step probe's torchtitan-style block, each block compiled (torchtitan's
-    ``apply_compile``)."""
-    import sys
-
-    sys.path.insert(0, str(PROBE))
-    try:
-        import h100_step_probe as probe
-    finally:
-        sys.path.remove(str(PROBE))
-    s = _spec(1, kv)
-    table = probe.rope_table(s.head_dim, SEQ, s.rope_theta)
-
-    def saved(n: int) -> int:
-        torch.manual_seed(0)
-        torch._dynamo.reset()
-        blocks = [probe.Block(s).to(torch.bfloat16) for _ in range(n)]
-        params = {p.untyped_storage().data_ptr() for b in blocks for p in b.parameters()}
-        params.add(table.untyped_storage().data_ptr())
-        x = torch.randn(MB, SEQ, s.d_model, dtype=torch.bfloat16, requires_grad=True)
-        seen: dict[int, int] = {}
-
-        def pack(t: torch.Tensor) -> torch.Tensor:
-            st = t.untyped_storage()
-            if st.data_ptr() not in params and st.data_ptr() != x.untyped_storage().data_ptr():
-                seen[st.data_ptr()] = st.nbytes()
-            return t
-
-        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-            for b in blocks:
-                x = torch.compile(b)(x, table)
-        return sum(seen.values())
-
-    return float(saved(2) - saved(1))
-
-
-def _priced_per_block(kv: int) -> float:
-    base = TrainingConfig(microbatch=MB, global_batch=MB, seq=SEQ)
-    config = load_stack("torchtitan-compile").configure(base).with_(recompute="none")
-    cluster = load_cluster("dgx-h100", 1)
-
-    def act(layers: int) -> float:
-        return CostModel(spec=_spec(layers, kv)).estimate(cluster, config).memory.activations_bytes
-
-    return act(2) - act(1)
-
-
 @pytest.mark.compile
 @pytest.mark.parametrize("kv", [8, 2])
 def test_a_compiled_block_saves_what_the_compiled_stacks_price(kv):
-    measured = _measured_per_block(kv)
+    measured = _measured_per_block(_spec(1, kv), compile=True)
     # the same with 2 key/value heads of 8: the repeated copies are SDPA's inputs, saved
-    assert measured == pytest.approx(_measured_per_block(8) if kv != 8 else measured)
-    assert _priced_per_block(kv) == pytest.approx(measured, rel=0.03)
+    assert measured == pytest.approx(_measured_per_block(_spec(1, 8), compile=True) if kv != 8 else measured)
+    assert _priced_per_block(kv, "torchtitan-compile") == pytest.approx(measured, rel=0.03)
 
 
 def test_inductor_recomputes_swiglus_silu_and_nothing_gelu_feeds_a_gemm():
@@ -114,16 +75,11 @@ _SAVE = {
 def _sac_block(kv: int):  # type: ignore[no-untyped-def]
     """The step probe's block wrapped in torchtitan's per-op checkpointing, the caching modes it
     creates kept in ``made``."""
-    import sys
     from collections import defaultdict
 
     from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
-    sys.path.insert(0, str(PROBE))
-    try:
-        import h100_step_probe as probe
-    finally:
-        sys.path.remove(str(PROBE))
+    probe = _probe()
     made: list = []
 
     def context_fn():  # type: ignore[no-untyped-def]
@@ -164,16 +120,9 @@ def _sac_measured(kv: int, compiled: bool) -> float:
     params = {p.untyped_storage().data_ptr() for p in block.parameters()}
     params.add(table.untyped_storage().data_ptr())
     x = torch.randn(MB, SEQ, 256, dtype=torch.bfloat16, requires_grad=True)
-    seen: dict[int, int] = {x.untyped_storage().data_ptr(): x.untyped_storage().nbytes()}
-
-    def pack(t: torch.Tensor) -> torch.Tensor:
-        st = t.untyped_storage()
-        if st.data_ptr() not in params:
-            seen[st.data_ptr()] = st.nbytes()
-        return t
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+    with saved_storages(params) as seen:
         (torch.compile(block) if compiled else block)(x, table)
+    seen[x.untyped_storage().data_ptr()] = x.untyped_storage().nbytes()
     if not compiled:
         for per_op in made[0].storage.values():
             for out in per_op.values():
@@ -223,16 +172,9 @@ def test_a_compiled_blocks_other_kernels_move_what_inductor_counts():
     each way), by the bytes its scheduler counts for them (every buffer a kernel reads or writes
     once). Inductor fuses the residual adds into the norms, so it launches fewer; the bytes agree
     within 10%."""
-    import sys
-
-    from coplan.cost.explain import kernel_costs
     from coplan.inspect.api import inspect_module
 
-    sys.path.insert(0, str(PROBE))
-    try:
-        import h100_step_probe as probe
-    finally:
-        sys.path.remove(str(PROBE))
+    probe = _probe()
 
     class Stack(torch.nn.Module):
         def __init__(self, n: int) -> None:
@@ -262,21 +204,6 @@ def test_a_compiled_blocks_other_kernels_move_what_inductor_counts():
     generated, products, moved = (b - a for a, b in zip(one, two, strict=True))
     assert products == 4
 
-    cluster = load_cluster("dgx-h100", 1)
-    dev = cluster.groups[0].device
-    rate, launch = dev.memory_bandwidth * dev.efficiency["memory"], dev.kernel_launch_s
-
-    def priced(n: int) -> tuple[float, float]:
-        model = CostModel(spec=_spec(n, 8))
-        base = TrainingConfig(microbatch=MB, global_batch=MB, seq=SEQ)
-        config = load_stack("torchtitan-compile").configure(base).with_(recompute="none")
-        rows = [
-            k
-            for k in kernel_costs(model.profile_for(config), cluster, config)
-            if k.part.startswith("block") and k.kind == "vector"
-        ]
-        return sum(k.count for k in rows), sum(k.count * (k.seconds - launch) * rate for k in rows)
-
-    (k1, b1), (k2, b2) = priced(1), priced(2)
+    (k1, b1), (k2, b2) = (priced_vector_kernels("torchtitan-compile", 8, n) for n in (1, 2))
     assert generated + products < k2 - k1
     assert b2 - b1 == pytest.approx(moved, rel=0.10)
