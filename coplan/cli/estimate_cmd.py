@@ -96,6 +96,11 @@ class GradAccumulation(enum.StrEnum):  # coplan.cost.config.GRAD_ACCUMULATIONS
     fp32_buffer = "fp32-buffer"
 
 
+class FsdpPipeline(enum.StrEnum):  # coplan.cost.config.FSDP_PIPELINES
+    microbatch = "microbatch"
+    step = "step"
+
+
 class LossCast(enum.StrEnum):  # coplan.cost.config.LOSS_CASTS
     float = "float"
     autocast = "autocast"
@@ -271,6 +276,16 @@ def estimate(
             help="How gradients accumulate over microbatches where no ZeRO stage shards them: inside "
             "the weight-gradient GEMMs (Megatron), by autograd into 16-bit or fp32 .grad, or copied "
             "into fp32 buffers (DeepSpeed's BF16_Optimizer) \\[default: the stack's].",
+            show_default=False,
+        ),
+    ] = None,
+    fsdp_pipeline: Annotated[
+        FsdpPipeline | None,
+        typer.Option(
+            "--fsdp-pipeline",
+            help="Under pipeline parallelism, FSDP's units gathered and reduced every microbatch, or "
+            "kept gathered through the step with gradients accumulated unsharded and reduced once "
+            "after the stage's last backward (torchtitan) \\[default: the stack's].",
             show_default=False,
         ),
     ] = None,
@@ -466,6 +481,8 @@ def estimate(
         config = config.with_(zero3_gather=zero3_gather.value)
     if grad_accumulation is not None:
         config = config.with_(grad_accumulation=grad_accumulation.value)
+    if fsdp_pipeline is not None:
+        config = config.with_(fsdp_pipeline=fsdp_pipeline.value)
     if eager_loss_cast is not None:
         config = config.with_(eager_loss_cast=eager_loss_cast.value)
     if not zero3_overlap:

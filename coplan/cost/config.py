@@ -79,6 +79,11 @@ OPTIMIZER_IMPLEMENTATIONS: tuple[str, ...] = ("", "fused", "foreach", "for-loop"
 #: (gather) or input (reduce-scatter) tensor per rank, which ProcessGroupNCCL copies one by one,
 #: each gather after a device synchronize, so none overlaps compute (DeepSpeed before v0.5.6).
 ZERO3_GATHERS: tuple[str, ...] = ("unit", "module", "tensor-list")
+#: How FSDP's units meet a pipeline's microbatches (``TrainingConfig.fsdp_pipeline``): ``microbatch``
+#: each microbatch gathers the units and reduce-scatters their gradients, as FSDP's hooks run in a
+#: plain training loop; ``step`` the units stay gathered from the first microbatch's forward to the
+#: stage's last backward, and the gradients accumulate unsharded and are reduce-scattered once
+FSDP_PIPELINES: tuple[str, ...] = ("microbatch", "step")
 #: How a model written for eager PyTorch rotates q and k (``coplan.cost.eager``): ``complex`` as a
 #: complex product (torchtitan's and Meta's Llama: ``torch.view_as_complex`` times ``freqs_cis``),
 #: ``pairs`` as a 2 x 2 rotation matrix applied to real pairs by a broadcast product and a sum
@@ -271,6 +276,20 @@ class TrainingConfig:
             ``BF16_Optimizer.update_hp_grads``: 2 + 4 + 4 bytes a parameter). Memory-bound passes
             on the compute stream after each microbatch's backward
             (``coplan.cost.optimizer.accumulation_s``).
+        fsdp_pipeline: how FSDP's units run under pipeline parallelism (``FSDP_PIPELINES``; only
+            with ``pp > 1`` and FSDP units sharding over more than one rank): ``"microbatch"``,
+            each microbatch gathers and reduce-scatters as without a pipeline; ``"step"``, as
+            torchtitan runs FSDP2 under ``torch.distributed.pipelining``: its blocks are not
+            resharded after forward when a pipeline is on (``reshard_after_forward = not
+            pp_enabled``, torchtitan's ``apply_fsdp``), and the pipeline stage turns off resharding
+            after backward and gradient sync for every microbatch
+            (``backward_maybe_with_nosync``), then reduce-scatters once after the stage's last
+            backward (``perform_reduce_grad``, the schedule's ``REDUCE_GRAD``), its compute stream
+            waiting on the reductions (FSDP2's ``_root_post_backward_final_callback``). So each
+            unit is gathered once a step, the stage's parameters stay gathered in the parameter
+            dtype and its gradients accumulate unsharded in the reduce dtype through the step
+            (``FSDPParam.to_accumulated_grad_if_needed``), and the reduction is exposed
+            (``coplan.cost.zero.pipelined_fsdp``).
         gather_copies: the stack copies each gathered unit out of the all-gather buffer into
             its parameters and each unit's gradients into the reduce-scatter buffer on the compute
             stream (PyTorch FSDP2; ``coplan.cost.zero.fsdp_copies``), priced with the unit's
@@ -341,6 +360,7 @@ class TrainingConfig:
     optimizer: str = ""
     zero3_gather: str = "unit"
     grad_accumulation: str = "fused"
+    fsdp_pipeline: str = "microbatch"
     launch_blocking: bool = False
     gather_copies: bool = False
 
@@ -470,6 +490,11 @@ class TrainingConfig:
                 "grad_accumulation",
                 f"must be one of {', '.join(GRAD_ACCUMULATIONS)}, got {self.grad_accumulation!r}",
             )
+        if self.fsdp_pipeline not in FSDP_PIPELINES:
+            raise ConfigError(
+                "fsdp_pipeline",
+                f"must be one of {', '.join(FSDP_PIPELINES)}, got {self.fsdp_pipeline!r}",
+            )
         if self.fp8_scaling not in FP8_SCALINGS:
             raise ConfigError(
                 "fp8_scaling", f"must be one of {', '.join(FP8_SCALINGS)}, got {self.fp8_scaling!r}"
@@ -541,6 +566,13 @@ class TrainingConfig:
         """Whether parameters are gathered layer by layer and freed after use (ZeRO-3, or ZeRO-1/2
         run as FSDP units) across more than one data-parallel rank."""
         return (self.zero == 3 or (self.fsdp_units and self.zero >= 1)) and self.dp_cp > 1
+
+    @property
+    def fsdp_per_step(self) -> bool:
+        """Whether FSDP's units are gathered and their gradients reduced once a step rather than
+        each microbatch: ``fsdp_pipeline="step"`` under a pipeline (``pp > 1``) with FSDP units
+        that gather (``gathers_per_unit``)."""
+        return self.fsdp_pipeline == "step" and self.pp > 1 and self.fsdp_units and self.gathers_per_unit
 
     @property
     def bucket_params(self) -> int:
@@ -618,6 +650,7 @@ class TrainingConfig:
             **({"optimizer": self.optimizer} if self.optimizer else {}),
             **({"zero3_gather": self.zero3_gather} if self.zero3_gather != "unit" else {}),
             **({"grad_accumulation": self.grad_accumulation} if self.grad_accumulation != "fused" else {}),
+            **({"fsdp_pipeline": self.fsdp_pipeline} if self.fsdp_pipeline != "microbatch" else {}),
             **({"overlap_zero": False} if not self.overlap_zero else {}),
             **({"launch_blocking": True} if self.launch_blocking else {}),
             **({"gather_copies": True} if self.gather_copies else {}),

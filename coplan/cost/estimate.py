@@ -73,8 +73,9 @@ from coplan.cost.stages import (
     static_bytes,
 )
 from coplan.cost.zero import (
+    fsdp_comm,
     fsdp_copies,
-    fsdp_schedule,
+    fsdp_step,
     fsdp_transient,
     recompute_regathered,
     zero3_exposed,
@@ -287,9 +288,9 @@ def estimate(profile: GraphProfile, cluster: ClusterSpec, config: TrainingConfig
         # gradients accumulated over microbatches outside the GEMMs, where no ZeRO stage shards
         # them between microbatches (``TrainingConfig.grad_accumulation``): one memory-bound pass
         # over this GPU's parameters after each backward, averaged over the microbatches
-        if config.zero <= 1:
+        if config.zero <= 1 or config.fsdp_per_step:
             bwd += accumulation_s(
-                config.grad_accumulation,
+                "fsdp-unsharded" if config.fsdp_per_step else config.grad_accumulation,
                 params[REPL] + params[TP] / t,
                 m,
                 device.memory_bandwidth * device.efficiency_of("memory"),
@@ -317,6 +318,9 @@ def estimate(profile: GraphProfile, cluster: ClusterSpec, config: TrainingConfig
         # microbatch; prefetching hides what compute can cover
         p_local = params[REPL] + params[TP] / t
         zero_comm = 0.0
+        # (first forward's wait for gathers, gradient reduction) once a step, where FSDP's units
+        # stay gathered through the pipeline step
+        per_step: tuple[float, float] | None = None
         param_bytes = float(ab)  # parameters travel in the kernels' precision
         if config.fp8_params and p_local:
             # fp8 primary weights: the block GEMMs' weights (half the cache's bytes) travel in fp8
@@ -343,9 +347,17 @@ def estimate(profile: GraphProfile, cluster: ClusterSpec, config: TrainingConfig
             pieces = max(units, calls[config.zero3_gather])
             # FSDP's root unit: every parameter no block owns (embedding, final norm, head)
             root = p_local - block_local
-            if config.fsdp_units and config.overlap_zero:
+            if config.fsdp_per_step:
+                # the units stay gathered through the pipeline step (``TrainingConfig.fsdp_pipeline``):
+                # nothing per microbatch; the first forward's gathers and the reduction after the
+                # last backward are the step's (below)
+                per_step = fsdp_step(
+                    cluster, config, net, device, block_local, root, units, param_bytes, grad_bytes,
+                    fwd if overlaps else 0.0,
+                )  # fmt: skip
+            elif config.fsdp_units and config.overlap_zero:
                 fsdp = (block_local, root, units, param_bytes, grad_bytes, fwd, bwd + recompute, gathers)
-                zero_comm = _fsdp_comm(cluster, config, net, device, *fsdp)
+                zero_comm = fsdp_comm(cluster, config, net, device, *fsdp)
             else:
                 share = sm_share(dp_group, device, config.nccl_ub) if overlaps else 0.0
                 # a tensor list: each rank's piece copied in or out by a launch of its own
@@ -366,13 +378,22 @@ def estimate(profile: GraphProfile, cluster: ClusterSpec, config: TrainingConfig
                 )
             if config.gather_copies and config.fsdp_units:
                 # FSDP2 copies each gathered unit out of, and its gradients into, the collectives'
-                # buffers on the compute stream (``zero.fsdp_copies``)
+                # buffers on the compute stream (``zero.fsdp_copies``): each microbatch, or once a
+                # step from the accumulated gradients where the units stay gathered
                 hbm_rate = device.memory_bandwidth * device.efficiency_of("memory")
-                zero_comm += fsdp_copies(
-                    block_local, root, units, gathers, param_bytes, float(ab),
-                    grad_bytes, hbm_rate, device.kernel_launch_s,
+                copies = fsdp_copies(
+                    block_local, root, units, 1 if per_step else gathers, param_bytes,
+                    grad_bytes if per_step else float(ab), grad_bytes, hbm_rate, device.kernel_launch_s,
                 )  # fmt: skip
-            if config.fsdp_units:
+                if per_step:
+                    per_step = (per_step[0], per_step[1] + copies)
+                else:
+                    zero_comm += copies
+            if per_step:
+                # what is gathered stays (counted with the parameters, below): beyond it, one
+                # unit's gradient in the parameter dtype before it is cast and accumulated
+                transient += block_local / units * param_bytes
+            elif config.fsdp_units:
                 # FSDP's units: one per block and the root (embedding, final norm, head), which
                 # stays gathered from the start of forward to the end of backward
                 transient += fsdp_transient(block_local, root, units, param_bytes, grad_bytes)
@@ -418,6 +439,16 @@ def estimate(profile: GraphProfile, cluster: ClusterSpec, config: TrainingConfig
                 zero_comm += per_mb * (m - 1) / m
             if config.zero >= 1 and config.overlap_param_gather:
                 param_gather = max(0.0, param_gather - s * ahead)
+        if per_step:
+            first, reduce = per_step
+            # a stage's first forward waits for its gathers on the pipeline's fill, which passes
+            # through every stage's first forward once; the reduction runs after a chunk's last
+            # backward with the compute stream waiting on it: chunk 0's, the rank's last, hides in
+            # the s chunk-backwards by which stage s ends earlier, the other chunks' block the rank
+            # (``TrainingConfig.fsdp_pipeline``; ``zero.pipelined_fsdp``)
+            param_gather = p * first
+            back = (bwd + recompute) / v
+            dp_comm = reduce * (v - 1) / v + max(0.0, reduce / v - s * back)
         opt_div = config.shard_ranks if config.zero >= 1 else 1
         opt /= opt_div
         # memory
@@ -452,6 +483,10 @@ def estimate(profile: GraphProfile, cluster: ClusterSpec, config: TrainingConfig
                 profile, mine, rec, config, s, p, v, m, ab, t, boundary_elems, saves_last
             )
         static = static_bytes(p_local, config, config.shard_ranks)
+        if per_step:
+            # the stage's parameters gathered in their dtype, and its gradients accumulated
+            # unsharded in the reduce dtype, from the first microbatch to the reduction
+            static = (static[0] + p_local * param_bytes, static[1] + p_local * grad_bytes, static[2])
         if not config.gathers_per_unit and not config.fp8_params:
             # TE's fp8 weight copies, kept through the step beside the 16-bit weights (under ZeRO-3 a
             # layer's gathered weights, and their casts, are transient instead; with fp8 primary
@@ -544,43 +579,6 @@ def _lowest_peak(cluster: ClusterSpec, dtype: str) -> tuple[float, str]:
     (``matmul_dtype``: bf16 on a device without bf16 is fp16), and that precision."""
     runs = [matmul_dtype(dev, dtype) for dev in cluster.devices]
     return min((dev.peak(d), d) for dev, d in zip(cluster.devices, runs, strict=True))
-
-
-def _fsdp_comm(
-    cluster: ClusterSpec,
-    config: TrainingConfig,
-    net: float,
-    device: DeviceSpec,
-    blocks: float,
-    root: float,
-    units: int,
-    param_bytes: float,
-    grad_bytes: float,
-    fwd: float,
-    bwd: float,
-    gathers: int,
-) -> float:
-    """Seconds of one microbatch's FSDP collectives that compute does not hide, as the per-unit
-    schedule runs them (``zero.fsdp_schedule``): the blocks' units, and the root unit's all-gather
-    before the first block (the root is not resharded after forward) and its reduce-scatter after
-    the last. With a sharding group smaller than the data-parallel ranks (HYBRID_SHARD) the
-    collectives stay in the group and each unit's gradient shard is all-reduced across the
-    replicas. Compute beside a collective runs on the SMs the collective leaves (``contention.py``;
-    each group's own share while its collectives run)."""
-    shard = config.shard_ranks
-    group = Group.of(cluster, shard, config.tp, net)
-    replicas = Group.of(cluster, config.dp_cp // shard, config.tp * shard, net)
-    per_unit = blocks / units
-    gather = group.all_gather(per_unit * param_bytes)
-    scatter = group.reduce_scatter(per_unit * grad_bytes)
-    edges = group.all_gather(root * param_bytes) + group.reduce_scatter(root * grad_bytes)
-    repl = 0.0
-    if replicas.size > 1:
-        repl = replicas.all_reduce(per_unit * grad_bytes / shard)
-        edges += replicas.all_reduce(root * grad_bytes / shard)
-    ub = config.nccl_ub
-    share, rshare = sm_share(group, device, ub), sm_share(replicas, device, ub) if repl else 0.0
-    return edges + fsdp_schedule(units, gather, scatter, fwd, bwd, gathers, repl, share, rshare)
 
 
 def cluster_latency(cluster: ClusterSpec, cross_node: bool) -> float:

@@ -78,26 +78,34 @@ def optimizer_seconds(
     return traffic + ADAMW_OPS * per_op * launch_s, ADAMW_OPS * per_op
 
 
-#: Bytes each way of accumulating one parameter's gradient (``TrainingConfig.grad_accumulation``):
-#: (bytes in every microbatch, bytes in each microbatch after the first). AccumulateGrad steals
-#: the first microbatch's gradient and adds the later ones in place (the old and the new read, the
-#: sum written: torch/csrc/autograd/functions/accumulate_grad.h); DeepSpeed's BF16_Optimizer adds
-#: every microbatch's 16-bit gradient into its fp32 copy (the 16-bit read, the fp32 read and
-#: written: deepspeed/runtime/bf16_optimizer.py ``update_hp_grads`` at 56c522386, 2022-04).
+#: Bytes moved accumulating one parameter's gradient over a step's microbatches
+#: (``TrainingConfig.grad_accumulation``): (bytes in the first microbatch, bytes in each later one).
+#: AccumulateGrad steals the first microbatch's gradient and adds the later ones in place (the old
+#: and the new read, the sum written: torch/csrc/autograd/functions/accumulate_grad.h); DeepSpeed's
+#: BF16_Optimizer adds every microbatch's 16-bit gradient into its fp32 copy (the 16-bit read, the
+#: fp32 read and written: deepspeed/runtime/bf16_optimizer.py ``update_hp_grads`` at 56c522386,
+#: 2022-04). ``fsdp-unsharded`` is FSDP2 accumulating a gathered unit's gradients in its reduce
+#: dtype while gradient sync is off (``TrainingConfig.fsdp_pipeline`` "step"): the first
+#: microbatch's 16-bit gradient cast to fp32 (read 2, written 4:
+#: ``FSDPParam.to_accumulated_grad_if_needed``), each later one added into it (read 2, the fp32
+#: read and written: ``accumulate_unsharded_grad_if_needed``;
+#: torch/distributed/fsdp/_fully_shard/_fsdp_param.py at v2.13.0); not a stack's choice, what
+#: that schedule implies.
 ACCUMULATION_BYTES: dict[str, tuple[float, float]] = {
     "fused": (0.0, 0.0),
     "autograd16": (0.0, 3 * 2.0),
     "autograd32": (0.0, 3 * 4.0),
-    "fp32-buffer": (2.0 + 4.0 + 4.0, 0.0),
+    "fp32-buffer": (2.0 + 4.0 + 4.0, 2.0 + 4.0 + 4.0),
+    "fsdp-unsharded": (2.0 + 4.0, 2.0 + 4.0 + 4.0),
 }
 
 
 def accumulation_s(mode: str, params: float, microbatches: int, bandwidth: float) -> float:
     """Seconds per microbatch (averaged over ``microbatches``) of accumulating ``params``
     parameters' gradients as ``mode`` does (``ACCUMULATION_BYTES``), memory-bound at
-    ``bandwidth`` bytes/s; nothing with one microbatch but a copy every microbatch makes."""
-    every, later = ACCUMULATION_BYTES[mode]
-    if params <= 0 or bandwidth <= 0 or not (every or later):
+    ``bandwidth`` bytes/s; with one microbatch only what the first one moves."""
+    first, later = ACCUMULATION_BYTES[mode]
+    if params <= 0 or bandwidth <= 0 or not (first or later):
         return 0.0
-    later_share = (microbatches - 1) / microbatches if microbatches > 1 else 0.0
-    return params * (every + later * later_share) / bandwidth
+    m = max(1, microbatches)
+    return params * (first + later * (m - 1)) / m / bandwidth

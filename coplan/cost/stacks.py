@@ -23,6 +23,7 @@ from coplan.cost.buckets import BUCKET_SCOPES
 from coplan.cost.config import (
     ATTENTION_KERNEL_CHOICES,
     DDP_BUCKET_BYTES,
+    FSDP_PIPELINES,
     GRAD_ACCUMULATIONS,
     KERNEL_SETS,
     LOSS_CASTS,
@@ -86,6 +87,7 @@ SETTINGS: tuple[str, ...] = (
     "optimizer",
     "zero3_gather",
     "grad_accumulation",
+    "fsdp_pipeline",
     "layer_checkpointing",
 )
 #: How a stack runs fp8 GEMMs: natively, emulated (runs, not faster) or not at all.
@@ -172,6 +174,9 @@ class StackSpec:
         grad_accumulation: how its gradients accumulate over microbatches where they are not
             sharded (``TrainingConfig.grad_accumulation``): inside the GEMMs, by autograd into
             16-bit or fp32 ``.grad``, or copied into fp32 buffers.
+        fsdp_pipeline: how its FSDP units run under pipeline parallelism
+            (``TrainingConfig.fsdp_pipeline``): gathered and reduced each microbatch, or kept
+            gathered through the step and reduced once after the stage's last backward.
         layer_checkpointing: which blocks its per-layer checkpointing (``selective-layer``)
             checkpoints (``LAYER_CHECKPOINTINGS``); ``none`` exactly where it offers none.
         reserved_fraction: reserved bytes beyond what the caching allocator's replay gives
@@ -217,6 +222,7 @@ class StackSpec:
     optimizer: str = ""
     zero3_gather: str = "unit"
     grad_accumulation: str = "fused"
+    fsdp_pipeline: str = "microbatch"
     layer_checkpointing: str = "none"
     about: str = ""
     sources: tuple[tuple[str, str], ...] = ()
@@ -233,6 +239,7 @@ class StackSpec:
         _choice(src, "optimizer", self.optimizer, OPTIMIZER_IMPLEMENTATIONS)
         _choice(src, "zero3_gather", self.zero3_gather, ZERO3_GATHERS)
         _choice(src, "grad_accumulation", self.grad_accumulation, GRAD_ACCUMULATIONS)
+        _choice(src, "fsdp_pipeline", self.fsdp_pipeline, FSDP_PIPELINES)
         _choice(src, "eager_rope", self.eager_rope, ROPE_FORMS)
         _choice(src, "eager_loss_cast", self.eager_loss_cast, LOSS_CASTS)
         if self.zero3_gather != "unit" and self.fsdp_units:
@@ -367,6 +374,8 @@ class StackSpec:
         if self.sharding == "fsdp2" and self.fsdp_units:
             # FSDP2's copies around its collectives, on the compute stream (``zero.fsdp_copies``)
             config = config.with_(gather_copies=True)
+        if self.fsdp_pipeline != "microbatch" and config.fsdp_pipeline == "microbatch":
+            config = config.with_(fsdp_pipeline=self.fsdp_pipeline)
         if self.zero3_gather != "unit" and config.zero3_gather == "unit":
             config = config.with_(zero3_gather=self.zero3_gather)
         if self.grad_accumulation != "fused" and config.grad_accumulation == "fused":

@@ -37,14 +37,25 @@ So, per microbatch:
 - memory holds, beyond the 1/d shards, the gathered weights of the unit in use and of the one
   prefetched, and one unit's unsharded gradients before their reduce-scatter (FSDP's default
   ``limit_all_gathers`` keeps at most two units gathered, Zhao et al. Sec. 3.4).
+
+Under a pipeline a stack may keep the units gathered through the step instead
+(``TrainingConfig.fsdp_pipeline`` "step", torchtitan's): one gather per unit a step, the
+gradients accumulated unsharded and reduce-scattered once after the stage's last backward
+(``pipelined_fsdp``), the stage's parameters and gradients held whole meanwhile.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 from coplan.cost.comm import Group
-from coplan.cost.contention import run_beside, run_beside_each, slowdown
+from coplan.cost.contention import run_beside, run_beside_each, slowdown, sm_share
+
+if TYPE_CHECKING:
+    from coplan.cost.config import TrainingConfig
+    from coplan.hardware.cluster import ClusterSpec
+    from coplan.hardware.device import DeviceSpec
 
 #: DeepSpeed ZeRO-3 keeps a module's gathered parameters after its forward where the module trace
 #: reads them again within this many parameter elements: ``stage3_max_reuse_distance``, default
@@ -158,6 +169,38 @@ def fsdp_copies(
     return moved / bandwidth + copies * launch_s
 
 
+def pipelined_fsdp(
+    units: int,
+    gather: float,
+    scatter: float,
+    replicate: float,
+    root: tuple[float, float, float],
+    forward: float,
+    share: float,
+) -> tuple[float, float]:
+    """(Seconds a stage's first forward of a step waits for its gathers, seconds of its gradient
+    reduction) where FSDP's units stay gathered through a pipeline step
+    (``TrainingConfig.fsdp_pipeline`` "step"): ``units`` equal units gathering (``gather``),
+    reduce-scattering (``scatter``) and, under HYBRID_SHARD, all-reducing their shard across the
+    replicas (``replicate``) once a step, and the root unit's three (``root``).
+
+    The first microbatch's forward gathers the root and then each unit, one prefetched ahead, as
+    a microbatch without a pipeline does (``fsdp_schedule``'s forward); the later microbatches
+    find them gathered. After the stage's last backward the pipeline stage runs every unit's
+    post-backward at once (torch/distributed/pipelining/stage.py ``perform_reduce_grad``), so
+    the reduce-scatters follow one another on the group's stream with no compute to hide behind,
+    each all-reduce across the replicas once its reduce-scatter is done, and the compute stream
+    waits for the last (FSDP2's ``_root_post_backward_final_callback``, at v2.13.0)."""
+    root_gather, root_scatter, root_replicate = root
+    first = root_gather + fsdp_schedule(units, gather, 0.0, forward, 0.0, gathers=1, share=share)
+    comm = repl = 0.0
+    for rs, ar in [(scatter, replicate)] * max(0, units) + [(root_scatter, root_replicate)]:
+        comm += rs
+        if ar:
+            repl = max(repl, comm) + ar
+    return first, max(comm, repl)
+
+
 def zero3_transient(p_local: float, units: int, param_bytes: float, grad_bytes: float) -> float:
     """Bytes ZeRO-3 holds beyond the shards: two gathered units and one unit of unsharded
     gradients."""
@@ -229,3 +272,76 @@ def fsdp_schedule(
             done = compute_end
     end = max(comm, repl, compute_end)
     return end - (forward + backward)
+
+
+def fsdp_comm(
+    cluster: ClusterSpec,
+    config: TrainingConfig,
+    net: float,
+    device: DeviceSpec,
+    blocks: float,
+    root: float,
+    units: int,
+    param_bytes: float,
+    grad_bytes: float,
+    fwd: float,
+    bwd: float,
+    gathers: int,
+) -> float:
+    """Seconds of one microbatch's FSDP collectives that compute does not hide, as the per-unit
+    schedule runs them (``fsdp_schedule``): the blocks' units, and the root unit's all-gather
+    before the first block (the root is not resharded after forward) and its reduce-scatter after
+    the last. With a sharding group smaller than the data-parallel ranks (HYBRID_SHARD) the
+    collectives stay in the group and each unit's gradient shard is all-reduced across the
+    replicas. Compute beside a collective runs on the SMs the collective leaves (``contention.py``;
+    each group's own share while its collectives run)."""
+    shard = config.shard_ranks
+    group = Group.of(cluster, shard, config.tp, net)
+    replicas = Group.of(cluster, config.dp_cp // shard, config.tp * shard, net)
+    per_unit = blocks / units
+    gather = group.all_gather(per_unit * param_bytes)
+    scatter = group.reduce_scatter(per_unit * grad_bytes)
+    edges = group.all_gather(root * param_bytes) + group.reduce_scatter(root * grad_bytes)
+    repl = 0.0
+    if replicas.size > 1:
+        repl = replicas.all_reduce(per_unit * grad_bytes / shard)
+        edges += replicas.all_reduce(root * grad_bytes / shard)
+    ub = config.nccl_ub
+    share, rshare = sm_share(group, device, ub), sm_share(replicas, device, ub) if repl else 0.0
+    return edges + fsdp_schedule(units, gather, scatter, fwd, bwd, gathers, repl, share, rshare)
+
+
+def fsdp_step(
+    cluster: ClusterSpec,
+    config: TrainingConfig,
+    net: float,
+    device: DeviceSpec,
+    blocks: float,
+    root: float,
+    units: int,
+    param_bytes: float,
+    grad_bytes: float,
+    fwd: float,
+) -> tuple[float, float]:
+    """(Seconds a stage's first forward waits for its gathers, seconds of its gradient reduction)
+    once a step, where FSDP's units stay gathered through a pipeline step
+    (``pipelined_fsdp``), over the same groups as ``fsdp_comm``."""
+    shard = config.shard_ranks
+    group = Group.of(cluster, shard, config.tp, net)
+    replicas = Group.of(cluster, config.dp_cp // shard, config.tp * shard, net)
+    per_unit = blocks / units
+    repl = replicas.size > 1
+    rooted = (
+        group.all_gather(root * param_bytes),
+        group.reduce_scatter(root * grad_bytes),
+        replicas.all_reduce(root * grad_bytes / shard) if repl else 0.0,
+    )
+    return pipelined_fsdp(
+        units,
+        group.all_gather(per_unit * param_bytes),
+        group.reduce_scatter(per_unit * grad_bytes),
+        replicas.all_reduce(per_unit * grad_bytes / shard) if repl else 0.0,
+        rooted,
+        fwd,
+        sm_share(group, device, config.nccl_ub),
+    )

@@ -410,7 +410,7 @@ def test_gradient_accumulation_outside_the_gemms_costs_a_pass_over_the_parameter
     assert accumulation_s("autograd16", 1e9, 4, 1e12) == pytest.approx(1e9 * 6 * 3 / 4 / 1e12)
     assert accumulation_s("autograd16", 1e9, 1, 1e12) == 0.0
     assert accumulation_s("fp32-buffer", 1e9, 1, 1e12) == pytest.approx(1e9 * 10 / 1e12)
-    assert set(ACCUMULATION_BYTES) == {"fused", "autograd16", "autograd32", "fp32-buffer"}
+    assert set(ACCUMULATION_BYTES) == {"fused", "autograd16", "autograd32", "fp32-buffer", "fsdp-unsharded"}
 
     cluster = load_cluster("dgx-h100", 8)
     model = CostModel(spec=SPEC)
