@@ -721,7 +721,9 @@ def check_against(
     chunks = config.pp * config.vpp
     if config.stage_layers is None and n_layers % chunks:
         raise ConfigError(
-            "pp", f"the model's {n_layers} layers are not divisible by pp x vpp = {config.pp} x {config.vpp}"
+            "pp",
+            f"the model's {n_layers} layers are not divisible by pp x vpp = {config.pp} x {config.vpp} "
+            "(stage_layers, --stage-layers, splits them unevenly)",
         )
     if config.stage_layers is not None and sum(config.stage_layers) != n_layers:
         raise ConfigError(
