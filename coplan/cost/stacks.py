@@ -73,6 +73,7 @@ SETTINGS: tuple[str, ...] = (
     "context_parallel",
     "combined_layouts",
     "zero_stages",
+    "pipeline_zero_stages",
     "fusion",
     "fp8",
     "recompute_sets",
@@ -136,6 +137,8 @@ class StackSpec:
             (``TrainingConfig.cp``).
         combined_layouts: it combines them: pipelining with TP or DP, TP with ZeRO sharding.
         zero_stages: the ZeRO stages (0: replicated, DDP) the stack's sharding offers.
+        pipeline_zero_stages: the ZeRO stages it runs together with pipeline parallelism, of
+            those it offers (DeepSpeed's pipeline engine refuses ZeRO-2 and ZeRO-3).
         fusion: the fusion options it executes (``FUSION_CHOICES``).
         fp8: how it runs fp8 GEMMs (``FP8_MODES``): ``native`` (Transformer Engine, torchao
             float8), ``emulated`` (it runs an fp8 plan, quantizing in higher precision, no
@@ -208,6 +211,7 @@ class StackSpec:
     context_parallel: bool = False
     combined_layouts: bool = True
     zero_stages: tuple[int, ...] = (0, 1, 2, 3)
+    pipeline_zero_stages: tuple[int, ...] = (0, 1, 2, 3)
     fusion: tuple[str, ...] = FUSION_CHOICES[:4]
     fp8: str = "native"
     recompute_sets: bool = True
@@ -287,6 +291,12 @@ class StackSpec:
         if not zs or any(isinstance(z, bool) or z not in (0, 1, 2, 3) for z in zs):
             raise StackError(src, "zero_stages", f"must list stages among 0, 1, 2, 3, got {list(zs)!r}")
         object.__setattr__(self, "zero_stages", tuple(sorted(set(zs))))
+        pz = tuple(self.pipeline_zero_stages)
+        if not pz or any(isinstance(z, bool) or z not in (0, 1, 2, 3) for z in pz):
+            raise StackError(
+                src, "pipeline_zero_stages", f"must list stages among 0, 1, 2, 3, got {list(pz)!r}"
+            )
+        object.__setattr__(self, "pipeline_zero_stages", tuple(sorted(set(pz))))
         object.__setattr__(
             self, "fusion", _choices(src, "fusion", self.fusion, FUSION_CHOICES, "fusion option")
         )
@@ -448,7 +458,7 @@ def stack_from_dict(data: object, source: str) -> StackSpec:
     if "name" not in data:
         raise StackError(source, "name", "is missing")
     kw = dict(data)
-    for key in ("checkpointing", "zero_stages", "fusion"):
+    for key in ("checkpointing", "zero_stages", "pipeline_zero_stages", "fusion"):
         if key in kw and isinstance(kw[key], list):
             kw[key] = tuple(kw[key])
     cited = kw.get("sources", {})

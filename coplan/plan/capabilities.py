@@ -58,6 +58,9 @@ def layout_problem(stack: StackSpec, par: ParallelPlan) -> str | None:
     if par.dp * par.cp > 1 and par.zero not in stack.zero_stages:
         allowed = ", ".join(str(z) for z in stack.zero_stages)
         return f"ZeRO stage {par.zero} (it offers {allowed})"
+    if par.pp > 1 and par.dp * par.cp > 1 and par.zero not in stack.pipeline_zero_stages:
+        allowed = ", ".join(str(z) for z in stack.pipeline_zero_stages)
+        return f"ZeRO stage {par.zero} with pipeline parallelism (it offers {allowed} there)"
     return None
 
 

@@ -55,6 +55,8 @@ def allowed(plan: Plan, ctx: PlanContext) -> list[str]:
         bad.append("combined")
     if p.dp > 1 and p.zero not in s.zero_stages:
         bad.append("zero")
+    if p.pp > 1 and p.dp > 1 and p.zero not in s.pipeline_zero_stages:
+        bad.append("pipeline zero")
     fused = {frozenset(g) for g in plan.fusion.groups}
     if "greedy" in s.fusion:
         # the stack compiles the plan's own groups: any legal grouping, GEMMs and attention inside
@@ -111,6 +113,9 @@ def forbidden(ctx: PlanContext) -> dict[str, Plan]:
         "tensor parallelism": base.with_(parallel=replace(par, tp=2, dp=GPUS // 2)),
         "pipeline parallelism": base.with_(parallel=replace(par, pp=2, dp=GPUS // 2)),
         "ZeRO stage 1": base.with_(parallel=replace(par, zero=1)),
+        "ZeRO stage 3 with pipeline parallelism": base.with_(
+            parallel=replace(par, pp=2, dp=GPUS // 2, zero=3)
+        ),
         "fusion": base.with_(fusion=fusion_option(ctx, "epilogue")),
         "fp8": base.with_(precision=PrecisionPlan(compute="fp8")),
         "recompute": base.with_(remat=RematPlan(recompute=frozenset({one}))),
@@ -125,6 +130,7 @@ def forbidden(ctx: PlanContext) -> dict[str, Plan]:
         ("fsdp", "tensor parallelism"),
         ("eager", "pipeline parallelism"),
         ("torchtitan", "ZeRO stage 1"),
+        ("deepspeed", "ZeRO stage 3 with pipeline parallelism"),
         ("torchtitan-compile", "fusion"),
         ("eager", "fusion"),
         ("torchtitan", "fp8"),

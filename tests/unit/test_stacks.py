@@ -92,6 +92,11 @@ def test_eager_stack_runs_each_op_and_is_slower_than_compiled() -> None:
         ({"name": "x", "bogus": 1}, "bogus"),
         ({"name": "x", "reserved_fraction": 1.5, "sources": {"reserved_fraction": "a"}}, "reserved_fraction"),
         ({"name": "x", "checkpointing": ["sometimes"], "sources": {"checkpointing": "a"}}, "checkpointing"),
+        (
+            {"name": "x", "pipeline_zero_stages": [4], "sources": {"pipeline_zero_stages": "a"}},
+            "pipeline_zero_stages",
+        ),
+        ({"name": "x", "fsdp_pipeline": "always", "sources": {"fsdp_pipeline": "a"}}, "fsdp_pipeline"),
         ({"kernels": "eager"}, "name"),
     ],
 )
