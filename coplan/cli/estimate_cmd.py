@@ -497,6 +497,10 @@ def estimate(
     from coplan.cost.envelope import validated
 
     trust = validated(est, spec, the_stack.name)
+    from coplan.plan.capabilities import config_problems
+
+    # what of the configuration the named stack cannot run: priced as asked, and said
+    unrunnable = config_problems(the_stack, config)
     record_id = None
     if json or record_db is not None:
         out = est.to_dict()
@@ -504,6 +508,7 @@ def estimate(
         out["model"] = spec.name
         out["seq"] = spec.resolve_seq(seq)
         out["stack"] = the_stack.name
+        out["stack_problems"] = unrunnable
         if reserved is not None:
             out["memory"].update(reserved.to_dict())
         if listed is not None:
@@ -530,6 +535,8 @@ def estimate(
         return
     render(est, f"{spec.name} on {hw.summary()}", reserved)
     show_trust(stdout(), trust)
+    for why in unrunnable:
+        stdout().print(f"note: {why}: priced as asked", soft_wrap=True)
     if listed is not None:
         render_kernels(est, *listed)
     say_recorded(record_id, record_db)

@@ -18,6 +18,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 from pathlib import Path
 
+from coplan.cost.config import TrainingConfig
 from coplan.cost.stacks import StackError, StackSpec, load_stack, load_stack_file
 from coplan.cost.stages import split_layers
 from coplan.plan.context import PlanContext, policy_sets
@@ -62,6 +63,29 @@ def layout_problem(stack: StackSpec, par: ParallelPlan) -> str | None:
         allowed = ", ".join(str(z) for z in stack.pipeline_zero_stages)
         return f"ZeRO stage {par.zero} with pipeline parallelism (it offers {allowed} there)"
     return None
+
+
+def config_problems(stack: StackSpec, config: TrainingConfig) -> list[str]:
+    """What of a configuration priced for ``stack`` (``coplan estimate --stack``) the stack cannot
+    run, one line each: its layout, fp8 GEMMs, a checkpointing policy it does not offer (by name;
+    a recompute set is a plan's, which ``problems`` checks against the stack's policies)."""
+    out = []
+    par = ParallelPlan(
+        tp=config.tp, pp=config.pp, dp=config.dp, vpp=config.vpp, cp=config.cp,
+        sequence_parallel=config.sequence_parallel, zero=config.zero, microbatch=config.microbatch,
+    )  # fmt: skip
+    why = layout_problem(stack, par)
+    if why is not None:
+        out.append(f"stack {stack.name!r} cannot run {why}")
+    if stack.fp8 == "none" and config.dtype == "fp8":
+        out.append(f"stack {stack.name!r} cannot run fp8 GEMMs")
+    modes = config.recompute_per_stage or (config.recompute,)
+    for mode in modes:
+        if isinstance(mode, str) and mode not in stack.checkpointing:
+            policies = ", ".join(stack.checkpointing)
+            out.append(f"stack {stack.name!r} cannot recompute {mode!r} (its policies: {policies})")
+            break
+    return out
 
 
 def default_zero(stack: StackSpec) -> int:
@@ -174,6 +198,7 @@ def problems(plan: Plan, ctx: PlanContext) -> Iterator[str]:
 __all__ = [
     "DEFAULT_STACK",
     "chunk_sizes",
+    "config_problems",
     "default_zero",
     "executable_remat",
     "fusion_problem",

@@ -265,3 +265,20 @@ def test_a_stack_file_restricts_the_search(tmp_path: Path) -> None:
     )
     p = run_strategy("joint", ctx).plan.parallel
     assert (p.tp, p.pp, p.dp, p.zero) == (1, 1, GPUS, 0)
+
+
+def test_estimate_says_what_the_stack_cannot_run(cli) -> None:  # type: ignore[no-untyped-def]
+    """``coplan estimate --stack`` prices what is asked, and names what of it the stack cannot run
+    (as the planner's checker would), one note each."""
+    args = ("estimate", "--model", "gpt-tiny", "--gpus", "4", "--global-batch", "8", "--seq", "64")
+    code, out, err = cli(*args, "--pp", "2", "--zero", "3", "--stack", "deepspeed", "--json")
+    assert code == 0, err
+    got = json.loads(out)["stack_problems"]
+    assert got == [
+        "stack 'deepspeed' cannot run ZeRO stage 3 with pipeline parallelism (it offers 0, 1 there)"
+    ]
+    code, out, err = cli(*args, "--stack", "torchtitan", "--recompute", "selective")
+    assert code == 0, err
+    assert "note: stack 'torchtitan' cannot recompute 'selective'" in " ".join(out.split())
+    code, out, _ = cli(*args, "--pp", "2", "--zero", "1", "--stack", "deepspeed", "--json")
+    assert code == 0 and json.loads(out)["stack_problems"] == []
