@@ -438,8 +438,13 @@ def _torchtitan(plan: Plan, spec: ModelSpec) -> Emitted:
         "context_parallel_degree": p.cp,
     }
     if shard:
-        # FSDP2 keeps parameters gathered from forward to backward unless it reshards (ZeRO-3)
-        par["fsdp_reshard_after_forward"] = "always" if p.zero == 3 else "never"
+        # FSDP2 keeps parameters gathered from forward to backward unless it reshards (ZeRO-3);
+        # under a pipeline ZeRO-3 runs as torchtitan's default does there, gathered through the
+        # step (``TrainingConfig.fsdp_pipeline``, how the plan was priced)
+        if p.zero == 3:
+            par["fsdp_reshard_after_forward"] = "default" if p.pp > 1 else "always"
+        else:
+            par["fsdp_reshard_after_forward"] = "never"
     if p.zero == 0 and shard:
         notes.append(
             "data parallelism without ZeRO: torchtitan runs DDP only without TP or PP, so the replicas "
