@@ -462,7 +462,14 @@ def _torchtitan(plan: Plan, spec: ModelSpec) -> Emitted:
         if split is not None and len(set(split)) > 1:
             par["module_fqns_per_model_part"] = _torchtitan_parts(split)
         elif spec.n_layers % chunks == 0:
+            # torchtitan counts the embedding and the norm + output as a layer each by default
+            # (``pipeline_parallel_first_stage_less_layers`` / ``..._last_stage_less_layers`` = 1,
+            # torchtitan/distributed/pipeline_parallel.py ``pipeline_llm``: ceil((layers + 2) /
+            # layers_per_stage) virtual stages, which then need not divide by the pipeline
+            # degree): weights of 0 give the even split the plan was priced with
             par["pipeline_parallel_layers_per_stage"] = spec.n_layers // chunks
+            par["pipeline_parallel_first_stage_less_layers"] = 0
+            par["pipeline_parallel_last_stage_less_layers"] = 0
     else:
         training["local_batch_size"] = p.microbatch
     if p.tp > 1 and not p.sequence_parallel:

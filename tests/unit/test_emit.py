@@ -312,6 +312,13 @@ def test_torchtitan_pipeline_fp8_and_checkpointing() -> None:
     assert par["pipeline_parallel_microbatch_size"] == 2
     assert par["pipeline_parallel_schedule"] == "Interleaved1F1B"
     assert par["pipeline_parallel_layers_per_stage"] == spec.n_layers // 4
+    # torchtitan's virtual stages: ceil((layers + first + last weights) / layers per stage), which
+    # must be the pipeline's chunks for the even split the plan was priced with
+    first, last = (
+        par["pipeline_parallel_first_stage_less_layers"],
+        par["pipeline_parallel_last_stage_less_layers"],
+    )
+    assert -(-(spec.n_layers + first + last) // par["pipeline_parallel_layers_per_stage"]) == 4
     assert cfg["training"]["local_batch_size"] == plan.global_batch // 4
     assert cfg["model"]["converters"] == ["quantize.linear.float8"]
     assert cfg["quantize"]["linear"]["float8"]["recipe_name"] == "tensorwise"
