@@ -477,6 +477,11 @@ def estimate(
     )
     # what the stack decides: its kernels, attention kernel and sharding units (``StackSpec.configure``)
     config = the_stack.configure(config)
+    if config.stage_layers is None:
+        # a pipeline whose chunks do not divide the blocks, split as the stack splits it
+        split = the_stack.stage_split(spec.n_layers, config.pp, config.vpp)
+        if split is not None:
+            config = config.with_(stage_layers=split)
     if zero3_gather is not None:
         config = config.with_(zero3_gather=zero3_gather.value)
     if grad_accumulation is not None:

@@ -32,6 +32,7 @@ from coplan.cost.config import (
     ZERO3_GATHERS,
     TrainingConfig,
 )
+from coplan.cost.stages import PIPELINE_SPLITS, weighted_split
 from coplan.errors import SpecError
 
 #: How parameters, gradients and optimizer states are sharded and communicated:
@@ -89,6 +90,7 @@ SETTINGS: tuple[str, ...] = (
     "zero3_gather",
     "grad_accumulation",
     "fsdp_pipeline",
+    "pipeline_split",
     "layer_checkpointing",
 )
 #: How a stack runs fp8 GEMMs: natively, emulated (runs, not faster) or not at all.
@@ -180,6 +182,10 @@ class StackSpec:
         fsdp_pipeline: how its FSDP units run under pipeline parallelism
             (``TrainingConfig.fsdp_pipeline``): gathered and reduced each microbatch, or kept
             gathered through the step and reduced once after the stage's last backward.
+        pipeline_split: how it splits the blocks over a pipeline's chunks where the chunks do not
+            divide them (``coplan.cost.stages.PIPELINE_SPLITS``): not at all (``even``), or as
+            torchtitan does, the embedding and the output counting as a block each
+            (``weighted``; ``stage_split``).
         layer_checkpointing: which blocks its per-layer checkpointing (``selective-layer``)
             checkpoints (``LAYER_CHECKPOINTINGS``); ``none`` exactly where it offers none.
         reserved_fraction: reserved bytes beyond what the caching allocator's replay gives
@@ -227,6 +233,7 @@ class StackSpec:
     zero3_gather: str = "unit"
     grad_accumulation: str = "fused"
     fsdp_pipeline: str = "microbatch"
+    pipeline_split: str = "even"
     layer_checkpointing: str = "none"
     about: str = ""
     sources: tuple[tuple[str, str], ...] = ()
@@ -244,6 +251,7 @@ class StackSpec:
         _choice(src, "zero3_gather", self.zero3_gather, ZERO3_GATHERS)
         _choice(src, "grad_accumulation", self.grad_accumulation, GRAD_ACCUMULATIONS)
         _choice(src, "fsdp_pipeline", self.fsdp_pipeline, FSDP_PIPELINES)
+        _choice(src, "pipeline_split", self.pipeline_split, PIPELINE_SPLITS)
         _choice(src, "eager_rope", self.eager_rope, ROPE_FORMS)
         _choice(src, "eager_loss_cast", self.eager_loss_cast, LOSS_CASTS)
         if self.zero3_gather != "unit" and self.fsdp_units:
@@ -328,6 +336,16 @@ class StackSpec:
         if self.layer_checkpointing == "every":
             return tuple(sorted({layers // n for n in range(2, layers + 1)} - {0}))
         return tuple(range(1, layers))
+
+    def stage_split(self, n_layers: int, pp: int, vpp: int = 1) -> tuple[int, ...] | None:
+        """Blocks per model chunk (``TrainingConfig.stage_layers``) where this stack splits
+        ``n_layers`` blocks over ``pp x vpp`` chunks that do not divide them (``pipeline_split``);
+        None where they divide (the even split), or where it splits only evenly or cannot split
+        them at all."""
+        chunks = pp * vpp
+        if pp <= 1 or n_layers % chunks == 0 or self.pipeline_split == "even":
+            return None
+        return weighted_split(n_layers, chunks)
 
     def source_of(self, setting: str) -> str:
         """The citation of ``setting`` ("" where the preset leaves it at the default)."""

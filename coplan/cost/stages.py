@@ -157,6 +157,37 @@ def split_layers(n_layers: int, chunks: int, stage_layers: Sequence[int] | None 
     return [base + (1 if i < extra else 0) for i in range(chunks)]
 
 
+#: How a stack splits a model's blocks over a pipeline's chunks where no split is given
+#: (``StackSpec.pipeline_split``): ``even`` needs the chunks to divide the blocks (Megatron-LM's
+#: default; its ``--decoder-first/last-pipeline-num-layers`` are a split given); ``weighted``
+#: counts the embedding and the final norm + output as a block each and spreads the blocks and
+#: them as evenly as it can (``weighted_split``)
+PIPELINE_SPLITS: tuple[str, ...] = ("even", "weighted")
+
+
+def weighted_split(n_layers: int, chunks: int, first: int = 1, last: int = 1) -> tuple[int, ...] | None:
+    """Blocks of each of ``chunks`` model chunks, in model order, where the embedding counts as
+    ``first`` blocks on the first chunk and the final norm + output as ``last`` on the last, and
+    ``n_layers + first + last`` are spread as evenly as they go, the first chunks taking one more
+    where they do not divide: torchtitan's default split
+    (torchtitan/distributed/pipeline_parallel.py ``generate_llm_fqn_per_model_part``, weights
+    ``pipeline_parallel_first_stage_less_layers`` / ``..._last_stage_less_layers``, 1 each).
+    None where it cannot (a chunk with nothing, or a weight above a chunk's share), as torchtitan
+    refuses those."""
+    if chunks <= 1:
+        return (n_layers,)
+    total = n_layers + first + last
+    base, extra = divmod(total, chunks)
+    if base == 0 or first > base or last > base:
+        return None
+    share = [base + (1 if i < extra else 0) for i in range(chunks)]
+    share[0] -= first
+    share[-1] -= last
+    if any(n < 0 for n in share) or sum(share) != n_layers:
+        return None
+    return tuple(share)
+
+
 def per_stage(chunk_layers: Sequence[int], pp: int, vpp: int) -> list[int]:
     """Layers of each pipeline stage from its chunks' (stage ``s`` holds chunks ``s``, ``s + pp``,
     ...)."""

@@ -76,7 +76,9 @@ def _with_cp(
 ) -> Iterator[ParallelPlan]:
     g = ctx.global_batch
     for pp in _divisors(n // (tp * cp)):
-        if layers % pp:
+        # stages that do not divide the blocks: as the stack splits them, where it does
+        split = ctx.stack.stage_split(layers, pp) if layers % pp else None
+        if layers % pp and split is None:
             continue
         dp = n // (tp * cp * pp)
         if g % dp:
@@ -88,7 +90,7 @@ def _with_cp(
         # interleaving: any number of model chunks per stage that divides its layers, up to one
         # layer a chunk (Megatron-LM's --num-layers-per-virtual-pipeline-stage; NVIDIA's
         # published recipes run 5-20 chunks, e.g. 20 for LLaMA-2 70B at PP 4)
-        for vpp in _divisors(layers // pp) if pp > 1 else [1]:
+        for vpp in _divisors(layers // pp) if pp > 1 and split is None else [1]:
             for mb in mbs:
                 if vpp > 1 and (per_rank // mb) % pp:
                     continue
@@ -96,8 +98,9 @@ def _with_cp(
                     # ZeRO shards over the ranks holding the same parameters: dp x cp
                     for z in zero if dp * cp > 1 else (0,):
                         yield ParallelPlan(
-                            tp=tp, pp=pp, dp=dp, cp=cp, vpp=vpp, sequence_parallel=sp, zero=z, microbatch=mb
-                        )
+                            tp=tp, pp=pp, dp=dp, cp=cp, vpp=vpp, sequence_parallel=sp, zero=z,
+                            microbatch=mb, stage_layers=split,
+                        )  # fmt: skip
 
 
 @register("parallel")
