@@ -73,6 +73,7 @@ from coplan.cost.stages import (
     static_bytes,
 )
 from coplan.cost.zero import (
+    UnitCollectives,
     fsdp_comm,
     fsdp_copies,
     fsdp_step,
@@ -347,17 +348,17 @@ def estimate(profile: GraphProfile, cluster: ClusterSpec, config: TrainingConfig
             pieces = max(units, calls[config.zero3_gather])
             # FSDP's root unit: every parameter no block owns (embedding, final norm, head)
             root = p_local - block_local
+            if config.fsdp_units:
+                coll = UnitCollectives.of(
+                    cluster, config, net, device, block_local, root, units, param_bytes, grad_bytes
+                )
             if config.fsdp_per_step:
                 # the units stay gathered through the pipeline step (``TrainingConfig.fsdp_pipeline``):
                 # nothing per microbatch; the first forward's gathers and the reduction after the
                 # last backward are the step's (below)
-                per_step = fsdp_step(
-                    cluster, config, net, device, block_local, root, units, param_bytes, grad_bytes,
-                    fwd if overlaps else 0.0,
-                )  # fmt: skip
+                per_step = fsdp_step(coll, units, fwd if overlaps else 0.0)
             elif config.fsdp_units and config.overlap_zero:
-                fsdp = (block_local, root, units, param_bytes, grad_bytes, fwd, bwd + recompute, gathers)
-                zero_comm = fsdp_comm(cluster, config, net, device, *fsdp)
+                zero_comm = fsdp_comm(coll, units, fwd, bwd + recompute, gathers)
             else:
                 share = sm_share(dp_group, device, config.nccl_ub) if overlaps else 0.0
                 # a tensor list: each rank's piece copied in or out by a launch of its own

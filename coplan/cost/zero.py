@@ -47,6 +47,7 @@ gradients accumulated unsharded and reduce-scattered once after the stage's last
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from coplan.cost.comm import Group
@@ -274,20 +275,58 @@ def fsdp_schedule(
     return end - (forward + backward)
 
 
-def fsdp_comm(
-    cluster: ClusterSpec,
-    config: TrainingConfig,
-    net: float,
-    device: DeviceSpec,
-    blocks: float,
-    root: float,
-    units: int,
-    param_bytes: float,
-    grad_bytes: float,
-    fwd: float,
-    bwd: float,
-    gathers: int,
-) -> float:
+@dataclass(frozen=True, slots=True)
+class UnitCollectives:
+    """Seconds of one FSDP unit's collectives over its sharding group (all-gather of its
+    parameters, reduce-scatter of its gradients, and under HYBRID_SHARD the all-reduce of the
+    gradient shard across the replicas), the root unit's three (every parameter no block owns:
+    embedding, final norm, head), and the shares of the device each group's collectives hold
+    (``contention.sm_share``)."""
+
+    gather: float
+    scatter: float
+    replicate: float
+    root_gather: float
+    root_scatter: float
+    root_replicate: float
+    share: float
+    replicate_share: float
+
+    @classmethod
+    def of(
+        cls,
+        cluster: ClusterSpec,
+        config: TrainingConfig,
+        net: float,
+        device: DeviceSpec,
+        blocks: float,
+        root: float,
+        units: int,
+        param_bytes: float,
+        grad_bytes: float,
+    ) -> UnitCollectives:
+        """``units`` equal units of ``blocks`` parameters on this GPU and a root of ``root``,
+        gathered in ``param_bytes`` and reduced in ``grad_bytes`` a parameter; the sharding group
+        is ``config.shard_ranks`` ranks, the replicas the rest of the data-parallel ranks."""
+        shard = config.shard_ranks
+        group = Group.of(cluster, shard, config.tp, net)
+        replicas = Group.of(cluster, config.dp_cp // shard, config.tp * shard, net)
+        per_unit = blocks / max(1, units)
+        repl = replicas.size > 1
+        ub = config.nccl_ub
+        return cls(
+            gather=group.all_gather(per_unit * param_bytes),
+            scatter=group.reduce_scatter(per_unit * grad_bytes),
+            replicate=replicas.all_reduce(per_unit * grad_bytes / shard) if repl else 0.0,
+            root_gather=group.all_gather(root * param_bytes),
+            root_scatter=group.reduce_scatter(root * grad_bytes),
+            root_replicate=replicas.all_reduce(root * grad_bytes / shard) if repl else 0.0,
+            share=sm_share(group, device, ub),
+            replicate_share=sm_share(replicas, device, ub) if repl else 0.0,
+        )
+
+
+def fsdp_comm(c: UnitCollectives, units: int, fwd: float, bwd: float, gathers: int) -> float:
     """Seconds of one microbatch's FSDP collectives that compute does not hide, as the per-unit
     schedule runs them (``fsdp_schedule``): the blocks' units, and the root unit's all-gather
     before the first block (the root is not resharded after forward) and its reduce-scatter after
@@ -295,53 +334,14 @@ def fsdp_comm(
     collectives stay in the group and each unit's gradient shard is all-reduced across the
     replicas. Compute beside a collective runs on the SMs the collective leaves (``contention.py``;
     each group's own share while its collectives run)."""
-    shard = config.shard_ranks
-    group = Group.of(cluster, shard, config.tp, net)
-    replicas = Group.of(cluster, config.dp_cp // shard, config.tp * shard, net)
-    per_unit = blocks / units
-    gather = group.all_gather(per_unit * param_bytes)
-    scatter = group.reduce_scatter(per_unit * grad_bytes)
-    edges = group.all_gather(root * param_bytes) + group.reduce_scatter(root * grad_bytes)
-    repl = 0.0
-    if replicas.size > 1:
-        repl = replicas.all_reduce(per_unit * grad_bytes / shard)
-        edges += replicas.all_reduce(root * grad_bytes / shard)
-    ub = config.nccl_ub
-    share, rshare = sm_share(group, device, ub), sm_share(replicas, device, ub) if repl else 0.0
-    return edges + fsdp_schedule(units, gather, scatter, fwd, bwd, gathers, repl, share, rshare)
+    edges = c.root_gather + c.root_scatter + c.root_replicate
+    return edges + fsdp_schedule(
+        units, c.gather, c.scatter, fwd, bwd, gathers, c.replicate, c.share, c.replicate_share
+    )
 
 
-def fsdp_step(
-    cluster: ClusterSpec,
-    config: TrainingConfig,
-    net: float,
-    device: DeviceSpec,
-    blocks: float,
-    root: float,
-    units: int,
-    param_bytes: float,
-    grad_bytes: float,
-    fwd: float,
-) -> tuple[float, float]:
+def fsdp_step(c: UnitCollectives, units: int, fwd: float) -> tuple[float, float]:
     """(Seconds a stage's first forward waits for its gathers, seconds of its gradient reduction)
-    once a step, where FSDP's units stay gathered through a pipeline step
-    (``pipelined_fsdp``), over the same groups as ``fsdp_comm``."""
-    shard = config.shard_ranks
-    group = Group.of(cluster, shard, config.tp, net)
-    replicas = Group.of(cluster, config.dp_cp // shard, config.tp * shard, net)
-    per_unit = blocks / units
-    repl = replicas.size > 1
-    rooted = (
-        group.all_gather(root * param_bytes),
-        group.reduce_scatter(root * grad_bytes),
-        replicas.all_reduce(root * grad_bytes / shard) if repl else 0.0,
-    )
-    return pipelined_fsdp(
-        units,
-        group.all_gather(per_unit * param_bytes),
-        group.reduce_scatter(per_unit * grad_bytes),
-        replicas.all_reduce(per_unit * grad_bytes / shard) if repl else 0.0,
-        rooted,
-        fwd,
-        sm_share(group, device, config.nccl_ub),
-    )
+    once a step, where FSDP's units stay gathered through a pipeline step (``pipelined_fsdp``)."""
+    root = (c.root_gather, c.root_scatter, c.root_replicate)
+    return pipelined_fsdp(units, c.gather, c.scatter, c.replicate, root, fwd, c.share)
