@@ -133,12 +133,22 @@ def configured(run: dict, stack: str):  # type: ignore[no-untyped-def]
     return model, cluster, config
 
 
-def price(run: dict, stack: str, reserved: bool = False) -> tuple[float, float, bool, float | None, float]:
-    """(step seconds, allocated peak bytes, fits, reserved peak bytes, MFU) of ``run`` under preset
-    ``stack``; the reserved peak (with the caching allocator as the run's launcher set it) only
-    where ``reserved`` asks, else None."""
+def estimated(run: dict, stack: str):  # type: ignore[no-untyped-def]
+    """(cost model, cluster, configuration, estimate) of ``run`` under preset ``stack``."""
     model, cluster, config = configured(run, stack)
-    est = model.estimate(cluster, config)
+    return model, cluster, config, model.estimate(cluster, config)
+
+
+def price(
+    run: dict,
+    stack: str,
+    reserved: bool = False,
+    priced=None,  # type: ignore[no-untyped-def]
+) -> tuple[float, float, bool, float | None, float]:
+    """(step seconds, allocated peak bytes, fits, reserved peak bytes, MFU) of ``run`` under preset
+    ``stack`` (its ``estimated`` result where ``priced`` gives it); the reserved peak (with the
+    caching allocator as the run's launcher set it) only where ``reserved`` asks, else None."""
+    model, cluster, _, est = priced if priced is not None else estimated(run, stack)
     got = _reserved(model, cluster, est, run, stack) if reserved else None
     return est.step_time_s, est.memory.peak_bytes, est.fits, got, est.mfu
 
@@ -147,14 +157,14 @@ def price(run: dict, stack: str, reserved: bool = False) -> tuple[float, float, 
 PARTS = ("gemm", "attention", "other kernels", "rest")
 
 
-def step_parts(run: dict, stack: str) -> tuple[float, float, float, float]:
-    """``run``'s priced step under ``stack`` in seconds by ``PARTS``: its compute and recompute
-    split by the slowest stage's kernel time in a microbatch (GEMMs, fused attention, every other
-    kernel), and the rest of the step (exposed communication, the optimizer, pipeline bubbles)."""
+def step_parts(run: dict, stack: str, priced=None) -> tuple[float, float, float, float]:  # type: ignore[no-untyped-def]
+    """``run``'s priced step under ``stack`` in seconds by ``PARTS`` (its ``estimated`` result
+    where ``priced`` gives it): its compute and recompute split by the slowest stage's kernel time
+    in a microbatch (GEMMs, fused attention, every other kernel), and the rest of the step (exposed
+    communication, the optimizer, pipeline bubbles)."""
     from coplan.cost.explain import kernel_costs
 
-    model, cluster, config = configured(run, stack)
-    est = model.estimate(cluster, config)
+    model, cluster, config, est = priced if priced is not None else estimated(run, stack)
     stage = max(est.stages, key=lambda st: st.microbatch_s).index
     rows = kernel_costs(model.profile_for(config), cluster, config, stage)
     total = sum(k.total_s for k in rows)
@@ -182,19 +192,21 @@ SPLIT_MIN_RUNS = 6
 PARTS_MIN_RUNS = 5 * 4
 
 
-def part_split(rows: list[dict], runs: list[dict]) -> list[dict]:
+def part_split(rows: list[dict], runs: list[dict], priced: dict | None = None) -> list[dict]:
     """Per stack and source (the run ids' first word: ``tt``, ``fms``, ``llmfoundry``, ...) with at
     least ``SPLIT_MIN_RUNS`` runs, least squares on relative error: the two factors ``a``, ``b`` that
     make ``a x (priced step outside fused attention) + b x (priced attention)`` closest to the
     measured steps, and, with at least ``PARTS_MIN_RUNS`` runs, one factor per part of ``PARTS``. A
     factor far from 1 says which part of the price misses; one the runs' shares hardly vary over is
-    poorly determined (the shares are given). A diagnosis, applied to no price."""
+    poorly determined (the shares are given). A diagnosis, applied to no price. ``priced``: each
+    run's ``estimated`` result under its preset, by id, where already computed."""
     import numpy as np
 
     groups: dict[tuple[str, str], list[tuple[tuple[float, ...], float]]] = {}
     for r, run in zip(rows, runs, strict=True):
         source = run["id"].split("-")[0].rstrip("0123456789")
-        groups.setdefault((r["stack"], source), []).append((step_parts(run, stack_of(run)), r["measured_s"]))
+        parts = step_parts(run, stack_of(run), (priced or {}).get(run["id"]))
+        groups.setdefault((r["stack"], source), []).append((parts, r["measured_s"]))
     out = []
     for (stack, source), got in sorted(groups.items()):
         if len(got) < SPLIT_MIN_RUNS:
@@ -284,6 +296,7 @@ def main() -> None:
     args = ap.parse_args()
     runs = json.loads(args.runs.read_text())["runs"]
     rows = []
+    estimates = {}  # each run's estimate under its preset, for the split by part
     for run in runs:
         measured = run["measured"]
         row = {
@@ -295,7 +308,10 @@ def main() -> None:
         for label, stack in (("baseline", "megatron"), ("priced", stack_of(run))):
             start = time.perf_counter()
             kind = measured.get("memory_kind")
-            step, peak, fits, reserved, mfu = price(run, stack, reserved=kind == "reserved")
+            got = estimated(run, stack)
+            if label == "priced":
+                estimates[run["id"]] = got
+            step, peak, fits, reserved, mfu = price(run, stack, reserved=kind == "reserved", priced=got)
             # compared with what the source reports: the reserved peak, or the allocated one
             shown = reserved if reserved is not None else peak
             row[label] = {
@@ -358,7 +374,7 @@ def main() -> None:
             }
         )
         print(f"  {stack:<11}{device:<17}{mode:<9}{len(errors):>3}  {statistics.fmean(errors):+6.1%}")
-    split = part_split(rows, runs)
+    split = part_split(rows, runs, estimates)
     print(
         "\nwhere the gap lies: measured step = a x the priced step outside fused attention + b x the "
         "priced attention,\nand one factor per part (shares of the priced step), least squares over "
