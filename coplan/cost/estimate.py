@@ -651,16 +651,8 @@ def _keeps_attention_out(mode: str | frozenset[str]) -> bool:
     return not any(name.endswith(".attn.out") for name in mode)
 
 
-def _memo(part: Part, key: object, make: Callable[[], Any]) -> Any:
-    """``make()``, computed once for ``part`` and kept in its cache under ``key``: what a block's
-    graph alone decides, which the thousands of estimates of a search share."""
-    if key not in part.cache:
-        part.cache[key] = make()
-    return part.cache[key]
-
-
 def _unpad_saved(profile: GraphProfile, part: Part) -> Vec:
-    return _memo(part, "unpad_saved", lambda: unpad_saved(profile.graph, part.op_ids))
+    return part.memo("unpad_saved", lambda: unpad_saved(profile.graph, part.op_ids))
 
 
 def _keeps_repeated_kv(mode: str | frozenset[str]) -> bool:
@@ -713,15 +705,16 @@ def _cp_ring(
     output) passes them again."""
     cp = pc.cost.c.cp
     fwd_s, bwd_s = pc.attention_s(part)
-    got = part.cache.get("cp_kv")
-    if got is None:
-        g = profile.graph
-        got = part.cache["cp_kv"] = tuple(
+    g = profile.graph
+    got = part.memo(
+        "cp_kv",
+        lambda: tuple(
             kv_elements(g, op)
             for i in part.op_ids
             if (op := g.ops[i]).kind is OpKind.ATTENTION and op.phase is Phase.FORWARD
-        )
-    chunk = sum(n * act_bytes / min(tp, heads) for n, heads in got)  # type: ignore[attr-defined]
+        ),
+    )
+    chunk = sum(n * act_bytes / min(tp, heads) for n, heads in got)
     forward = ring_exposed(fwd_s, transfer(chunk), cp)
     again = mode in ("full", "selective") or (
         isinstance(mode, frozenset) and any(n.endswith(".attn.out") for n in mode)
@@ -735,18 +728,19 @@ def _normed_saved(profile: GraphProfile, part: Part, mode: str | frozenset[str])
     (full recompute keeps none; a recompute set naming it has dropped it already)."""
     if mode == "full":
         return ZERO
-    items = part.cache.get("normed_saved")
-    if items is None:
-        g = profile.graph
-        items = part.cache["normed_saved"] = tuple(
+    g = profile.graph
+    items = part.memo(
+        "normed_saved",
+        lambda: tuple(
             (name, vec)
             for tid, name, vec in part.saved_items
             if (op := g.tensors[tid].producer) is not None
             and g.ops[op].target == "rms_norm"
             and g.ops[op].outputs.index(tid) == 1
-        )
+        ),
+    )
     out = ZERO
-    for name, vec in items:  # type: ignore[attr-defined]
+    for name, vec in items:
         if not (isinstance(mode, frozenset) and name in mode):
             out = vadd(out, vec)
     return out
@@ -765,7 +759,7 @@ def _is_selective_op(profile: GraphProfile, part: Part, mode: str | frozenset[st
         block = _block_of(profile, part)
         return selective_op_names(profile.graph, block) if block is not None else frozenset()
 
-    return bool(mode == _memo(part, "selective_op", names))
+    return bool(mode == part.memo("selective_op", names))
 
 
 def _selective_op_correction(profile: GraphProfile, part: Part, eager: bool) -> Vec:
@@ -775,12 +769,12 @@ def _selective_op_correction(profile: GraphProfile, part: Part, eager: bool) -> 
             return ZERO
         return selective_op_correction(profile.graph, block, tensor_vec(profile.graph), eager)
 
-    return _memo(part, ("selective_op_correction", eager), correction)
+    return part.memo(("selective_op_correction", eager), correction)
 
 
 def _inductor_recomputed(profile: GraphProfile, part: Part) -> Vec:
-    return _memo(part, "inductor_recomputed", lambda: inductor_recomputes(profile.graph, part)[1])
+    return part.memo("inductor_recomputed", lambda: inductor_recomputes(profile.graph, part)[1])
 
 
 def _repeat_kv_saved(profile: GraphProfile, part: Part) -> Vec:
-    return _memo(part, "repeat_kv_saved", lambda: repeat_kv_saved(profile.graph, part.op_ids))
+    return part.memo("repeat_kv_saved", lambda: repeat_kv_saved(profile.graph, part.op_ids))

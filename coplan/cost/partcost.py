@@ -7,7 +7,6 @@ these over each stage's parts; a search's estimates share them through the part'
 from __future__ import annotations
 
 from dataclasses import replace
-from typing import cast
 
 from coplan.cost.comm import Group
 from coplan.cost.config import TrainingConfig
@@ -122,10 +121,7 @@ def _base_prices(cost: PartCost, part: Part, fp8: bool) -> _Base:
         c.eager_rope,
         c.eager_loss_cast,
     )
-    got = part.cache.get(key)
-    if got is None:
-        got = part.cache[key] = stack_kernels(cost.profile.graph, fwd, bwd, c, post)
-    fwd, bwd = got  # type: ignore[misc]
+    fwd, bwd = part.memo(key, lambda: stack_kernels(cost.profile.graph, fwd, bwd, c, post))
     fwd_times = tuple(cost.time(k) for k in fwd)
     forward = sum(fwd_times)
     backward = sum(cost.time(k) for k in bwd)
@@ -216,10 +212,7 @@ class _Priced:
             if fp8
             else None,
         )
-        got = cast("_Base | None", part.cache.get(key))
-        if got is None:
-            got = _base_prices(cost, part, fp8)
-            part.cache[key] = got
+        got = part.memo(key, lambda: _base_prices(cost, part, fp8))
         (
             self.saved,
             self.points,
@@ -348,11 +341,12 @@ class _Priced:
                 c.fp8_scaling,
                 c.async_tp,
             )
-            if key not in part.cache:
+
+            def overlap() -> tuple[float, float] | None:
                 # (async TP fuses no all-gather under rowwise fp8: a cast sits between it and the GEMM)
                 rowwise = runs_fp8(c.dtype, cost.device) and c.fp8_scaling == "rowwise"
                 slots = async_tp_slots(not rowwise) if c.async_tp else None
-                part.cache[key] = block_overlap(
+                return block_overlap(
                     self.fwd_kernels,
                     self.fwd_times,
                     part.tp_entries,
@@ -369,7 +363,8 @@ class _Priced:
                     if c.async_tp and c.kernels in ("eager", "inductor")
                     else None,
                 )
-            got = cast("tuple[float, float] | None", part.cache[key])
+
+            got = part.memo(key, overlap)
             if got is not None:
                 fwd, bwd = got
                 if c.async_tp:
@@ -462,42 +457,39 @@ def saved_under(profile: GraphProfile, part: Part, mode: str | frozenset[str], p
 
 def _item_total(part: Part) -> Vec:
     """The sum of the tensors ``part``'s ops save for backward, one by one."""
-    got = part.cache.get("item_total")
-    if got is None:
+
+    def total() -> Vec:
         vec = [0.0] * NV
         for _, _, v in part.saved_items:
             for i, x in enumerate(v):
                 vec[i] += x
-        got = part.cache["item_total"] = tuple(vec)
-    return got  # type: ignore[return-value]
+        return tuple(vec)  # type: ignore[return-value]
+
+    return part.memo("item_total", total)
 
 
 def _fused_ids(profile: GraphProfile, part: Part, names: frozenset[str]) -> frozenset[int]:
     """Op ids of ``part``'s reference block named in ``names`` (ops recomputed in backward kernels)."""
     if not names:
         return frozenset()
-    key = ("fused", names)
-    got = part.cache.get(key)
-    if got is None:
-        ops = profile.graph.ops
-        got = part.cache[key] = frozenset(i for i in part.op_ids if ops[i].name in names)
-    return got  # type: ignore[return-value]
+    ops = profile.graph.ops
+    return part.memo(("fused", names), lambda: frozenset(i for i in part.op_ids if ops[i].name in names))
 
 
 def _fused_flops(profile: GraphProfile, part: Part, rerun: frozenset[int]) -> float:
     """Vector FLOPs of the ops ``rerun`` repeated inside every backward kernel reading their outputs
     (graph-only, so memoised on the part: a search prices the same sets again and again)."""
-    key = ("fused_flops", rerun)
-    got = part.cache.get(key)
-    if got is None:
+
+    def flops() -> float:
         g = profile.graph
-        flops = 0.0
+        total = 0.0
         for i in rerun:
             op = g.ops[i]
             bwd = {c for t in op.outputs for c in readers(g, t) if g.ops[c].phase is Phase.BACKWARD}
-            flops += op.vector_flops * max(1, len(bwd))
-        got = part.cache[key] = flops
-    return got  # type: ignore[return-value]
+            total += op.vector_flops * max(1, len(bwd))
+        return total
+
+    return part.memo(("fused_flops", rerun), flops)
 
 
 def rematerialised(profile: GraphProfile, part: Part, names: frozenset[str], fused: frozenset[str]) -> Vec:
@@ -507,17 +499,17 @@ def rematerialised(profile: GraphProfile, part: Part, names: frozenset[str], fus
     fids = _fused_ids(profile, part, fused)
     if not fids:
         return dropped
-    key = ("rematerialised", names, fused)
-    got = part.cache.get(key)
-    if got is None:
+
+    def kept() -> Vec:
         g = profile.graph
         out = list(dropped)
         for tid, name, vec in part.saved_items:
             if name in names and g.tensors[tid].producer in fids:
                 for i, x in enumerate(vec):
                     out[i] -= x
-        got = part.cache[key] = tuple(out)
-    return got  # type: ignore[return-value]
+        return tuple(out)  # type: ignore[return-value]
+
+    return part.memo(("rematerialised", names, fused), kept)
 
 
 def _recompute_closure(
@@ -525,13 +517,9 @@ def _recompute_closure(
 ) -> tuple[frozenset[int], Vec]:
     """(op ids of the part's reference block to re-run, saved elements no longer kept) for
     recomputing the named tensors; memoised on the part, as a search asks for the same set often."""
-    key = ("recompute", names)
-    got = part.cache.get(key)
-    if got is None:
-        from coplan.cost.remat import recompute_closure
+    from coplan.cost.remat import recompute_closure
 
-        got = part.cache[key] = recompute_closure(profile.graph, part, names)
-    return got  # type: ignore[return-value]
+    return part.memo(("recompute", names), lambda: recompute_closure(profile.graph, part, names))
 
 
 __all__ = ["PartCost", "rematerialised", "saved_under"]

@@ -10,10 +10,12 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import cast
+from typing import TypeVar, cast
 
 from coplan.ir.oprules import attention_causal, attention_cp
 from coplan.ir.types import Graph, Op, OpKind, Phase
+
+T = TypeVar("T")
 
 # Element-vector layout: index = precision class * 2 + shard class.
 ACT, F32, FIX = 0, 1, 2  # activation precision; always fp32; fixed width (already in bytes)
@@ -177,6 +179,13 @@ class Part:
     param_module_sizes: tuple[tuple[float, float], ...] = ()
     cache: dict[object, object] = field(default_factory=dict, compare=False, repr=False)
 
+    def memo(self, key: object, make: Callable[[], T]) -> T:
+        """``make()``, computed once for this part and kept in ``cache`` under ``key``: what a
+        block's graph alone decides, which the thousands of estimates of a search share."""
+        if key not in self.cache:
+            self.cache[key] = make()
+        return cast("T", self.cache[key])
+
     def scheduled_transient(self) -> tuple[Vec, ...]:
         """``transient`` where the compiler scheduled the whole step, memoised on the part."""
         return self._transient_variant("transient_scheduled", self.transient_scheduled)
@@ -190,10 +199,7 @@ class Part:
         ``cache`` under ``key``), or ``transient`` where the part has no such variant."""
         if make is None:
             return self.transient
-        got = self.cache.get(key)
-        if got is None:
-            got = self.cache[key] = make()
-        return cast("tuple[Vec, ...]", got)
+        return self.memo(key, make)
 
 
 def part_dtype(part: Part, dtype: str) -> str:

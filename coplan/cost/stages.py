@@ -16,13 +16,9 @@ from coplan.hardware.device import DeviceSpec
 
 
 def drops_output(profile: GraphProfile, part: Part, names: frozenset[str]) -> bool:
-    key = ("drops_output", names)
-    got = part.cache.get(key)
-    if got is None:
-        from coplan.cost.remat import drops_output as rule
+    from coplan.cost.remat import drops_output as rule
 
-        got = part.cache[key] = rule(profile.graph, part, names)
-    return bool(got)
+    return bool(part.memo(("drops_output", names), lambda: rule(profile.graph, part, names)))
 
 
 def in_flight(stage: int, p: int, v: int, m: int) -> float:
