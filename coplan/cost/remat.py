@@ -13,7 +13,7 @@ from collections.abc import Callable, Sequence
 from coplan.cost.config import ConfigError
 from coplan.cost.fusion import readers
 from coplan.cost.parts import ZERO, Part, Vec
-from coplan.ir.types import Graph, OpKind, Phase, Tensor, TensorRole
+from coplan.ir.types import POINTWISE_KINDS, Graph, OpKind, Phase, Tensor, TensorRole
 
 
 def recompute_closure(graph: Graph, part: Part, names: frozenset[str]) -> tuple[frozenset[int], Vec]:
@@ -55,11 +55,6 @@ def recompute_closure(graph: Graph, part: Part, names: frozenset[str]) -> tuple[
     return frozenset(rerun), tuple(vec)  # type: ignore[return-value]
 
 
-#: Op kinds Inductor's min-cut partitioner treats as cheap to recompute: pointwise, copies, views and
-#: tensor creation (the planner's ``coplan.plan.checker.POINTWISE``)
-MINCUT_POINTWISE = frozenset({OpKind.ELEMENTWISE, OpKind.COPY, OpKind.VIEW, OpKind.CREATION})
-
-
 def inductor_recomputes(graph: Graph, part: Part) -> tuple[tuple[str, ...], Vec]:
     """(names, element vector) of the tensors block ``part`` saves that Inductor's min-cut
     partitioner recomputes by default (no memory budget): made by a pointwise, non-random forward
@@ -83,10 +78,10 @@ def inductor_recomputes(graph: Graph, part: Part) -> tuple[tuple[str, ...], Vec]
         if t.producer is None:
             continue
         op = graph.ops[t.producer]
-        if op.block is None or op.kind not in MINCUT_POINTWISE or "dropout" in op.target:
+        if op.block is None or op.kind not in POINTWISE_KINDS or "dropout" in op.target:
             continue
         bwd = [graph.ops[c] for c in readers(graph, tid) if graph.ops[c].phase is Phase.BACKWARD]
-        if any(r.kind not in MINCUT_POINTWISE for r in bwd):
+        if any(r.kind not in POINTWISE_KINDS for r in bwd):
             continue
         ins = [graph.tensors[graph.tensors[i].storage_id] for i in op.inputs]
         if all(x.role is not TensorRole.ACTIVATION or x.id in kept or x.producer is None for x in ins):

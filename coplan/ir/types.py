@@ -79,6 +79,13 @@ class OpKind(enum.StrEnum):
     OTHER = "other"
 
 
+#: Op kinds with no reduction and no library kernel: pointwise math, copies, views and tensor
+#: creation. A code generator can put them into any kernel's prologue or epilogue (the planner's
+#: fusion rules), and Inductor's min-cut partitioner counts them cheap to recompute
+#: (``coplan.cost.remat.inductor_recomputes``)
+POINTWISE_KINDS = frozenset({OpKind.ELEMENTWISE, OpKind.COPY, OpKind.VIEW, OpKind.CREATION})
+
+
 @dataclass(frozen=True, slots=True)
 class Tensor:
     """One SSA value of the step. ``producer`` is None for graph inputs."""
@@ -286,6 +293,7 @@ def with_links(tensor: Tensor, producer: int | None, consumers: tuple[int, ...])
 
 __all__ = [
     "DTYPE_BYTES",
+    "POINTWISE_KINDS",
     "Graph",
     "GraphMeta",
     "Op",

@@ -21,14 +21,14 @@ from coplan.cost import ConfigError, check_against
 from coplan.cost.fusion import source_op
 from coplan.cost.looped import ROW_KINDS
 from coplan.cost.looped import reduces as _reduces
-from coplan.ir.types import Graph, Op, OpKind, Phase
+from coplan.ir.types import POINTWISE_KINDS, Graph, Op, OpKind, Phase
 from coplan.plan.context import PlanContext, binary_bytes, policy_sets
 from coplan.plan.types import FusionPlan, Plan, PlanError
 
 #: ops that run as vendor-library kernels (cuBLAS, cuDNN/flash): one per fused kernel at most
 ANCHORS = frozenset({OpKind.MATMUL, OpKind.ATTENTION})
 #: ops a code generator can put into any kernel's prologue or epilogue
-POINTWISE = frozenset({OpKind.ELEMENTWISE, OpKind.COPY, OpKind.VIEW, OpKind.CREATION})
+POINTWISE = POINTWISE_KINDS
 #: reductions a generated kernel can hold (row-wise: norms, softmax, loss, sums)
 REDUCTIONS = ROW_KINDS
 #: ops numerics rules keep in fp32 unless a stated tolerance allows less
