@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from autograd_saved import saved_storages
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.utils.flop_counter import FlopCounterMode
 
@@ -106,15 +107,7 @@ def _autograd_saved_bytes(spec) -> int:
     model = Transformer(spec)
     idx, tgt = example_batch(spec, 2, 32)
     skip = {p.untyped_storage().data_ptr() for p in [*model.parameters(), *model.buffers(), idx, tgt]}
-    storages: dict[int, int] = {}
-
-    def pack(x: torch.Tensor) -> torch.Tensor:
-        s = x.untyped_storage()
-        if s.data_ptr() not in skip:
-            storages[s.data_ptr()] = s.nbytes()
-        return x
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda x: x):
+    with saved_storages(skip) as storages:
         model(idx, tgt)
     return sum(storages.values())
 

@@ -5,12 +5,11 @@ where ``repeat_kv`` copies the key/value heads before SDPA, which saves the copi
 from __future__ import annotations
 
 import sys
-from collections.abc import Iterator
-from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
 import torch
+from autograd_saved import saved_storages
 
 from coplan.cost import CostModel, TrainingConfig, load_stack
 from coplan.cost.eager import gqa_repeat, repeat_kv_saved
@@ -35,22 +34,6 @@ def _probe():  # type: ignore[no-untyped-def]
     finally:
         sys.path.remove(str(PROBE))
     return probe
-
-
-@contextmanager
-def saved_storages(skip: set[int]) -> Iterator[dict[int, int]]:
-    """The bytes of each storage autograd packs for backward inside the block, by data pointer;
-    storages in ``skip`` (parameters, inputs: it may grow inside the block) left out."""
-    seen: dict[int, int] = {}
-
-    def pack(t: torch.Tensor) -> torch.Tensor:
-        st = t.untyped_storage()
-        if st.data_ptr() not in skip:
-            seen[st.data_ptr()] = st.nbytes()
-        return t
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        yield seen
 
 
 def _measured_per_block(s: ModelSpec, compile: bool = False) -> float:
