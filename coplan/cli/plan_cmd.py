@@ -348,6 +348,7 @@ def _decisions(ctx: PlanContext, results: dict[str, StrategyResult]) -> Table:
     """What each strategy decided, one labelled line per decision (legible at any width);
     strategies that decided the same as an earlier one say so instead of repeating it."""
     from coplan.plan import plan_summary
+    from coplan.plan.context import policy_sets
 
     grid = Table.grid(padding=(0, 2))
     grid.add_column(no_wrap=True, style="bold")
@@ -358,7 +359,7 @@ def _decisions(ctx: PlanContext, results: dict[str, StrategyResult]) -> Table:
             grid.add_row(n, f"the same plan as {seen[r.plan.fingerprint]}")
             continue
         seen[r.plan.fingerprint] = n
-        s = plan_summary(r.plan, r.estimate, ctx.index)
+        s = plan_summary(r.plan, r.estimate, ctx.index, policy_sets(ctx))
         grid.add_row(n, s["parallel"])
         grid.add_row("", s["remat"])
         grid.add_row("", f"{s.get('kernels', '')}; {s['fusion']}".lstrip("; "))
@@ -514,6 +515,7 @@ def plan(
 ) -> None:
     """Plan fusion, recomputation, parallelism and precision of a training job."""
     from coplan.plan import plan_summary
+    from coplan.plan.context import policy_sets
 
     name = strategy.value
     steps, kinds = _order(order), _dtypes(dtypes)
@@ -569,7 +571,7 @@ def plan(
         table.add_row("tokens/s", f"{e.tokens_per_s:,.0f}")
         table.add_row("MFU", mfu_words(e))
         table.add_row("peak memory", f"{human_bytes(e.memory.peak_bytes)} (stage {e.memory.stage})")
-        for k, v in plan_summary(r.plan, e, ctx.index).items():
+        for k, v in plan_summary(r.plan, e, ctx.index, policy_sets(ctx)).items():
             table.add_row(k, v)
         table.add_row("fingerprint", r.plan.fingerprint)
         console.print(table)

@@ -239,6 +239,7 @@ def _note(owners: Sequence[tuple[str, Point]], x0: float, x1: float, y1: float) 
 
 def write_html(path: Path, ctx: PlanContext, results: dict[str, StrategyResult]) -> None:
     from coplan.plan import plan_summary
+    from coplan.plan.context import policy_sets
 
     plot = figure(ctx, results).to_html(
         full_html=False,
@@ -249,7 +250,7 @@ def write_html(path: Path, ctx: PlanContext, results: dict[str, StrategyResult])
     rows = []
     for name, r in results.items():
         e = r.estimate
-        s = plan_summary(r.plan, e, ctx.index)
+        s = plan_summary(r.plan, e, ctx.index, policy_sets(ctx))
         cells = (
             name,
             f"{e.step_time_s * 1e3:.2f}",

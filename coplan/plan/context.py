@@ -475,12 +475,32 @@ def policy_sets(ctx: PlanContext) -> dict[str, frozenset[str]]:
     return dict(sorted(out.items(), key=lambda kv: len(kv[1])))
 
 
+#: how ``plan_summary`` names a stack's checkpointing policy a plan's recompute set is
+POLICY_WORDS = {
+    "selective": "Megatron's selective checkpointing",
+    "selective-op": "per-op checkpointing (torchtitan's policy)",
+    "full": "full checkpointing",
+}
+
+
 def plan_summary(
-    plan: Plan, est: Estimate | None = None, index: BlockIndex | None = None
+    plan: Plan,
+    est: Estimate | None = None,
+    index: BlockIndex | None = None,
+    policies: Mapping[str, frozenset[str]] | None = None,
 ) -> Mapping[str, str]:
     """What a plan decided, in words (for tables and reports). With the job's ``index``, ops and
-    tensors are named by where they are in the model (``h[*].ln_1``), not by their IR names."""
+    tensors are named by where they are in the model (``h[*].ln_1``), not by their IR names; with
+    its stack's ``policies`` (``policy_sets``), a recompute set one of them makes is named so."""
     p, f, r, c = plan.parallel, plan.fusion, plan.remat, plan.precision
+    policy = next(
+        (
+            POLICY_WORDS[k]
+            for k, v in (policies or {}).items()
+            if k in POLICY_WORDS and v and v == r.recompute
+        ),
+        None,
+    )
     labels = index.labels if index is not None else None
     if labels is not None:
         rec = [labels.tensor(n) for n in labels.tensors_in_order(r.all_names)]
@@ -490,7 +510,8 @@ def plan_summary(
         "parallel": p.describe(),
         "remat": "nothing recomputed"
         if not rec
-        else f"recompute {len(rec)}: {_listed(rec)}"
+        else (f"{policy}: " if policy and r.per_stage is None else "")
+        + f"recompute {len(rec)}: {_listed(rec)}"
         + (f" (first {r.layers} blocks of each chunk)" if r.layers is not None else ""),
         **(
             {"remat per stage": " / ".join(str(len(x)) for x in r.per_stage) + " tensors"}

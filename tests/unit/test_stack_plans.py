@@ -282,3 +282,26 @@ def test_estimate_says_what_the_stack_cannot_run(cli) -> None:  # type: ignore[n
     assert "note: stack 'torchtitan' cannot recompute 'selective'" in " ".join(out.split())
     code, out, _ = cli(*args, "--pp", "2", "--zero", "1", "--stack", "deepspeed", "--json")
     assert code == 0 and json.loads(out)["stack_problems"] == []
+
+
+def test_a_plan_names_the_checkpointing_policy_its_recompute_set_is() -> None:
+    from coplan.plan import plan_summary
+
+    ctx = make_ctx("torchtitan", model="llama-tiny")
+    sets = policy_sets(ctx)
+    base = ctx.default_plan()
+    words = {
+        name: plan_summary(base.with_(remat=RematPlan(recompute=names)), None, ctx.index, sets)["remat"]
+        for name, names in sets.items()
+    }
+    assert words["none"] == "nothing recomputed"
+    assert words["selective-op"].startswith("per-op checkpointing (torchtitan's policy): recompute ")
+    assert words["full"].startswith("full checkpointing: recompute ")
+    # a set no policy makes, or no policies given: the tensors alone
+    one = frozenset(list(sets["full"])[:1])
+    assert plan_summary(base.with_(remat=RematPlan(recompute=one)), None, ctx.index, sets)[
+        "remat"
+    ].startswith("recompute 1: ")
+    assert plan_summary(base.with_(remat=RematPlan(recompute=sets["full"])), None, ctx.index)[
+        "remat"
+    ].startswith("recompute ")
