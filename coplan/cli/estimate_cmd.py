@@ -101,6 +101,11 @@ class FsdpPipeline(enum.StrEnum):  # coplan.cost.config.FSDP_PIPELINES
     step = "step"
 
 
+class CpExchange(enum.StrEnum):  # coplan.cost.config.CP_EXCHANGES
+    p2p = "p2p"
+    allgather = "allgather"
+
+
 class LossCast(enum.StrEnum):  # coplan.cost.config.LOSS_CASTS
     float = "float"
     autocast = "autocast"
@@ -286,6 +291,16 @@ def estimate(
             help="Under pipeline parallelism, FSDP's units gathered and reduced every microbatch, or "
             "kept gathered through the step with gradients accumulated unsharded and reduced once "
             "after the stage's last backward (torchtitan) \\[default: the stack's].",
+            show_default=False,
+        ),
+    ] = None,
+    cp_exchange: Annotated[
+        CpExchange | None,
+        typer.Option(
+            "--cp-exchange",
+            help="How context parallelism exchanges keys and values: Transformer Engine's ring of "
+            "point-to-point transfers, or PyTorch's context_parallel (torchtitan): one all-gather, "
+            "fp32 merges and fp32 key/value gradients \\[default: the stack's].",
             show_default=False,
         ),
     ] = None,
@@ -488,6 +503,8 @@ def estimate(
         config = config.with_(grad_accumulation=grad_accumulation.value)
     if fsdp_pipeline is not None:
         config = config.with_(fsdp_pipeline=fsdp_pipeline.value)
+    if cp_exchange is not None:
+        config = config.with_(cp_exchange=cp_exchange.value)
     if eager_loss_cast is not None:
         config = config.with_(eager_loss_cast=eager_loss_cast.value)
     if not zero3_overlap:

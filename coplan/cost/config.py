@@ -84,6 +84,12 @@ ZERO3_GATHERS: tuple[str, ...] = ("unit", "module", "tensor-list")
 #: plain training loop; ``step`` the units stay gathered from the first microbatch's forward to the
 #: stage's last backward, and the gradients accumulate unsharded and are reduce-scattered once
 FSDP_PIPELINES: tuple[str, ...] = ("microbatch", "step")
+#: How context parallelism's ranks exchange keys and values (``coplan.cost.context``): ``p2p``
+#: around a ring, a chunk a step beside that step's attention (Transformer Engine's
+#: ``AttnFuncWithCPAndKVP2P``); ``allgather`` in one all-gather beside the first step, with the
+#: steps' outputs and gradients merged in fp32 and the key/value gradients sent on in fp32
+#: (PyTorch's ``context_parallel``, torchtitan's)
+CP_EXCHANGES: tuple[str, ...] = ("p2p", "allgather")
 #: How a model written for eager PyTorch rotates q and k (``coplan.cost.eager``): ``complex`` as a
 #: complex product (torchtitan's and Meta's Llama: ``torch.view_as_complex`` times ``freqs_cis``),
 #: ``pairs`` as a 2 x 2 rotation matrix applied to real pairs by a broadcast product and a sum
@@ -290,6 +296,12 @@ class TrainingConfig:
             dtype and its gradients accumulate unsharded in the reduce dtype through the step
             (``FSDPParam.to_accumulated_grad_if_needed``), and the reduction is exposed
             (``coplan.cost.zero.pipelined_fsdp``).
+        cp_exchange: how context parallelism's ranks exchange keys and values (``CP_EXCHANGES``):
+            ``"p2p"``, Transformer Engine's ring (Megatron-Core's ``cp_comm_type`` "p2p", its
+            default); ``"allgather"``, PyTorch's ``context_parallel`` as torchtitan runs it
+            (``torch/distributed/tensor/experimental/_context_parallel/_attention.py``:
+            ``_ContextParallelOptions`` rotates by all-gather and merges in fp32 by default), priced
+            by ``coplan.cost.context.torch_ring``.
         gather_copies: the stack copies each gathered unit out of the all-gather buffer into
             its parameters and each unit's gradients into the reduce-scatter buffer on the compute
             stream (PyTorch FSDP2; ``coplan.cost.zero.fsdp_copies``), priced with the unit's
@@ -361,6 +373,7 @@ class TrainingConfig:
     zero3_gather: str = "unit"
     grad_accumulation: str = "fused"
     fsdp_pipeline: str = "microbatch"
+    cp_exchange: str = "p2p"
     launch_blocking: bool = False
     gather_copies: bool = False
 
@@ -489,6 +502,10 @@ class TrainingConfig:
             raise ConfigError(
                 "grad_accumulation",
                 f"must be one of {', '.join(GRAD_ACCUMULATIONS)}, got {self.grad_accumulation!r}",
+            )
+        if self.cp_exchange not in CP_EXCHANGES:
+            raise ConfigError(
+                "cp_exchange", f"must be one of {', '.join(CP_EXCHANGES)}, got {self.cp_exchange!r}"
             )
         if self.fsdp_pipeline not in FSDP_PIPELINES:
             raise ConfigError(
@@ -651,6 +668,7 @@ class TrainingConfig:
             **({"zero3_gather": self.zero3_gather} if self.zero3_gather != "unit" else {}),
             **({"grad_accumulation": self.grad_accumulation} if self.grad_accumulation != "fused" else {}),
             **({"fsdp_pipeline": self.fsdp_pipeline} if self.fsdp_pipeline != "microbatch" else {}),
+            **({"cp_exchange": self.cp_exchange} if self.cp_exchange != "p2p" else {}),
             **({"overlap_zero": False} if not self.overlap_zero else {}),
             **({"launch_blocking": True} if self.launch_blocking else {}),
             **({"gather_copies": True} if self.gather_copies else {}),

@@ -9,9 +9,16 @@ attention meets every rank's keys and values, which travel around a ring. Transf
 default) runs ``cp`` steps forward: step ``i`` computes the local queries against the key/value
 chunk received at step ``i - 1`` while it sends that chunk on and receives the next, so each of the
 ``cp - 1`` transfers hides behind one step's attention; backward passes the keys and values
-around again and their gradients with them, twice the bytes a step. PyTorch's ring attention,
-which torchtitan's ``context_parallel_degree`` runs
-(``torch/distributed/tensor/experimental/_attention.py``), moves the same chunks.
+around again and their gradients with them, twice the bytes a step.
+
+PyTorch's ``context_parallel``, which torchtitan's ``context_parallel_degree`` runs, moves the same
+chunks another way by default (``torch/distributed/tensor/experimental/_context_parallel/
+_attention.py`` at v2.13.0, ``_ContextParallelOptions``: ``rotate_method`` ALL_GATHER,
+``convert_to_f32`` True; ``TrainingConfig.cp_exchange`` "allgather", ``torch_ring``): forward
+all-gathers every rank's keys and values at once beside the first step, and merges each step's
+output into an fp32 running output (``_SDPAMerger``); backward all-gathers them again, passes the
+key/value gradients around the ring in fp32, a transfer a step and the last one after the loop,
+and accumulates the query and key/value gradients in fp32.
 
 What shows is what a step's transfer outlasts its step of attention, ``cp - 1`` times each way
 (``ring_exposed``); the transfers run between neighbouring ranks ``tp`` apart (Megatron-Core's
@@ -20,6 +27,8 @@ while ``tp x cp`` fits one.
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 from coplan.ir.types import Graph, Op
 
@@ -49,3 +58,70 @@ def ring_exposed(attention_s: float, transfer_s: float, cp: int) -> float:
     if cp <= 1:
         return 0.0
     return (cp - 1) * max(0.0, transfer_s - attention_s / cp)
+
+
+def allgather_exposed(attention_s: float, transfer_s: float, cp: int) -> float:
+    """Seconds an all-gather of ``cp`` chunks (``cp - 1`` chunk transfers of ``transfer_s`` into
+    each rank) adds to ``attention_s`` of attention split into ``cp`` steps, all of it beside the
+    first step."""
+    if cp <= 1:
+        return 0.0
+    return max(0.0, (cp - 1) * transfer_s - attention_s / cp)
+
+
+#: Bytes a rank moves per element of its attention output (``q``) and of its keys plus values
+#: (``kv``) outside the attention kernels, in PyTorch's ``context_parallel`` with fp32 merging, for
+#: the rank that runs every step on its whole queries (the last: the steps' load balancing runs
+#: the others' later steps on half of them). Forward: each step's output cast to fp32 (read 2,
+#: write 4), the later steps' merge ``out - sigmoid(lse_i - lse) * (out - out_i)`` (three fp32
+#: passes of two reads and a write: 32), the result cast back (6), and the keys and values
+#: concatenated for the exchange at each step but the last (read and write 2 each). Backward: the
+#: fp32 gradients zeroed (4 each), every step's gradients added into them in fp32 (read 2, read and
+#: write 4: 10 each), the key/value gradients concatenated in fp32 for the ring (8 a step), the
+#: keys and values concatenated for it (4, each step but the last), and both cast back (6 each).
+#: Where Inductor compiles the blocks (dynamo traces the ring's Python into the block's graph), a
+#: later step's cast and merge are one generated kernel: the step's 16-bit output and the fp32
+#: running output read, the running output written (``forward_q_step_compiled``).
+TORCH_CP_BYTES = {
+    "forward_q_first": 6.0 + 6.0,  # step 0's cast and the final cast back
+    "forward_q_step": 6.0 + 32.0,  # each later step's cast and merge
+    "forward_q_step_compiled": 2.0 + 4.0 + 4.0,
+    "forward_kv_step": 4.0,  # each step but the last
+    "backward_q_once": 4.0 + 6.0,
+    "backward_q_step": 10.0,
+    "backward_kv_once": 4.0 + 6.0,
+    "backward_kv_step": 10.0 + 8.0,  # and 4 more each step but the last
+}
+
+
+def torch_ring(
+    attention: tuple[float, float],
+    kv_transfer: Callable[[float], float],
+    kv_bytes: float,
+    act_bytes: float,
+    q_elements: float,
+    kv_elements: float,
+    bandwidth: float,
+    cp: int,
+    compiled: bool = False,
+) -> tuple[float, float]:
+    """(forward, backward) seconds PyTorch's ``context_parallel`` adds to a block's attention of
+    ``attention`` = (forward, backward) seconds split into ``cp`` steps: the exposed exchanges of
+    ``kv_bytes`` of keys and values (``kv_transfer`` prices one chunk's transfer) and the fp32
+    merging passes over ``q_elements`` output and ``kv_elements`` key/value elements at
+    ``bandwidth`` bytes/s (``TORCH_CP_BYTES``; ``compiled``: each merge one generated kernel)."""
+    if cp <= 1:
+        return 0.0, 0.0
+    fwd_s, bwd_s = attention
+    b = TORCH_CP_BYTES
+    later = cp - 1
+    merge = b["forward_q_step_compiled"] if compiled else b["forward_q_step"]
+    fwd_bytes = q_elements * (b["forward_q_first"] + later * merge)
+    fwd_bytes += kv_elements * later * b["forward_kv_step"]
+    bwd_bytes = q_elements * (b["backward_q_once"] + cp * b["backward_q_step"])
+    bwd_bytes += kv_elements * (b["backward_kv_once"] + cp * b["backward_kv_step"] + later * 4.0)
+    gather = kv_transfer(kv_bytes)
+    grads = kv_transfer(kv_bytes * 4.0 / act_bytes)  # the key/value gradients, in fp32
+    forward = allgather_exposed(fwd_s, gather, cp) + fwd_bytes / bandwidth
+    backward = allgather_exposed(bwd_s, gather, cp) + ring_exposed(bwd_s, grads, cp) + grads
+    return forward, backward + bwd_bytes / bandwidth

@@ -29,7 +29,7 @@ from coplan.cost.checkpoint import selective_op_correction, selective_op_names
 from coplan.cost.comm import Group, p2p_time
 from coplan.cost.config import TrainingConfig
 from coplan.cost.contention import slowdown, sm_share
-from coplan.cost.context import kv_elements, ring_exposed
+from coplan.cost.context import kv_elements, ring_exposed, torch_ring
 from coplan.cost.eager import repeat_kv_saved, unpad_saved
 from coplan.cost.fp8 import runs_fp8
 from coplan.cost.kernels import (
@@ -703,22 +703,33 @@ def _cp_ring(
     one head where there are fewer heads than ranks), backward the keys, values and their
     gradients, and a recompute mode that re-runs attention (full, selective, or a set naming its
     output) passes them again."""
-    cp = pc.cost.c.cp
+    c = pc.cost.c
+    cp = c.cp
     fwd_s, bwd_s = pc.attention_s(part)
     g = profile.graph
+    # each forward attention: (key plus value elements, key/value heads, output elements)
     got = part.memo(
-        "cp_kv",
+        "cp_qkv",
         lambda: tuple(
-            kv_elements(g, op)
+            (*kv_elements(g, op), float(g.tensors[op.outputs[0]].numel))
             for i in part.op_ids
             if (op := g.ops[i]).kind is OpKind.ATTENTION and op.phase is Phase.FORWARD
         ),
     )
-    chunk = sum(n * act_bytes / min(tp, heads) for n, heads in got)
-    forward = ring_exposed(fwd_s, transfer(chunk), cp)
+    kv_local = sum(n / min(tp, heads) for n, heads, _ in got)
+    chunk = kv_local * act_bytes
     again = mode in ("full", "selective") or (
         isinstance(mode, frozenset) and any(n.endswith(".attn.out") for n in mode)
     )
+    if c.cp_exchange == "allgather":
+        # PyTorch's context_parallel (``TrainingConfig.cp_exchange``, ``context.torch_ring``)
+        q_local = sum(q for _, _, q in got) / tp
+        bw = pc.cost.r.bandwidth
+        forward, backward = torch_ring(
+            (fwd_s, bwd_s), transfer, chunk, act_bytes, q_local, kv_local, bw, cp, c.kernels == "inductor"
+        )
+        return forward * (2 if again else 1) + backward
+    forward = ring_exposed(fwd_s, transfer(chunk), cp)
     return forward * (2 if again else 1) + ring_exposed(bwd_s, transfer(2 * chunk), cp)
 
 

@@ -22,6 +22,7 @@ from typing import Any
 from coplan.cost.buckets import BUCKET_SCOPES
 from coplan.cost.config import (
     ATTENTION_KERNEL_CHOICES,
+    CP_EXCHANGES,
     DDP_BUCKET_BYTES,
     FSDP_PIPELINES,
     GRAD_ACCUMULATIONS,
@@ -91,6 +92,7 @@ SETTINGS: tuple[str, ...] = (
     "grad_accumulation",
     "fsdp_pipeline",
     "pipeline_split",
+    "cp_exchange",
     "layer_checkpointing",
 )
 #: How a stack runs fp8 GEMMs: natively, emulated (runs, not faster) or not at all.
@@ -186,6 +188,9 @@ class StackSpec:
             divide them (``coplan.cost.stages.PIPELINE_SPLITS``): not at all (``even``), or as
             torchtitan does, the embedding and the output counting as a block each
             (``weighted``; ``stage_split``).
+        cp_exchange: how its context parallelism exchanges keys and values
+            (``TrainingConfig.cp_exchange``): Transformer Engine's ring, or PyTorch's all-gather
+            with fp32 merging.
         layer_checkpointing: which blocks its per-layer checkpointing (``selective-layer``)
             checkpoints (``LAYER_CHECKPOINTINGS``); ``none`` exactly where it offers none.
         reserved_fraction: reserved bytes beyond what the caching allocator's replay gives
@@ -234,6 +239,7 @@ class StackSpec:
     grad_accumulation: str = "fused"
     fsdp_pipeline: str = "microbatch"
     pipeline_split: str = "even"
+    cp_exchange: str = "p2p"
     layer_checkpointing: str = "none"
     about: str = ""
     sources: tuple[tuple[str, str], ...] = ()
@@ -252,6 +258,7 @@ class StackSpec:
         _choice(src, "grad_accumulation", self.grad_accumulation, GRAD_ACCUMULATIONS)
         _choice(src, "fsdp_pipeline", self.fsdp_pipeline, FSDP_PIPELINES)
         _choice(src, "pipeline_split", self.pipeline_split, PIPELINE_SPLITS)
+        _choice(src, "cp_exchange", self.cp_exchange, CP_EXCHANGES)
         _choice(src, "eager_rope", self.eager_rope, ROPE_FORMS)
         _choice(src, "eager_loss_cast", self.eager_loss_cast, LOSS_CASTS)
         if self.zero3_gather != "unit" and self.fsdp_units:
@@ -404,6 +411,8 @@ class StackSpec:
             config = config.with_(gather_copies=True)
         if self.fsdp_pipeline != "microbatch" and config.fsdp_pipeline == "microbatch":
             config = config.with_(fsdp_pipeline=self.fsdp_pipeline)
+        if self.cp_exchange != "p2p" and config.cp_exchange == "p2p":
+            config = config.with_(cp_exchange=self.cp_exchange)
         if self.zero3_gather != "unit" and config.zero3_gather == "unit":
             config = config.with_(zero3_gather=self.zero3_gather)
         if self.grad_accumulation != "fused" and config.grad_accumulation == "fused":

@@ -4,6 +4,7 @@ where they outlast a step of attention (``coplan.cost.context``)."""
 
 from __future__ import annotations
 
+import json
 from dataclasses import replace
 
 import pytest
@@ -189,3 +190,61 @@ def test_only_the_rings_diagonal_step_pays_the_causal_occupancy_derating():
             launch = rates.launch_s
             ratio = (1 / cp / occupancy + 1 - 1 / cp) * occupancy
             assert got - launch == pytest.approx((whole - launch) * ratio, rel=1e-9)
+
+
+def test_pytorchs_exchange_gathers_once_and_merges_in_fp32() -> None:
+    """PyTorch's ``context_parallel`` (torchtitan's): one all-gather of every rank's keys and values
+    beside the first step, the key/value gradients passed on in fp32 (the last after the loop),
+    and the steps' outputs merged in fp32 (``context.torch_ring``)."""
+    from coplan.cost.context import TORCH_CP_BYTES, allgather_exposed, torch_ring
+
+    assert allgather_exposed(8.0, 1.0, 4) == pytest.approx(3.0 - 2.0)
+    assert allgather_exposed(40.0, 1.0, 4) == 0.0 and allgather_exposed(1.0, 5.0, 1) == 0.0
+    # nothing to hide behind and free memory passes: the exchanges alone, 16-bit keys and values
+    # of 100 bytes at 1 s per 100 bytes, their gradients in fp32 at twice that
+    fwd, bwd = torch_ring((0.0, 0.0), lambda b: b / 100, 100.0, 2.0, 0.0, 0.0, float("inf"), 4)
+    assert fwd == pytest.approx(3 * 1.0)
+    assert bwd == pytest.approx(3 * 1.0 + 3 * 2.0 + 2.0)
+    # long attention hides every exchange but the last gradient transfer; the merges remain
+    q, kv, bw = 1e6, 5e5, 1e9
+    fwd, bwd = torch_ring((1e3, 1e3), lambda b: b / 1e9, 1e6, 2.0, q, kv, bw, 4)
+    b = TORCH_CP_BYTES
+    assert fwd == pytest.approx((q * (b["forward_q_first"] + 3 * b["forward_q_step"]) + kv * 3 * 4.0) / bw)
+    grads = 1e6 * 2 / 1e9
+    merges = q * (b["backward_q_once"] + 4 * b["backward_q_step"])
+    merges += kv * (b["backward_kv_once"] + 4 * b["backward_kv_step"] + 3 * 4.0)
+    assert bwd == pytest.approx(grads + merges / bw)
+    # compiled blocks merge each step in one generated kernel
+    compiled, _ = torch_ring((1e3, 1e3), lambda b: b / 1e9, 1e6, 2.0, q, kv, bw, 4, compiled=True)
+    assert compiled < fwd
+
+
+def test_torchtitans_context_parallelism_is_priced_as_pytorch_runs_it() -> None:
+    from coplan.cost import load_stack
+
+    cluster = load_cluster("dgx-h100", 16)
+    model = CostModel(spec=SPEC)
+    titan = load_stack("torchtitan").configure(_config(4, 2))
+    assert titan.cp_exchange == "allgather" and titan.to_dict()["cp_exchange"] == "allgather"
+    assert load_stack("megatron").configure(_config(4, 2)).cp_exchange == "p2p"
+    assert "cp_exchange" not in _config(4, 2).to_dict()
+    ring = model.estimate(cluster, titan.with_(cp_exchange="p2p"))
+    gather = model.estimate(cluster, titan)
+    # inside a node the ring hides; PyTorch's fp32 merges and last gradient transfer do not
+    assert ring.breakdown_s["cp_comm"] == 0.0 < gather.breakdown_s["cp_comm"]
+    assert gather.breakdown_s["compute"] == ring.breakdown_s["compute"]
+    with pytest.raises(ConfigError, match="cp_exchange"):
+        TrainingConfig(cp_exchange="ring")
+
+
+def test_cli_prices_the_exchange_as_named(cli) -> None:  # type: ignore[no-untyped-def]
+    args = ("estimate", "--model", "llama2-7b", "--gpus", "8", "--cp", "4", "--seq", "4096")
+    args += ("--global-batch", "2", "--stack", "torchtitan", "--json")
+    got = {}
+    for mode in ("allgather", "p2p"):
+        code, out, err = cli(*args, "--cp-exchange", mode)
+        assert code == 0, err
+        data = json.loads(out)
+        assert data["config"].get("cp_exchange", "p2p") == mode
+        got[mode] = data["breakdown_s"]["cp_comm"]
+    assert got["allgather"] > got["p2p"]
