@@ -98,6 +98,10 @@ def configured(run: dict, stack: str):  # type: ignore[no-untyped-def]
     if r["stack_settings"].get("async_tp"):
         # PyTorch's async TP (``coplan.cost.tp_overlap.async_tp_slots``)
         config = config.with_(async_tp=True)
+    if r["stack_settings"].get("fsdp_float8_all_gather"):
+        # torchao's float8 all-gather: FSDP2 gathers the units' linear weights in fp8
+        # (``TrainingConfig.fp8_params``)
+        config = config.with_(fp8_params=True)
     if r["stack_settings"].get("float8") == "rowwise":
         # torchao's rowwise recipe (``coplan.cost.fp8.rowwise_bytes``)
         config = config.with_(fp8_scaling="rowwise")
