@@ -671,11 +671,16 @@ def render(est: Estimate, title: str, reserved: ReservedMemory | None = None) ->
     if c.recompute_layers is not None:
         rec += f" (first {c.recompute_layers} blocks of each chunk)"
     cp_text = f" cp={c.cp}" if c.cp > 1 else ""
+    if c.cp > 1 and c.cp_exchange != "p2p":
+        cp_text += f" ({c.cp_exchange})"
+    # an uneven pipeline: the blocks of each chunk, as given or as the stack splits them
+    split = f" layers={'/'.join(map(str, c.stage_layers))}" if c.stage_layers is not None else ""
+    fsdp = " (FSDP gathered through the step)" if c.fsdp_per_step else ""
     console.print(
-        f"tp={c.tp} pp={c.pp} dp={c.dp}{cp_text} vpp={c.vpp} microbatch={c.microbatch} "
+        f"tp={c.tp} pp={c.pp}{split} dp={c.dp}{cp_text} vpp={c.vpp} microbatch={c.microbatch} "
         f"global batch={c.global_batch} "
         f"({c.num_microbatches} microbatches) recompute={rec} sp={'on' if c.sequence_parallel else 'off'} "
-        f"zero={c.zero} dtype={c.dtype}{' (fp8 params)' if c.fp8_params else ''}"
+        f"zero={c.zero}{fsdp} dtype={c.dtype}{' (fp8 params)' if c.fp8_params else ''}"
         f"{' (rowwise)' if c.fp8_scaling == 'rowwise' and c.dtype == 'fp8' else ''} "
         f"flash={'on' if c.flash_attention else 'off'}"
         f"{'' if c.attention_kernel == 'auto' else f' ({c.attention_kernel})'} fusion={c.fusion}",

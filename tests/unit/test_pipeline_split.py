@@ -70,3 +70,10 @@ def test_the_search_prices_uneven_pipelines_only_where_the_stack_runs_them(stack
         assert three and all(p.stage_layers == weighted_split(2, 3) and p.vpp == 1 for p in three)
         price = ctx.price(ctx.default_plan().with_(parallel=three[0]))
         assert [st.layers for st in price.stages] == list(weighted_split(2, 3))
+
+
+def test_estimate_shows_the_split_it_priced(cli) -> None:  # type: ignore[no-untyped-def]
+    args = ("estimate", "--model", "gpt-tiny", "--gpus", "3", "--pp", "3", "--global-batch", "6")
+    code, out, err = cli(*args, "--stack", "torchtitan")
+    assert code == 0, err
+    assert "layers=" + "/".join(map(str, weighted_split(2, 3))) in " ".join(out.split())
