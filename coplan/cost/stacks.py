@@ -76,6 +76,7 @@ SETTINGS: tuple[str, ...] = (
     "combined_layouts",
     "zero_stages",
     "pipeline_zero_stages",
+    "ddp_alone",
     "fusion",
     "fp8",
     "recompute_sets",
@@ -143,6 +144,8 @@ class StackSpec:
         zero_stages: the ZeRO stages (0: replicated, DDP) the stack's sharding offers.
         pipeline_zero_stages: the ZeRO stages it runs together with pipeline parallelism, of
             those it offers (DeepSpeed's pipeline engine refuses ZeRO-2 and ZeRO-3).
+        ddp_alone: its plain data parallelism (ZeRO 0 over more than one replica) runs only as the
+            job's one parallelism, never beside tensor, pipeline or context parallelism.
         fusion: the fusion options it executes (``FUSION_CHOICES``).
         fp8: how it runs fp8 GEMMs (``FP8_MODES``): ``native`` (Transformer Engine, torchao
             float8), ``emulated`` (it runs an fp8 plan, quantizing in higher precision, no
@@ -223,6 +226,7 @@ class StackSpec:
     combined_layouts: bool = True
     zero_stages: tuple[int, ...] = (0, 1, 2, 3)
     pipeline_zero_stages: tuple[int, ...] = (0, 1, 2, 3)
+    ddp_alone: bool = False
     fusion: tuple[str, ...] = FUSION_CHOICES[:4]
     fp8: str = "native"
     recompute_sets: bool = True
@@ -264,6 +268,7 @@ class StackSpec:
         if self.zero3_gather != "unit" and self.fsdp_units:
             raise StackError(src, "zero3_gather", "FSDP gathers a unit in one collective (needs 'unit')")
         for flag in (
+            "ddp_alone",
             "eager_loss",
             "fsdp_units",
             "pipeline_keeps_outputs",

@@ -59,6 +59,9 @@ def layout_problem(stack: StackSpec, par: ParallelPlan) -> str | None:
     if par.dp * par.cp > 1 and par.zero not in stack.zero_stages:
         allowed = ", ".join(str(z) for z in stack.zero_stages)
         return f"ZeRO stage {par.zero} (it offers {allowed})"
+    if stack.ddp_alone and par.zero == 0 and par.dp > 1 and par.tp * par.pp * par.cp > 1:
+        beside = f"tp {par.tp}, pp {par.pp}, cp {par.cp}"
+        return f"plain data parallelism (ZeRO 0) beside {beside} (it runs DDP alone)"
     if par.pp > 1 and par.dp * par.cp > 1 and par.zero not in stack.pipeline_zero_stages:
         allowed = ", ".join(str(z) for z in stack.pipeline_zero_stages)
         return f"ZeRO stage {par.zero} with pipeline parallelism (it offers {allowed} there)"

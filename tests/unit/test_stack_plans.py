@@ -57,6 +57,8 @@ def allowed(plan: Plan, ctx: PlanContext) -> list[str]:
         bad.append("zero")
     if p.pp > 1 and p.dp > 1 and p.zero not in s.pipeline_zero_stages:
         bad.append("pipeline zero")
+    if s.ddp_alone and p.zero == 0 and p.dp > 1 and p.tp * p.pp * p.cp > 1:
+        bad.append("ddp")
     fused = {frozenset(g) for g in plan.fusion.groups}
     if "greedy" in s.fusion:
         # the stack compiles the plan's own groups: any legal grouping, GEMMs and attention inside
@@ -116,6 +118,9 @@ def forbidden(ctx: PlanContext) -> dict[str, Plan]:
         "ZeRO stage 3 with pipeline parallelism": base.with_(
             parallel=replace(par, pp=2, dp=GPUS // 2, zero=3)
         ),
+        "plain data parallelism (ZeRO 0) beside": base.with_(
+            parallel=replace(par, tp=2, dp=GPUS // 2, zero=0)
+        ),
         "fusion": base.with_(fusion=fusion_option(ctx, "epilogue")),
         "fp8": base.with_(precision=PrecisionPlan(compute="fp8")),
         "recompute": base.with_(remat=RematPlan(recompute=frozenset({one}))),
@@ -131,6 +136,7 @@ def forbidden(ctx: PlanContext) -> dict[str, Plan]:
         ("eager", "pipeline parallelism"),
         ("torchtitan", "ZeRO stage 1"),
         ("deepspeed", "ZeRO stage 3 with pipeline parallelism"),
+        ("torchtitan", "plain data parallelism (ZeRO 0) beside"),
         ("torchtitan-compile", "fusion"),
         ("eager", "fusion"),
         ("torchtitan", "fp8"),
