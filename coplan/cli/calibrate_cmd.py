@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING, Annotated, Any
 import typer
 from rich import box
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
 
 from coplan.cli.common import human_bytes, interruptible, positive, print_json, stdout
@@ -291,7 +292,7 @@ def from_runs(path: Path, cluster: str | None, device: str | None, out: Path | N
     if fit.loo_after == fit.loo_after:
         console.print(f"held out (leave-one-out): {fit.loo_before:.1%} -> {fit.loo_after:.1%}")
     for note in notes:
-        console.print(f"[dim]{note}[/dim]", soft_wrap=True)
+        console.print(f"[dim]{escape(note)}[/dim]", soft_wrap=True)
     console.print(f"\nwrote {written} (use it as --cluster {written})")
 
 

@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 from rich import box
+from rich.markup import escape
 from rich.table import Table
 
 from coplan.cli.common import human_bytes, human_rate, mfu_words, positive, print_json, show_trust, stdout
@@ -585,7 +586,7 @@ def plan(
                 soft_wrap=False,
             )
         for note in r.notes:
-            console.print(f"[dim]{note}[/dim]", soft_wrap=False)
+            console.print(f"[dim]{escape(note)}[/dim]", soft_wrap=False)
         for line in written:
             console.print(line, soft_wrap=False)
         if r.fits and emit is not None:
@@ -593,7 +594,8 @@ def plan(
             console.print(f"\n[bold]to run it with {recipe.target}[/bold]:")
             console.print(recipe.text, soft_wrap=True, markup=False, highlight=False)
             for note in recipe.notes:
-                console.print(f"[dim]note: {note}[/dim]", soft_wrap=False)
+                # a note may name a recipe's [section]: printed as written, not as Rich markup
+                console.print(f"[dim]note: {escape(note)}[/dim]", soft_wrap=False)
         elif r.fits:
             _how_to_run(console, ctx, out, model)
     if not r.fits:

@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 from rich import box
+from rich.markup import escape
 from rich.table import Table
 
 from coplan.cli.common import human_bytes, interruptible, positive, print_json, stdout
@@ -287,4 +288,4 @@ def show(out: dict[str, Any]) -> None:
             f"[yellow]plan tensors with no node in the graph: {', '.join(r['not_found'][:5])}[/yellow]"
         )
     for note in r["notes"]:
-        console.print(f"[dim]{note}[/dim]", soft_wrap=True)
+        console.print(f"[dim]{escape(note)}[/dim]", soft_wrap=True)

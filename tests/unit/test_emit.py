@@ -444,3 +444,11 @@ def test_torchtitan_compile_plans_run_async_tp_where_tp_is_sequence_parallel() -
         CostModel(spec=spec), load_cluster("dgx-h100", 2), 4, 64, stack=load_stack("torchtitan")
     )
     assert not eager.config_of(tp.with_(fusion=run_strategy("sequential", eager).plan.fusion)).async_tp
+
+
+def test_plan_prints_a_recipe_note_as_written(cli) -> None:  # type: ignore[no-untyped-def]
+    """A note naming the recipe's ``[model]`` section reaches the terminal with its brackets, not
+    read as Rich markup."""
+    code, out, err = cli("plan", "--model", "gpt-tiny", "--stack", "torchtitan", "--emit", "torchtitan")
+    assert code == 0, err
+    assert "note: [model] names a torchtitan model" in " ".join(out.split())
