@@ -90,7 +90,8 @@ TORCH_CP_BYTES = {
     "backward_q_once": 4.0 + 6.0,
     "backward_q_step": 10.0,
     "backward_kv_once": 4.0 + 6.0,
-    "backward_kv_step": 10.0 + 8.0,  # and 4 more each step but the last
+    "backward_kv_step": 10.0 + 8.0,
+    "backward_kv_step_but_last": 4.0,
 }
 
 
@@ -119,7 +120,9 @@ def torch_ring(
     fwd_bytes = q_elements * (b["forward_q_first"] + later * merge)
     fwd_bytes += kv_elements * later * b["forward_kv_step"]
     bwd_bytes = q_elements * (b["backward_q_once"] + cp * b["backward_q_step"])
-    bwd_bytes += kv_elements * (b["backward_kv_once"] + cp * b["backward_kv_step"] + later * 4.0)
+    bwd_bytes += kv_elements * (
+        b["backward_kv_once"] + cp * b["backward_kv_step"] + later * b["backward_kv_step_but_last"]
+    )
     gather = kv_transfer(kv_bytes)
     grads = kv_transfer(kv_bytes * 4.0 / act_bytes)  # the key/value gradients, in fp32
     forward = allgather_exposed(fwd_s, gather, cp) + fwd_bytes / bandwidth

@@ -307,16 +307,11 @@ class StackSpec:
                 "must name where the blocks sit exactly when checkpointing offers 'selective-layer' "
                 f"(got {self.layer_checkpointing!r})",
             )
-        zs = tuple(self.zero_stages)
-        if not zs or any(isinstance(z, bool) or z not in (0, 1, 2, 3) for z in zs):
-            raise StackError(src, "zero_stages", f"must list stages among 0, 1, 2, 3, got {list(zs)!r}")
-        object.__setattr__(self, "zero_stages", tuple(sorted(set(zs))))
-        pz = tuple(self.pipeline_zero_stages)
-        if not pz or any(isinstance(z, bool) or z not in (0, 1, 2, 3) for z in pz):
-            raise StackError(
-                src, "pipeline_zero_stages", f"must list stages among 0, 1, 2, 3, got {list(pz)!r}"
-            )
-        object.__setattr__(self, "pipeline_zero_stages", tuple(sorted(set(pz))))
+        for key in ("zero_stages", "pipeline_zero_stages"):
+            zs = tuple(getattr(self, key))
+            if not zs or any(isinstance(z, bool) or z not in (0, 1, 2, 3) for z in zs):
+                raise StackError(src, key, f"must list stages among 0, 1, 2, 3, got {list(zs)!r}")
+            object.__setattr__(self, key, tuple(sorted(set(zs))))
         object.__setattr__(
             self, "fusion", _choices(src, "fusion", self.fusion, FUSION_CHOICES, "fusion option")
         )

@@ -77,7 +77,7 @@ def _with_cp(
     g = ctx.global_batch
     for pp in _divisors(n // (tp * cp)):
         # stages that do not divide the blocks: as the stack splits them, where it does
-        split = ctx.stack.stage_split(layers, pp) if layers % pp else None
+        split = ctx.stack.stage_split(layers, pp)
         if layers % pp and split is None:
             continue
         dp = n // (tp * cp * pp)
