@@ -729,9 +729,13 @@ def render(est: Estimate, title: str, reserved: ReservedMemory | None = None) ->
     mem.add_column("part")
     mem.add_column("bytes", justify="right")
     m = est.memory
+    # PyTorch FSDP with one microbatch makes the gradients during backward (``stages.peak_of``)
+    grads = (
+        "gradients" if m.peak_grads_bytes == m.grads_bytes else "gradients (made by backward, after the peak)"
+    )
     for key, value in (
         ("parameters", m.params_bytes),
-        ("gradients", m.grads_bytes),
+        (grads, m.grads_bytes),
         ("optimizer state", m.optimizer_bytes),
         ("activations (in flight)", m.activations_bytes),
         ("transient working set", m.transient_bytes),

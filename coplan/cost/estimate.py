@@ -65,6 +65,7 @@ from coplan.cost.stages import (
     devices_of_stage,
     drops_output,
     in_flight,
+    peak_of,
     per_stage,
     stage_blocks,
     stage_devices,
@@ -494,15 +495,17 @@ def estimate(profile: GraphProfile, cluster: ClusterSpec, config: TrainingConfig
             # weights the fp8 copy and its transpose replace the 16-bit weight)
             static = (static[0] + weight_cache, static[1], static[2])
         capacity = float(min(dev.memory_bytes for dev in devices_of_stage(cluster, config, s)))
+        peak, peak_grads = peak_of(static, act_stored, transient, config, p_local, per_step is not None)
         mem = MemoryEstimate(
             params_bytes=static[0],
             grads_bytes=static[1],
             optimizer_bytes=static[2],
             activations_bytes=act_stored,
             transient_bytes=transient,
-            peak_bytes=sum(static) + act_stored + transient,
+            peak_bytes=peak,
             capacity_bytes=capacity,
             stage=s,
+            peak_grads_bytes=peak_grads,
         )
         launch_total += m * kern * rates.launch_s
         kernels_total += m * kern

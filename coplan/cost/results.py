@@ -39,6 +39,13 @@ class MemoryEstimate:
     peak_bytes: float
     capacity_bytes: float
     stage: int = 0
+    #: the gradients held at the peak: all of ``grads_bytes``, or none where the peak comes
+    #: before backward makes them (``coplan.cost.stages.peak_of``); -1: ``grads_bytes``
+    peak_grads_bytes: float = -1.0
+
+    def __post_init__(self) -> None:
+        if self.peak_grads_bytes < 0:
+            object.__setattr__(self, "peak_grads_bytes", self.grads_bytes)
 
     @property
     def fits(self) -> bool:
@@ -48,6 +55,7 @@ class MemoryEstimate:
         return {
             "params_bytes": int(self.params_bytes),
             "grads_bytes": int(self.grads_bytes),
+            "peak_grads_bytes": int(self.peak_grads_bytes),
             "optimizer_bytes": int(self.optimizer_bytes),
             "activations_bytes": int(self.activations_bytes),
             "transient_bytes": int(self.transient_bytes),

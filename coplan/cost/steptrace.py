@@ -16,9 +16,11 @@ reserves beside what its tensors occupy. The trace follows the graph's ops in ex
 - FSDP units (``fsdp_units``): before a unit's forward and backward its parameters are gathered
   into one buffer on the all-gather stream (FSDP2 then copies each parameter out on the compute
   stream and frees the buffer; FSDP1 computes on the buffer), one unit prefetched; after its
-  backward the gradients are copied into a reduce-scatter buffer on its own stream, in the reduce
-  dtype; the root unit (embedding, final norm, head) stays gathered from forward to the end of
-  backward;
+  backward the gradients are copied into a reduce-scatter input in the reduce dtype (FSDP2: on the
+  compute stream, kept until the next unit's reduction; FSDP1: on its post-backward stream) and
+  the sharded gradient is made on the reduce-scatter stream, whose pool keeps its blocks once
+  ``zero_grad`` frees them (``_Tracer.reduce``); the root unit (embedding, final norm, head) stays
+  gathered from forward to the end of backward;
 - the optimizer: PyTorch's multi-tensor AdamW (``foreach``) makes one fp32 list the size of the
   states it updates (``_foreach_sqrt`` of the second moments, torch/optim/adamw.py), freed after.
 
@@ -104,6 +106,7 @@ class _Tracer:
         self.grads: list[int] = []
         self.reduced: set[int | None] = set()  # FSDP units whose gradient shard this step holds
         self.made: set[int] = set()  # backward segments whose ``.grad`` this step holds
+        self.reduce_input: int | None = None  # FSDP2's retained reduce-scatter input
 
     def alloc(self, nbytes: float, stream: int = COMPUTE) -> int:
         h = next(self._handles)
@@ -132,15 +135,38 @@ class _Tracer:
             self.free(h)
 
     def reduce(self, unit: int | None, produced: list[int]) -> None:
-        """A unit's gradients into the reduce-scatter buffer, then its shard out."""
+        """A unit's gradients into the reduce-scatter input, then its shard out.
+
+        FSDP2 (torch/distributed/fsdp/_fully_shard/_fsdp_collectives.py ``foreach_reduce`` at
+        v2.13.0) allocates the input on the compute stream, copies the gradients in and keeps the
+        input until the next unit's reduction starts (``reduce_scatter_states``, at most
+        ``reduce_scatter_max_input_buffers`` = 1, reclaimed in the next ``post_backward``).
+        FSDP1 casts the flat gradient to the reduce dtype on its post-backward stream
+        (``_post_backward_hook``, ``_reduce_grad`` in torch/distributed/fsdp/_runtime_utils.py).
+        Both allocate the sharded gradient on that side stream (FSDP2: "the GPU sharded gradient
+        is allocated in the RS stream"), where it stays as ``.grad`` until ``zero_grad``; its
+        freed blocks then sit in that stream's pool, which the compute stream cannot use."""
         n = sum(self.units.get(unit, {}).values())
-        flat = self.alloc(n * self.reduce_bytes, SCATTER)
+        fsdp2 = self.sharding == "fsdp2"
+        if fsdp2:
+            self.release_reduce_input()
+        flat = self.alloc(n * self.reduce_bytes, COMPUTE if fsdp2 else SCATTER)
         for h in produced:
             self.free(h)
         if unit not in self.reduced:  # later microbatches accumulate into the shard
             self.reduced.add(unit)
-            self.grads.append(self.alloc(n * 4 / self.d))
-        self.free(flat)
+            self.grads.append(self.alloc(n * 4 / self.d, SCATTER))
+        if fsdp2:
+            self.reduce_input = flat
+        else:
+            self.free(flat)
+
+    def release_reduce_input(self) -> None:
+        """FSDP2's last reduce-scatter input, kept until the next reduction or the end of
+        backward (``FSDPState._root_post_backward_final_callback`` clears them)."""
+        if self.reduce_input is not None:
+            self.free(self.reduce_input)
+            self.reduce_input = None
 
     # --- the step --------------------------------------------------------------------------------
 
@@ -213,6 +239,7 @@ class _Tracer:
             self._release(live, op, self.last_b, forward=False)
         if cur != -1:
             self._unit_done(cur, segment, pgrads)
+        self.release_reduce_input()
         for h in live.values():
             self.free(h)
 

@@ -135,3 +135,40 @@ def test_microbatches_accumulate_into_the_gradients_of_the_first() -> None:
     one = replay(step_events(g, _config(), "ddp")).allocated_bytes
     four = replay(step_events(g, _config(global_batch=8), "ddp")).allocated_bytes
     assert one < four <= one + grads
+
+
+@pytest.mark.parametrize("sharding", ["fsdp1", "fsdp2"])
+def test_fsdp_makes_its_gradient_shards_on_the_reduce_scatter_stream(sharding: str) -> None:
+    """FSDP1's post-backward stream and FSDP2's reduce-scatter stream allocate the sharded
+    gradients, so the blocks ``zero_grad`` frees stay in that stream's pool, which the next
+    forward's activations cannot use: the reserved peak holds them beyond the allocated one."""
+    g = _graph()
+    c = _config(zero=3, dp=8, fsdp_units=True)
+    shard = int(LLAMA.block_params() * 4 / 8)  # a block's fp32 gradient shard
+    events = step_events(g, c, sharding)
+    streams = [s for _, n, s in events if n == shard]
+    assert len(streams) == 2 * LLAMA.n_layers and set(streams) == {SCATTER}  # two steps
+    # the first step's shards, freed by zero_grad, stay in the scatter pool through the second
+    # step's forward: the reserved peak holds them beyond the allocated one
+    assert replay(events).overhead_bytes >= LLAMA.n_layers * round_size(shard)
+
+
+def test_fsdp2_keeps_its_reduce_scatter_input_until_the_next_unit() -> None:
+    """FSDP2 allocates the reduce-scatter input on the compute stream and keeps it until the next
+    unit's reduction (``reduce_scatter_states``), through that unit's backward; FSDP1 casts on its
+    post-backward stream and frees the cast once its shard is out."""
+    g = _graph()
+    c = _config(zero=3, dp=8, fsdp_units=True)
+    assert c.grad_reduce_fp32
+    sizes = {int(LLAMA.block_params() * 4)}  # a block's gradients in the reduce dtype, fp32
+    for sharding, stream, most in (("fsdp2", COMPUTE, None), ("fsdp1", SCATTER, 1)):
+        events = step_events(g, c, sharding)
+        first = next(i for i, (_, n, _) in enumerate(events) if n in sizes)
+        h, _, s = events[first]
+        assert s == stream
+        end = next(i for i in range(first + 1, len(events)) if events[i][0] == h)
+        between = sum(1 for _, n, _ in events[first + 1 : end] if n >= 0)
+        if most is None:
+            assert between > 1  # the next block's backward allocates while it is held
+        else:
+            assert between == most  # only its gradient shard
