@@ -8,8 +8,8 @@ Each eager and ``torch.compile`` run is priced as ``coplan run --mode eager|comp
 cluster the record names in ``priced_as``, with the AdamW form the run built (its record's
 ``optimizer``, or ``RAN_AS``), with no GPU needed. The plans' own runs are left out:
 their plans are files made by the planner of the time, which a later planner need not reproduce. Prints
-each run's step time measured, predicted then and now, and each model's eager / compiled step-time
-ratio measured and priced (the points between them).
+each run's step time measured, predicted then and now, its allocated peak measured and priced now,
+and each model's eager / compiled step-time ratio measured and priced (the points between them).
 """
 
 from __future__ import annotations
@@ -61,10 +61,16 @@ def reprice(record: dict[str, Any]) -> dict[str, Any]:
             _, _, pred, _ = priced_request(req, optimizer=r.get("optimizer", RAN_AS.get(model)))
             runs[key] = {
                 "batch": batch_kind,
+                "microbatches": r["batch"] // r["microbatch"],
                 "measured_s": r["step_time_s"],
                 "predicted_then_s": r["predicted_step_time_s"],
                 "predicted_s": pred.step_time_s,
                 "error": pred.step_time_s / r["step_time_s"] - 1,
+                # CUDA's allocator peak (``torch.cuda.max_memory_allocated``) against the allocated
+                # peak the cost model prices
+                "measured_peak_bytes": r["peak_bytes"],
+                "predicted_peak_bytes": pred.peak_bytes,
+                "peak_error": pred.peak_bytes / r["peak_bytes"] - 1,
             }
         ratios = {}
         for batch_kind in ("tight", "loose"):
@@ -89,7 +95,10 @@ def main() -> None:
         for key, r in m["runs"].items():
             print(
                 f"  {model:<12} {key:<14} {r['measured_s'] * 1e3:7.1f} {r['predicted_then_s'] * 1e3:7.1f} "
-                f"{r['predicted_s'] * 1e3:7.1f} ({r['error']:+.1%})"
+                f"{r['predicted_s'] * 1e3:7.1f} ({r['error']:+.1%}); "
+                f"peak {r['measured_peak_bytes'] / 2**30:.1f} GiB, "
+                f"priced {r['predicted_peak_bytes'] / 2**30:.1f} ({r['peak_error']:+.1%}), "
+                f"{r['microbatches']} microbatch{'es' if r['microbatches'] > 1 else ''}"
             )
         for batch_kind, x in m["eager_over_compiled"].items():
             print(

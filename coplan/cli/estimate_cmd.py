@@ -729,10 +729,12 @@ def render(est: Estimate, title: str, reserved: ReservedMemory | None = None) ->
     mem.add_column("part")
     mem.add_column("bytes", justify="right")
     m = est.memory
-    # PyTorch FSDP with one microbatch makes the gradients during backward (``stages.peak_of``)
-    grads = (
-        "gradients" if m.peak_grads_bytes == m.grads_bytes else "gradients (made by backward, after the peak)"
-    )
+    # autograd makes the gradients during backward; DDP's buckets hold a copy (``stages.peak_of``)
+    grads = "gradients"
+    if m.grads_bytes and m.peak_grads_bytes == 0:
+        grads = "gradients (made by backward, after the peak)"
+    elif m.grads_bytes and m.peak_grads_bytes > 1.5 * m.grads_bytes:
+        grads = "gradients (twice at the peak: DDP's buckets beside .grad)"
     for key, value in (
         ("parameters", m.params_bytes),
         (grads, m.grads_bytes),

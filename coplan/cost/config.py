@@ -105,6 +105,9 @@ LOSS_CASTS: tuple[str, ...] = ("float", "autocast", "none", "fused", "parallel")
 #: 16-bit or fp32 parameters' ``.grad``, ``fp32-buffer`` by a copy of each microbatch's 16-bit
 #: gradients into fp32 buffers
 GRAD_ACCUMULATIONS: tuple[str, ...] = ("fused", "autograd16", "autograd32", "fp32-buffer")
+#: Where a step's gradients live (``TrainingConfig.grad_storage``): buffers allocated once, autograd's
+#: ``.grad`` made by each backward, or that beside PyTorch DDP's buckets where DDP runs
+GRAD_STORAGES: tuple[str, ...] = ("buffer", "autograd", "ddp")
 
 
 def recomputes_fully(recompute: object, per_stage: tuple[object, ...] | None) -> bool:
@@ -302,6 +305,15 @@ class TrainingConfig:
             (``torch/distributed/tensor/experimental/_context_parallel/_attention.py``:
             ``_ContextParallelOptions`` rotates by all-gather and merges in fp32 by default), priced
             by ``coplan.cost.context.torch_ring``.
+        grad_storage: where the gradients live (``GRAD_STORAGES``; ``coplan.cost.stages.peak_of``):
+            ``"buffer"``, buffers allocated once and held through the run (Megatron-LM's and
+            DeepSpeed's gradient buffers); ``"autograd"``, autograd's ``.grad`` tensors (FSDP's
+            sharded ones after each unit's reduce-scatter), made by each backward and dropped by
+            ``zero_grad(set_to_none=True)``; ``"ddp"``, the same, and where the step runs PyTorch
+            DDP (ZeRO 0 over more than one data-parallel rank) its reducer's buckets hold another
+            copy of every gradient through the run (``gradient_as_bucket_view=False``, DDP's
+            default: torch/nn/parallel/distributed.py, "the saved memory size will be equal to the
+            total gradients size" where it is set).
         gather_copies: the stack copies each gathered unit out of the all-gather buffer into
             its parameters and each unit's gradients into the reduce-scatter buffer on the compute
             stream (PyTorch FSDP2; ``coplan.cost.zero.fsdp_copies``), priced with the unit's
@@ -376,6 +388,7 @@ class TrainingConfig:
     cp_exchange: str = "p2p"
     launch_blocking: bool = False
     gather_copies: bool = False
+    grad_storage: str = "buffer"
 
     def __post_init__(self) -> None:
         for name, bound in (
@@ -465,6 +478,10 @@ class TrainingConfig:
             raise ConfigError("eager_loss", f"must be true or false, got {self.eager_loss!r}")
         if not isinstance(self.gemm_padding, bool):
             raise ConfigError("gemm_padding", f"must be true or false, got {self.gemm_padding!r}")
+        if self.grad_storage not in GRAD_STORAGES:
+            raise ConfigError(
+                "grad_storage", f"must be one of {', '.join(GRAD_STORAGES)}, got {self.grad_storage!r}"
+            )
         if not isinstance(self.gather_copies, bool):
             raise ConfigError("gather_copies", f"must be true or false, got {self.gather_copies!r}")
         if not isinstance(self.launch_blocking, bool):
@@ -672,6 +689,7 @@ class TrainingConfig:
             **({"overlap_zero": False} if not self.overlap_zero else {}),
             **({"launch_blocking": True} if self.launch_blocking else {}),
             **({"gather_copies": True} if self.gather_copies else {}),
+            **({"grad_storage": self.grad_storage} if self.grad_storage != "buffer" else {}),
         }
 
 

@@ -39,8 +39,9 @@ class MemoryEstimate:
     peak_bytes: float
     capacity_bytes: float
     stage: int = 0
-    #: the gradients held at the peak: all of ``grads_bytes``, or none where the peak comes
-    #: before backward makes them (``coplan.cost.stages.peak_of``); -1: ``grads_bytes``
+    #: the gradients held at the peak: ``grads_bytes``, none where the peak comes before backward
+    #: makes them, twice it where PyTorch DDP's buckets sit beside ``.grad``
+    #: (``coplan.cost.stages.peak_of``); -1: ``grads_bytes``
     peak_grads_bytes: float = -1.0
 
     def __post_init__(self) -> None:

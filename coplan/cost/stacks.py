@@ -42,6 +42,13 @@ from coplan.errors import SpecError
 #: ``fsdp2`` (per-parameter DTensor sharding, ``fully_shard`` per block), ``deepspeed-zero``
 #: (DeepSpeed's ZeRO stages 1-3), ``ddp`` (replicated, bucketed all-reduce).
 SHARDINGS: tuple[str, ...] = ("megatron-distopt", "fsdp1", "fsdp2", "deepspeed-zero", "ddp")
+#: The PyTorch-native shardings and where their gradients live (``TrainingConfig.grad_storage``):
+#: autograd's ``.grad`` everywhere; beside DDP's buckets at ZeRO 0 where the stack runs DDP
+#: (nanoGPT's ``DDP(model)``; coplan's runner and torchtitan run DDP, or torchtitan's ``replicate``,
+#: which wraps it, for ZeRO 0 beside FSDP2 for the rest), not where FSDP1's presets run
+#: (fms-fsdp and llm-foundry shard with FSDP1 only). Megatron's and DeepSpeed's gradient buffers
+#: live through the run.
+PYTORCH_GRADS: dict[str, str] = {"fsdp1": "autograd", "fsdp2": "ddp", "ddp": "ddp"}
 #: Activation-checkpointing policies a stack may offer: ``none``, ``full`` (each block), Megatron's
 #: ``selective`` (the attention core), torchtitan's per-op ``selective-op`` (save matmul outputs but
 #: every second one, and attention's; recompute the rest) and ``selective-layer`` (some blocks fully
@@ -409,6 +416,9 @@ class StackSpec:
         if self.sharding == "fsdp2" and self.fsdp_units:
             # FSDP2's copies around its collectives, on the compute stream (``zero.fsdp_copies``)
             config = config.with_(gather_copies=True)
+        if self.sharding in PYTORCH_GRADS and config.grad_storage == "buffer":
+            # autograd's ``.grad``, and DDP's buckets where the stack runs DDP at ZeRO 0
+            config = config.with_(grad_storage=PYTORCH_GRADS[self.sharding])
         if self.fsdp_pipeline != "microbatch" and config.fsdp_pipeline == "microbatch":
             config = config.with_(fsdp_pipeline=self.fsdp_pipeline)
         if self.cp_exchange != "p2p" and config.cp_exchange == "p2p":

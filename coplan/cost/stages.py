@@ -140,17 +140,6 @@ def static_bytes(p_local: float, config: TrainingConfig, d: int) -> tuple[float,
     return w, g, o
 
 
-def grads_made_in_backward(config: TrainingConfig, per_step: bool = False) -> bool:
-    """Whether a step's gradients exist only from its backward on: PyTorch FSDP (``fsdp_units``
-    gathering per unit) makes each unit's sharded gradient by its reduce-scatter after the unit's
-    backward, and ``zero_grad(set_to_none=True)`` (PyTorch's default since 2.0, what torchtitan,
-    Composer and coplan's runner call) drops them after the step, so with one microbatch a step
-    the forward and the loss run with no gradient held. Several microbatches hold the first one's
-    through the rest; FSDP gathered through a pipeline step (``per_step``) holds them unsharded;
-    Megatron's and DeepSpeed's gradient buffers live through the run; DDP's buckets too."""
-    return config.fsdp_units and config.gathers_per_unit and not per_step and config.num_microbatches == 1
-
-
 def peak_of(
     static: tuple[float, float, float],
     activations: float,
@@ -162,23 +151,34 @@ def peak_of(
     """(peak bytes, gradient bytes held at it) of a GPU holding ``static`` (parameters,
     gradients, optimizer state), ``activations`` saved for backward and a ``transient`` working set.
 
-    Where the gradients are made during backward (``grads_made_in_backward``) the step's backward
-    frees each block's saved activations as it makes that block's gradients: the start of backward
-    holds every activation and no gradient, its end every gradient and no activation, and between
-    them the sum moves from one to the other, so the larger of the two sets the peak. Otherwise the
-    gradients are held throughout. PyTorch's multi-tensor AdamW (``optimizer="foreach"``) adds one
-    fp32 list the size of a moment while it steps (``_foreach_sqrt`` of the second moments,
-    torch/optim/adamw.py), beside every gradient."""
+    Where the gradients are autograd's (``TrainingConfig.grad_storage``) a step's backward makes
+    them: FSDP's sharded gradients by each unit's reduce-scatter after its backward, a process's
+    ``.grad`` as each weight's gradient is computed, and ``zero_grad(set_to_none=True)``
+    (PyTorch's default since 2.0, what torchtitan, Composer, nanoGPT and coplan's runner call)
+    drops them after the step. With one microbatch a step the forward and the loss hold none, and
+    as backward makes a block's gradients it frees that block's activations: the start of backward
+    holds every activation and no gradient, its end every gradient and no activation, so the larger
+    of the two sets the peak. Several microbatches hold the first one's gradients through the rest,
+    as do FSDP's units gathered through a pipeline step (``per_step``); buffers
+    (``"buffer"``: Megatron's, DeepSpeed's) are held throughout; PyTorch DDP (``"ddp"`` at ZeRO 0
+    over several data-parallel ranks) holds its buckets, one more copy of every gradient, beside
+    ``.grad``. PyTorch's multi-tensor AdamW (``optimizer="foreach"``) adds one fp32 list the size of
+    a moment while it steps (``_foreach_sqrt`` of the second moments, torch/optim/adamw.py), beside
+    every gradient."""
     w, g, o = static
-    if grads_made_in_backward(config, per_step):
-        peak = w + o + transient + max(activations, g)
-        held = g if g > activations else 0.0
-    else:
+    mode = config.grad_storage
+    buckets = g if mode == "ddp" and config.zero == 0 and config.dp_cp > 1 else 0.0
+    if mode == "buffer" or per_step:
         peak, held = w + g + o + activations + transient, g
+    elif config.num_microbatches > 1:
+        peak, held = w + o + buckets + g + activations + transient, buckets + g
+    else:
+        peak = w + o + buckets + transient + max(activations, g)
+        held = buckets + (g if g > activations else 0.0)
     if config.optimizer == "foreach":
         moment = 4.0 * p_local / (config.shard_ranks if config.zero >= 1 else 1)
-        if w + g + o + moment > peak:
-            peak, held = w + g + o + moment, g
+        if w + g + o + buckets + moment > peak:
+            peak, held = w + g + o + buckets + moment, g + buckets
     return peak, held
 
 

@@ -465,3 +465,33 @@ def test_fsdp_gradients_are_not_held_before_backward_with_one_microbatch(optimiz
             want = max(want, w + g + o + g)  # the moment list: fp32 over the shard, as the gradient
         assert m.peak_bytes == pytest.approx(want)
         assert m.peak_grads_bytes == (g if held or m.peak_bytes == w + g + o + g else 0.0)
+
+
+@pytest.mark.parametrize("stack", ["megatron", "coplan", "eager"])
+@pytest.mark.parametrize("dp", [1, 8])
+def test_where_each_stack_keeps_its_gradients(stack: str, dp: int) -> None:
+    """Megatron's gradient buffer lives through the run. PyTorch's ``.grad`` is made by backward
+    (one microbatch: activations or gradients at the peak, not both); under DDP (ZeRO 0 over
+    several ranks) the reducer's buckets hold another copy through the run, so its end of backward
+    holds the gradients twice."""
+    cm = CostModel(spec=SPEC)
+    cluster = load_cluster("dgx-h100", dp)
+    for batch, m_ in ((dp, 1), (2 * dp, 2)):
+        c = load_stack(stack).configure(TrainingConfig(global_batch=batch, microbatch=1, seq=64, dp=dp))
+        assert c.num_microbatches == m_
+        m = cm.estimate(cluster, c).memory
+        w, g, o, a, t = (
+            m.params_bytes,
+            m.grads_bytes,
+            m.optimizer_bytes,
+            m.activations_bytes,
+            m.transient_bytes,
+        )
+        buckets = g if stack != "megatron" and dp > 1 else 0.0
+        if stack == "megatron":
+            want = w + g + o + a + t
+        elif m_ > 1:
+            want = w + o + buckets + g + a + t
+        else:
+            want = w + o + buckets + t + max(a, g)
+        assert m.peak_bytes == pytest.approx(want)
