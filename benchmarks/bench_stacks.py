@@ -185,6 +185,9 @@ def _reserved(model: CostModel, cluster, est, run: dict, stack: str) -> float:  
     if run["stack_settings"].get("fsdp") == "fsdp1" and spec_of_stack.sharding == "fsdp2":
         # FSDP1 computes on its flat parameter and reduces on its post-backward stream
         spec_of_stack = replace(spec_of_stack, sharding="fsdp1")
+    if "fsdp2_reduce_input" in run["stack_settings"]:
+        # the run's FSDP2 made its reduce-scatter input where its torch did (``StackSpec.reduce_input``)
+        spec_of_stack = replace(spec_of_stack, reduce_input=run["stack_settings"]["fsdp2_reduce_input"])
     if "expandable_segments" in run["stack_settings"]:
         spec_of_stack = replace(
             spec_of_stack, expandable_segments=run["stack_settings"]["expandable_segments"]

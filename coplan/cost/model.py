@@ -120,6 +120,7 @@ class CostModel:
             est.memory.capacity_bytes,
             expandable=stack.expandable_segments,
             extra_fraction=stack.reserved_fraction,
+            reduce_input=stack.reduce_input,
         )
 
     def check(self, cluster: ClusterSpec, config: TrainingConfig) -> None:

@@ -75,6 +75,7 @@ SETTINGS: tuple[str, ...] = (
     "checkpointing",
     "reserved_fraction",
     "expandable_segments",
+    "reduce_input",
     "tensor_parallel",
     "pipeline_parallel",
     "interleaved_pipeline",
@@ -103,6 +104,12 @@ SETTINGS: tuple[str, ...] = (
     "cp_exchange",
     "layer_checkpointing",
 )
+#: Where FSDP2 allocates a unit's reduce-scatter input (``coplan.cost.steptrace``): on the
+#: compute stream, kept until the next unit's reduction (``compute``: PyTorch since
+#: pytorch/pytorch#129721 of 2024-06-27, "[FSDP2] Ran reduce-scatter copy-in in default stream"),
+#: or on its reduce-scatter stream, freed once reduced (``reduce-scatter``: FSDP2 before it, whose
+#: ``foreach_reduce_scatter`` made the input inside ``torch.cuda.stream(reduce_scatter_stream)``).
+REDUCE_INPUTS: tuple[str, ...] = ("compute", "reduce-scatter")
 #: How a stack runs fp8 GEMMs: natively, emulated (runs, not faster) or not at all.
 FP8_MODES: tuple[str, ...] = ("native", "emulated", "none")
 #: The fusion options a stack can execute (``coplan.search.space.FUSION_OPTIONS``): ``eager`` (each
@@ -208,6 +215,8 @@ class StackSpec:
             a stack's own allocator or memory pools hold besides; 0 in every preset.
         expandable_segments: the stack's runs set ``PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True``
             (each stream's pool one growing range; ``coplan.cost.caching``).
+        reduce_input: where its FSDP2 allocates each unit's reduce-scatter input
+            (``REDUCE_INPUTS``); FSDP1 always casts on its post-backward stream.
         sources: (setting, citation) for each setting the preset gives.
     """
 
@@ -225,6 +234,7 @@ class StackSpec:
     checkpointing: tuple[str, ...] = ("none", "selective", "full")
     reserved_fraction: float = 0.0
     expandable_segments: bool = False
+    reduce_input: str = "compute"
     tensor_parallel: bool = True
     pipeline_parallel: bool = True
     interleaved_pipeline: bool = True
@@ -272,6 +282,7 @@ class StackSpec:
         _choice(src, "cp_exchange", self.cp_exchange, CP_EXCHANGES)
         _choice(src, "eager_rope", self.eager_rope, ROPE_FORMS)
         _choice(src, "eager_loss_cast", self.eager_loss_cast, LOSS_CASTS)
+        _choice(src, "reduce_input", self.reduce_input, REDUCE_INPUTS)
         if self.zero3_gather != "unit" and self.fsdp_units:
             raise StackError(src, "zero3_gather", "FSDP gathers a unit in one collective (needs 'unit')")
         for flag in (
@@ -549,6 +560,7 @@ __all__ = [
     "DDP_BUCKET_PARAMS",
     "FP8_MODES",
     "FUSION_CHOICES",
+    "REDUCE_INPUTS",
     "SETTINGS",
     "SHARDINGS",
     "StackError",

@@ -17,7 +17,8 @@ reserves beside what its tensors occupy. The trace follows the graph's ops in ex
   into one buffer on the all-gather stream (FSDP2 then copies each parameter out on the compute
   stream and frees the buffer; FSDP1 computes on the buffer), one unit prefetched; after its
   backward the gradients are copied into a reduce-scatter input in the reduce dtype (FSDP2: on the
-  compute stream, kept until the next unit's reduction; FSDP1: on its post-backward stream) and
+  compute stream, kept until the next unit's reduction, or before PyTorch moved it there on its
+  reduce-scatter stream, ``StackSpec.reduce_input``; FSDP1: on its post-backward stream) and
   the sharded gradient is made on the reduce-scatter stream, whose pool keeps its blocks once
   ``zero_grad`` frees them (``_Tracer.reduce``); the root unit (embedding, final norm, head) stays
   gathered from forward to the end of backward;
@@ -50,10 +51,14 @@ COMPUTE, GATHER, SCATTER = 0, 1, 2
 class _Tracer:
     """One GPU's allocations over steps of ``config``: the events, and what is live."""
 
-    def __init__(self, graph: Graph, config: TrainingConfig, sharding: str) -> None:
+    def __init__(
+        self, graph: Graph, config: TrainingConfig, sharding: str, reduce_input: str = "compute"
+    ) -> None:
         g = self.g = graph
         self.config = config
         self.sharding = sharding
+        # FSDP2 keeps its reduce-scatter input on the compute stream until the next reduction
+        self.retain_input = sharding == "fsdp2" and reduce_input == "compute"
         self.events: list[Event] = []
         self._handles = itertools.count()
         vec = tensor_vec(graph)
@@ -141,22 +146,24 @@ class _Tracer:
         v2.13.0) allocates the input on the compute stream, copies the gradients in and keeps the
         input until the next unit's reduction starts (``reduce_scatter_states``, at most
         ``reduce_scatter_max_input_buffers`` = 1, reclaimed in the next ``post_backward``).
-        FSDP1 casts the flat gradient to the reduce dtype on its post-backward stream
-        (``_post_backward_hook``, ``_reduce_grad`` in torch/distributed/fsdp/_runtime_utils.py).
-        Both allocate the sharded gradient on that side stream (FSDP2: "the GPU sharded gradient
+        FSDP2 before pytorch/pytorch#129721 (``reduce_input="reduce-scatter"``) allocated it on
+        the reduce-scatter stream and dropped it once reduced, as FSDP1 does its cast of the flat
+        gradient to the reduce dtype on its post-backward stream (``_post_backward_hook``,
+        ``_reduce_grad`` in torch/distributed/fsdp/_runtime_utils.py).
+        All allocate the sharded gradient on that side stream (FSDP2: "the GPU sharded gradient
         is allocated in the RS stream"), where it stays as ``.grad`` until ``zero_grad``; its
         freed blocks then sit in that stream's pool, which the compute stream cannot use."""
         n = sum(self.units.get(unit, {}).values())
-        fsdp2 = self.sharding == "fsdp2"
-        if fsdp2:
+        retain = self.retain_input
+        if retain:
             self.release_reduce_input()
-        flat = self.alloc(n * self.reduce_bytes, COMPUTE if fsdp2 else SCATTER)
+        flat = self.alloc(n * self.reduce_bytes, COMPUTE if retain else SCATTER)
         for h in produced:
             self.free(h)
         if unit not in self.reduced:  # later microbatches accumulate into the shard
             self.reduced.add(unit)
             self.grads.append(self.alloc(n * 4 / self.d, SCATTER))
-        if fsdp2:
+        if retain:
             self.reduce_input = flat
         else:
             self.free(flat)
@@ -364,10 +371,13 @@ def _kept(g: Graph, fwd: list[Op], config: TrainingConfig) -> dict[int, bool]:
     return out
 
 
-def step_events(graph: Graph, config: TrainingConfig, sharding: str, steps: int = 2) -> list[Event]:
+def step_events(
+    graph: Graph, config: TrainingConfig, sharding: str, steps: int = 2, reduce_input: str = "compute"
+) -> list[Event]:
     """The allocation events of ``steps`` training steps of ``config`` on the GPU of pipeline
-    stage 0, under ``sharding`` (a ``StackSpec.sharding``)."""
-    return _Tracer(graph, config, sharding).run(steps)
+    stage 0, under ``sharding`` (a ``StackSpec.sharding``), FSDP2's reduce-scatter input where
+    ``reduce_input`` says (``StackSpec.reduce_input``)."""
+    return _Tracer(graph, config, sharding, reduce_input).run(steps)
 
 
 def allocator_peak(
@@ -377,9 +387,11 @@ def allocator_peak(
     *,
     expandable: bool,
     capacity: float = float("inf"),
+    reduce_input: str = "compute",
 ) -> AllocatorPeak:
     """What the caching allocator holds at the peak of ``config``'s steps on one GPU."""
-    return replay(step_events(graph, config, sharding), expandable=expandable, capacity=capacity)
+    events = step_events(graph, config, sharding, reduce_input=reduce_input)
+    return replay(events, expandable=expandable, capacity=capacity)
 
 
 @dataclass(frozen=True, slots=True)
@@ -415,11 +427,13 @@ def reserved_memory(
     *,
     expandable: bool,
     extra_fraction: float = 0.0,
+    reduce_input: str = "compute",
 ) -> ReservedMemory:
     """The reserved peak of ``config`` (one microbatch's ``graph``) beside the cost model's
-    ``allocated_bytes``, under ``sharding`` (a ``StackSpec.sharding``); ``extra_fraction`` of the
-    allocated peak more (``StackSpec.reserved_fraction``)."""
-    peak = allocator_peak(graph, config, sharding, expandable=expandable)
+    ``allocated_bytes``, under ``sharding`` (a ``StackSpec.sharding``, FSDP2's reduce-scatter input
+    where ``reduce_input`` says); ``extra_fraction`` of the allocated peak more
+    (``StackSpec.reserved_fraction``)."""
+    peak = allocator_peak(graph, config, sharding, expandable=expandable, reduce_input=reduce_input)
     overhead = peak.overhead_bytes + extra_fraction * allocated_bytes
     want = allocated_bytes + overhead
     return ReservedMemory(

@@ -11,6 +11,7 @@ import pytest
 from coplan.cost import CostModel, TrainingConfig, load_stack
 from coplan.cost.caching import replay, round_size
 from coplan.cost.checkpoint import selective_op_names
+from coplan.cost.stacks import StackError
 from coplan.cost.stages import static_bytes
 from coplan.cost.steptrace import COMPUTE, GATHER, SCATTER, reserved_memory, step_events
 from coplan.hardware import load_cluster
@@ -161,8 +162,13 @@ def test_fsdp2_keeps_its_reduce_scatter_input_until_the_next_unit() -> None:
     c = _config(zero=3, dp=8, fsdp_units=True)
     assert c.grad_reduce_fp32
     sizes = {int(LLAMA.block_params() * 4)}  # a block's gradients in the reduce dtype, fp32
-    for sharding, stream, most in (("fsdp2", COMPUTE, None), ("fsdp1", SCATTER, 1)):
-        events = step_events(g, c, sharding)
+    for sharding, where, stream, most in (
+        ("fsdp2", "compute", COMPUTE, None),
+        ("fsdp1", "compute", SCATTER, 1),
+        # FSDP2 before pytorch/pytorch#129721: made on the reduce-scatter stream, dropped once reduced
+        ("fsdp2", "reduce-scatter", SCATTER, 1),
+    ):
+        events = step_events(g, c, sharding, reduce_input=where)
         first = next(i for i, (_, n, _) in enumerate(events) if n in sizes)
         h, _, s = events[first]
         assert s == stream
@@ -172,3 +178,22 @@ def test_fsdp2_keeps_its_reduce_scatter_input_until_the_next_unit() -> None:
             assert between > 1  # the next block's backward allocates while it is held
         else:
             assert between == most  # only its gradient shard
+
+
+def test_a_stack_names_where_fsdp2_makes_its_reduce_scatter_input() -> None:
+    """``StackSpec.reduce_input`` reaches the replay: FSDP2's input on its reduce-scatter stream
+    (its early versions) is a spike in that stream's pool, which the compute stream cannot reuse
+    (pytorch/pytorch#129721), so it reserves more beside the same allocated peak; a value the
+    stack does not know is refused."""
+    cm = CostModel(spec=replace(PRESETS["gpt2-124m"], n_layers=4))
+    stack = replace(load_stack("torchtitan"), expandable_segments=False)
+    assert stack.reduce_input == "compute"
+    cluster = load_cluster("dgx-h100", 8)
+    est = cm.estimate(cluster, stack.configure(_config(zero=3, dp=8, global_batch=16)))
+    late = cm.reserved(cluster, est, stack)
+    early = cm.reserved(cluster, est, replace(stack, reduce_input="reduce-scatter"))
+    assert late is not None and early is not None
+    assert early.allocated_bytes == late.allocated_bytes
+    assert early.overhead_bytes > late.overhead_bytes
+    with pytest.raises(StackError, match="reduce_input"):
+        replace(stack, reduce_input="side")
