@@ -15,7 +15,8 @@ reserves beside what its tensors occupy. The trace follows the graph's ops in ex
 - backward: each block's recomputed tensors re-made when its backward starts, then the gradients;
 - FSDP units (``fsdp_units``): before a unit's forward and backward its parameters are gathered
   into one buffer on the all-gather stream (FSDP2 then copies each parameter out on the compute
-  stream and frees the buffer; FSDP1 computes on the buffer), one unit prefetched; after its
+  stream and frees the buffer; FSDP1 computes on the buffer, whose free waits on the compute
+  stream, about one unit), one unit prefetched; after its
   backward the gradients are copied into a reduce-scatter input in the reduce dtype (FSDP2: on the
   compute stream, kept until the next unit's reduction, or before PyTorch moved it there on its
   reduce-scatter stream, ``StackSpec.reduce_input``; FSDP1: on its post-backward stream) and
@@ -112,6 +113,7 @@ class _Tracer:
         self.reduced: set[int | None] = set()  # FSDP units whose gradient shard this step holds
         self.made: set[int] = set()  # backward segments whose ``.grad`` this step holds
         self.reduce_input: int | None = None  # FSDP2's retained reduce-scatter input
+        self.resharded: list[int] = []  # FSDP1's last freed unit buffer, pending its stream event
 
     def alloc(self, nbytes: float, stream: int = COMPUTE) -> int:
         h = next(self._handles)
@@ -136,8 +138,26 @@ class _Tracer:
             self.gathered[unit] = [flat]
 
     def reshard(self, unit: int | None) -> None:
-        for h in self.gathered.pop(unit, []):
+        """FSDP2 frees a unit's gathered parameters on the compute stream. FSDP1 frees its
+        unsharded flat parameter, allocated on the all-gather stream, after
+        ``record_stream(current_stream)`` (``FlatParamHandle._free_unsharded_flat_param`` in
+        torch/distributed/fsdp/_flat_param.py): the block returns to the all-gather stream's pool
+        only once the compute stream has run what was queued when it was freed, which the host,
+        one prefetched unit ahead (``limit_all_gathers``), finds done about one unit later, so
+        the next gather cannot take it."""
+        handles = self.gathered.pop(unit, [])
+        if self.sharding == "fsdp1":
+            self.release_resharded()
+            self.resharded = handles
+            return
+        for h in handles:
             self.free(h)
+
+    def release_resharded(self) -> None:
+        """FSDP1's last freed unit buffer, back in its pool."""
+        for h in self.resharded:
+            self.free(h)
+        self.resharded = []
 
     def reduce(self, unit: int | None, produced: list[int]) -> None:
         """A unit's gradients into the reduce-scatter input, then its shard out.
@@ -247,6 +267,7 @@ class _Tracer:
         if cur != -1:
             self._unit_done(cur, segment, pgrads)
         self.release_reduce_input()
+        self.release_resharded()
         for h in live.values():
             self.free(h)
 

@@ -93,6 +93,33 @@ def test_fsdp_gathers_and_reduces_on_their_own_streams() -> None:
     assert ddp == {COMPUTE}
 
 
+def test_fsdp1_returns_a_unit_buffer_to_its_pool_one_unit_later() -> None:
+    """FSDP1 frees its unsharded flat parameter after ``record_stream`` on the compute stream, so
+    the gather stream's pool gets the block back only after the next unit is resharded: the unit
+    computed, the one prefetched and the one pending make three buffers live on the gather stream,
+    where FSDP2 copies each all-gather output out and frees it at once."""
+    g = _graph()
+    c = _config(zero=3, dp=8, fsdp_units=True)
+    unit = int(LLAMA.block_params() * 2)  # a block's parameters gathered in bf16
+
+    def most_live(sharding: str) -> int:
+        live: set[int] = set()
+        sizes: dict[int, int] = {}
+        most = 0
+        for h, n, s in step_events(g, c, sharding):
+            if n >= 0:
+                sizes[h] = n
+                if s == GATHER and n == unit:
+                    live.add(h)
+            else:
+                live.discard(h)
+            most = max(most, len(live))
+        return most
+
+    assert most_live("fsdp2") == 1
+    assert most_live("fsdp1") == 3
+
+
 def test_the_reserved_peak_holds_the_allocated_one_and_the_device_caps_it() -> None:
     g = _graph()
     c = _config(zero=3, dp=8, fsdp_units=True)
