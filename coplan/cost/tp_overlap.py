@@ -30,7 +30,8 @@ forward GEMM's time (the same FLOPs over the same three sizes).
 PyTorch's async TP (torchtitan's ``enable_async_tensor_parallel``: Inductor's micro-pipeline pass,
 ``torch/_inductor/fx_passes/micro_pipeline_tp.py``, over ``torch/distributed/_symmetric_memory``)
 overlaps only what that pass matches (``async_tp_slots``), each fused pair a ring of copy-engine
-copies beside ``TP`` chunks of the GEMM on two streams; every other collective stays exposed.
+copies beside ``TP`` chunks of the GEMM, priced one after another; every other collective stays
+exposed.
 """
 
 from __future__ import annotations
@@ -118,14 +119,20 @@ def async_tp_slots(gathers_fused: bool) -> dict[str, UbSlot]:
     each peer's shard copied by copy engine (``_pipelined_all_gather_and_consume``) and consumed,
     the steps alternating between two streams; a fused reduce-scatter computes each peer's chunk
     and lets the peer pull it (``_pipelined_produce_and_all2all``), the partial sums reduced by a
-    kernel after (``async_tp_reduce_bytes``). The input gradients' reduce-scatters are never
+    kernel after (``async_tp_reduce_bytes``). The chunks' GEMMs are priced one after another, each
+    at its own shape (``streams=1``): the two streams do not buy two chunks' rows at once. At
+    Llama-3 70B's TP 8 FC1 shape on H100 (M 2,048, N 3,584, K 8,192; pytorch/pytorch#143160) the
+    decomposed path took 354 us against 301 us for NCCL's all-gather and cuBLAS: eight 256-row
+    GEMMs one after another price 358 us, two at once 269 us. Its faster variants (295 and 277 us
+    there) run with ``TORCH_SYMM_MEM_ENABLE_NATIVE_ASYNC_TP`` set (pytorch/pytorch#142283) or for
+    small M only, and torchtitan sets no such variable. The input gradients' reduce-scatters are never
     fused: each is a sum of GEMM outputs (Q, K and V; SwiGLU's gate and up), not one GEMM's, so they
     and the unmatched all-gathers are ``EXPOSED``. No SMs are held (copy engines); there is no
     backward re-gather for the weight gradient (the gathered input is saved or recomputed)."""
     out = {}
     for slot in UB_SLOTS:
         if slot in _ASYNC_SCATTERS or (gathers_fused and slot in _ASYNC_GATHERS):
-            out[slot] = UbSlot("ring_exchange", num_sm=0, num_splits=0, streams=2)
+            out[slot] = UbSlot("ring_exchange", num_sm=0, num_splits=0, streams=1)
         else:
             out[slot] = UbSlot(EXPOSED, num_sm=0, num_splits=0)
     return out
