@@ -16,13 +16,13 @@ reserves beside what its tensors occupy. The trace follows the graph's ops in ex
 - FSDP units (``fsdp_units``): before a unit's forward and backward its parameters are gathered
   into one buffer on the all-gather stream (FSDP2 then copies each parameter out on the compute
   stream and frees the buffer; FSDP1 computes on the buffer, whose free waits on the compute
-  stream, about one unit), one unit prefetched; after its
-  backward the gradients are copied into a reduce-scatter input in the reduce dtype (FSDP2: on the
-  compute stream, kept until the next unit's reduction, or before PyTorch moved it there on its
-  reduce-scatter stream, ``StackSpec.reduce_input``; FSDP1: on its post-backward stream) and
-  the sharded gradient is made on the reduce-scatter stream, whose pool keeps its blocks once
-  ``zero_grad`` frees them (``_Tracer.reduce``); the root unit (embedding, final norm, head) stays
-  gathered from forward to the end of backward;
+  stream, about one unit), one unit prefetched; after its backward the gradients are copied into
+  a reduce-scatter input in the reduce dtype (FSDP2: on the compute stream, kept until the next
+  unit's reduction, or before PyTorch moved it there on its reduce-scatter stream,
+  ``StackSpec.reduce_input``; FSDP1: on its post-backward stream) and the sharded gradient is
+  made on the reduce-scatter stream, whose pool keeps its blocks once ``zero_grad`` frees them
+  (``_Tracer.reduce``); the root unit (embedding, final norm, head) stays gathered from forward
+  to the end of backward;
 - the optimizer: PyTorch's multi-tensor AdamW (``foreach``) makes one fp32 list the size of the
   states it updates (``_foreach_sqrt`` of the second moments, torch/optim/adamw.py), freed after.
 
