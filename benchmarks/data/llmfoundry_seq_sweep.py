@@ -1,7 +1,7 @@
 """llm-foundry's MPT-1B on one node of 8 GPUs at sequence 512 to 32,768, priced with the ``fsdp``
 preset beside the measured step, on H100 and on A100 80GB:
 
-    python benchmarks/data/llmfoundry_seq_sweep.py [--json OUT]
+    python benchmarks/data/llmfoundry_seq_sweep.py [--attention triton|flash2] [--json OUT]
 
 The rows are llm-foundry's own benchmark tables (mosaicml/llm-foundry
 ``scripts/train/benchmarking/README.md`` at 5e85bd62d4, tables "H100 80GB BF16", lines 131-140,
@@ -10,9 +10,17 @@ FULL_SHARD, no activation checkpointing, amp_bf16 with the DEFAULT mixed precisi
 length, microbatch, gradient accumulation and tokens per second per GPU. Every other setting is the
 128-GPU MPT-1B run's of ``published_stack_runs.json`` (the same sweep script, ``sweep.py``, and
 recipe, ``mpt-1b.yaml``, with the sequence length and its learned position table as the row
-says), so the rows differ from it and from each other in sequence length and batch alone. One node:
-the network between nodes plays no part. The step time is global batch x sequence / (tokens per
-second per GPU x 8).
+says), so the rows differ from it and from each other in sequence length and batch alone, but for
+the attention: these rows were made by ``sweep.sh`` at b2a43a147 (2023-10-19, where the tables were
+added), which passes no ``--attn_impl``, so ``submit_benchmarks.py``'s default ``triton`` ran: MPT's
+Triton FlashAttention (``llmfoundry/models/layers/flash_attn_triton.py``) on padded inputs, priced
+as the device's ``triton`` kernel. One node: the network between nodes plays no part. The step time
+is global batch x sequence / (tokens per second per GPU x 8).
+
+Also printed, per GPU: least squares of the measured steps as ``a x (the priced step outside
+attention) + b x (the priced attention kernels)``. Priced with FlashAttention-2's rates
+(``--attention flash2``) this is where the device presets' ``triton`` rates come from: ``b`` is the
+Triton kernel's time over FlashAttention-2's price.
 """
 
 from __future__ import annotations
@@ -48,8 +56,9 @@ BASE_RUN = "llmfoundry-h100-128gpu-mpt-1b"
 GPUS = 8
 
 
-def runs() -> list[dict[str, Any]]:
-    """The rows as runs of ``published_stack_runs.json``'s shape."""
+def runs(attention: str = "triton") -> list[dict[str, Any]]:
+    """The rows as runs of ``published_stack_runs.json``'s shape, their attention priced as
+    ``attention`` (MPT's Triton kernel on padded inputs, what ran; or another device kernel)."""
     data = json.loads((HERE / "published_stack_runs.json").read_text())
     data = data["runs"] if isinstance(data, dict) else data
     base = next(r for r in data if r["id"] == BASE_RUN)
@@ -67,7 +76,12 @@ def runs() -> list[dict[str, Any]]:
             zero=3,
         )
         r["model"]["seq_len"] = seq
-        r["stack_settings"].update(sharding="FULL_SHARD", reshard_after_forward=True)
+        r["stack_settings"].update(sharding="FULL_SHARD", reshard_after_forward=True, attention_unpad=False)
+        r["attention"] = {
+            "kernel": attention,
+            "source": "mosaicml/llm-foundry@b2a43a147 scripts/train/benchmarking/sweep.sh: no --attn_impl, so "
+            "submit_benchmarks.py's default 'triton' (llmfoundry/models/layers/flash_attn_triton.py, padded inputs)",
+        }
         r["measured"] = {
             "step_time_s": r["global_batch"] * seq / (tps * GPUS),
             "published_as": f"README.md line {line} at 5e85bd62d4: {tps} tokens/s per GPU",
@@ -76,12 +90,15 @@ def runs() -> list[dict[str, Any]]:
     return out
 
 
-def table() -> list[dict[str, Any]]:
+def table(attention: str = "triton") -> list[dict[str, Any]]:
     import bench_stacks as bs
 
     rows = []
-    for r in runs():
-        predicted, *_ = bs.price(r, bs.stack_of(r))
+    for r in runs(attention):
+        stack = bs.stack_of(r)
+        priced = bs.estimated(r, stack)
+        predicted = priced[3].step_time_s
+        _, attn, _, _ = bs.step_parts(r, stack, priced)
         measured = r["measured"]["step_time_s"]
         rows.append(
             {
@@ -90,22 +107,49 @@ def table() -> list[dict[str, Any]]:
                 "seq": r["seq"],
                 "measured_s": measured,
                 "predicted_s": predicted,
+                "attention_s": attn,
                 "error": predicted / measured - 1,
             }
         )
     return rows
 
 
+def split(rows: list[dict[str, Any]]) -> dict[str, tuple[float, float, float]]:
+    """Per cluster, (a, b, largest relative residual) of measured ~ a x rest + b x attention,
+    least squares on relative error."""
+    import numpy as np
+
+    out = {}
+    for cluster in dict.fromkeys(r["cluster"] for r in rows):
+        mine = [r for r in rows if r["cluster"] == cluster]
+        x = np.array(
+            [
+                [(r["predicted_s"] - r["attention_s"]) / r["measured_s"], r["attention_s"] / r["measured_s"]]
+                for r in mine
+            ]
+        )
+        (a, b), *_ = np.linalg.lstsq(x, np.ones(len(mine)), rcond=None)
+        out[cluster] = (float(a), float(b), float(np.abs(x @ np.array([a, b]) - 1).max()))
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument(
+        "--attention", default="triton", help="the device kernel the rows' attention is priced as"
+    )
     ap.add_argument("--json", type=Path)
     args = ap.parse_args()
-    rows = table()
+    rows = table(args.attention)
     print(f"{'cluster':14s} {'sequence':>8s} {'step s measured':>16s} {'priced':>8s} {'error':>7s}")
     for r in rows:
         print(
             f"{r['cluster']:14s} {r['seq']:8d} {r['measured_s']:16.3f} {r['predicted_s']:8.3f} "
             f"{r['error'] * 100:+6.1f}%"
+        )
+    for cluster, (a, b, worst) in split(rows).items():
+        print(
+            f"{cluster}: measured = {a:.3f} x the rest + {b:.3f} x the attention priced, residuals within {worst:.1%}"
         )
     if args.json:
         args.json.write_text(json.dumps(rows, indent=1) + "\n")

@@ -69,6 +69,7 @@ class AttentionKernel(enum.StrEnum):  # coplan.cost.config.ATTENTION_KERNEL_CHOI
     cudnn = "cudnn"
     flash2 = "flash2"
     flash3 = "flash3"
+    triton = "triton"
 
 
 class LossFusion(enum.StrEnum):  # coplan.cost.config.LOSS_FUSIONS
@@ -167,7 +168,8 @@ def estimate(
             "--attention-kernel",
             help="Fused attention kernel: auto (what Transformer Engine picks on the device: cuDNN on "
             "Hopper, FlashAttention-2 on Ampere) or one the stack forces (flash2: NVTE_FUSED_ATTN=0, "
-            "PyTorch SDPA); a kernel the device has no rates for is an error.",
+            "PyTorch SDPA; triton: MPT's attn_impl triton); a kernel the device has no rates for is an "
+            "error.",
         ),
     ] = AttentionKernel.auto,
     fusion: Annotated[

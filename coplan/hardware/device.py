@@ -65,8 +65,9 @@ EFFICIENCY_KINDS: tuple[str, ...] = (
 #: ``attention`` efficiencies describe, ``attention_kernels`` gives others): NVIDIA cuDNN's fused
 #: attention (what Transformer Engine selects on Hopper), the flash-attn package's FlashAttention-2
 #: (Transformer Engine's choice on Ampere, and on Hopper with ``NVTE_FUSED_ATTN=0``; PyTorch's SDPA
-#: flash backend) and FlashAttention-3.
-ATTENTION_KERNELS: tuple[str, ...] = ("cudnn", "flash2", "flash3")
+#: flash backend), FlashAttention-3, and the FlashAttention algorithm written in Triton (Tri Dao's
+#: ``flash_attn_triton.py``, which MPT runs as ``attn_impl: triton``).
+ATTENTION_KERNELS: tuple[str, ...] = ("cudnn", "flash2", "flash3", "triton")
 
 #: What ``attention_kernels`` gives per kernel: its forward and backward fractions of the 16-bit
 #: matrix peak (as ``attention`` / ``attention_backward``) and its slowdown with dropout on.

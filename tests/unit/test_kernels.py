@@ -179,7 +179,7 @@ def test_an_attention_kernel_the_device_cannot_price_is_a_config_error():
     with pytest.raises(ConfigError, match="'b200' has no rates for 'flash2'") as info:
         Rates.of(get_device("b200"), "bf16", "flash2")
     assert info.value.field == "attention_kernel"
-    with pytest.raises(ConfigError, match="must be one of auto, cudnn, flash2, flash3"):
+    with pytest.raises(ConfigError, match="must be one of auto, cudnn, flash2, flash3, triton"):
         TrainingConfig(attention_kernel="sdpa")
 
 
