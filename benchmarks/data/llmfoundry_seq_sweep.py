@@ -79,8 +79,9 @@ def runs(attention: str = "triton") -> list[dict[str, Any]]:
         r["stack_settings"].update(sharding="FULL_SHARD", reshard_after_forward=True, attention_unpad=False)
         r["attention"] = {
             "kernel": attention,
-            "source": "mosaicml/llm-foundry@b2a43a147 scripts/train/benchmarking/sweep.sh: no --attn_impl, so "
-            "submit_benchmarks.py's default 'triton' (llmfoundry/models/layers/flash_attn_triton.py, padded inputs)",
+            "source": "mosaicml/llm-foundry@b2a43a147 scripts/train/benchmarking/sweep.sh: no "
+            "--attn_impl, so submit_benchmarks.py's default 'triton' "
+            "(llmfoundry/models/layers/flash_attn_triton.py, padded inputs)",
         }
         r["measured"] = {
             "step_time_s": r["global_batch"] * seq / (tps * GPUS),
@@ -149,7 +150,8 @@ def main() -> None:
         )
     for cluster, (a, b, worst) in split(rows).items():
         print(
-            f"{cluster}: measured = {a:.3f} x the rest + {b:.3f} x the attention priced, residuals within {worst:.1%}"
+            f"{cluster}: measured = {a:.3f} x the rest + {b:.3f} x the attention priced, "
+            f"residuals within {worst:.1%}"
         )
     if args.json:
         args.json.write_text(json.dumps(rows, indent=1) + "\n")
