@@ -202,6 +202,17 @@ SPLIT_MIN_RUNS = 6
 PARTS_MIN_RUNS = 5 * 4
 
 
+def attention_split(rest, attention, measured):  # type: ignore[no-untyped-def]
+    """The factors ``a``, ``b`` that make ``a x rest + b x attention`` closest to ``measured``
+    (arrays of seconds, one entry a run) by least squares on relative error, and each run's relative
+    residual."""
+    import numpy as np
+
+    two = np.stack([np.asarray(rest) / measured, np.asarray(attention) / measured], axis=1)
+    (a, b), *_ = np.linalg.lstsq(two, np.ones(len(two)), rcond=None)
+    return float(a), float(b), two @ np.array([a, b]) - 1
+
+
 def part_split(rows: list[dict], runs: list[dict], priced: dict | None = None) -> list[dict]:
     """Per stack and source (the run ids' first word: ``tt``, ``fms``, ``llmfoundry``, ...) with at
     least ``SPLIT_MIN_RUNS`` runs, least squares on relative error: the two factors ``a``, ``b`` that
@@ -224,9 +235,7 @@ def part_split(rows: list[dict], runs: list[dict], priced: dict | None = None) -
         parts = np.array([p for p, _ in got])
         meas = np.array([m for _, m in got])
         step = parts.sum(axis=1)
-        attn = parts[:, 1]
-        two = np.stack([(step - attn) / meas, attn / meas], axis=1)
-        (a, b), *_ = np.linalg.lstsq(two, np.ones(len(got)), rcond=None)
+        a, b, residual = attention_split(step - parts[:, 1], parts[:, 1], meas)
         four = parts / meas[:, None]
         by_part, *_ = np.linalg.lstsq(four, np.ones(len(got)), rcond=None)
         shares = parts / step[:, None]
@@ -238,9 +247,9 @@ def part_split(rows: list[dict], runs: list[dict], priced: dict | None = None) -
                 "n": len(got),
                 "share_min": float(shares[:, 1].min()),
                 "share_max": float(shares[:, 1].max()),
-                "rest": float(a),
-                "attention": float(b),
-                "mean_abs_residual": float(np.mean(np.abs(two @ np.array([a, b]) - 1))),
+                "rest": a,
+                "attention": b,
+                "mean_abs_residual": float(np.mean(np.abs(residual))),
                 "parts": {
                     name: {
                         "factor": float(f),

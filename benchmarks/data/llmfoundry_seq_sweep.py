@@ -116,21 +116,21 @@ def table(attention: str = "triton") -> list[dict[str, Any]]:
 
 
 def split(rows: list[dict[str, Any]]) -> dict[str, tuple[float, float, float]]:
-    """Per cluster, (a, b, largest relative residual) of measured ~ a x rest + b x attention,
-    least squares on relative error."""
+    """Per cluster, (a, b, largest relative residual) of measured ~ a x rest + b x attention
+    (``bench_stacks.attention_split``)."""
     import numpy as np
+    from bench_stacks import attention_split
 
     out = {}
     for cluster in dict.fromkeys(r["cluster"] for r in rows):
         mine = [r for r in rows if r["cluster"] == cluster]
-        x = np.array(
-            [
-                [(r["predicted_s"] - r["attention_s"]) / r["measured_s"], r["attention_s"] / r["measured_s"]]
-                for r in mine
-            ]
+        attn = np.array([r["attention_s"] for r in mine])
+        a, b, residual = attention_split(
+            np.array([r["predicted_s"] for r in mine]) - attn,
+            attn,
+            np.array([r["measured_s"] for r in mine]),
         )
-        (a, b), *_ = np.linalg.lstsq(x, np.ones(len(mine)), rcond=None)
-        out[cluster] = (float(a), float(b), float(np.abs(x @ np.array([a, b]) - 1).max()))
+        out[cluster] = (a, b, float(np.abs(residual).max()))
     return out
 
 
