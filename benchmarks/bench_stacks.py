@@ -92,6 +92,9 @@ def configured(run: dict, stack: str):  # type: ignore[no-untyped-def]
     if r["stack_settings"].get("loss_fn") == "fused_crossentropy":
         # flash-attn's fused cross-entropy: the IR's loss kernels (``TrainingConfig.eager_loss_cast``)
         config = config.with_(eager_loss_cast="fused")
+    if "loss_cast" in r["stack_settings"]:
+        # how the run's own code brought its logits to the loss (``TrainingConfig.eager_loss_cast``)
+        config = config.with_(eager_loss_cast=r["stack_settings"]["loss_cast"])
     if r["stack_settings"].get("fsdp") == "fsdp1":
         # a torchtitan run from before FSDP2: flat parameters, gathered and reduced in place
         config = config.with_(gather_copies=False)
