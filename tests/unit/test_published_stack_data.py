@@ -92,10 +92,10 @@ def test_model_cluster_and_layout_resolve(run: dict) -> None:
     assert model.resolve_seq(run["seq"]) == run["seq"]
     cluster = load_cluster(run["cluster"], run["gpus"])
     assert cluster.num_devices == run["gpus"]
-    tp, pp = run["tp"], run["pp"]
-    assert run["gpus"] % (tp * pp) == 0
-    dp = run["gpus"] // (tp * pp)
-    assert tp * pp * dp == run["gpus"]
+    tp, pp, cp = run["tp"], run["pp"], run.get("cp", 1)
+    assert run["gpus"] % (tp * pp * cp) == 0
+    dp = run["gpus"] // (tp * pp * cp)
+    assert tp * pp * cp * dp == run["gpus"]
     assert run["global_batch"] % (run["microbatch"] * dp) == 0
     assert model.n_heads % tp == 0 and model.kv_heads % min(tp, model.kv_heads) == 0
     if "stage_layers" in run:
