@@ -727,6 +727,12 @@ def _cp_ring(
     if c.cp_exchange == "allgather":
         # PyTorch's context_parallel (``TrainingConfig.cp_exchange``, ``context.torch_ring``)
         q_local = sum(q for _, _, q in got) / tp
+        if c.kernels in ("eager", "inductor"):
+            # the ring exchanges what SDPA reads, and these stacks repeat the key/value heads
+            # before it (torchtitan's ``repeat_kv``, ``eager.repeat_kv_saved``): every query
+            # head's keys and values travel and are merged, not the key/value heads'
+            kv_local = max(kv_local, 2.0 * q_local)
+            chunk = kv_local * act_bytes
         bw = pc.cost.r.bandwidth
         forward, backward = torch_ring(
             (fwd_s, bwd_s), transfer, chunk, act_bytes, q_local, kv_local, bw, cp, c.kernels == "inductor"
