@@ -230,3 +230,29 @@ def test_float8_linear_check_prices_torchaos_benchmarked_shapes() -> None:
         assert priced == pytest.approx(measured, rel=0.15), r["name"]
         assert r["linear_speedup"][0] > 1.0 and r["linear_speedup"][1] > 1.0, r["name"]
     assert all(r["float8_over_bf16"] > 1.0 for r in out["narrow"])
+
+
+def test_llm_foundrys_tables_build_every_size_as_published() -> None:
+    """``benchmarks/data/llmfoundry_tables.py``: each row of llm-foundry's H100 and A100 80GB tables
+    becomes a run whose model has exactly the table's parameter count (sizes 125M to 70B, learned
+    positions for the row's sequence), whose step time is the row's tokens per second, and which
+    prices to a finite step."""
+    import sys
+
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    sys.path.insert(0, str(ROOT / "benchmarks" / "data"))
+    try:
+        import llmfoundry_tables as tables
+    finally:
+        sys.path.remove(str(ROOT / "benchmarks" / "data"))
+        sys.path.remove(str(ROOT / "benchmarks"))
+    runs = tables.runs()
+    assert len(runs) == len(tables.ROWS) > 100
+    for run, row in zip(runs, tables.ROWS, strict=True):
+        cluster, _, _, seq, gpus, mb, accum, tps, _, _, params = row
+        assert ModelSpec.from_dict(run["model"]).param_count() == params, run["id"]
+        assert run["global_batch"] == mb * accum * gpus
+        assert run["measured"]["step_time_s"] == pytest.approx(run["global_batch"] * seq / (tps * gpus))
+    rows = tables.table()
+    assert all(-1.0 < r["error"] < 1.0 for r in rows)
+    assert sum(r["fitted"] for r in rows) == sum(1 for r in tables.ROWS if r[2] == "1b" and r[4] == 8)

@@ -1,0 +1,287 @@
+"""llm-foundry's own MPT tables at 8 to 64 GPUs, priced with the ``fsdp`` preset beside the measured
+step: every size from 125M to 70B, on H100 and on A100 80GB.
+
+    python benchmarks/data/llmfoundry_tables.py [--json OUT]
+
+The rows are mosaicml/llm-foundry ``scripts/train/benchmarking/README.md`` at 5e85bd62d4, tables
+"H100 80GB BF16" (lines 98-149) and "A100 80GB with 1600 Gbps node-node interconnect (RoCE)"
+(lines 166-226): model, sequence length, GPUs, microbatch, gradient accumulation, tokens per second
+per GPU, mixed-precision mode, activation checkpointing and parameter count, all FULL_SHARD. Both
+tables were made by ``sweep.sh`` at b2a43a147 (2023-10-19, the commit that wrote them; identical at
+5e85bd62d4), which passes no ``--attn_impl``, so every row ran ``submit_benchmarks.py``'s default
+``triton``: MPT's Triton FlashAttention on padded inputs, the device preset's ``triton`` kernel; the
+A100 table's two 70B rows are older (present before b2a43a147, in bf16 with the PURE mode: 16-bit
+gradient reduction). Every other setting is the 128-GPU MPT-1B run's of
+``published_stack_runs.json`` (the same recipe family and ``submit_benchmarks.py``), with the model
+sized as ``scripts/train/yamls/pretrain/mpt-<size>.yaml`` at b2a43a147 gives it and the sequence
+and learned position table as the row says; each row's parameter count is checked against the
+table's. Multi-node A100 rows use the table's 1600 Gb/s RoCE between nodes; the H100 network is
+not described (dgx-h100 assumed). The step time is global batch x sequence / (tokens per second per
+GPU x GPUs).
+
+The device presets' ``triton`` rates were fitted to this table's MPT-1B rows at one node
+(``llmfoundry_seq_sweep.py``), so those rows are not a check of them; every other size is.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import statistics
+import sys
+from pathlib import Path
+from typing import Any
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE.parent))
+sys.path.insert(0, str(HERE.parents[1]))
+
+#: (cluster preset, README line, model size, sequence, GPUs, microbatch, gradient accumulation,
+#: tokens/s per GPU, mixed-precision mode, activation checkpointing, parameter count)
+ROWS: tuple[tuple[str, int, str, int, int, int, int, int, str, bool, int], ...] = (
+    ("dgx-h100", 98, "70b", 2048, 64, 8, 4, 1039, "DEFAULT", True, 64862437376),
+    ("dgx-h100", 99, "70b", 2048, 32, 2, 16, 882, "DEFAULT", True, 64862437376),
+    ("dgx-h100", 100, "30b", 8192, 8, 1, 21, 1384, "DEFAULT", True, 30019254272),
+    ("dgx-h100", 101, "30b", 4096, 8, 1, 21, 1802, "DEFAULT", True, 29989894144),
+    ("dgx-h100", 102, "30b", 2048, 32, 14, 3, 2308, "DEFAULT", True, 29975214080),
+    ("dgx-h100", 103, "30b", 2048, 16, 10, 3, 2263, "DEFAULT", True, 29975214080),
+    ("dgx-h100", 104, "30b", 2048, 8, 3, 21, 2002, "DEFAULT", True, 29975214080),
+    ("dgx-h100", 105, "30b", 1024, 8, 6, 21, 2084, "DEFAULT", True, 29967874048),
+    ("dgx-h100", 106, "13b", 32768, 8, 1, 3, 1976, "DEFAULT", True, 13011240960),
+    ("dgx-h100", 107, "13b", 16384, 8, 3, 3, 2985, "DEFAULT", True, 12927354880),
+    ("dgx-h100", 108, "13b", 4096, 8, 10, 3, 4717, "DEFAULT", True, 12864440320),
+    ("dgx-h100", 109, "13b", 2048, 64, 2, 1, 4800, "DEFAULT", False, 12853954560),
+    ("dgx-h100", 110, "13b", 2048, 32, 2, 1, 4811, "DEFAULT", False, 12853954560),
+    ("dgx-h100", 111, "13b", 2048, 16, 2, 1, 4767, "DEFAULT", False, 12853954560),
+    ("dgx-h100", 112, "13b", 2048, 8, 2, 1, 4792, "DEFAULT", False, 12853954560),
+    ("dgx-h100", 113, "13b", 1024, 8, 40, 3, 5502, "DEFAULT", True, 12848711680),
+    ("dgx-h100", 114, "7b", 65536, 8, 1, 2, 1956, "DEFAULT", True, 6918905856),
+    ("dgx-h100", 115, "7b", 32768, 8, 2, 2, 3318, "DEFAULT", True, 6784688128),
+    ("dgx-h100", 116, "7b", 8192, 8, 8, 2, 6935, "DEFAULT", True, 6684024832),
+    ("dgx-h100", 117, "7b", 4096, 8, 16, 2, 8611, "DEFAULT", True, 6667247616),
+    ("dgx-h100", 118, "7b", 2048, 8, 6, 1, 10643, "DEFAULT", False, 6658859008),
+    ("dgx-h100", 119, "7b", 1024, 8, 64, 2, 10203, "DEFAULT", True, 6654664704),
+    ("dgx-h100", 120, "3b", 65536, 8, 1, 2, 3262, "DEFAULT", True, 2814366720),
+    ("dgx-h100", 121, "3b", 32768, 8, 3, 6, 5873, "DEFAULT", True, 2730480640),
+    ("dgx-h100", 122, "3b", 16384, 8, 1, 6, 11152, "DEFAULT", False, 2688537600),
+    ("dgx-h100", 123, "3b", 8192, 8, 3, 6, 16578, "DEFAULT", False, 2667566080),
+    ("dgx-h100", 124, "3b", 4096, 8, 5, 6, 20964, "DEFAULT", False, 2657080320),
+    ("dgx-h100", 125, "3b", 2048, 64, 6, 3, 22525, "DEFAULT", False, 2651837440),
+    ("dgx-h100", 126, "3b", 2048, 32, 6, 3, 23021, "DEFAULT", False, 2651837440),
+    ("dgx-h100", 127, "3b", 2048, 16, 10, 3, 24142, "DEFAULT", False, 2651837440),
+    ("dgx-h100", 128, "3b", 1024, 8, 20, 6, 27046, "DEFAULT", False, 2649216000),
+    ("dgx-h100", 129, "3b", 512, 8, 40, 6, 27965, "DEFAULT", False, 2647905280),
+    ("dgx-h100", 130, "1b", 65536, 8, 1, 2, 5506, "DEFAULT", True, 1445974016),
+    ("dgx-h100", 131, "1b", 32768, 8, 1, 4, 12025, "DEFAULT", False, 1378865152),
+    ("dgx-h100", 132, "1b", 16384, 8, 2, 4, 19649, "DEFAULT", False, 1345310720),
+    ("dgx-h100", 133, "1b", 8192, 8, 3, 4, 29157, "DEFAULT", False, 1328533504),
+    ("dgx-h100", 134, "1b", 4096, 8, 7, 4, 38535, "DEFAULT", False, 1320144896),
+    ("dgx-h100", 135, "1b", 2048, 64, 20, 1, 44402, "DEFAULT", False, 1315950592),
+    ("dgx-h100", 136, "1b", 2048, 32, 20, 1, 45130, "DEFAULT", False, 1315950592),
+    ("dgx-h100", 137, "1b", 2048, 16, 20, 1, 46037, "DEFAULT", False, 1315950592),
+    ("dgx-h100", 138, "1b", 2048, 8, 14, 1, 45455, "DEFAULT", False, 1315950592),
+    ("dgx-h100", 139, "1b", 1024, 8, 18, 4, 48910, "DEFAULT", False, 1313853440),
+    ("dgx-h100", 140, "1b", 512, 8, 56, 4, 52275, "DEFAULT", False, 1312804864),
+    ("dgx-h100", 141, "760m", 32768, 8, 1, 2, 16291, "DEFAULT", False, 807656448),
+    ("dgx-h100", 142, "760m", 16384, 8, 3, 2, 27815, "DEFAULT", False, 782490624),
+    ("dgx-h100", 143, "760m", 8192, 8, 6, 2, 41825, "DEFAULT", False, 769907712),
+    ("dgx-h100", 144, "760m", 4096, 8, 12, 2, 55459, "DEFAULT", False, 763616256),
+    ("dgx-h100", 145, "760m", 2048, 32, 24, 1, 67971, "DEFAULT", False, 760470528),
+    ("dgx-h100", 146, "760m", 2048, 16, 24, 1, 68551, "DEFAULT", False, 760470528),
+    ("dgx-h100", 147, "760m", 2048, 8, 24, 2, 63147, "DEFAULT", False, 760470528),
+    ("dgx-h100", 148, "760m", 1024, 8, 48, 2, 78581, "DEFAULT", False, 758897664),
+    ("dgx-h100", 149, "760m", 512, 8, 96, 2, 83749, "DEFAULT", False, 758111232),
+    ("dgx-a100-80gb", 166, "70b", 2048, 64, 8, 4, 410, "PURE", True, 64862437376),
+    ("dgx-a100-80gb", 167, "70b", 2048, 32, 2, 16, 373, "PURE", True, 64862437376),
+    ("dgx-a100-80gb", 168, "30b", 8192, 8, 1, 21, 574, "DEFAULT", True, 30019254272),
+    ("dgx-a100-80gb", 169, "30b", 4096, 8, 1, 21, 814, "DEFAULT", True, 29989894144),
+    ("dgx-a100-80gb", 170, "30b", 2048, 8, 3, 21, 916, "DEFAULT", True, 29975214080),
+    ("dgx-a100-80gb", 171, "30b", 1024, 8, 6, 21, 946, "DEFAULT", True, 29967874048),
+    ("dgx-a100-80gb", 172, "30b", 512, 8, 12, 21, 967, "DEFAULT", True, 29964204032),
+    ("dgx-a100-80gb", 173, "13b", 32768, 8, 1, 3, 1016, "DEFAULT", True, 13011240960),
+    ("dgx-a100-80gb", 174, "13b", 16384, 8, 3, 3, 1431, "DEFAULT", True, 12927354880),
+    ("dgx-a100-80gb", 175, "13b", 8192, 8, 5, 3, 1795, "DEFAULT", True, 12885411840),
+    ("dgx-a100-80gb", 176, "13b", 4096, 8, 10, 3, 2060, "DEFAULT", True, 12864440320),
+    ("dgx-a100-80gb", 177, "13b", 2048, 8, 2, 3, 2262, "DEFAULT", False, 12853954560),
+    ("dgx-a100-80gb", 178, "13b", 1024, 8, 40, 3, 2330, "DEFAULT", True, 12848711680),
+    ("dgx-a100-80gb", 179, "7b", 65536, 8, 1, 2, 1013, "DEFAULT", True, 6918905856),
+    ("dgx-a100-80gb", 180, "7b", 32768, 8, 2, 2, 1672, "DEFAULT", True, 6784688128),
+    ("dgx-a100-80gb", 181, "7b", 16384, 8, 4, 2, 2453, "DEFAULT", True, 6717579264),
+    ("dgx-a100-80gb", 182, "7b", 8192, 8, 8, 2, 3206, "DEFAULT", True, 6684024832),
+    ("dgx-a100-80gb", 183, "7b", 4096, 8, 16, 2, 3684, "DEFAULT", True, 6667247616),
+    ("dgx-a100-80gb", 184, "7b", 2048, 8, 6, 2, 4641, "DEFAULT", False, 6658859008),
+    ("dgx-a100-80gb", 185, "7b", 1024, 8, 64, 2, 4357, "DEFAULT", True, 6654664704),
+    ("dgx-a100-80gb", 186, "3b", 65536, 8, 1, 2, 1767, "DEFAULT", True, 2814366720),
+    ("dgx-a100-80gb", 187, "3b", 32768, 8, 3, 6, 3029, "DEFAULT", True, 2730480640),
+    ("dgx-a100-80gb", 188, "3b", 16384, 8, 1, 6, 5529, "DEFAULT", False, 2688537600),
+    ("dgx-a100-80gb", 189, "3b", 8192, 8, 3, 6, 7695, "DEFAULT", False, 2667566080),
+    ("dgx-a100-80gb", 190, "3b", 4096, 8, 5, 6, 9457, "DEFAULT", False, 2657080320),
+    ("dgx-a100-80gb", 191, "3b", 2048, 8, 10, 2, 10811, "DEFAULT", False, 2651837440),
+    ("dgx-a100-80gb", 192, "3b", 1024, 8, 20, 6, 11580, "DEFAULT", False, 2649216000),
+    ("dgx-a100-80gb", 193, "3b", 512, 8, 40, 6, 12127, "DEFAULT", False, 2647905280),
+    ("dgx-a100-80gb", 194, "1b", 65536, 8, 1, 2, 3044, "DEFAULT", True, 1445974016),
+    ("dgx-a100-80gb", 195, "1b", 32768, 8, 1, 4, 6275, "DEFAULT", False, 1378865152),
+    ("dgx-a100-80gb", 196, "1b", 16384, 8, 2, 4, 9956, "DEFAULT", False, 1345310720),
+    ("dgx-a100-80gb", 197, "1b", 8192, 8, 3, 4, 13814, "DEFAULT", False, 1328533504),
+    ("dgx-a100-80gb", 198, "1b", 4096, 8, 7, 4, 17807, "DEFAULT", False, 1320144896),
+    ("dgx-a100-80gb", 199, "1b", 2048, 8, 14, 4, 20513, "DEFAULT", False, 1315950592),
+    ("dgx-a100-80gb", 200, "1b", 1024, 8, 18, 4, 22112, "DEFAULT", False, 1313853440),
+    ("dgx-a100-80gb", 201, "1b", 512, 8, 56, 4, 23148, "DEFAULT", False, 1312804864),
+    ("dgx-a100-80gb", 202, "760m", 65536, 8, 1, 2, 4143, "DEFAULT", True, 857988096),
+    ("dgx-a100-80gb", 203, "760m", 32768, 8, 1, 2, 8802, "DEFAULT", False, 807656448),
+    ("dgx-a100-80gb", 204, "760m", 16384, 8, 3, 2, 14274, "DEFAULT", False, 782490624),
+    ("dgx-a100-80gb", 205, "760m", 8192, 8, 6, 2, 20933, "DEFAULT", False, 769907712),
+    ("dgx-a100-80gb", 206, "760m", 4096, 8, 12, 2, 27351, "DEFAULT", False, 763616256),
+    ("dgx-a100-80gb", 207, "760m", 2048, 8, 24, 2, 32434, "DEFAULT", False, 760470528),
+    ("dgx-a100-80gb", 208, "760m", 1024, 8, 48, 2, 29765, "DEFAULT", False, 758897664),
+    ("dgx-a100-80gb", 209, "760m", 512, 8, 96, 2, 29446, "DEFAULT", False, 758111232),
+    ("dgx-a100-80gb", 210, "350m", 65536, 8, 1, 2, 7524, "DEFAULT", False, 420997120),
+    ("dgx-a100-80gb", 211, "350m", 32768, 8, 2, 2, 13652, "DEFAULT", False, 387442688),
+    ("dgx-a100-80gb", 212, "350m", 16384, 8, 4, 2, 23559, "DEFAULT", False, 370665472),
+    ("dgx-a100-80gb", 213, "350m", 8192, 8, 8, 2, 36569, "DEFAULT", False, 362276864),
+    ("dgx-a100-80gb", 214, "350m", 4096, 8, 16, 2, 49555, "DEFAULT", False, 358082560),
+    ("dgx-a100-80gb", 215, "350m", 2048, 8, 32, 2, 58782, "DEFAULT", False, 355985408),
+    ("dgx-a100-80gb", 216, "350m", 1024, 8, 64, 2, 64813, "DEFAULT", False, 354936832),
+    ("dgx-a100-80gb", 217, "350m", 512, 8, 128, 2, 69330, "DEFAULT", False, 354412544),
+    ("dgx-a100-80gb", 218, "125m", 65536, 8, 1, 2, 20368, "DEFAULT", False, 174070272),
+    ("dgx-a100-80gb", 219, "125m", 32768, 8, 2, 2, 36407, "DEFAULT", False, 148904448),
+    ("dgx-a100-80gb", 220, "125m", 16384, 8, 4, 2, 60040, "DEFAULT", False, 136321536),
+    ("dgx-a100-80gb", 221, "125m", 8192, 8, 8, 2, 90392, "DEFAULT", False, 130030080),
+    ("dgx-a100-80gb", 222, "125m", 4096, 8, 16, 2, 118396, "DEFAULT", False, 126884352),
+    ("dgx-a100-80gb", 223, "125m", 2048, 8, 40, 2, 142830, "DEFAULT", False, 125311488),
+    ("dgx-a100-80gb", 224, "125m", 2048, 8, 32, 2, 141737, "DEFAULT", False, 125311488),
+    ("dgx-a100-80gb", 225, "125m", 1024, 8, 64, 2, 156468, "DEFAULT", False, 124525056),
+    ("dgx-a100-80gb", 226, "125m", 512, 8, 128, 2, 165681, "DEFAULT", False, 124131840),
+)
+#: mpt-<size>.yaml at b2a43a147: (layers, d_model, heads); expansion ratio 4, vocabulary 50,368
+SIZES = {
+    "125m": (12, 768, 12),
+    "350m": (24, 1024, 16),
+    "760m": (24, 1536, 12),
+    "1b": (24, 2048, 16),
+    "3b": (32, 2560, 20),
+    "7b": (32, 4096, 32),
+    "13b": (40, 5120, 40),
+    "30b": (48, 7168, 56),
+    "70b": (80, 8192, 64),
+}
+BASE_RUN = "llmfoundry-h100-128gpu-mpt-1b"
+#: The A100 table's network between nodes (its heading: "1600 Gbps node-node interconnect (RoCE)")
+A100_NODE_GBPS = 1600
+#: Rows whose sizes the ``triton`` rates were fitted on (one node, MPT-1B)
+FITTED = "1b"
+
+
+def runs() -> list[dict[str, Any]]:
+    """The rows as runs of ``published_stack_runs.json``'s shape."""
+    data = json.loads((HERE / "published_stack_runs.json").read_text())["runs"]
+    base = next(r for r in data if r["id"] == BASE_RUN)
+    out = []
+    for cluster, line, size, seq, gpus, mb, accum, tps, mode, ac, params in ROWS:
+        r = copy.deepcopy(base)
+        r.pop("network", None)
+        layers, d_model, heads = SIZES[size]
+        r["model"].update(name=f"mpt-{size}", n_layers=layers, d_model=d_model, n_heads=heads, seq_len=seq)
+        r.update(
+            id=f"llmfoundry-{cluster}-{gpus}gpu-mpt-{size}-seq{seq}-line{line}",
+            cluster=cluster,
+            gpus=gpus,
+            seq=seq,
+            microbatch=mb,
+            global_batch=mb * accum * gpus,
+            zero=3,
+            recompute="full" if ac else "none",
+            grad_reduce_fp32=mode != "PURE",
+        )
+        if cluster == "dgx-a100-80gb" and gpus > 8:
+            r["network"] = {"node_gbps": A100_NODE_GBPS, "source": "the table's heading"}
+        r["stack_settings"].update(
+            sharding="FULL_SHARD",
+            reshard_after_forward=True,
+            attention_unpad=False,
+            activation_checkpoint="full" if ac else "none",
+        )
+        r["attention"] = {
+            "kernel": "triton",
+            "source": "mosaicml/llm-foundry@b2a43a147 scripts/train/benchmarking/sweep.sh: no --attn_impl, "
+            "so submit_benchmarks.py's default 'triton'",
+        }
+        r["measured"] = {
+            "step_time_s": r["global_batch"] * seq / (tps * gpus),
+            "published_as": f"README.md line {line} at 5e85bd62d4: {tps} tokens/s per GPU",
+        }
+        r["table_params"] = params
+        r["size"] = size
+        out.append(r)
+    return out
+
+
+def table() -> list[dict[str, Any]]:
+    import bench_stacks as bs
+
+    from coplan.models.spec import ModelSpec
+
+    rows = []
+    for r in runs():
+        stack = bs.stack_of(r)
+        est = bs.estimated(r, stack)[3]
+        measured = r["measured"]["step_time_s"]
+        rows.append(
+            {
+                "id": r["id"],
+                "cluster": r["cluster"],
+                "size": r["size"],
+                "gpus": r["gpus"],
+                "seq": r["seq"],
+                "checkpointing": r["recompute"] == "full",
+                "params_match": ModelSpec.from_dict(r["model"]).param_count() == r["table_params"],
+                "measured_s": measured,
+                "predicted_s": est.step_time_s,
+                "error": est.step_time_s / measured - 1,
+                "fitted": r["size"] == FITTED and r["gpus"] == 8,
+            }
+        )
+    return rows
+
+
+def summary(rows: list[dict[str, Any]]) -> list[tuple[str, int, float, float, float]]:
+    """(group, runs, mean absolute, mean signed, worst) of the rows the ``triton`` rates were not
+    fitted on, by GPU and by whether blocks are checkpointed."""
+    out = []
+    checked = [r for r in rows if not r["fitted"]]
+    groups = [("all checked", checked)]
+    for cluster in dict.fromkeys(r["cluster"] for r in checked):
+        for ac in (False, True):
+            mine = [r for r in checked if r["cluster"] == cluster and r["checkpointing"] == ac]
+            groups.append((f"{cluster}, {'full AC' if ac else 'no AC'}", mine))
+    for name, mine in groups:
+        if not mine:
+            continue
+        errs = [r["error"] for r in mine]
+        out.append(
+            (name, len(errs), statistics.fmean(map(abs, errs)), statistics.fmean(errs), max(errs, key=abs))
+        )
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--json", type=Path)
+    args = ap.parse_args()
+    rows = table()
+    print(f"{'run':58s} {'measured s':>10s} {'priced':>8s} {'error':>7s}")
+    for r in rows:
+        mark = " (fitted)" if r["fitted"] else ""
+        print(
+            f"{r['id']:58s} {r['measured_s']:10.3f} {r['predicted_s']:8.3f} {r['error'] * 100:+6.1f}%{mark}"
+        )
+    print(f"parameter counts equal to the table's: {sum(r['params_match'] for r in rows)} of {len(rows)}")
+    for name, n, mean_abs, signed, worst in summary(rows):
+        print(f"{name:28s} {n:3d} runs: mean abs {mean_abs:.1%}, signed {signed:+.1%}, worst {worst:+.1%}")
+    if args.json:
+        args.json.write_text(json.dumps(rows, indent=1) + "\n")
+
+
+if __name__ == "__main__":
+    main()
