@@ -251,7 +251,7 @@ def test_llm_foundrys_tables_build_every_size_as_published() -> None:
     for run, row in zip(runs, tables.ROWS, strict=True):
         cluster, _, _, seq, gpus, mb, accum, tps, _, _, params = row
         assert ModelSpec.from_dict(run["model"]).param_count() == params, run["id"]
-        assert run["global_batch"] == mb * accum * gpus
+        assert (run["cluster"], run["gpus"], run["global_batch"]) == (cluster, gpus, mb * accum * gpus)
         assert run["measured"]["step_time_s"] == pytest.approx(run["global_batch"] * seq / (tps * gpus))
     rows = tables.table()
     assert all(-1.0 < r["error"] < 1.0 for r in rows)
