@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import re
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -40,6 +41,20 @@ SETTINGS = (
 AC = re.compile(r"none|full|selective-op|selective-layer:[1-9]\d*|selective-fraction:(0(\.\d+)?|1)")
 # what a pair may differ in: the compile flag and what it changes (the measurement, the citations)
 PAIR_FREE = {"id", "pair", "source", "measured", "stack_settings", "assumptions"}
+
+
+def _bench_module(name: str) -> Any:
+    """A module of ``benchmarks/`` or ``benchmarks/data/`` (the scripts are not a package)."""
+    import importlib
+    import sys
+
+    paths = [str(ROOT / "benchmarks"), str(ROOT / "benchmarks" / "data")]
+    sys.path[:0] = paths
+    try:
+        return importlib.import_module(name)
+    finally:
+        for p in paths:
+            sys.path.remove(p)
 
 
 def test_about_and_ids() -> None:
@@ -164,15 +179,7 @@ def test_llm_foundrys_one_node_sweep_derives_from_the_128_gpu_run() -> None:
     one node at its own sequence and batch, its step time from the row's tokens per second, and
     each prices (``bench_stacks``) to a finite step; its learned position table grows with the
     sequence as the README's parameter counts do."""
-    import sys
-
-    sys.path.insert(0, str(ROOT / "benchmarks"))
-    sys.path.insert(0, str(ROOT / "benchmarks" / "data"))
-    try:
-        import llmfoundry_seq_sweep as sweep
-    finally:
-        sys.path.remove(str(ROOT / "benchmarks" / "data"))
-        sys.path.remove(str(ROOT / "benchmarks"))
+    sweep = _bench_module("llmfoundry_seq_sweep")
     runs = sweep.runs()
     assert len(runs) == len(sweep.ROWS)
     for run, (cluster, _, seq, mb, ga, tps) in zip(runs, sweep.ROWS, strict=True):
@@ -190,13 +197,7 @@ def test_weak_scaling_pairs_runs_doing_the_same_work_per_gpu() -> None:
     """``bench_stacks.weak_scaling``: llm-foundry's 128- and 512-GPU runs of each MPT size (the same
     microbatch, sequences per GPU and settings) pair up, and runs whose work per GPU differs (the
     8-GPU seq-32k torchtitan run beside the 8B runs) do not."""
-    import sys
-
-    sys.path.insert(0, str(ROOT / "benchmarks"))
-    try:
-        import bench_stacks
-    finally:
-        sys.path.remove(str(ROOT / "benchmarks"))
+    bench_stacks = _bench_module("bench_stacks")
     runs = json.loads((ROOT / "benchmarks" / "data" / "published_stack_runs.json").read_text())["runs"]
     rows = [
         {"id": r["id"], "measured_s": r["measured"]["step_time_s"], "priced": {"predicted_s": 1.0}}
@@ -216,13 +217,7 @@ def test_float8_linear_check_prices_torchaos_benchmarked_shapes() -> None:
     torchao timed at LLaMA-70B's TP 8 shapes within 15%, prices every row-wise float8 linear faster
     than its bf16 one at those shapes (the measured speedups are 1.11-1.73), and the 128-column
     projections slower (pytorch/torchtitan#1207 measured them slower)."""
-    import sys
-
-    sys.path.insert(0, str(ROOT / "benchmarks" / "data"))
-    try:
-        import float8_linear_check as check
-    finally:
-        sys.path.remove(str(ROOT / "benchmarks" / "data"))
+    check = _bench_module("float8_linear_check")
     out = check.table("h100-sxm")
     assert [r["name"] for r in out["rows"]] == [s[0] for s in check.SHAPES]
     for r in out["rows"]:
@@ -237,15 +232,7 @@ def test_llm_foundrys_tables_build_every_size_as_published() -> None:
     becomes a run whose model has exactly the table's parameter count (sizes 125M to 70B, learned
     positions for the row's sequence), whose step time is the row's tokens per second, and which
     prices to a finite step."""
-    import sys
-
-    sys.path.insert(0, str(ROOT / "benchmarks"))
-    sys.path.insert(0, str(ROOT / "benchmarks" / "data"))
-    try:
-        import llmfoundry_tables as tables
-    finally:
-        sys.path.remove(str(ROOT / "benchmarks" / "data"))
-        sys.path.remove(str(ROOT / "benchmarks"))
+    tables = _bench_module("llmfoundry_tables")
     runs = tables.runs()
     assert len(runs) == len(tables.ROWS) > 100
     for run, row in zip(runs, tables.ROWS, strict=True):
