@@ -26,7 +26,6 @@ Triton kernel's time over FlashAttention-2's price.
 from __future__ import annotations
 
 import argparse
-import copy
 import json
 import sys
 from pathlib import Path
@@ -34,6 +33,9 @@ from typing import Any
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))
+sys.path.insert(0, str(HERE))
+
+from llmfoundry_tables import base_run, table_run  # noqa: E402
 
 #: (cluster preset, README line, sequence, microbatch, gradient accumulation, tokens/s per GPU)
 ROWS: tuple[tuple[str, int, int, int, int, int], ...] = (
@@ -52,43 +54,18 @@ ROWS: tuple[tuple[str, int, int, int, int, int], ...] = (
     ("dgx-a100-80gb", 196, 16384, 2, 4, 9956),
     ("dgx-a100-80gb", 195, 32768, 1, 4, 6275),
 )
-BASE_RUN = "llmfoundry-h100-128gpu-mpt-1b"
 GPUS = 8
 
 
 def runs(attention: str = "triton") -> list[dict[str, Any]]:
     """The rows as runs of ``published_stack_runs.json``'s shape, their attention priced as
-    ``attention`` (MPT's Triton kernel on padded inputs, what ran; or another device kernel)."""
-    data = json.loads((HERE / "published_stack_runs.json").read_text())
-    data = data["runs"] if isinstance(data, dict) else data
-    base = next(r for r in data if r["id"] == BASE_RUN)
-    out = []
-    for cluster, line, seq, mb, ga, tps in ROWS:
-        r = copy.deepcopy(base)
-        r.pop("network", None)  # one node
-        r.update(
-            id=f"llmfoundry-{cluster}-8gpu-mpt-1b-seq{seq}",
-            cluster=cluster,
-            gpus=GPUS,
-            seq=seq,
-            microbatch=mb,
-            global_batch=mb * ga * GPUS,
-            zero=3,
-        )
-        r["model"]["seq_len"] = seq
-        r["stack_settings"].update(sharding="FULL_SHARD", reshard_after_forward=True, attention_unpad=False)
-        r["attention"] = {
-            "kernel": attention,
-            "source": "mosaicml/llm-foundry@b2a43a147 scripts/train/benchmarking/sweep.sh: no "
-            "--attn_impl, so submit_benchmarks.py's default 'triton' "
-            "(llmfoundry/models/layers/flash_attn_triton.py, padded inputs)",
-        }
-        r["measured"] = {
-            "step_time_s": r["global_batch"] * seq / (tps * GPUS),
-            "published_as": f"README.md line {line} at 5e85bd62d4: {tps} tokens/s per GPU",
-        }
-        out.append(r)
-    return out
+    ``attention`` (MPT's Triton kernel on padded inputs, what ran; or another device kernel), built
+    as ``llmfoundry_tables.table_run`` builds every row of the same tables."""
+    base = base_run()
+    return [
+        table_run(base, cluster, line, "1b", seq, GPUS, mb, ga, tps, attention=attention)
+        for cluster, line, seq, mb, ga, tps in ROWS
+    ]
 
 
 def table(attention: str = "triton") -> list[dict[str, Any]]:

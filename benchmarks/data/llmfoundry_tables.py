@@ -173,46 +173,73 @@ A100_NODE_GBPS = 1600
 FITTED = "1b"
 
 
-def runs() -> list[dict[str, Any]]:
-    """The rows as runs of ``published_stack_runs.json``'s shape."""
+def base_run() -> dict[str, Any]:
+    """The 128-GPU MPT-1B run of ``published_stack_runs.json`` the rows are built from."""
     data = json.loads((HERE / "published_stack_runs.json").read_text())["runs"]
-    base = next(r for r in data if r["id"] == BASE_RUN)
+    return next(r for r in data if r["id"] == BASE_RUN)
+
+
+def table_run(
+    base: dict[str, Any],
+    cluster: str,
+    line: int,
+    size: str,
+    seq: int,
+    gpus: int,
+    mb: int,
+    accum: int,
+    tps: int,
+    mode: str = "DEFAULT",
+    checkpointing: bool = False,
+    attention: str = "triton",
+) -> dict[str, Any]:
+    """One table row as a run of ``published_stack_runs.json``'s shape: ``base`` sized as MPT-``size``
+    at the row's sequence, layout, precision mode and checkpointing, FULL_SHARD, its attention
+    priced as the device's ``attention`` kernel (``triton``: what ran)."""
+    r = copy.deepcopy(base)
+    r.pop("network", None)
+    layers, d_model, heads = SIZES[size]
+    r["model"].update(name=f"mpt-{size}", n_layers=layers, d_model=d_model, n_heads=heads, seq_len=seq)
+    r.update(
+        id=f"llmfoundry-{cluster}-{gpus}gpu-mpt-{size}-seq{seq}-line{line}",
+        cluster=cluster,
+        gpus=gpus,
+        seq=seq,
+        microbatch=mb,
+        global_batch=mb * accum * gpus,
+        zero=3,
+        recompute="full" if checkpointing else "none",
+        grad_reduce_fp32=mode != "PURE",
+    )
+    if cluster == "dgx-a100-80gb" and gpus > 8:
+        r["network"] = {"node_gbps": A100_NODE_GBPS, "source": "the table's heading"}
+    r["stack_settings"].update(
+        sharding="FULL_SHARD",
+        reshard_after_forward=True,
+        attention_unpad=False,
+        activation_checkpoint="full" if checkpointing else "none",
+    )
+    r["attention"] = {
+        "kernel": attention,
+        "source": "mosaicml/llm-foundry@b2a43a147 scripts/train/benchmarking/sweep.sh: no --attn_impl, "
+        "so submit_benchmarks.py's default 'triton' (llmfoundry/models/layers/flash_attn_triton.py, "
+        "padded inputs)",
+    }
+    r["measured"] = {
+        "step_time_s": r["global_batch"] * seq / (tps * gpus),
+        "published_as": f"README.md line {line} at 5e85bd62d4: {tps} tokens/s per GPU",
+    }
+    r["size"] = size
+    return r
+
+
+def runs() -> list[dict[str, Any]]:
+    """Every row as a run (``table_run``), with the table's parameter count beside it."""
+    base = base_run()
     out = []
     for cluster, line, size, seq, gpus, mb, accum, tps, mode, ac, params in ROWS:
-        r = copy.deepcopy(base)
-        r.pop("network", None)
-        layers, d_model, heads = SIZES[size]
-        r["model"].update(name=f"mpt-{size}", n_layers=layers, d_model=d_model, n_heads=heads, seq_len=seq)
-        r.update(
-            id=f"llmfoundry-{cluster}-{gpus}gpu-mpt-{size}-seq{seq}-line{line}",
-            cluster=cluster,
-            gpus=gpus,
-            seq=seq,
-            microbatch=mb,
-            global_batch=mb * accum * gpus,
-            zero=3,
-            recompute="full" if ac else "none",
-            grad_reduce_fp32=mode != "PURE",
-        )
-        if cluster == "dgx-a100-80gb" and gpus > 8:
-            r["network"] = {"node_gbps": A100_NODE_GBPS, "source": "the table's heading"}
-        r["stack_settings"].update(
-            sharding="FULL_SHARD",
-            reshard_after_forward=True,
-            attention_unpad=False,
-            activation_checkpoint="full" if ac else "none",
-        )
-        r["attention"] = {
-            "kernel": "triton",
-            "source": "mosaicml/llm-foundry@b2a43a147 scripts/train/benchmarking/sweep.sh: no --attn_impl, "
-            "so submit_benchmarks.py's default 'triton'",
-        }
-        r["measured"] = {
-            "step_time_s": r["global_batch"] * seq / (tps * gpus),
-            "published_as": f"README.md line {line} at 5e85bd62d4: {tps} tokens/s per GPU",
-        }
+        r = table_run(base, cluster, line, size, seq, gpus, mb, accum, tps, mode, ac)
         r["table_params"] = params
-        r["size"] = size
         out.append(r)
     return out
 
