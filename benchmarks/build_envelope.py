@@ -10,8 +10,8 @@ mean absolute step-time error at most 10%). The runs of those (stack, device) pa
 envelope: devices, dtypes per device, the largest TP / PP / VPP / CP / DP / GPU count, each ZeRO stage
 with the largest GPU count it was run at, the highest predicted MFU (16-bit dense peak) per dtype,
 the sequence and model-size ranges, the recompute modes and the kernels (fusion) they were priced
-with; a run of such a pair priced more than ``WORST`` (20%) off bounds nothing. Every run is kept, compactly, for the nearest-run search of
-``coplan.cost.envelope``. ``--check`` exits 1 when the committed file differs from what this script
+with; a run of such a pair priced more than ``WORST`` (20%) off bounds nothing. Every run is kept,
+compactly, for the nearest-run search of ``coplan.cost.envelope``. ``--check`` exits 1 when the committed file differs from what this script
 builds (the unit tests check the same).
 """
 

@@ -195,3 +195,20 @@ def test_planned_fusion_and_recompute_sets_are_extrapolated(inside: tuple[Estima
     v = validated(replace(est, config=cfg), spec)
     assert any(m.startswith("fusion: 2 planned kernel groups") for m in v.extrapolated), v.extrapolated
     assert any(m.startswith("recompute: chosen tensor sets") for m in v.extrapolated), v.extrapolated
+
+
+def test_a_run_priced_far_off_bounds_nothing() -> None:
+    """A validated pair's runs priced more than ``WORST`` off their measurement extend no bound:
+    torchtitan's compiled runs on Meta's H100 include context parallelism over 8 ranks at 262,144
+    tokens, priced a third fast, yet the stack's envelope stops at the CP degree and sequence of
+    its runs priced within 20%."""
+    build = _script("build_envelope")
+    rows = [
+        r for r in build._rows() if r["stack"] == "torchtitan-compile" and r["device"] == "h100-hbm2e-500w"
+    ]
+    far = [r for r in rows if abs(r["error"]) > build.WORST]
+    assert far, "the data holds runs of this pair priced more than WORST off"
+    bounds = build.build()["by_stack"]["torchtitan-compile"]
+    near = [r for r in rows if abs(r["error"]) <= build.WORST]
+    assert bounds["max"]["cp"] == max(r["cp"] for r in near) < max(r["cp"] for r in far)
+    assert bounds["seq"][1] == max(r["seq"] for r in near) < max(r["seq"] for r in far)
