@@ -4,8 +4,8 @@ step: every size from 125M to 70B, on H100 and on A100 80GB.
     python benchmarks/data/llmfoundry_tables.py [--json OUT]
 
 The rows are mosaicml/llm-foundry ``scripts/train/benchmarking/README.md`` at 5e85bd62d4, tables
-"H100 80GB BF16" (lines 98-149) and "A100 80GB with 1600 Gbps node-node interconnect (RoCE)"
-(lines 166-226): model, sequence length, GPUs, microbatch, gradient accumulation, tokens per second
+"H100 80GB BF16" (lines 98-149), "A100 80GB with 1600 Gbps node-node interconnect (RoCE)"
+(lines 166-226) and "H100 80GB FP8" (lines 154-160, ``FP8_ROWS``): model, sequence length, GPUs, microbatch, gradient accumulation, tokens per second
 per GPU, mixed-precision mode, activation checkpointing and parameter count, all FULL_SHARD. Both
 tables were made by ``sweep.sh`` at b2a43a147 (2023-10-19, the commit that wrote them; identical at
 5e85bd62d4), which passes no ``--attn_impl``, so every row ran ``submit_benchmarks.py``'s default
@@ -154,6 +154,20 @@ ROWS: tuple[tuple[str, int, str, int, int, int, int, int, str, bool, int], ...] 
     ("dgx-a100-80gb", 225, "125m", 1024, 8, 64, 2, 156468, "DEFAULT", False, 124525056),
     ("dgx-a100-80gb", 226, "125m", 512, 8, 128, 2, 165681, "DEFAULT", False, 124131840),
 )
+#: The README's "H100 80GB FP8" table (lines 154-160), the same columns: ``submit_benchmarks.py`` at
+#: b2a43a147 runs them with ``amp_fp8`` and ``model.fc_type = 'te'`` (line 470: Transformer Engine
+#: v0.10's ``te.Linear`` for every linear layer, installed by ``run_config``, line 412-416), the
+#: attention still ``triton``; priced as the device's fp8 GEMMs with Transformer Engine's casts
+#: (``coplan.cost.fp8``)
+FP8_ROWS: tuple[tuple[str, int, str, int, int, int, int, int, str, bool, int], ...] = (
+    ("dgx-h100", 154, "3b", 32768, 8, 3, 6, 5856, "DEFAULT", True, 2730480640),
+    ("dgx-h100", 155, "3b", 8192, 8, 3, 6, 19146, "DEFAULT", False, 2667566080),
+    ("dgx-h100", 156, "3b", 2048, 8, 10, 6, 30586, "DEFAULT", False, 2651837440),
+    ("dgx-h100", 157, "3b", 512, 8, 40, 6, 36527, "DEFAULT", False, 2647905280),
+    ("dgx-h100", 158, "1b", 32768, 8, 1, 4, 12580, "DEFAULT", False, 1378865152),
+    ("dgx-h100", 159, "1b", 8192, 8, 2, 4, 32010, "DEFAULT", False, 1328533504),
+    ("dgx-h100", 160, "1b", 512, 8, 56, 4, 70315, "DEFAULT", False, 1312804864),
+)
 #: mpt-<size>.yaml at b2a43a147: (layers, d_model, heads); expansion ratio 4, vocabulary 50,368
 SIZES = {
     "125m": (12, 768, 12),
@@ -192,10 +206,12 @@ def table_run(
     mode: str = "DEFAULT",
     checkpointing: bool = False,
     attention: str = "triton",
+    dtype: str = "bf16",
 ) -> dict[str, Any]:
     """One table row as a run of ``published_stack_runs.json``'s shape: ``base`` sized as MPT-``size``
     at the row's sequence, layout, precision mode and checkpointing, FULL_SHARD, its attention
-    priced as the device's ``attention`` kernel (``triton``: what ran)."""
+    priced as the device's ``attention`` kernel (``triton``: what ran), its linear layers in ``dtype``
+    (``fp8``: Transformer Engine's, ``FP8_ROWS``)."""
     r = copy.deepcopy(base)
     r.pop("network", None)
     layers, d_model, heads = SIZES[size]
@@ -210,6 +226,7 @@ def table_run(
         zero=3,
         recompute="full" if checkpointing else "none",
         grad_reduce_fp32=mode != "PURE",
+        dtype=dtype,
     )
     if cluster == "dgx-a100-80gb" and gpus > 8:
         r["network"] = {"node_gbps": A100_NODE_GBPS, "source": "the table's heading"}
@@ -219,6 +236,8 @@ def table_run(
         attention_unpad=False,
         activation_checkpoint="full" if checkpointing else "none",
     )
+    if dtype == "fp8":
+        r["stack_settings"]["float8"] = "tensorwise"  # Transformer Engine's per-tensor scaling
     r["attention"] = {
         "kernel": attention,
         "source": "mosaicml/llm-foundry@b2a43a147 scripts/train/benchmarking/sweep.sh: no --attn_impl, "
@@ -237,10 +256,11 @@ def runs() -> list[dict[str, Any]]:
     """Every row as a run (``table_run``), with the table's parameter count beside it."""
     base = base_run()
     out = []
-    for cluster, line, size, seq, gpus, mb, accum, tps, mode, ac, params in ROWS:
-        r = table_run(base, cluster, line, size, seq, gpus, mb, accum, tps, mode, ac)
-        r["table_params"] = params
-        out.append(r)
+    for table, dtype in ((ROWS, "bf16"), (FP8_ROWS, "fp8")):
+        for cluster, line, size, seq, gpus, mb, accum, tps, mode, ac, params in table:
+            r = table_run(base, cluster, line, size, seq, gpus, mb, accum, tps, mode, ac, dtype=dtype)
+            r["table_params"] = params
+            out.append(r)
     return out
 
 
@@ -262,11 +282,12 @@ def table() -> list[dict[str, Any]]:
                 "gpus": r["gpus"],
                 "seq": r["seq"],
                 "checkpointing": r["recompute"] == "full",
+                "dtype": r["dtype"],
                 "params_match": ModelSpec.from_dict(r["model"]).param_count() == r["table_params"],
                 "measured_s": measured,
                 "predicted_s": est.step_time_s,
                 "error": est.step_time_s / measured - 1,
-                "fitted": r["size"] == FITTED and r["gpus"] == 8,
+                "fitted": r["size"] == FITTED and r["gpus"] == 8 and r["dtype"] == "bf16",
             }
         )
     return rows
@@ -274,14 +295,16 @@ def table() -> list[dict[str, Any]]:
 
 def summary(rows: list[dict[str, Any]]) -> list[tuple[str, int, float, float, float]]:
     """(group, runs, mean absolute, mean signed, worst) of the rows the ``triton`` rates were not
-    fitted on, by GPU and by whether blocks are checkpointed."""
+    fitted on, by GPU and by whether blocks are checkpointed, and the fp8 rows."""
     out = []
     checked = [r for r in rows if not r["fitted"]]
     groups = [("all checked", checked)]
-    for cluster in dict.fromkeys(r["cluster"] for r in checked):
+    bf16 = [r for r in checked if r["dtype"] == "bf16"]
+    for cluster in dict.fromkeys(r["cluster"] for r in bf16):
         for ac in (False, True):
-            mine = [r for r in checked if r["cluster"] == cluster and r["checkpointing"] == ac]
+            mine = [r for r in bf16 if r["cluster"] == cluster and r["checkpointing"] == ac]
             groups.append((f"{cluster}, {'full AC' if ac else 'no AC'}", mine))
+    groups.append(("dgx-h100, fp8 (TE)", [r for r in checked if r["dtype"] == "fp8"]))
     for name, mine in groups:
         if not mine:
             continue
