@@ -5,10 +5,10 @@ step: every size from 125M to 70B, on H100 and on A100 80GB.
 
 The rows are mosaicml/llm-foundry ``scripts/train/benchmarking/README.md`` at 5e85bd62d4, tables
 "H100 80GB BF16" (lines 98-149), "A100 80GB with 1600 Gbps node-node interconnect (RoCE)"
-(lines 166-226) and "H100 80GB FP8" (lines 154-160, ``FP8_ROWS``): model, sequence length, GPUs, microbatch, gradient accumulation, tokens per second
-per GPU, mixed-precision mode, activation checkpointing and parameter count, all FULL_SHARD. Both
-tables were made by ``sweep.sh`` at b2a43a147 (2023-10-19, the commit that wrote them; identical at
-5e85bd62d4), which passes no ``--attn_impl``, so every row ran ``submit_benchmarks.py``'s default
+(lines 166-226) and "H100 80GB FP8" (lines 154-160, ``FP8_ROWS``): model, sequence length, GPUs,
+microbatch, gradient accumulation, tokens per second per GPU, mixed-precision mode, activation
+checkpointing and parameter count, all FULL_SHARD. The tables were made by ``sweep.sh`` at b2a43a147
+(2023-10-19, the commit that wrote them; identical at 5e85bd62d4), which passes no ``--attn_impl``, so every row ran ``submit_benchmarks.py``'s default
 ``triton``: MPT's Triton FlashAttention on padded inputs, the device preset's ``triton`` kernel; the
 A100 table's two 70B rows are older (present before b2a43a147, in bf16 with the PURE mode: 16-bit
 gradient reduction). Every other setting is the 128-GPU MPT-1B run's of
