@@ -4,24 +4,25 @@ step: every size from 125M to 70B, on H100 and on A100 80GB.
     python benchmarks/data/llmfoundry_tables.py [--json OUT]
 
 The rows are mosaicml/llm-foundry ``scripts/train/benchmarking/README.md`` at 5e85bd62d4, tables
-"H100 80GB BF16" (lines 98-149), "A100 80GB with 1600 Gbps node-node interconnect (RoCE)"
-(lines 166-226) and "H100 80GB FP8" (lines 154-160, ``FP8_ROWS``): model, sequence length, GPUs,
+"H100 80GB BF16" (lines 98-149), "A100 80GB with 1600 Gbps node-node interconnect (RoCE)" (lines
+166-226) and "H100 80GB FP8" (lines 154-160, ``FP8_ROWS``): model, sequence length, GPUs,
 microbatch, gradient accumulation, tokens per second per GPU, mixed-precision mode, activation
 checkpointing and parameter count, all FULL_SHARD. The tables were made by ``sweep.sh`` at b2a43a147
-(2023-10-19, the commit that wrote them; identical at 5e85bd62d4), which passes no ``--attn_impl``, so every row ran ``submit_benchmarks.py``'s default
-``triton``: MPT's Triton FlashAttention on padded inputs, the device preset's ``triton`` kernel; the
-A100 table's two 70B rows are older (present before b2a43a147, in bf16 with the PURE mode: 16-bit
-gradient reduction). Every other setting is the 128-GPU MPT-1B run's of
-``published_stack_runs.json`` (the same recipe family and ``submit_benchmarks.py``), with the model
-sized as ``scripts/train/yamls/pretrain/mpt-<size>.yaml`` at b2a43a147 gives it and the sequence
-and learned position table as the row says; each row's parameter count is checked against the
-table's. Multi-node A100 rows use the table's 1600 Gb/s RoCE between nodes; the H100 network is
-not described (dgx-h100 assumed). The step time is global batch x sequence / (tokens per second per
-GPU x GPUs).
+(2023-10-19, the commit that wrote them; identical at 5e85bd62d4), which passes no ``--attn_impl``,
+so every row ran ``submit_benchmarks.py``'s default ``triton``: MPT's Triton FlashAttention on
+padded inputs, the device preset's ``triton`` kernel; the A100 table's two 70B rows are older
+(present before b2a43a147, in bf16 with the PURE mode: 16-bit gradient reduction). Every other
+setting is the 128-GPU MPT-1B run's of ``published_stack_runs.json`` (the same recipe family and
+``submit_benchmarks.py``), with the model sized as ``scripts/train/yamls/pretrain/mpt-<size>.yaml``
+at b2a43a147 gives it and the sequence and learned position table as the row says; each row's
+parameter count is checked against the table's. Multi-node A100 rows use the table's 1600 Gb/s RoCE
+between nodes; the H100 network is not described (dgx-h100 assumed). ``run_config`` at b2a43a147
+checks out llm-foundry v0.3.0 for every run; the settings taken from the January 2024 run are an
+assumption where that release differed. The step time is global batch x sequence / (tokens per
+second per GPU x GPUs).
 
 The device presets' ``triton`` rates were fitted to this table's MPT-1B rows at one node
-(``llmfoundry_seq_sweep.py``), so those rows are not a check of them; every other size is.
-"""
+(``llmfoundry_seq_sweep.py``), so those rows are not a check of them; every other size is."""
 
 from __future__ import annotations
 
