@@ -169,6 +169,91 @@ FP8_ROWS: tuple[tuple[str, int, str, int, int, int, int, int, str, bool, int], .
     ("dgx-h100", 159, "1b", 8192, 8, 2, 4, 32010, "DEFAULT", False, 1328533504),
     ("dgx-h100", 160, "1b", 512, 8, 56, 4, 70315, "DEFAULT", False, 1312804864),
 )
+#: The README's "A100 40GB with 1600 Gbps node-node interconnect (RoCE)" table (lines 232-309), the
+#: same columns, older than the others: written by ef350d9e6 (2023-07-05), whose ``sweep.sh`` runs
+#: llm-foundry v0.0.4 on the mosaicml/pytorch 1.13.1 image, bf16 with Composer's PURE mode (16-bit
+#: gradient reduction), the attention ``triton``; priced with the same settings as the rest, which
+#: that release and PyTorch may not have shared
+A100_40GB_ROWS: tuple[tuple[str, int, str, int, int, int, int, int, str, bool, int], ...] = (
+    ("dgx-a100-40gb", 232, "70b", 2048, 128, 4, 1, 376, "PURE", True, 64862437376),
+    ("dgx-a100-40gb", 233, "70b", 2048, 64, 2, 1, 276, "PURE", True, 64862437376),
+    ("dgx-a100-40gb", 234, "30b", 2048, 128, 6, 1, 865, "PURE", True, 29975214080),
+    ("dgx-a100-40gb", 235, "30b", 2048, 32, 4, 1, 857, "PURE", True, 29975214080),
+    ("dgx-a100-40gb", 236, "13b", 8192, 8, 1, 16, 1407, "PURE", True, 12885411840),
+    ("dgx-a100-40gb", 237, "13b", 4096, 8, 2, 16, 1603, "PURE", True, 12864440320),
+    ("dgx-a100-40gb", 238, "13b", 2048, 128, 16, 1, 1972, "PURE", True, 12853954560),
+    ("dgx-a100-40gb", 239, "13b", 2048, 64, 16, 1, 1976, "PURE", True, 12853954560),
+    ("dgx-a100-40gb", 240, "13b", 2048, 32, 14, 1, 1998, "PURE", True, 12853954560),
+    ("dgx-a100-40gb", 241, "13b", 2048, 16, 10, 1, 1993, "PURE", True, 12853954560),
+    ("dgx-a100-40gb", 242, "13b", 2048, 8, 4, 16, 1668, "PURE", True, 12853954560),
+    ("dgx-a100-40gb", 243, "13b", 1024, 8, 8, 16, 1727, "PURE", True, 12848711680),
+    ("dgx-a100-40gb", 244, "13b", 512, 8, 16, 16, 1763, "PURE", True, 12846090240),
+    ("dgx-a100-40gb", 245, "7b", 16384, 8, 1, 4, 2249, "PURE", True, 6717579264),
+    ("dgx-a100-40gb", 246, "7b", 8192, 8, 3, 4, 2887, "PURE", True, 6684024832),
+    ("dgx-a100-40gb", 247, "7b", 4096, 8, 6, 4, 3366, "PURE", True, 6667247616),
+    ("dgx-a100-40gb", 248, "7b", 2048, 128, 18, 1, 3623, "PURE", True, 6658859008),
+    ("dgx-a100-40gb", 249, "7b", 2048, 64, 18, 1, 3665, "PURE", True, 6658859008),
+    ("dgx-a100-40gb", 250, "7b", 2048, 32, 18, 1, 3725, "PURE", True, 6658859008),
+    ("dgx-a100-40gb", 251, "7b", 2048, 16, 16, 1, 3645, "PURE", True, 6658859008),
+    ("dgx-a100-40gb", 252, "7b", 2048, 8, 12, 4, 3679, "PURE", True, 6658859008),
+    ("dgx-a100-40gb", 253, "7b", 1024, 8, 24, 4, 3854, "PURE", True, 6654664704),
+    ("dgx-a100-40gb", 254, "7b", 512, 8, 48, 4, 3895, "PURE", True, 6652567552),
+    ("dgx-a100-40gb", 255, "3b", 32768, 8, 1, 4, 2955, "PURE", True, 2730480640),
+    ("dgx-a100-40gb", 256, "3b", 16384, 8, 2, 8, 4465, "PURE", True, 2688537600),
+    ("dgx-a100-40gb", 257, "3b", 8192, 8, 1, 8, 7149, "PURE", False, 2667566080),
+    ("dgx-a100-40gb", 258, "3b", 4096, 8, 2, 8, 8777, "PURE", False, 2657080320),
+    ("dgx-a100-40gb", 259, "3b", 2048, 128, 6, 1, 9538, "PURE", False, 2651837440),
+    ("dgx-a100-40gb", 260, "3b", 2048, 64, 6, 1, 9736, "PURE", False, 2651837440),
+    ("dgx-a100-40gb", 261, "3b", 2048, 32, 6, 1, 9914, "PURE", False, 2651837440),
+    ("dgx-a100-40gb", 262, "3b", 2048, 16, 5, 1, 9750, "PURE", False, 2651837440),
+    ("dgx-a100-40gb", 263, "3b", 2048, 8, 5, 8, 10065, "PURE", False, 2651837440),
+    ("dgx-a100-40gb", 264, "3b", 1024, 8, 10, 8, 10731, "PURE", False, 2649216000),
+    ("dgx-a100-40gb", 265, "3b", 512, 8, 20, 8, 11324, "PURE", False, 2647905280),
+    ("dgx-a100-40gb", 266, "1b", 32768, 8, 1, 4, 5095, "PURE", True, 1378865152),
+    ("dgx-a100-40gb", 267, "1b", 16384, 8, 1, 8, 9715, "PURE", False, 1345310720),
+    ("dgx-a100-40gb", 268, "1b", 8192, 8, 2, 8, 13474, "PURE", False, 1328533504),
+    ("dgx-a100-40gb", 269, "1b", 4096, 8, 4, 8, 16856, "PURE", False, 1320144896),
+    ("dgx-a100-40gb", 270, "1b", 2048, 128, 10, 1, 18647, "PURE", False, 1315950592),
+    ("dgx-a100-40gb", 271, "1b", 2048, 64, 10, 1, 19001, "PURE", False, 1315950592),
+    ("dgx-a100-40gb", 272, "1b", 2048, 32, 10, 1, 15555, "PURE", False, 1315950592),
+    ("dgx-a100-40gb", 273, "1b", 2048, 16, 8, 1, 19085, "PURE", False, 1315950592),
+    ("dgx-a100-40gb", 274, "1b", 2048, 8, 8, 8, 19271, "PURE", False, 1315950592),
+    ("dgx-a100-40gb", 275, "1b", 1024, 8, 16, 8, 20959, "PURE", False, 1313853440),
+    ("dgx-a100-40gb", 276, "1b", 512, 8, 32, 8, 21782, "PURE", False, 1312804864),
+    ("dgx-a100-40gb", 277, "760m", 32768, 8, 1, 4, 7183, "PURE", True, 807656448),
+    ("dgx-a100-40gb", 278, "760m", 16384, 8, 1, 4, 13914, "PURE", False, 782490624),
+    ("dgx-a100-40gb", 279, "760m", 8192, 8, 3, 4, 20106, "PURE", False, 769907712),
+    ("dgx-a100-40gb", 280, "760m", 4096, 8, 6, 4, 25863, "PURE", False, 763616256),
+    ("dgx-a100-40gb", 281, "760m", 2048, 128, 12, 1, 28940, "PURE", False, 760470528),
+    ("dgx-a100-40gb", 282, "760m", 2048, 64, 12, 1, 29344, "PURE", False, 760470528),
+    ("dgx-a100-40gb", 283, "760m", 2048, 32, 12, 1, 29648, "PURE", False, 760470528),
+    ("dgx-a100-40gb", 284, "760m", 2048, 16, 12, 1, 29607, "PURE", False, 760470528),
+    ("dgx-a100-40gb", 285, "760m", 2048, 8, 12, 4, 30173, "PURE", False, 760470528),
+    ("dgx-a100-40gb", 286, "760m", 1024, 8, 24, 4, 33422, "PURE", False, 758897664),
+    ("dgx-a100-40gb", 287, "760m", 512, 8, 48, 4, 34938, "PURE", False, 758111232),
+    ("dgx-a100-40gb", 288, "350m", 32768, 8, 1, 4, 13416, "PURE", False, 387442688),
+    ("dgx-a100-40gb", 289, "350m", 16384, 8, 2, 4, 22896, "PURE", False, 370665472),
+    ("dgx-a100-40gb", 290, "350m", 8192, 8, 4, 4, 34933, "PURE", False, 362276864),
+    ("dgx-a100-40gb", 291, "350m", 4096, 8, 8, 4, 46833, "PURE", False, 358082560),
+    ("dgx-a100-40gb", 292, "350m", 2048, 128, 18, 1, 51934, "PURE", False, 355985408),
+    ("dgx-a100-40gb", 293, "350m", 2048, 64, 18, 1, 52689, "PURE", False, 355985408),
+    ("dgx-a100-40gb", 294, "350m", 2048, 32, 18, 1, 53811, "PURE", False, 355985408),
+    ("dgx-a100-40gb", 295, "350m", 2048, 16, 18, 1, 55413, "PURE", False, 355985408),
+    ("dgx-a100-40gb", 296, "350m", 2048, 8, 16, 4, 55995, "PURE", False, 355985408),
+    ("dgx-a100-40gb", 297, "350m", 1024, 8, 32, 4, 62523, "PURE", False, 354936832),
+    ("dgx-a100-40gb", 298, "350m", 512, 8, 64, 4, 66284, "PURE", False, 354412544),
+    ("dgx-a100-40gb", 299, "125m", 32768, 8, 1, 4, 32651, "PURE", False, 148904448),
+    ("dgx-a100-40gb", 300, "125m", 16384, 8, 2, 3, 55484, "PURE", False, 136321536),
+    ("dgx-a100-40gb", 301, "125m", 8192, 8, 5, 3, 86858, "PURE", False, 130030080),
+    ("dgx-a100-40gb", 302, "125m", 4096, 8, 13, 3, 115162, "PURE", False, 126884352),
+    ("dgx-a100-40gb", 303, "125m", 2048, 128, 26, 1, 123936, "PURE", False, 125311488),
+    ("dgx-a100-40gb", 304, "125m", 2048, 64, 26, 1, 125234, "PURE", False, 125311488),
+    ("dgx-a100-40gb", 305, "125m", 2048, 32, 26, 1, 127122, "PURE", False, 125311488),
+    ("dgx-a100-40gb", 306, "125m", 2048, 16, 26, 1, 130535, "PURE", False, 125311488),
+    ("dgx-a100-40gb", 307, "125m", 2048, 8, 26, 3, 136334, "PURE", False, 125311488),
+    ("dgx-a100-40gb", 308, "125m", 1024, 8, 52, 3, 148289, "PURE", False, 124525056),
+    ("dgx-a100-40gb", 309, "125m", 512, 8, 104, 3, 156735, "PURE", False, 124131840),
+)
 #: mpt-<size>.yaml at b2a43a147: (layers, d_model, heads); expansion ratio 4, vocabulary 50,368
 SIZES = {
     "125m": (12, 768, 12),
@@ -184,8 +269,9 @@ SIZES = {
 BASE_RUN = "llmfoundry-h100-128gpu-mpt-1b"
 #: The A100 table's network between nodes (its heading: "1600 Gbps node-node interconnect (RoCE)")
 A100_NODE_GBPS = 1600
-#: Rows whose sizes the ``triton`` rates were fitted on (one node, MPT-1B)
+#: Rows whose sizes the ``triton`` rates were fitted on (one node, MPT-1B, bf16, on these clusters)
 FITTED = "1b"
+FITTED_ON = ("dgx-h100", "dgx-a100-80gb")
 
 
 def base_run() -> dict[str, Any]:
@@ -229,7 +315,7 @@ def table_run(
         grad_reduce_fp32=mode != "PURE",
         dtype=dtype,
     )
-    if cluster == "dgx-a100-80gb" and gpus > 8:
+    if cluster.startswith("dgx-a100") and gpus > 8:
         r["network"] = {"node_gbps": A100_NODE_GBPS, "source": "the table's heading"}
     r["stack_settings"].update(
         sharding="FULL_SHARD",
@@ -257,7 +343,7 @@ def runs() -> list[dict[str, Any]]:
     """Every row as a run (``table_run``), with the table's parameter count beside it."""
     base = base_run()
     out = []
-    for table, dtype in ((ROWS, "bf16"), (FP8_ROWS, "fp8")):
+    for table, dtype in ((ROWS, "bf16"), (FP8_ROWS, "fp8"), (A100_40GB_ROWS, "bf16")):
         for cluster, line, size, seq, gpus, mb, accum, tps, mode, ac, params in table:
             r = table_run(base, cluster, line, size, seq, gpus, mb, accum, tps, mode, ac, dtype=dtype)
             r["table_params"] = params
@@ -288,7 +374,10 @@ def table() -> list[dict[str, Any]]:
                 "measured_s": measured,
                 "predicted_s": est.step_time_s,
                 "error": est.step_time_s / measured - 1,
-                "fitted": r["size"] == FITTED and r["gpus"] == 8 and r["dtype"] == "bf16",
+                "fitted": r["size"] == FITTED
+                and r["gpus"] == 8
+                and r["dtype"] == "bf16"
+                and r["cluster"] in FITTED_ON,
             }
         )
     return rows
@@ -306,6 +395,7 @@ def summary(rows: list[dict[str, Any]]) -> list[tuple[str, int, float, float, fl
             mine = [r for r in bf16 if r["cluster"] == cluster and r["checkpointing"] == ac]
             groups.append((f"{cluster}, {'full AC' if ac else 'no AC'}", mine))
     groups.append(("dgx-h100, fp8 (TE)", [r for r in checked if r["dtype"] == "fp8"]))
+    groups.append(("all but the A100 40GB table", [r for r in checked if r["cluster"] != "dgx-a100-40gb"]))
     for name, mine in groups:
         if not mine:
             continue

@@ -234,8 +234,9 @@ def test_llm_foundrys_tables_build_every_size_as_published() -> None:
     prices to a finite step."""
     tables = _bench_module("llmfoundry_tables")
     runs = tables.runs()
-    assert len(runs) == len(tables.ROWS) + len(tables.FP8_ROWS) > 100
-    for run, row in zip(runs, tables.ROWS + tables.FP8_ROWS, strict=True):
+    every = tables.ROWS + tables.FP8_ROWS + tables.A100_40GB_ROWS
+    assert len(runs) == len(every) > 100
+    for run, row in zip(runs, every, strict=True):
         cluster, _, _, seq, gpus, mb, accum, tps, _, _, params = row
         assert ModelSpec.from_dict(run["model"]).param_count() == params, run["id"]
         assert (run["cluster"], run["gpus"], run["global_batch"]) == (cluster, gpus, mb * accum * gpus)
@@ -243,4 +244,5 @@ def test_llm_foundrys_tables_build_every_size_as_published() -> None:
     rows = tables.table()
     assert all(-1.0 < r["error"] < 1.0 for r in rows)
     assert sum(r["fitted"] for r in rows) == sum(1 for r in tables.ROWS if r[2] == "1b" and r[4] == 8)
+    assert not any(r["fitted"] for r in rows if r["cluster"] == "dgx-a100-40gb")
     assert {r["dtype"] for r in rows} == {"bf16", "fp8"}
