@@ -1,4 +1,4 @@
-"""The A100's ``matmul_unaligned``, read off BigScience's trials of BLOOM's widths.
+"""The A100's ``bmm_unaligned``, read off BigScience's trials of BLOOM's widths.
 
     python benchmarks/data/bloom_width_pairs.py
 
@@ -8,7 +8,8 @@ sections "tile and wave quantization" and "NHEADs comparison"; seconds per itera
 global batch 2,048 of 2,048 tokens). Two pairs differ in whether the head dimension is a multiple of
 8 elements: the unfused attention's batched GEMMs then load unaligned operands
 (``coplan.cost.kernels``). The cost model prices each pair's other differences itself; this script
-prices the pairs at each candidate ``matmul_unaligned`` and prints the squared log error of the two
+prices the pairs at each candidate ``bmm_unaligned`` (the unaligned fraction of these batched GEMMs,
+whose misaligned operand is the short head dimension) and prints the squared log error of the two
 step-time ratios. The device presets carry the minimiser, rounded.
 """
 
@@ -63,14 +64,14 @@ def trial(base: dict, changes: dict) -> dict:
 
 
 def priced(unaligned: float) -> list[float]:
-    """Seconds per iteration of each trial with the A100's ``matmul_unaligned`` at ``unaligned``."""
+    """Seconds per iteration of each trial with the A100's ``bmm_unaligned`` at ``unaligned``."""
     load = bench_stacks.load_cluster
 
     def with_factor(name: str, gpus: int):  # type: ignore[no-untyped-def]
         cluster = load(name, gpus)
         groups = []
         for g in cluster.groups:
-            eff = dict(g.device.efficiency, matmul_unaligned=unaligned)
+            eff = dict(g.device.efficiency, bmm_unaligned=unaligned)
             groups.append(replace(g, device=replace(g.device, efficiency=eff)))
         return replace(cluster, groups=tuple(groups))
 
@@ -94,7 +95,7 @@ def main() -> None:
             f"{times[a] / times[b]:.3f} (measured {TRIALS[a][2] / TRIALS[b][2]:.3f})"
             for a, b in PAIRS
         )
-        print(f"matmul_unaligned {u:.2f}  squared log error {sq:.5f}  {ratios}")
+        print(f"bmm_unaligned {u:.2f}  squared log error {sq:.5f}  {ratios}")
         if best is None or sq < best[1]:
             best = (u, sq)
     assert best is not None

@@ -29,6 +29,8 @@ do not, and price exactly as without them):
 - ``matmul_unaligned``: the fraction of a GEMM's rate it keeps when it loads an operand whose
   leading dimension is not a multiple of 16 bytes, where the stack does not pad it
   (``TrainingConfig.gemm_padding``): cuBLAS then runs kernels built for narrower alignment;
+  ``bmm_unaligned`` the same for the unfused attention's batched GEMMs over a misaligned head
+  dimension;
 - ``memory_upcast``: the fraction of the memory rate an eager copy from 16 bits to fp32 reaches
   (``Kernel.upcast``, the ``x.float()`` kernels of ``coplan.cost.eager``);
 - ``gemm_tiles`` (a device field): the library GEMM's output tiles, whose count over the device's
@@ -95,6 +97,7 @@ class Rates:
     # (``looped``): on GPUs; a CPU core's loops over one row hit its own cache
     looped_reductions: bool = False
     mm_unaligned: float = 1.0  # fraction of the GEMM rate kept with a misaligned loaded operand
+    bmm_unaligned: float = 1.0  # the same for the unfused attention's batched GEMMs (head dimension)
     mm_template: float = 1.0  # fraction of the GEMM rate a generated GEMM template reaches
     upcast: float = 1.0  # fraction of ``bandwidth`` an eager 16-bit-to-fp32 copy reaches
     # the library GEMMs' output tiles and the SMs their waves fill (``DeviceSpec.gemm_tiles``;
@@ -157,6 +160,7 @@ class Rates:
             attn_dropout=dropout,
             looped_reductions=device.kind == "gpu",
             mm_unaligned=device.efficiency_of("matmul_unaligned"),
+            bmm_unaligned=device.efficiency_of("bmm_unaligned"),
             mm_template=device.efficiency_of("matmul_template"),
             upcast=device.efficiency_of("memory_upcast"),
             mm_tiles=device.gemm_tiles,
@@ -477,11 +481,11 @@ def _attention(k: Kernel, r: Rates, s: Scale) -> float:
     # These kernels compute the whole score matrix and mask it: all the counted FLOPs are paid,
     # though model FLOPs (MFU) count only the causal share, the useful work.
     compute = k.mm_flops / div / (r.mm_flops * shape_factor((sq, sk, d), r.half_dim))
-    if not s.pads_bmm and r.mm_unaligned < 1.0 and (d * s.act_bytes) % GEMM_ALIGN_BYTES:
+    if not s.pads_bmm and r.bmm_unaligned < 1.0 and (d * s.act_bytes) % GEMM_ALIGN_BYTES:
         # every one of these batched GEMMs loads an operand whose leading dimension is the head
         # dimension (QK^T's K; V's, P's and dS's partners backward), so a head dimension that is not
         # a multiple of 16 bytes runs them all on cuBLAS's narrow-alignment kernels
-        compute /= r.mm_unaligned
+        compute /= r.bmm_unaligned
     forward = k.phase.value == "forward"
     if s.eager_attention:
         per_elem = eager_scores(forward, s.act_bytes)

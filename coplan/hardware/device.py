@@ -41,7 +41,10 @@ from coplan.hardware.tiling import PHASES, AttentionTiling
 #: ``grad.T @ x``: a CPU BLAS packs such an operand on another, slower path in 16 bits); absent, 1.
 #: ``matmul_unaligned`` is the fraction of a GEMM's rate it keeps when an operand it loads has a
 #: leading dimension the tensor cores' 16-byte loads cannot take (8 elements of 16 bits), where the
-#: stack does not pad it (``TrainingConfig.gemm_padding``); absent, 1. ``matmul_template`` is the
+#: stack does not pad it (``TrainingConfig.gemm_padding``); absent, 1. ``bmm_unaligned`` is the same
+#: fraction for the unfused attention's batched GEMMs, whose misaligned operand is the head dimension
+#: (a short K, both operands of QK^T misaligned) where a linear's is a long one; absent, the
+#: ``matmul_unaligned`` figure. ``matmul_template`` is the
 #: fraction of the GEMM rate a compiler's generated GEMM (Inductor's Triton template, the only GEMM
 #: that can carry a fused epilogue or prologue) reaches beside the vendor library's; absent, 1.
 #: ``memory_upcast`` is the fraction of the achievable ``memory`` rate an eager copy from a 16-bit
@@ -51,6 +54,7 @@ EFFICIENCY_KINDS: tuple[str, ...] = (
     "matmul",
     "matmul_tn",
     "matmul_unaligned",
+    "bmm_unaligned",
     "matmul_template",
     "memory_upcast",
     "attention",
@@ -298,6 +302,8 @@ class DeviceSpec:
             if work == "matmul":
                 return mm
             return eff.get(f"attention.{key}", eff.get("attention", mm)) if key else eff.get("attention", mm)
+        if work == "bmm_unaligned":
+            return eff.get(work, self.efficiency_of("matmul_unaligned"))
         if work == "attention_backward":
             fwd = self.efficiency_of("attention", dtype)
             return eff.get(f"{work}.{key}", eff.get(work, fwd)) if key else eff.get(work, fwd)

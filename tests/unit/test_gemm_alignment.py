@@ -4,7 +4,9 @@ An H100 ran GPT-2's LM-head gradient GEMMs over the 50,257-wide vocabulary at 0.
 the aligned shape (``devices.json``, ``matmul_unaligned``); the forward, whose only unaligned
 dimension is its output's, ran as fast as priced. Stacks that pad (Megatron's vocabulary,
 Inductor's ``shape_padding``) pay nothing. An A100 pays for an unaligned head dimension in
-Megatron's unfused attention (fitted to BigScience's trials of BLOOM's widths).
+Megatron's unfused attention (``bmm_unaligned``, fitted to BigScience's trials of BLOOM's widths)
+more than for an unaligned vocabulary in a linear (``matmul_unaligned``, set by nanoGPT's measured
+vocabulary padding).
 """
 
 from __future__ import annotations
@@ -79,7 +81,7 @@ def test_unfused_attention_with_an_unaligned_head_dim_runs_its_gemms_at_the_devi
     # baddbmm + softmax + bmm loads an operand whose leading dimension is the head dimension
     dev = load_cluster("dgx-a100-80gb").groups[0].device
     r = Rates.of(dev, "fp16")
-    assert r.mm_unaligned == pytest.approx(0.14)
+    assert r.bmm_unaligned == pytest.approx(0.14)
     megatron = Scale(1, False, (2.0, 2.0, 4.0, 4.0, 1.0, 1.0), 2, False, True, True)
     inductor = dataclasses.replace(megatron, pads_bmm=True)  # pad_mm pads bmm operands too
     k, aligned = _unfused_attention(head_dim), _unfused_attention(head_dim + 8 - head_dim % 8)
@@ -87,7 +89,7 @@ def test_unfused_attention_with_an_unaligned_head_dim_runs_its_gemms_at_the_devi
     # the GEMM part alone is what slows: the score traffic is the same
     slow = kernel_time(k, r, megatron) - kernel_time(k, r, inductor)
     gemm = k.mm_flops / (r.mm_flops * shape_factor((2048, 2048, head_dim), r.half_dim))
-    assert slow == pytest.approx(gemm * (1 / r.mm_unaligned - 1), rel=1e-9)
+    assert slow == pytest.approx(gemm * (1 / r.bmm_unaligned - 1), rel=1e-9)
     assert kernel_time(aligned, r, megatron) == kernel_time(aligned, r, inductor)
 
 
@@ -162,3 +164,17 @@ def test_gemm_padding_must_be_a_bool():
 
     with pytest.raises(ConfigError, match="gemm_padding"):
         TrainingConfig(tp=1, pp=1, dp=1, microbatch=1, global_batch=1, seq=64, gemm_padding="no")  # type: ignore[arg-type]
+
+
+def test_the_batched_gemms_fraction_falls_back_to_the_linears():
+    # a device that measured one fraction prices both paths with it (the Hopper parts)
+    h100 = load_cluster("dgx-h100").groups[0].device
+    assert h100.efficiency_of("bmm_unaligned") == h100.efficiency_of("matmul_unaligned") == pytest.approx(0.2)
+    a100 = load_cluster("dgx-a100-80gb").groups[0].device
+    assert a100.efficiency_of("bmm_unaligned") < a100.efficiency_of("matmul_unaligned")
+    unaligned = _unfused_attention(225)
+    r = Rates.of(a100, "fp16")
+    megatron = Scale(1, False, (2.0, 2.0, 4.0, 4.0, 1.0, 1.0), 2, False, True, True)
+    only_linear = dataclasses.replace(r, bmm_unaligned=1.0)
+    # the attention's batched GEMMs read only their own fraction
+    assert kernel_time(unaligned, only_linear, megatron) < kernel_time(unaligned, r, megatron)
