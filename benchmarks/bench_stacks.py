@@ -120,6 +120,9 @@ def configured(run: dict, stack: str):  # type: ignore[no-untyped-def]
     if r["stack_settings"].get("cuda_launch_blocking"):
         # CUDA_LAUNCH_BLOCKING=1: each launch's host time in series (``TrainingConfig.launch_blocking``)
         config = config.with_(launch_blocking=True)
+    if "gemm_padding" in r["stack_settings"]:
+        # whether the run's compiler padded unaligned GEMMs (``TrainingConfig.gemm_padding``)
+        config = config.with_(gemm_padding=r["stack_settings"]["gemm_padding"])
     if "zero3_gather" in r["stack_settings"]:
         # the run's DeepSpeed issues ZeRO-3's collectives its own way (``TrainingConfig.zero3_gather``)
         config = config.with_(zero3_gather=r["stack_settings"]["zero3_gather"])

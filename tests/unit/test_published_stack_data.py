@@ -4,6 +4,7 @@ its cluster resolves, its layout adds up, and its eager/compiled pair points at 
 
 from __future__ import annotations
 
+import copy
 import json
 import re
 from pathlib import Path
@@ -246,3 +247,33 @@ def test_llm_foundrys_tables_build_every_size_as_published() -> None:
     assert sum(r["fitted"] for r in rows) == sum(1 for r in tables.ROWS if r[2] == "1b" and r[4] == 8)
     assert not any(r["fitted"] for r in rows if r["cluster"] == "dgx-a100-40gb")
     assert {r["dtype"] for r in rows} == {"bf16", "fp8"}
+
+
+def test_nanogpts_vocabulary_padding_check_prices_the_head_alone() -> None:
+    """``benchmarks/data/nanogpt_vocab_padding.py``: nanoGPT@77e7e04c's step (GPT-2 124M, tied head,
+    no biases: 124,373,760 parameters with the padded vocabulary) is priced slower with its odd
+    vocabulary, and the whole difference lies in the LM head (the blocks' kernels are the same)."""
+    check = _bench_module("nanogpt_vocab_padding")
+    spec = ModelSpec(vocab_size=50304, **check.GPT2)
+    assert spec.param_count() == 124_373_760
+    odd, padded = check.price(50257, "dgx-a100-40gb"), check.price(50304, "dgx-a100-40gb")
+    assert odd["step_s"] > padded["step_s"]
+    assert odd["head_share"] > padded["head_share"]
+    blocks = (odd["step_s"] - odd["head_s"], padded["step_s"] - padded["head_s"])
+    assert blocks[0] == pytest.approx(blocks[1], rel=0.01)
+
+
+def test_a_runs_own_gemm_padding_overrides_its_presets() -> None:
+    """``stack_settings.gemm_padding``: nanoGPT's compiled rows ran on an Inductor that did not pad
+    matrix multiplies yet, so the ``eager-compile`` preset's padding is switched off for them."""
+    bench_stacks = _bench_module("bench_stacks")
+    runs = json.loads((ROOT / "benchmarks" / "data" / "published_stack_runs.json").read_text())["runs"]
+    run = next(r for r in runs if r["id"] == "nanogpt-a100-1gpu-gpt2-124m-compile")
+    assert run["stack_settings"]["gemm_padding"] is False
+    _, _, config = bench_stacks.configured(run, "eager-compile")
+    assert config.gemm_padding is False
+    unpadded = copy.deepcopy(run)
+    del unpadded["stack_settings"]["gemm_padding"]
+    assert bench_stacks.configured(unpadded, "eager-compile")[2].gemm_padding is True
+    # and it is priced slower for it: the LM head's gradient GEMMs run unaligned
+    assert bench_stacks.price(run, "eager-compile")[0] > bench_stacks.price(unpadded, "eager-compile")[0]
