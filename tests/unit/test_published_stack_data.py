@@ -7,13 +7,14 @@ from __future__ import annotations
 import copy
 import json
 import re
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 import pytest
 
 from coplan.hardware import load_cluster
-from coplan.models.spec import ModelSpec
+from coplan.models.spec import ModelSpec, load_model_spec
 
 ROOT = Path(__file__).resolve().parents[2]
 DATA = json.loads((ROOT / "benchmarks" / "data" / "published_stack_runs.json").read_text())
@@ -254,7 +255,7 @@ def test_nanogpts_vocabulary_padding_check_prices_the_head_alone() -> None:
     no biases: 124,373,760 parameters with the padded vocabulary) is priced slower with its odd
     vocabulary, and the whole difference lies in the LM head (the blocks' kernels are the same)."""
     check = _bench_module("nanogpt_vocab_padding")
-    spec = ModelSpec(vocab_size=50304, **check.GPT2)
+    spec = replace(load_model_spec("gpt2-124m"), vocab_size=50304, **check.GPT2)
     assert spec.param_count() == 124_373_760
     odd, padded = check.price(50257, "dgx-a100-40gb"), check.price(50304, "dgx-a100-40gb")
     assert odd["step_s"] > padded["step_s"]
