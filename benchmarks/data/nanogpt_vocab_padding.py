@@ -1,6 +1,6 @@
 """nanoGPT's vocabulary padding: what its author measured against what the cost model prices.
 
-    python benchmarks/data/nanogpt_vocab_padding.py [--device-cluster dgx-a100-40gb] [--json OUT]
+    python benchmarks/data/nanogpt_vocab_padding.py [--cluster dgx-a100-40gb] [--json OUT]
 
 karpathy/nanoGPT@77e7e04c (2023-02-04) padded GPT-2's vocabulary from 50,257 to 50,304 rows, "the
 nearest multiple of 64", and its commit message gives the measured effect: "about 25% faster. this
@@ -8,8 +8,9 @@ is because the last layer is a major latency bottleneck consuming about 40% of l
 very high channel count". An odd vocabulary makes the LM head's gradient GEMMs load operands whose
 leading dimension is not a multiple of 16 bytes, and cuBLAS then runs kernels built for narrower
 alignment: the cost model prices them at the device's ``matmul_unaligned`` fraction of the GEMM
-rate (``coplan.cost.kernels``), a fraction fitted on A100 to BLOOM's attention GEMMs of an odd head
-dimension (``bloom_width_pairs.py``), not on this model. This check prices the same step both ways.
+rate (``coplan.cost.kernels``). The A100 presets' 0.34 is the fraction at which this check prices
+both measured figures; the unfused attention's odd head dimension keeps the lower ``bmm_unaligned``
+fitted on BLOOM's trials (``bloom_width_pairs.py``). This check prices the same step both ways.
 
 The step is ``bench.py`` at that commit as it ran by default: GPT-2 124M (12 layers, 12 heads, 768
 wide, LayerNorm and Linear without biases, the LM head tied to the token embedding, GeLU MLP),
@@ -67,11 +68,12 @@ def price(vocab: int, cluster_name: str) -> dict[str, Any]:
     total = sum(k.total_s for k in rows)
     head = sum(k.total_s for k in rows if k.part == "head")
     busy = est.breakdown_s["compute"] + est.breakdown_s["recompute"]
+    head_s = head / total * busy if total else 0.0
     return {
         "vocab": vocab,
         "step_s": est.step_time_s,
-        "head_s": head / total * busy if total else 0.0,
-        "head_share": (head / total * busy / est.step_time_s) if total else 0.0,
+        "head_s": head_s,
+        "head_share": head_s / est.step_time_s,
     }
 
 
