@@ -495,32 +495,54 @@ def _choices(
 
 
 def stack_from_dict(data: object, source: str) -> StackSpec:
-    """A ``StackSpec`` from a parsed stack file: ``name``, the ``SETTINGS`` it gives, ``sources``
-    and an optional ``about``; anything else is an error."""
+    """A ``StackSpec`` from a parsed stack file: ``name``, the ``SETTINGS`` it gives, ``sources``,
+    an optional ``about`` and an optional ``extends``; anything else is an error.
+
+    ``extends`` names a packaged preset the file starts from: its settings and their citations,
+    which the file's own settings replace (each cited by the file). Without it, what the file
+    leaves out keeps ``StackSpec``'s defaults (Megatron-LM's)."""
     if not isinstance(data, dict):
         raise StackError(source, None, "must be a JSON object")
-    known = {f.name for f in fields(StackSpec)}
+    known = {f.name for f in fields(StackSpec)} | {"extends"}
     unknown = sorted(set(data) - known)
     if unknown:
         raise StackError(source, unknown[0], f"unknown setting (known: {', '.join(sorted(known))})")
     if "name" not in data:
         raise StackError(source, "name", "is missing")
     kw = dict(data)
-    for key in ("checkpointing", "zero_stages", "pipeline_zero_stages", "fusion"):
-        if key in kw and isinstance(kw[key], list):
-            kw[key] = tuple(kw[key])
+    base = _extended(kw.pop("extends", None), source)
     cited = kw.get("sources", {})
     if not isinstance(cited, dict):
         raise StackError(source, "sources", "must map settings to citations")
     # every setting a file gives says where it comes from, as the presets' do
-    missing = sorted(k for k in data if k in SETTINGS and k not in cited)
+    given = sorted(k for k in data if k in SETTINGS)
+    missing = [k for k in given if k not in cited]
     if missing:
         raise StackError(source, "sources", f"no citation for {missing[0]!r}")
+    if base is not None:
+        inherited = base.to_dict()
+        kw = {k: inherited[k] for k in SETTINGS} | kw
+        changed = f" with {', '.join(given)} from {source}" if given else f" as {source} names it"
+        kw.setdefault("about", f"the {base.name} preset{changed}")
+        # the preset's citations, but for the settings the file gives itself
+        cited = {k: v for k, v in base.sources if k not in data} | dict(cited)
+    for key in ("checkpointing", "zero_stages", "pipeline_zero_stages", "fusion"):
+        if key in kw and isinstance(kw[key], list):
+            kw[key] = tuple(kw[key])
     kw["sources"] = tuple(cited.items())
     try:
         return StackSpec(**kw)
     except TypeError as exc:
         raise StackError(source, None, str(exc)) from None
+
+
+def _extended(name: object, source: str) -> StackSpec | None:
+    """The packaged preset a stack file ``extends`` (None where it names none)."""
+    if name is None:
+        return None
+    if not isinstance(name, str) or name not in stack_names():
+        raise StackError(source, "extends", f"must name a preset ({', '.join(stack_names())}), got {name!r}")
+    return load_stack(name)
 
 
 @cache

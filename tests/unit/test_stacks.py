@@ -118,6 +118,43 @@ def test_stack_file_round_trip(tmp_path) -> None:  # type: ignore[no-untyped-def
         load_stack_file(path)
 
 
+def test_a_stack_file_extends_a_preset_keeping_its_citations_but_its_own() -> None:
+    base = load_stack("torchtitan")
+    got = stack_from_dict(
+        {"name": "mine", "extends": "torchtitan", "optimizer": "fused", "sources": {"optimizer": "fork"}},
+        "mine.json",
+    )
+    assert got.name == "mine" and got.optimizer == "fused" and base.optimizer != "fused"
+    for setting in SETTINGS:
+        if setting != "optimizer":
+            assert getattr(got, setting) == getattr(base, setting), setting
+            assert got.source_of(setting) == base.source_of(setting), setting
+    assert got.source_of("optimizer") == "fork"
+    assert got.about == "the torchtitan preset with optimizer from mine.json"
+    # and prices as the preset does but for the fused update
+    cm = CostModel(spec=SPEC)
+    cluster = load_cluster("dgx-h100", 8)
+    config = TrainingConfig(dp=8, global_batch=8, zero=3)
+    mine, theirs = (cm.estimate(cluster, s.configure(config)) for s in (got, base))
+    assert mine.breakdown_s["optimizer"] < theirs.breakdown_s["optimizer"]
+    assert mine.breakdown_s["compute"] == theirs.breakdown_s["compute"]
+
+
+@pytest.mark.parametrize(
+    ("data", "field"),
+    [
+        ({"name": "x", "extends": "titan"}, "extends"),
+        ({"name": "x", "extends": ["fsdp"]}, "extends"),
+        ({"name": "x", "extends": "fsdp", "kernels": "inductor"}, "sources"),
+        ({"name": "x", "extends": "fsdp", "kernels": "jit", "sources": {"kernels": "a"}}, "kernels"),
+    ],
+)
+def test_bad_extensions_are_refused(data: dict, field: str) -> None:
+    with pytest.raises(StackError) as info:
+        stack_from_dict(data, "f.json")
+    assert info.value.field == field
+
+
 def _op(graph, target):  # type: ignore[no-untyped-def]
     return next(op for op in graph.ops if op.target == target and op.block == 0)
 
