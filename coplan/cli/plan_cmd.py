@@ -310,8 +310,9 @@ def _op_decisions(ctx: PlanContext, r: StrategyResult) -> dict[str, Any]:
 def _trust(ctx: PlanContext, r: StrategyResult) -> Validated:
     """Whether the plan's configuration lies inside what the cost model was validated on."""
     from coplan.cost.envelope import validated
+    from coplan.plan.capabilities import named_fusion
 
-    return validated(r.estimate, ctx.model.spec, ctx.stack.name)
+    return validated(r.estimate, ctx.model.spec, ctx.stack.name, named_fusion(ctx, r.plan))
 
 
 def _mfu(r: StrategyResult) -> str:
@@ -378,6 +379,11 @@ def _footer(console: Any) -> None:
     )
 
 
+#: Stacks whose plans coplan's runner executes as planned: its own, and ``open`` (every option the
+#: cost model prices, whose fusion groups the runner compiles one by one).
+RUNNER_STACKS = ("coplan", "open")
+
+
 def _how_to_run(console: Any, ctx: PlanContext, out: Path | None, model: str) -> None:
     """``model`` as the user named it (a preset, or the spec file coplan run must read too)."""
     target = str(out) if out is not None else "plan.json"
@@ -390,6 +396,14 @@ def _how_to_run(console: Any, ctx: PlanContext, out: Path | None, model: str) ->
             f"to train under this plan: coplan plan ... --emit {recipe} prints the {stack} recipe that "
             "runs it; to train with coplan's own PyTorch runner, plan with --stack coplan and "
             "pass the plan to coplan run",
+            soft_wrap=False,
+        )
+        return
+    if stack not in RUNNER_STACKS:
+        # made for a stack coplan writes no recipe for: its runner would run other kernels
+        console.print(
+            f"to train under this plan: coplan writes no {stack} recipe; to train with coplan's own "
+            "PyTorch runner, plan with --stack coplan and pass the plan to coplan run",
             soft_wrap=False,
         )
         return

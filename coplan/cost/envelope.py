@@ -209,12 +209,17 @@ def _model_notes(env: _Envelope, params: int, seq: int, moe: bool, causal: bool 
     return notes
 
 
-def _kernel_notes(env: _Envelope, cfg: TrainingConfig) -> list[str]:
+def _kernel_notes(env: _Envelope, cfg: TrainingConfig, kernels: str | None = None) -> list[str]:
     """The kernels and recomputation the step is priced with, against those of the validated runs:
-    planned fusion groups and per-tensor recompute sets are priced by paths no published run checked."""
+    planned fusion groups and per-tensor recompute sets are priced by paths no published run checked.
+    ``kernels`` names the kernel set a plan's groups are exactly (Megatron-LM's, given as groups by
+    a stack that runs other options too), which is judged by its name."""
     notes = []
     kinds = env.bounds["fusion"]
-    if not isinstance(cfg.fusion, str):
+    if kernels is not None and not isinstance(cfg.fusion, str):
+        if kernels not in kinds:
+            notes.append(f"fusion {kernels}: validated runs are priced with {'/'.join(kinds)} kernels")
+    elif not isinstance(cfg.fusion, str):
         notes.append(
             f"fusion: {len(cfg.fusion)} planned kernel groups (validated runs: {'/'.join(kinds)} kernels)"
         )
@@ -252,11 +257,15 @@ def _nearest(
     return tuple(run_id for _, run_id in heapq.nsmallest(NEAREST, scored))
 
 
-def validated(estimate: Estimate, spec: ModelSpec | None, stack: str = "megatron") -> Validated:
+def validated(
+    estimate: Estimate, spec: ModelSpec | None, stack: str = "megatron", kernels: str | None = None
+) -> Validated:
     """``estimate`` (of ``spec`` under the ``stack`` preset's name) against the validated envelope.
 
     ``spec`` is None for a model known only as a traced graph (``CostModel.spec``): its size and
     shape are not compared, it is marked extrapolated as such, and nearest runs go by layout alone.
+    ``kernels``: the named kernel set a plan's fusion groups are exactly, if any
+    (``coplan.plan.capabilities.named_fusion``).
     """
     env = _load()
     own = env.stack_bounds.get(stack)
@@ -271,7 +280,7 @@ def validated(estimate: Estimate, spec: ModelSpec | None, stack: str = "megatron
         notes.append(stack_note)
     notes += _device_notes(env, stack, devices, cfg.dtype)
     notes += _layout_notes(env, values, cfg.zero)
-    notes += _kernel_notes(env, cfg)
+    notes += _kernel_notes(env, cfg, kernels)
     if spec is None:
         notes.append("model: a traced graph, where the validated runs are transformer specs")
     else:

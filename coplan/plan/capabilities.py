@@ -149,6 +149,22 @@ def fusion_problem(ctx: PlanContext, plan: Plan) -> str | None:
     return f"fusion {plan.fusion.label!r} with {len(groups)} groups (it runs {', '.join(allowed)} only)"
 
 
+def named_fusion(ctx: PlanContext, plan: Plan) -> str | None:
+    """The fusion option of ``ctx.stack`` whose kernels ``plan``'s groups are exactly (``megatron``
+    for Megatron-LM's kernel set given as groups), or None where the plan groups ops its own way."""
+    from coplan.search.space import fusion_option  # the options' groups; search imports this module
+
+    if plan.fusion.duplicated:
+        return None
+    groups = {frozenset(g) for g in plan.fusion.groups}
+    for name in ctx.stack.fusion:
+        if name in ("compiled", "duplicate"):
+            continue  # a compiler's own grouping, not a named kernel set
+        if groups == {frozenset(g) for g in fusion_option(ctx, name).groups}:
+            return name
+    return None
+
+
 def chunk_sizes(plan: Plan, ctx: PlanContext) -> list[int]:
     """Blocks of each model chunk (virtual pipeline stage) under ``plan``'s layout, as the cost
     model splits them (``cost.stages.split_layers``)."""
@@ -206,6 +222,7 @@ __all__ = [
     "executable_remat",
     "fusion_problem",
     "layout_problem",
+    "named_fusion",
     "plan_stack",
     "policy_sets",
     "problems",

@@ -59,3 +59,14 @@ def test_plan_emits_a_recipe_per_target(cli: Cli, tmp_path: Path) -> None:
     assert target.is_file() and f"--plan {target}" in " ".join(out.split())
     code, _, err = cli(*args, "--emit", "jax")
     assert code == 2 and "'jax' is not one of" in err
+
+
+def test_a_plan_for_a_stack_without_a_recipe_says_so(cli: Cli) -> None:
+    args = ("plan", "-m", "gpt-tiny", "--strategy", "sequential", "--stack")
+    code, out, err = cli(*args, "deepspeed")
+    assert code == 0, err
+    text = " ".join(out.split())
+    assert "coplan writes no deepspeed recipe" in text and "--stack coplan" in text
+    code, out, err = cli(*args, "coplan")
+    assert code == 0, err
+    assert "coplan run --model gpt-tiny --plan plan.json" in " ".join(out.split())

@@ -11,7 +11,7 @@ from types import ModuleType
 
 import pytest
 
-from coplan.cost import CostModel
+from coplan.cost import CostModel, load_stack
 from coplan.cost.envelope import Validated, _load, validated
 from coplan.cost.results import Estimate
 from coplan.errors import SpecError
@@ -195,6 +195,36 @@ def test_planned_fusion_and_recompute_sets_are_extrapolated(inside: tuple[Estima
     v = validated(replace(est, config=cfg), spec)
     assert any(m.startswith("fusion: 2 planned kernel groups") for m in v.extrapolated), v.extrapolated
     assert any(m.startswith("recompute: chosen tensor sets") for m in v.extrapolated), v.extrapolated
+
+
+def test_groups_that_are_a_named_kernel_set_are_judged_by_its_name(
+    inside: tuple[Estimate, ModelSpec],
+) -> None:
+    """A stack running Megatron-LM's kernels beside other options (DeepSpeed's) gives them to the
+    cost model as groups: they are the validated runs' kernels, not a grouping of the plan's own."""
+    est, spec = inside
+    cfg = replace(est.config, fusion=((0, 1), (2,)))
+    grouped = replace(est, config=cfg)
+    assert not any(m.startswith("fusion") for m in validated(grouped, spec, kernels="megatron").extrapolated)
+    eager = validated(grouped, spec, kernels="eager").extrapolated
+    assert "fusion eager: validated runs are priced with megatron kernels" in eager, eager
+
+
+def test_a_deepspeed_plan_of_megatron_kernels_names_them() -> None:
+    from coplan.plan import PlanContext
+    from coplan.plan.capabilities import named_fusion
+    from coplan.search.space import fusion_option
+
+    spec = ModelSpec(
+        name="tiny", n_layers=2, d_model=256, n_heads=4, vocab_size=1000, seq_len=128, activation="gelu"
+    )
+    ctx = PlanContext(CostModel(spec=spec), load_cluster("dgx-h100", 8), 8, 64, stack=load_stack("deepspeed"))
+    plan = ctx.default_plan()
+    megatron = replace(plan, fusion=fusion_option(ctx, "megatron"))
+    assert named_fusion(ctx, megatron) == "megatron"
+    assert named_fusion(ctx, replace(plan, fusion=fusion_option(ctx, "eager"))) == "eager"
+    own = replace(megatron.fusion, groups=megatron.fusion.groups[1:])
+    assert named_fusion(ctx, replace(plan, fusion=own)) is None
 
 
 def test_a_run_priced_far_off_bounds_nothing() -> None:
