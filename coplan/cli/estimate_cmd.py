@@ -42,6 +42,8 @@ class Recompute(enum.StrEnum):
     none = "none"
     selective = "selective"
     full = "full"
+    # torchtitan's per-op policy (``coplan.cost.checkpoint.selective_op_names``), as a recompute set
+    selective_op = "selective-op"
 
 
 class Dtype(enum.StrEnum):
@@ -137,7 +139,13 @@ def estimate(
     global_batch: GlobalBatchOpt = None,
     seq: SeqOpt = None,
     recompute: Annotated[
-        Recompute, typer.Option("--recompute", help="Activation recomputation.")
+        Recompute,
+        typer.Option(
+            "--recompute",
+            help="Activation recomputation: none, Megatron-LM's selective (the attention core), full "
+            "(each block), or torchtitan's per-op selective-op (every saved tensor but the outputs "
+            "of every other matmul and of attention).",
+        ),
     ] = Recompute.none,
     recompute_layers: Annotated[
         int | None,
@@ -433,6 +441,11 @@ def estimate(
     if zero not in (0, 1, 2, 3):
         raise ConfigError("zero", f"--zero must be 0, 1, 2 or 3, got {zero}")
     record_db = recording_to(history, db)
+    per_op = recompute is Recompute.selective_op
+    if per_op and recompute_layers is not None:
+        raise ConfigError(
+            "recompute_layers", "--recompute-layers counts fully recomputed blocks: needs --recompute full"
+        )
     the_stack = resolve_stack(stack, stack_file)
     spec = load_model_spec(model)
     # the run's dropout, where it differs from the model's (Megatron's GPT runs use 0.1); the spec
@@ -467,7 +480,7 @@ def estimate(
         global_batch=global_batch if global_batch is not None else default_global_batch(microbatch * dp),
         seq=seq,
         sequence_parallel=sequence_parallel,
-        recompute=recompute.value,
+        recompute="none" if per_op else recompute.value,
         recompute_layers=recompute_layers,
         zero=zero,
         dtype=dtype.value,
@@ -514,6 +527,12 @@ def estimate(
     if launch_blocking:
         config = config.with_(launch_blocking=True)
     cm = CostModel(spec=spec)
+    if per_op:
+        # the policy's saved set over this step's graph (its kernels decide what a block writes)
+        from coplan.cost.checkpoint import selective_op_names
+
+        graph = cm.profile(config.microbatch, cm.seq_of(config), config.fusion).graph
+        config = config.with_(recompute=selective_op_names(graph))
     est = cm.estimate(hw, config)
     # what PyTorch's caching allocator reserves for it (None on a CPU)
     reserved = cm.reserved(hw, est, the_stack)
@@ -525,6 +544,11 @@ def estimate(
 
     # what of the configuration the named stack cannot run: priced as asked, and said
     unrunnable = config_problems(the_stack, config)
+    if per_op and "selective-op" not in the_stack.checkpointing:
+        policies = ", ".join(the_stack.checkpointing)
+        unrunnable.append(
+            f"stack {the_stack.name!r} cannot recompute 'selective-op' (its policies: {policies})"
+        )
     record_id = None
     if json or record_db is not None:
         out = est.to_dict()
@@ -669,7 +693,7 @@ def render(est: Estimate, title: str, reserved: ReservedMemory | None = None) ->
     console = stdout()
     c = est.config
     console.print(f"[bold]{title}[/bold]", soft_wrap=True)
-    rec = c.recompute if isinstance(c.recompute, str) else f"{len(c.recompute)} tensors"
+    rec = c.recompute if isinstance(c.recompute, str) else f"{len(c.recompute)} tensors of each block"
     if c.recompute_layers is not None:
         rec += f" (first {c.recompute_layers} blocks of each chunk)"
     cp_text = f" cp={c.cp}" if c.cp > 1 else ""

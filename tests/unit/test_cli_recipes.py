@@ -70,3 +70,34 @@ def test_a_plan_for_a_stack_without_a_recipe_says_so(cli: Cli) -> None:
     code, out, err = cli(*args, "coplan")
     assert code == 0, err
     assert "coplan run --model gpt-tiny --plan plan.json" in " ".join(out.split())
+
+
+def test_estimate_prices_torchtitans_per_op_checkpointing_by_name(cli: Cli) -> None:
+    from coplan.cost import CostModel, TrainingConfig, load_stack
+    from coplan.cost.checkpoint import selective_op_names
+    from coplan.hardware import load_cluster
+    from coplan.models.spec import load_model_spec
+
+    args = ("estimate", "-m", "gpt-tiny", "--gpus", "8", "--zero", "3", "--global-batch", "8", "--json")
+    runs = {}
+    for mode in ("none", "selective-op", "full"):
+        code, out, err = cli(*args, "--stack", "torchtitan", "--recompute", mode)
+        assert code == 0, err
+        runs[mode] = json.loads(out)
+    got = runs["selective-op"]
+    assert got["stack_problems"] == []
+    # the policy's set over the step's own graph, as the cost model prices it called directly
+    model = CostModel(spec=load_model_spec("gpt-tiny"))
+    config = load_stack("torchtitan").configure(TrainingConfig(dp=8, zero=3, global_batch=8))
+    names = selective_op_names(model.profile(1, model.seq_of(config), config.fusion).graph)
+    assert sorted(got["config"]["recompute"]) == sorted(names)
+    direct = model.estimate(load_cluster("dgx-h100", 8), config.with_(recompute=names))
+    assert got["step_time_s"] == direct.step_time_s
+    peak = {m: r["memory"]["peak_bytes"] for m, r in runs.items()}
+    assert peak["full"] < peak["selective-op"] < peak["none"]
+    # a stack without the policy prices it as asked and says so
+    code, out, err = cli(*args, "--recompute", "selective-op")
+    assert code == 0, err
+    assert any("cannot recompute 'selective-op'" in p for p in json.loads(out)["stack_problems"])
+    code, _, err = cli(*args, "--recompute", "selective-op", "--recompute-layers", "1")
+    assert code == 2 and "--recompute-layers" in err
