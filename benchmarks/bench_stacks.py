@@ -15,7 +15,10 @@ source gives where it has one, ``network.node_gbps``). Checkpointing follows
 recompute set (``coplan.cost.checkpoint``); ``selective-layer:N`` / ``selective-fraction:p``
 checkpoint some blocks fully, as many as the stack's own rule picks
 (``coplan.cost.checkpoint.checkpointed_blocks``), priced with ``TrainingConfig.recompute_layers``.
-Prints per stack the mean absolute, mean signed and worst step-time error, the eager/compile pair
+Each run is also priced as `coplan estimate --stack PRESET` prices it from its contract flags alone
+(``contract_estimate``: the run's layout, batch, sequence, checkpointing, ZeRO stage and dtype, none
+of its other settings). Prints per stack the mean absolute, mean signed and worst step-time error
+of each, the eager/compile pair
 ratios, the peak-memory error where published, and the runs that ran but are priced as not
 fitting; writes the rows to
 ``benchmarks/results/published_stacks.json``.
@@ -34,10 +37,11 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
 
-from bench_published import run_config
+from bench_published import CONTRACT_MODEL_FIELDS, _contract_fields, run_config
 
-from coplan.cost import CostModel, load_stack
+from coplan.cost import CostModel, TrainingConfig, load_stack
 from coplan.cost.checkpoint import checkpointed_blocks, selective_op_names
+from coplan.cost.config import production_overlaps
 from coplan.hardware import load_cluster
 from coplan.models.spec import ModelSpec
 
@@ -141,6 +145,40 @@ def configured(run: dict, stack: str):  # type: ignore[no-untyped-def]
     if count:
         config = config.with_(recompute="full", recompute_layers=min(count, spec.n_layers))
     return model, cluster, config
+
+
+def contract_estimate(run: dict):  # type: ignore[no-untyped-def]
+    """``run`` priced as `coplan estimate --stack PRESET` prices it from its contract flags alone
+    (layout, batch, sequence, checkpointing as ``--recompute`` and ``--recompute-layers`` name it,
+    ZeRO, dtype, flash attention; the model without dropout, the cluster preset's network): none of
+    the run's own ``stack_settings`` (its PyTorch's optimizer, HSDP, float8 recipe, async TP,
+    launch blocking, ...) beyond what the preset assumes."""
+    r = _base(run)
+    spec = ModelSpec(
+        **{k: v for k, v in r["model"].items() if v is not None and k not in CONTRACT_MODEL_FIELDS}
+    )
+    cluster = load_cluster(r["cluster"], r["gpus"])
+    stack = load_stack(stack_of(run))
+    fields = _contract_fields(r)
+    policy = r["stack_settings"].get("activation_checkpoint", r["recompute"])
+    count = checkpointed_blocks(policy, spec.n_layers)
+    if policy == "selective-op" or count is not None:
+        fields["recompute"] = "none"
+    elif fields["recompute"] == "partial":
+        fields["recompute"] = "selective"
+    overlaps = production_overlaps(cluster.devices, r["tp"], r["sequence_parallel"], r["zero"])
+    config = stack.configure(TrainingConfig(**fields, **overlaps))
+    if r.get("stage_layers"):
+        config = config.with_(stage_layers=tuple(r["stage_layers"]))  # --stage-layers
+    elif (split := stack.stage_split(spec.n_layers, config.pp, config.vpp)) is not None:
+        config = config.with_(stage_layers=split)
+    model = CostModel(spec=spec)
+    if policy == "selective-op":  # --recompute selective-op
+        graph = model.profile(config.microbatch, model.seq_of(config), config.fusion).graph
+        config = config.with_(recompute=selective_op_names(graph))
+    if count:  # --recompute full --recompute-layers N
+        config = config.with_(recompute="full", recompute_layers=min(count, spec.n_layers))
+    return model.estimate(cluster, config)
 
 
 def estimated(run: dict, stack: str):  # type: ignore[no-untyped-def]
@@ -357,19 +395,21 @@ def main() -> None:
                 "mfu": mfu,
                 "wall_s": time.perf_counter() - start,
             }
+        contract = contract_estimate(run).step_time_s
+        row["contract"] = {"predicted_s": contract, "error": contract / measured["step_time_s"] - 1}
         row["memory_kind"] = measured.get("memory_kind")
         row["pair"] = run.get("pair")
         rows.append(row)
     by_id = {r["id"]: r for r in rows}
     print(
         f"{'stack':<11}{'n':>3} | {'baseline: mean abs  signed  worst':>34} | "
-        f"{'preset: mean abs  signed  worst':>32}"
+        f"{'preset: mean abs  signed  worst':>32} | {'contract: mean abs  signed  worst':>34}"
     )
     summary: dict[str, dict] = {}
     for stack in [*dict.fromkeys(r["stack"] for r in rows), "all"]:
         sel = [r for r in rows if stack in ("all", r["stack"])]
         s = {}
-        for label in ("baseline", "priced"):
+        for label in ("baseline", "priced", "contract"):
             e = [r[label]["error"] for r in sel]
             s[label] = {
                 "mean_abs": statistics.fmean(abs(x) for x in e),
@@ -377,11 +417,12 @@ def main() -> None:
                 "worst": max(e, key=abs),
             }
         summary[stack] = s
-        b, p = s["baseline"], s["priced"]
+        b, p, c = s["baseline"], s["priced"], s["contract"]
         print(
             f"{stack:<11}{len(sel):>3} | {b['mean_abs']:>17.1%} {b['mean_signed']:>+7.1%} "
             f"{b['worst']:>+6.1%} "
-            f"| {p['mean_abs']:>15.1%} {p['mean_signed']:>+7.1%} {p['worst']:>+6.1%}"
+            f"| {p['mean_abs']:>15.1%} {p['mean_signed']:>+7.1%} {p['worst']:>+6.1%} "
+            f"| {c['mean_abs']:>17.1%} {c['mean_signed']:>+7.1%} {c['worst']:>+6.1%}"
         )
     # where the gap lies: the same stack's runs by the device they ran on and eager or compiled
     print("\nby device (preset's mean signed step-time error, runs):")

@@ -99,6 +99,12 @@ class GradAccumulation(enum.StrEnum):  # coplan.cost.config.GRAD_ACCUMULATIONS
     fp32_buffer = "fp32-buffer"
 
 
+class Optimizer(enum.StrEnum):  # coplan.cost.config.OPTIMIZER_IMPLEMENTATIONS
+    fused = "fused"
+    foreach = "foreach"
+    for_loop = "for-loop"
+
+
 class FsdpPipeline(enum.StrEnum):  # coplan.cost.config.FSDP_PIPELINES
     microbatch = "microbatch"
     step = "step"
@@ -291,6 +297,26 @@ def estimate(
             help="How gradients accumulate over microbatches where no ZeRO stage shards them: inside "
             "the weight-gradient GEMMs (Megatron), by autograd into 16-bit or fp32 .grad, or copied "
             "into fp32 buffers (DeepSpeed's BF16_Optimizer) \\[default: the stack's].",
+            show_default=False,
+        ),
+    ] = None,
+    optimizer: Annotated[
+        Optimizer | None,
+        typer.Option(
+            "--optimizer",
+            help="How AdamW's update runs: one fused multi-tensor kernel (fused=True, Apex and "
+            "Transformer Engine FusedAdam), PyTorch's foreach kernels (its default on CUDA) or its "
+            "per-parameter loop (foreach=False, or a PyTorch before 2.0) \\[default: the stack's].",
+            show_default=False,
+        ),
+    ] = None,
+    fsdp_shard: Annotated[
+        int | None,
+        typer.Option(
+            "--fsdp-shard",
+            help="With FSDP units (a PyTorch stack's --zero 2/3): shard within groups of N data-parallel "
+            "GPUs and replicate across them (FSDP's HYBRID_SHARD, torchtitan's data_parallel_shard_degree "
+            "beside data_parallel_replicate_degree) \\[default: shard over every data-parallel GPU].",
             show_default=False,
         ),
     ] = None,
@@ -516,6 +542,14 @@ def estimate(
         config = config.with_(zero3_gather=zero3_gather.value)
     if grad_accumulation is not None:
         config = config.with_(grad_accumulation=grad_accumulation.value)
+    if optimizer is not None:
+        config = config.with_(optimizer=optimizer.value)
+    if fsdp_shard is not None:
+        if not (config.fsdp_units and config.zero >= 2):
+            raise ConfigError(
+                "fsdp_shard", "--fsdp-shard shards FSDP units: needs a stack with them and --zero 2 or 3"
+            )
+        config = config.with_(fsdp_shard=fsdp_shard)
     if fsdp_pipeline is not None:
         config = config.with_(fsdp_pipeline=fsdp_pipeline.value)
     if cp_exchange is not None:

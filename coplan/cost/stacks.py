@@ -379,7 +379,8 @@ class StackSpec:
     def configure(self, config: TrainingConfig) -> TrainingConfig:
         """``config`` with what this stack decides: its kernels (and the fusion groups they
         imply), its attention kernel (where the config leaves it to the device), its FSDP units,
-        and no overlapped data-parallel collectives where it overlaps none (``overlap``)."""
+        no overlapped data-parallel collectives where it overlaps none (``overlap``) and no
+        userbuffers overlap of tensor-parallel collectives where it has none (``tp_comm_overlap``)."""
         if (
             self.kernels == "megatron"
             and not self.fsdp_units
@@ -388,6 +389,7 @@ class StackSpec:
             and self.zero3_gather == "unit"
             and self.grad_accumulation == "fused"
             and self.overlap
+            and self.tp_comm_overlap
             and self.eager_rope == "complex"
             and self.eager_loss_cast == "float"
             and not self.kernel_local_buffers
@@ -401,6 +403,10 @@ class StackSpec:
             changes.update(overlap_grad_reduce=False, overlap_param_gather=False, overlap_zero=False)
         if config.attention_kernel == "auto":
             changes["attention_kernel"] = self.attention_kernel
+        if config.tp_comm_overlap and not self.tp_comm_overlap:
+            # Transformer Engine's userbuffers overlap is Megatron-Core's: a stack without it
+            # issues its tensor-parallel collectives in line (or as async TP, its own setting)
+            changes["tp_comm_overlap"] = False
         if self.fsdp_units:
             changes["fsdp_units"] = True
         return self.with_kernels(config.with_(**changes) if changes else config)

@@ -101,3 +101,30 @@ def test_estimate_prices_torchtitans_per_op_checkpointing_by_name(cli: Cli) -> N
     assert any("cannot recompute 'selective-op'" in p for p in json.loads(out)["stack_problems"])
     code, _, err = cli(*args, "--recompute", "selective-op", "--recompute-layers", "1")
     assert code == 2 and "--recompute-layers" in err
+
+
+def test_estimate_takes_the_optimizer_and_the_hybrid_shard_group(cli: Cli) -> None:
+    args = ("estimate", "-m", "gpt-tiny", "--gpus", "16", "--zero", "3", "--global-batch", "16")
+    args += ("--stack", "fsdp", "--json")
+    got = {}
+    for extra in ((), ("--optimizer", "fused"), ("--optimizer", "for-loop"), ("--fsdp-shard", "8")):
+        code, out, err = cli(*args, *extra)
+        assert code == 0, err
+        got[extra] = json.loads(out)
+    base = got[()]
+    assert base["config"]["optimizer"] == "foreach"  # the preset's
+    fused, loop = got[("--optimizer", "fused")], got[("--optimizer", "for-loop")]
+    assert (
+        fused["breakdown_s"]["optimizer"]
+        < base["breakdown_s"]["optimizer"]
+        < loop["breakdown_s"]["optimizer"]
+    )
+    hsdp = got[("--fsdp-shard", "8")]
+    assert hsdp["config"]["fsdp_shard"] == 8 and "fsdp_shard" not in base["config"]
+    # sharded over half the GPUs: twice the parameter shard
+    assert hsdp["memory"]["params_bytes"] == 2 * base["memory"]["params_bytes"]
+    for bad in (("--fsdp-shard", "3"), ("--optimizer", "sgd")):
+        code, _, err = cli(*args, *bad)
+        assert code == 2 and err.count("\n") == 1, err
+    code, _, err = cli("estimate", "-m", "gpt-tiny", "--gpus", "8", "--fsdp-shard", "4")
+    assert code == 2 and "--fsdp-shard" in err
