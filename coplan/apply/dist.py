@@ -59,6 +59,8 @@ def supported(p: ParallelPlan) -> str | None:
         return "context parallelism is not applied by coplan run"
     if p.tp > 1 and p.zero >= 1:
         return "tensor parallelism with ZeRO/FSDP2 (2-D sharding) is not applied by coplan run yet"
+    if p.fsdp_shard is not None:
+        return f"hybrid sharding (FSDP within groups of {p.fsdp_shard}) is not applied by coplan run yet"
     return None
 
 

@@ -173,7 +173,7 @@ def _device_notes(env: _Envelope, stack: str, devices: list[str], dtype: str) ->
     return notes
 
 
-def _layout_notes(env: _Envelope, values: dict[str, int], zero: int) -> list[str]:
+def _layout_notes(env: _Envelope, values: dict[str, Any], zero: int) -> list[str]:
     notes = []
     top = env.bounds["max"]
     for key, label in _DEGREES:
@@ -182,6 +182,9 @@ def _layout_notes(env: _Envelope, values: dict[str, int], zero: int) -> list[str
     gpus = values["gpus"]
     if gpus > top["gpus"]:
         notes.append(f"{gpus:,} GPUs > {top['gpus']:,} (largest validated)")
+    shard = values.get("fsdp_shard")
+    if shard is not None and not env.bounds.get("hsdp", False):
+        notes.append(f"hybrid sharding (FSDP within groups of {shard}): no validated run uses it")
     reach = env.bounds["zero"].get(str(zero))
     if reach is None:
         notes.append(f"ZeRO-{zero}: no validated run uses it")
@@ -273,7 +276,10 @@ def validated(
         env = replace(env, bounds=own)
     cfg = estimate.config
     devices = sorted({s.device for s in estimate.stages})
-    values = {"gpus": estimate.gpus, "tp": cfg.tp, "pp": cfg.pp, "vpp": cfg.vpp, "cp": cfg.cp, "dp": cfg.dp}
+    values: dict[str, Any] = {"gpus": estimate.gpus, "tp": cfg.tp, "pp": cfg.pp, "vpp": cfg.vpp, "cp": cfg.cp}
+    values["dp"] = cfg.dp
+    hybrid = cfg.zero >= 2 and cfg.fsdp_shard is not None and cfg.fsdp_shard != cfg.dp_cp
+    values["fsdp_shard"] = cfg.fsdp_shard if hybrid else None
     notes: list[str] = []
     stack_note = _stack_note(env, stack)
     if stack_note:

@@ -103,6 +103,7 @@ SETTINGS: tuple[str, ...] = (
     "pipeline_split",
     "cp_exchange",
     "layer_checkpointing",
+    "hybrid_shard",
 )
 #: Where FSDP2 allocates a unit's reduce-scatter input (``coplan.cost.steptrace``): on the
 #: compute stream, kept until the next unit's reduction (``compute``: PyTorch since
@@ -210,6 +211,9 @@ class StackSpec:
             with fp32 merging.
         layer_checkpointing: which blocks its per-layer checkpointing (``selective-layer``)
             checkpoints (``LAYER_CHECKPOINTINGS``); ``none`` exactly where it offers none.
+        hybrid_shard: its FSDP units can shard within groups of the data-parallel ranks and
+            replicate across them (HSDP: ``ParallelPlan.fsdp_shard``, ``TrainingConfig.fsdp_shard``),
+            which a plan then may choose.
         reserved_fraction: reserved bytes beyond what the caching allocator's replay gives
             (``coplan.cost.steptrace.reserved_memory``), as a fraction of the allocated peak: what
             a stack's own allocator or memory pools hold besides; 0 in every preset.
@@ -262,6 +266,7 @@ class StackSpec:
     pipeline_split: str = "even"
     cp_exchange: str = "p2p"
     layer_checkpointing: str = "none"
+    hybrid_shard: bool = False
     about: str = ""
     sources: tuple[tuple[str, str], ...] = ()
 
@@ -285,6 +290,8 @@ class StackSpec:
         _choice(src, "reduce_input", self.reduce_input, REDUCE_INPUTS)
         if self.zero3_gather != "unit" and self.fsdp_units:
             raise StackError(src, "zero3_gather", "FSDP gathers a unit in one collective (needs 'unit')")
+        if self.hybrid_shard and not self.fsdp_units:
+            raise StackError(src, "hybrid_shard", "shards FSDP units within groups (needs fsdp_units)")
         for flag in (
             "ddp_alone",
             "eager_loss",
@@ -306,6 +313,7 @@ class StackSpec:
             "kernel_local_buffers",
             "fused_output_casts",
             "expandable_segments",
+            "hybrid_shard",
         ):
             if not isinstance(getattr(self, flag), bool):
                 raise StackError(src, flag, f"must be true or false, got {getattr(self, flag)!r}")

@@ -6,7 +6,9 @@ Candidates respect the model (TP divides the heads and stays inside a node, PP x
 layers, any VPP up to one layer per chunk) and the job (TP x CP x PP x DP = GPUs, microbatch x DP
 divides the global batch). Context parallelism (CP) is searched where the stack runs it, the
 sequence splits into ``2 x CP`` equal chunks and each rank keeps at least ``MIN_CP_TOKENS`` of
-it.
+it. Where the stack's FSDP units shard within groups (``StackSpec.hybrid_shard``) and the ZeRO-2/3
+ranks span nodes, the layout is also priced sharded within each node and replicated across them
+(HSDP), as FSDP's ``HYBRID_SHARD`` groups them.
 """
 
 from __future__ import annotations
@@ -97,10 +99,28 @@ def _with_cp(
                 for sp in (False, True) if tp > 1 else (False,):
                     # ZeRO shards over the ranks holding the same parameters: dp x cp
                     for z in zero if dp * cp > 1 else (0,):
-                        yield ParallelPlan(
-                            tp=tp, pp=pp, dp=dp, cp=cp, vpp=vpp, sequence_parallel=sp, zero=z,
-                            microbatch=mb, stage_layers=split,
-                        )  # fmt: skip
+                        for shard in _shard_groups(ctx, tp, dp, cp, z):
+                            yield ParallelPlan(
+                                tp=tp, pp=pp, dp=dp, cp=cp, vpp=vpp, sequence_parallel=sp, zero=z,
+                                microbatch=mb, stage_layers=split, fsdp_shard=shard,
+                            )  # fmt: skip
+
+
+def _shard_groups(ctx: PlanContext, tp: int, dp: int, cp: int, zero: int) -> list[int | None]:
+    """The FSDP sharding groups worth pricing: every ZeRO rank (None), and, where the stack runs
+    HSDP and those ranks span nodes, the ranks of one node (its GPUs over the TP ranks, which sit
+    innermost, as the cost model's groups place them): their all-gathers and reduce-scatters stay
+    on NVLink, the replicas all-reduce across nodes."""
+    ranks = dp * cp
+    if zero < 2 or not ctx.stack.hybrid_shard:
+        return [None]
+    per_node = ctx.cluster.groups[0].devices_per_node
+    if per_node % tp:
+        return [None]
+    group = per_node // tp
+    if ranks % group or group >= ranks:
+        return [None]
+    return [None, group]
 
 
 @register("parallel")

@@ -50,6 +50,8 @@ def layout_problem(stack: StackSpec, par: ParallelPlan) -> str | None:
         return "sequence parallelism"
     if par.cp > 1 and not stack.context_parallel:
         return f"context parallelism (cp {par.cp})"
+    if par.fsdp_shard is not None and not stack.hybrid_shard:
+        return f"hybrid sharding (FSDP within groups of {par.fsdp_shard})"
     if not stack.combined_layouts:
         if par.pp > 1 and (par.tp > 1 or par.dp > 1):
             return f"pipeline parallelism combined with tp {par.tp}, dp {par.dp}"
@@ -76,6 +78,7 @@ def config_problems(stack: StackSpec, config: TrainingConfig) -> list[str]:
     par = ParallelPlan(
         tp=config.tp, pp=config.pp, dp=config.dp, vpp=config.vpp, cp=config.cp,
         sequence_parallel=config.sequence_parallel, zero=config.zero, microbatch=config.microbatch,
+        fsdp_shard=config.fsdp_shard if config.zero >= 2 and config.fsdp_shard != config.dp_cp else None,
     )  # fmt: skip
     why = layout_problem(stack, par)
     if why is not None:

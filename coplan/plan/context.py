@@ -403,6 +403,7 @@ class PlanContext:
             dp_bucket_scope=self.stack.dp_bucket_scope,
             attention_kernel=self.attention_kernel,
             stage_layers=p.stage_layers,
+            fsdp_shard=p.fsdp_shard,
         )
         # the stack's kernels (and the loss they imply), as ``coplan estimate --stack`` prices them;
         # the fusion groups, attention kernel and layout stay the plan's

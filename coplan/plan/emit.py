@@ -280,6 +280,11 @@ def _megatron(plan: Plan, spec: ModelSpec) -> Emitted:
         a.append("--sequence-parallel")
     if p.zero >= 1:
         a.append("--use-distributed-optimizer")
+    if p.fsdp_shard is not None:
+        notes.append(
+            f"hybrid sharding in groups of {p.fsdp_shard} has no Megatron-LM flag: the distributed "
+            "optimizer shards over every data-parallel rank"
+        )
     if p.zero >= 2:
         notes.append(
             f"ZeRO-{p.zero} has no Megatron-LM flag: --use-distributed-optimizer shards the optimizer "
@@ -437,6 +442,18 @@ def _torchtitan(plan: Plan, spec: ModelSpec) -> Emitted:
         # torchtitan's FSDP shards over the data- and context-parallel ranks together
         "context_parallel_degree": p.cp,
     }
+    if p.fsdp_shard is not None:
+        # HSDP: FSDP2 over the 2-D (dp_replicate, dp_shard) mesh, sharded within each group of
+        # dp_shard x cp ranks and replicated across the groups
+        if p.fsdp_shard % p.cp == 0:
+            par["data_parallel_shard_degree"] = p.fsdp_shard // p.cp
+            par["data_parallel_replicate_degree"] = p.dp * p.cp // p.fsdp_shard
+        else:
+            notes.append(
+                f"hybrid sharding in groups of {p.fsdp_shard}: torchtitan's shard groups are "
+                f"data_parallel_shard_degree x context_parallel_degree ({p.cp}) ranks, which do not "
+                "make that group; sharded over every data-parallel rank instead"
+            )
     if shard:
         # FSDP2 keeps parameters gathered from forward to backward unless it reshards (ZeRO-3);
         # under a pipeline ZeRO-3 runs as torchtitan's default does there, gathered through the

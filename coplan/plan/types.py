@@ -55,7 +55,11 @@ def _positive(name: str, v: object) -> None:
 class ParallelPlan:
     """Device layout and batching. ``tp * cp * pp * dp`` is the GPU count (``cp``: context-parallel
     ranks sharing each sequence, ``coplan.cost.context``); ``stage_layers`` (one count per model
-    chunk, ``pp * vpp`` of them) is the layers each pipeline chunk holds (None: even)."""
+    chunk, ``pp * vpp`` of them) is the layers each pipeline chunk holds (None: even);
+    ``fsdp_shard``: with ZeRO 2 or 3 run as FSDP units, the state is sharded within groups of this
+    many of the ``dp x cp`` ranks and replicated across the groups (HSDP: FSDP's ``HYBRID_SHARD``,
+    torchtitan's ``data_parallel_shard_degree`` beside ``data_parallel_replicate_degree``; None:
+    sharded over all of them)."""
 
     tp: int = 1
     pp: int = 1
@@ -66,12 +70,25 @@ class ParallelPlan:
     zero: int = 0
     microbatch: int = 1
     stage_layers: tuple[int, ...] | None = None
+    fsdp_shard: int | None = None
 
     def __post_init__(self) -> None:
         for name in ("tp", "pp", "dp", "vpp", "cp", "microbatch"):
             _positive(f"parallel.{name}", getattr(self, name))
         if self.zero not in (0, 1, 2, 3) or isinstance(self.zero, bool):
             raise PlanError("parallel.zero", f"must be 0, 1, 2 or 3, got {self.zero!r}")
+        if self.fsdp_shard is not None:
+            _positive("parallel.fsdp_shard", self.fsdp_shard)
+            ranks = self.dp * self.cp
+            if ranks % self.fsdp_shard or self.fsdp_shard == ranks:
+                raise PlanError(
+                    "parallel.fsdp_shard",
+                    f"must divide dp x cp ({ranks}) into two or more groups, got {self.fsdp_shard}",
+                )
+            if self.zero < 2:
+                raise PlanError(
+                    "parallel.fsdp_shard", f"shards FSDP units: needs ZeRO 2 or 3, got {self.zero}"
+                )
         if not isinstance(self.sequence_parallel, bool):
             raise PlanError(
                 "parallel.sequence_parallel", f"must be true or false, got {self.sequence_parallel!r}"
@@ -97,6 +114,8 @@ class ParallelPlan:
             bits.append("SP")
         if self.zero:
             bits.append(f"ZeRO-{self.zero}")
+        if self.fsdp_shard is not None:
+            bits.append(f"HSDP{self.fsdp_shard}")
         bits.append(f"mb{self.microbatch}")
         if self.stage_layers is not None:
             bits.append("layers " + "/".join(str(n) for n in self.stage_layers))
@@ -277,6 +296,7 @@ class Plan:
                 "stage_layers": list(p.stage_layers) if p.stage_layers is not None else None,
                 # only where used, so plans without context parallelism keep their fingerprint
                 **({"cp": p.cp} if p.cp > 1 else {}),
+                **({"fsdp_shard": p.fsdp_shard} if p.fsdp_shard is not None else {}),
             },
             "fusion": {
                 "groups": [list(g) for g in f.groups],
