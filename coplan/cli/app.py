@@ -19,6 +19,7 @@ from coplan.cli import (
     learn_cmd,
     plan_cmd,
     run_cmd,
+    stacks_cmd,
 )
 from coplan.cli.common import one_line
 from coplan.errors import CoplanError
@@ -33,6 +34,7 @@ app = typer.Typer(
 )
 app.command("graph")(graph_cmd.graph)
 app.command("hardware")(hardware_cmd.hardware)
+app.command("stacks")(stacks_cmd.stacks)
 app.command("plan")(plan_cmd.plan)
 app.command("compare")(plan_cmd.compare)
 app.command("estimate")(estimate_cmd.estimate)

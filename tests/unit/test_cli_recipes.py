@@ -128,3 +128,33 @@ def test_estimate_takes_the_optimizer_and_the_hybrid_shard_group(cli: Cli) -> No
         assert code == 2 and err.count("\n") == 1, err
     code, _, err = cli("estimate", "-m", "gpt-tiny", "--gpus", "8", "--fsdp-shard", "4")
     assert code == 2 and "--fsdp-shard" in err
+
+
+def test_stacks_lists_the_presets_and_shows_one_with_its_citations(cli: Cli, tmp_path: Path) -> None:
+    from coplan.cost import load_stack
+    from coplan.cost.stacks import SETTINGS, stack_names
+
+    code, out, err = cli("stacks", "--json")
+    assert code == 0, err
+    listed = json.loads(out)
+    assert sorted(listed) == sorted(stack_names())
+    assert listed["fsdp"]["sharding"] == "fsdp1" and listed["fsdp"]["hybrid_shard"] is True
+    code, out, err = cli("stacks", "torchtitan", "--json")
+    assert code == 0, err
+    one = json.loads(out)
+    titan = load_stack("torchtitan")
+    assert one["sources"] == dict(titan.sources) and one["about"] == titan.about
+    assert {s: one[s] for s in SETTINGS} == {s: titan.to_dict()[s] for s in SETTINGS}
+    code, out, err = cli("stacks", "torchtitan")
+    assert code == 0, err
+    assert "hybrid_shard" in out and "layer_checkpointing" in out
+    mine = tmp_path / "mine.json"
+    mine.write_text(
+        json.dumps({"name": "mine", "extends": "fsdp", "optimizer": "fused", "sources": {"optimizer": "x"}})
+    )
+    code, out, err = cli("stacks", "--stack-file", str(mine), "--json")
+    assert code == 0, err
+    assert json.loads(out)["optimizer"] == "fused"
+    for bad in (("nope",), ("fsdp", "--stack-file", str(mine))):
+        code, _, err = cli("stacks", *bad)
+        assert code == 2 and err.startswith("error: stacks:") and err.count("\n") == 1, err
