@@ -1,5 +1,5 @@
-"""The choices of ``coplan estimate``'s flags, each the cost model's own tuple of settings as a Typer
-choice (the tuple named beside each class)."""
+"""The choices of ``coplan estimate``'s flags (and ``coplan inspect``'s optimizer), each the cost
+model's own tuple of settings as a Typer choice (the tuple named beside each class)."""
 
 from __future__ import annotations
 
@@ -67,7 +67,7 @@ class GradAccumulation(enum.StrEnum):  # coplan.cost.config.GRAD_ACCUMULATIONS
     fp32_buffer = "fp32-buffer"
 
 
-class Optimizer(enum.StrEnum):  # coplan.cost.config.OPTIMIZER_IMPLEMENTATIONS
+class Optimizer(enum.StrEnum):  # coplan.cost.config.OPTIMIZER_IMPLEMENTATIONS, coplan.inspect.step.OPTIMIZERS
     fused = "fused"
     foreach = "foreach"
     for_loop = "for-loop"

@@ -12,6 +12,7 @@ from rich import box
 from rich.console import Console
 from rich.table import Table
 
+from coplan.cli.choices import Optimizer
 from coplan.cli.common import human_bytes, positive, print_json, stdout
 from coplan.cli.options import DEFAULT_MODEL, GlobalBatchOpt, HtmlOpt, JsonOpt, ModelOpt
 from coplan.errors import CoplanError
@@ -26,12 +27,6 @@ DEFAULT_SEQ = 128
 class InspectDevice(enum.StrEnum):
     cpu = "cpu"
     cuda = "cuda"
-
-
-class InspectOptimizer(enum.StrEnum):  # coplan.inspect.step.OPTIMIZERS
-    fused = "fused"
-    foreach = "foreach"
-    for_loop = "for-loop"
 
 
 class InspectImpl(enum.StrEnum):
@@ -133,13 +128,13 @@ def inspect(
     ] = None,
     steps: Annotated[int, typer.Option("--steps", help="Steps timed after the compiling one.")] = 3,
     optimizer: Annotated[
-        InspectOptimizer,
+        Optimizer,
         typer.Option(
             "--optimizer",
             help="AdamW implementation: fused (one kernel, torchtitan's default), or foreach / for-loop "
             "(compiled by Inductor: its optimizer kernels, and a much longer compile).",
         ),
-    ] = InspectOptimizer.fused,
+    ] = Optimizer.fused,
     record: Annotated[
         bool, typer.Option("--record/--no-record", help="Store the result in the history database.")
     ] = True,

@@ -108,7 +108,10 @@ def test_a_hugging_face_config_file(cli, tmp_path: Path) -> None:
 
 
 def test_optimizer_choices_match_the_registry() -> None:
-    from coplan.cli.inspect_cmd import InspectOptimizer
+    from coplan.cli.choices import Optimizer
+    from coplan.cost.config import OPTIMIZER_IMPLEMENTATIONS
     from coplan.inspect.step import OPTIMIZERS
 
-    assert sorted(o.value for o in InspectOptimizer) == sorted(OPTIMIZERS)
+    assert sorted(o.value for o in Optimizer) == sorted(OPTIMIZERS)
+    # the cost model's "" is "as a plan's optimizer kernels say", no flag's value
+    assert sorted(o.value for o in Optimizer) == sorted(x for x in OPTIMIZER_IMPLEMENTATIONS if x)
