@@ -596,6 +596,13 @@ class TrainingConfig:
         return self.dp_cp if self.fsdp_shard is None else self.fsdp_shard
 
     @property
+    def hybrid_group(self) -> int | None:
+        """FSDP's hybrid sharding group where the ZeRO-2/3 state is replicated across groups
+        (HSDP: ``fsdp_shard`` smaller than dp x cp), else None."""
+        n = self.fsdp_shard
+        return n if self.zero >= 2 and n is not None and n != self.dp_cp else None
+
+    @property
     def gathers_per_unit(self) -> bool:
         """Whether parameters are gathered layer by layer and freed after use (ZeRO-3, or ZeRO-1/2
         run as FSDP units) across more than one data-parallel rank."""

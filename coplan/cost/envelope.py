@@ -277,9 +277,7 @@ def validated(
     cfg = estimate.config
     devices = sorted({s.device for s in estimate.stages})
     values: dict[str, Any] = {"gpus": estimate.gpus, "tp": cfg.tp, "pp": cfg.pp, "vpp": cfg.vpp, "cp": cfg.cp}
-    values["dp"] = cfg.dp
-    hybrid = cfg.zero >= 2 and cfg.fsdp_shard is not None and cfg.fsdp_shard != cfg.dp_cp
-    values["fsdp_shard"] = cfg.fsdp_shard if hybrid else None
+    values |= {"dp": cfg.dp, "fsdp_shard": cfg.hybrid_group}
     notes: list[str] = []
     stack_note = _stack_note(env, stack)
     if stack_note:

@@ -78,7 +78,7 @@ def config_problems(stack: StackSpec, config: TrainingConfig) -> list[str]:
     par = ParallelPlan(
         tp=config.tp, pp=config.pp, dp=config.dp, vpp=config.vpp, cp=config.cp,
         sequence_parallel=config.sequence_parallel, zero=config.zero, microbatch=config.microbatch,
-        fsdp_shard=config.fsdp_shard if config.zero >= 2 and config.fsdp_shard != config.dp_cp else None,
+        fsdp_shard=config.hybrid_group,
     )  # fmt: skip
     why = layout_problem(stack, par)
     if why is not None:
