@@ -84,10 +84,8 @@ def configured(run: dict, stack: str):  # type: ignore[no-untyped-def]
         if r["recompute"] == "partial":
             r["recompute"] = "selective"
         return model, cluster, run_config(r)
-    policy = r["stack_settings"].get("activation_checkpoint", r["recompute"])
     # a per-layer policy: its own count of fully checkpointed blocks (these runs have no pipeline)
-    count = checkpointed_blocks(policy, spec.n_layers)
-    r["recompute"] = "none" if policy == "selective-op" or count is not None else r["recompute"]
+    policy, count = _policy(r, spec.n_layers)
     spec_of_stack = load_stack(stack)
     if "loss_compiled" in r["stack_settings"]:
         # the run's own version of the stack says whether torch.compile covered the loss
@@ -139,12 +137,29 @@ def configured(run: dict, stack: str):  # type: ignore[no-untyped-def]
     if r["stack_settings"].get("sharding") == "HYBRID_SHARD":
         # sharded within a node, replicated across nodes
         config = config.with_(fsdp_shard=cluster.groups[0].devices_per_node)
+    return model, cluster, _checkpointed(model, config, policy, count, spec.n_layers)
+
+
+def _policy(r: dict, n_layers: int) -> tuple[str, int | None]:
+    """The run's checkpointing policy and, for a per-layer one, its count of fully checkpointed
+    blocks; ``r["recompute"]`` set to what the configuration takes before either is applied
+    (``_checkpointed``): none for the per-op and per-layer policies."""
+    policy = r["stack_settings"].get("activation_checkpoint", r["recompute"])
+    count = checkpointed_blocks(policy, n_layers)
+    r["recompute"] = "none" if policy == "selective-op" or count is not None else r["recompute"]
+    return policy, count
+
+
+def _checkpointed(model: CostModel, config, policy: str, count: int | None, n_layers: int):  # type: ignore[no-untyped-def]
+    """``config`` with the run's checkpointing: torchtitan's per-op policy as its recompute set over
+    the step's graph (``--recompute selective-op``), or the count of fully checkpointed blocks
+    (``--recompute full --recompute-layers N``)."""
     if policy == "selective-op":
         graph = model.profile(config.microbatch, model.seq_of(config), config.fusion).graph
         config = config.with_(recompute=selective_op_names(graph))
     if count:
-        config = config.with_(recompute="full", recompute_layers=min(count, spec.n_layers))
-    return model, cluster, config
+        config = config.with_(recompute="full", recompute_layers=min(count, n_layers))
+    return config
 
 
 def contract_estimate(run: dict):  # type: ignore[no-untyped-def]
@@ -159,12 +174,9 @@ def contract_estimate(run: dict):  # type: ignore[no-untyped-def]
     )
     cluster = load_cluster(r["cluster"], r["gpus"])
     stack = load_stack(stack_of(run))
+    policy, count = _policy(r, spec.n_layers)
     fields = _contract_fields(r)
-    policy = r["stack_settings"].get("activation_checkpoint", r["recompute"])
-    count = checkpointed_blocks(policy, spec.n_layers)
-    if policy == "selective-op" or count is not None:
-        fields["recompute"] = "none"
-    elif fields["recompute"] == "partial":
+    if fields["recompute"] == "partial":
         fields["recompute"] = "selective"
     overlaps = production_overlaps(cluster.devices, r["tp"], r["sequence_parallel"], r["zero"])
     config = stack.configure(TrainingConfig(**fields, **overlaps))
@@ -173,12 +185,7 @@ def contract_estimate(run: dict):  # type: ignore[no-untyped-def]
     elif (split := stack.stage_split(spec.n_layers, config.pp, config.vpp)) is not None:
         config = config.with_(stage_layers=split)
     model = CostModel(spec=spec)
-    if policy == "selective-op":  # --recompute selective-op
-        graph = model.profile(config.microbatch, model.seq_of(config), config.fusion).graph
-        config = config.with_(recompute=selective_op_names(graph))
-    if count:  # --recompute full --recompute-layers N
-        config = config.with_(recompute="full", recompute_layers=min(count, spec.n_layers))
-    return model.estimate(cluster, config)
+    return model.estimate(cluster, _checkpointed(model, config, policy, count, spec.n_layers))
 
 
 def estimated(run: dict, stack: str):  # type: ignore[no-untyped-def]
