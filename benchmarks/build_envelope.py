@@ -9,9 +9,10 @@ where at least ``MIN_RUNS`` (10) of its runs there are priced within the accurac
 mean absolute step-time error at most 10%). The runs of those (stack, device) pairs bound the
 envelope: devices, dtypes per device, the largest TP / PP / VPP / CP / DP / GPU count, each ZeRO stage
 with the largest GPU count it was run at, the highest predicted MFU (16-bit dense peak) per dtype,
-the sequence and model-size ranges, the recompute modes and the kernels (fusion) they were priced
-with; a run of such a pair priced more than ``WORST`` (20%) off bounds nothing. Every run is kept,
-compactly, for the nearest-run search of ``coplan.cost.envelope``. ``--check`` exits 1 when the committed file differs from what this script
+the sequence and model-size ranges, whether any ran FSDP's hybrid sharding (HSDP), the recompute
+modes and the kernels (fusion) they were priced with; a run of such a pair priced more than
+``WORST`` (20%) off bounds nothing. Every run is kept, compactly, for the nearest-run search of
+``coplan.cost.envelope``. ``--check`` exits 1 when the committed file differs from what this script
 builds (the unit tests check the same).
 """
 
@@ -74,6 +75,8 @@ def _run_row(run: dict, stack: str, mfu: float | None, error: float) -> dict[str
         "dp": run["gpus"] // (run["tp"] * run.get("cp", 1) * run["pp"]),
         "zero": run["zero"],
         "recompute": run["recompute"],
+        # FSDP's hybrid sharding (sharded within a node, replicated across): only where a run used it
+        **({"hsdp": True} if run.get("stack_settings", {}).get("sharding") == "HYBRID_SHARD" else {}),
         "mfu": None if mfu is None else round(mfu, 4),
         "error": round(error, 4),
     }
@@ -163,6 +166,7 @@ def _bounds(inside: list[dict[str, Any]]) -> dict[str, Any]:
         "seq": [min(r["seq"] for r in inside), max(r["seq"] for r in inside)],
         "params": [min(r["params"] for r in inside), max(r["params"] for r in inside)],
         "moe": any(r["moe"] for r in inside),
+        "hsdp": any(r.get("hsdp", False) for r in inside),
         "recompute": sorted({r["recompute"] for r in inside}),
         "fusion": [_fusion_default()],
         "runs": len(inside),

@@ -9,8 +9,9 @@ stack's runs do not: torchtitan's ZeRO-3 at 256 GPUs says nothing of Megatron's)
 validated run together for a stack with none:
 the devices and the dtypes run on each, the largest TP / PP / VPP / DP / GPU count, the ZeRO stages
 with the largest GPU count each reached, the highest MFU the model predicts for them per dtype
-(``Estimate.mfu``: the 16-bit dense peak), the sequence and model-size ranges, the recompute modes
-and the kernels (Megatron's fusion) the runs were priced with. A configuration
+(``Estimate.mfu``: the 16-bit dense peak), the sequence and model-size ranges, whether any ran FSDP's
+hybrid sharding (``hsdp``), the recompute modes and the kernels (Megatron's fusion) the runs were
+priced with. A configuration
 beyond any bound is extrapolated, and ``validated`` says which part.
 
 Only MFU *above* the validated maximum is flagged: an optimistic price is what a search exploits,
@@ -183,7 +184,7 @@ def _layout_notes(env: _Envelope, values: dict[str, Any], zero: int) -> list[str
     if gpus > top["gpus"]:
         notes.append(f"{gpus:,} GPUs > {top['gpus']:,} (largest validated)")
     shard = values.get("fsdp_shard")
-    if shard is not None and not env.bounds.get("hsdp", False):
+    if shard is not None and not env.bounds["hsdp"]:
         notes.append(f"hybrid sharding (FSDP within groups of {shard}): no validated run uses it")
     reach = env.bounds["zero"].get(str(zero))
     if reach is None:
