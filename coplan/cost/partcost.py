@@ -32,6 +32,7 @@ from coplan.cost.parts import (
     vdot,
 )
 from coplan.cost.tp_overlap import (
+    ASYNC_TP_REDUCE_PEAK,
     async_tp_reduce_bytes,
     async_tp_slots,
     block_overlap,
@@ -369,7 +370,8 @@ class _Priced:
                 fwd, bwd = got
                 if c.async_tp:
                     # the fused reduce-scatters' partial sums, reduced by a kernel of their own
-                    fwd += async_tp_reduce_bytes(part.tp_exits, c.tp, ab) / cost.r.bandwidth
+                    rate = cost.device.memory_bandwidth * ASYNC_TP_REDUCE_PEAK
+                    fwd += async_tp_reduce_bytes(part.tp_exits, c.tp, ab) / rate
                 return fwd + bwd + (fwd if mode == "full" else 0.0) + self._regather(part, mode, ag)
         # each collective's own time: without userbuffers, or where they do not apply
         fwd = bwd = 0.0

@@ -115,20 +115,20 @@ _ASYNC_GATHERS = ("qkv_fprop", "fc1_fprop", "proj_dgrad", "fc2_dgrad")
 
 
 def async_tp_slots(gathers_fused: bool) -> dict[str, UbSlot]:
-    """How async TP runs each slot. A fused all-gather is a ring: the local shard's GEMM first, then
-    each peer's shard copied by copy engine (``_pipelined_all_gather_and_consume``) and consumed,
-    the steps alternating between two streams; a fused reduce-scatter computes each peer's chunk
-    and lets the peer pull it (``_pipelined_produce_and_all2all``), the partial sums reduced by a
-    kernel after (``async_tp_reduce_bytes``). The chunks' GEMMs are priced one after another, each
-    at its own shape (``streams=1``): the two streams do not buy two chunks' rows at once. At
-    Llama-3 70B's TP 8 FC1 shape on H100 (M 2,048, N 3,584, K 8,192; pytorch/pytorch#143160) the
-    decomposed path took 354 us against 301 us for NCCL's all-gather and cuBLAS: eight 256-row
-    GEMMs one after another price 358 us, two at once 269 us. Its faster variants (295 and 277 us
-    there) run with ``TORCH_SYMM_MEM_ENABLE_NATIVE_ASYNC_TP`` set (pytorch/pytorch#142283) or for
-    small M only, and torchtitan sets no such variable. The input gradients' reduce-scatters are never
-    fused: each is a sum of GEMM outputs (Q, K and V; SwiGLU's gate and up), not one GEMM's, so they
-    and the unmatched all-gathers are ``EXPOSED``. No SMs are held (copy engines); there is no
-    backward re-gather for the weight gradient (the gathered input is saved or recomputed)."""
+    """How async TP runs each slot. A fused all-gather is a ring: the local shard's GEMM first, then each
+    peer's shard copied by copy engine (``_pipelined_all_gather_and_consume``) and consumed, the steps
+    alternating between two streams; a fused reduce-scatter computes each peer's chunk and lets the peer
+    pull it (``_pipelined_produce_and_all2all``), the partial sums reduced by a kernel after
+    (``async_tp_reduce_bytes``, at ``ASYNC_TP_REDUCE_PEAK`` of the HBM peak). The chunks' GEMMs are priced
+    one after another, each at its own shape (``streams=1``): the two streams do not buy two chunks' rows
+    at once. At Llama-3 70B's TP 8 FC1 shape on H100 (M 2,048, N 3,584, K 8,192; pytorch/pytorch#143160)
+    the decomposed path took 354 us against 301 us for NCCL's all-gather and cuBLAS: eight 256-row GEMMs
+    one after another price 358 us, two at once 269 us. Its faster variants (295 and 277 us there) run
+    with ``TORCH_SYMM_MEM_ENABLE_NATIVE_ASYNC_TP`` set (pytorch/pytorch#142283) or for small M only, and
+    torchtitan sets no such variable. The input gradients' reduce-scatters are never fused: each is a sum
+    of GEMM outputs (Q, K and V; SwiGLU's gate and up), not one GEMM's, so they and the unmatched
+    all-gathers are ``EXPOSED``. No SMs are held (copy engines); there is no backward re-gather for the
+    weight gradient (the gathered input is saved or recomputed)."""
     out = {}
     for slot in UB_SLOTS:
         if slot in _ASYNC_SCATTERS or (gathers_fused and slot in _ASYNC_GATHERS):
@@ -136,6 +136,13 @@ def async_tp_slots(gathers_fused: bool) -> dict[str, UbSlot]:
         else:
             out[slot] = UbSlot(EXPOSED, num_sm=0, num_splits=0)
     return out
+
+
+#: Fraction of the HBM peak the fused reduce-scatters' final reduction reaches: ``torch.sum`` over
+#: the ``tp`` stacked partials is ATen's ``reduce_kernel``, instruction-bound for a reduced extent
+#: of 2-8, which on H100 reached 23-43% of HBM peak (pytorch/pytorch#191803, which replaced it with
+#: a Triton kernel reaching 82-88% at the same traffic); the middle of that range.
+ASYNC_TP_REDUCE_PEAK = 0.33
 
 
 def async_tp_reduce_bytes(exits: Sequence[float], tp: int, element_bytes: float) -> float:
