@@ -179,8 +179,10 @@ _ESTIMATE = {
     "--seq": _numbers,
     "--zero": _numbers,
     "--dtype": st.sampled_from(["fp32", "bf16", "fp8", "fp4", ""]),
-    "--recompute": st.sampled_from(["none", "selective", "full", "half"]),
+    "--recompute": st.sampled_from(["none", "selective", "full", "selective-op", "half"]),
     "--recompute-layers": _numbers,
+    "--fsdp-shard": _numbers,
+    "--optimizer": st.sampled_from(["fused", "foreach", "for-loop", "adam", ""]),
     "--hidden-dropout": _numbers,
     "--attention-dropout": _numbers,
     "--stage-layers": st.sampled_from(["1,1", "2", "0,2", "x", "1,-1", ""]),
@@ -188,7 +190,7 @@ _ESTIMATE = {
     "--kernels": _numbers,
     "--zero3-gather": st.sampled_from(["unit", "module", "tensor-list", "layer", ""]),
     "--eager-loss-cast": st.sampled_from(["float", "autocast", "none", "fused", "fp8", ""]),
-    "--stack": st.sampled_from(["megatron", "deepspeed", "fsdp", "eager", "nope", ""]),
+    "--stack": st.sampled_from(["megatron", "deepspeed", "fsdp", "torchtitan", "eager", "nope", ""]),
     "--cluster": st.sampled_from(["cpu", "dgx-h100", "a100-sxm", "nope", "/tmp", "/proc/version"]),
 }
 _PLAN = {
@@ -202,6 +204,7 @@ _PLAN = {
     "--out": _paths,
     "--html": _paths,
     "--cluster": st.sampled_from(["cpu", "dgx-h100", "nope"]),
+    "--stack": st.sampled_from(["fsdp", "torchtitan", "deepspeed", "nope"]),
 }
 
 
