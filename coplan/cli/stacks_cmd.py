@@ -35,18 +35,23 @@ def stacks(
         raise StackError("stacks", None, "give a preset NAME or --stack-file, not both")
     if name is not None and name not in stack_names():
         raise StackError("stacks", None, f"unknown stack {name!r} (choose from {', '.join(stack_names())})")
-    if name is not None or stack_file is not None:
-        one = load_stack(name) if name is not None else load_stack_file(stack_file)  # type: ignore[arg-type]
+    one = load_stack(name) if name is not None else load_stack_file(stack_file) if stack_file else None
+    if one is not None:
         if json:
-            print_json(one.to_dict() | {"about": one.about})
-            return
-        render_stack(one, stdout())
+            print_json(_as_json(one))
+        else:
+            render_stack(one, stdout())
         return
     presets = {n: load_stack(n) for n in stack_names()}
     if json:
-        print_json({n: s.to_dict() | {"about": s.about} for n, s in presets.items()})
-        return
-    render_presets(presets, stdout())
+        print_json({n: _as_json(s) for n, s in presets.items()})
+    else:
+        render_presets(presets, stdout())
+
+
+def _as_json(s: StackSpec) -> dict[str, object]:
+    """A stack's settings, name and citations (``StackSpec.to_dict``) with its ``about``."""
+    return s.to_dict() | {"about": s.about}
 
 
 def _yes(flag: bool) -> str:
