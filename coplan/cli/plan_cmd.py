@@ -277,7 +277,7 @@ def _why_infeasible(ctx: PlanContext, r: StrategyResult) -> str:
 def _header(ctx: PlanContext) -> str:
     return (
         f"[bold]{ctx.model_name}[/bold] on {ctx.cluster.summary()}, global batch {ctx.global_batch} "
-        f"x seq {ctx.seq}, budget {human_bytes(ctx.budget)}/GPU"
+        f"x seq {ctx.seq}, budget {human_bytes(ctx.budget)}/GPU, planned for the {ctx.stack.name} stack"
     )
 
 
