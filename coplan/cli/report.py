@@ -284,7 +284,9 @@ def write_html(path: Path, ctx: PlanContext, results: dict[str, StrategyResult])
             "fingerprint",
         )
     )
-    title = f"coplan compare: {ctx.model_name} on {ctx.cluster.summary()}, planned for the {ctx.stack.name} stack"
+    title = (
+        f"coplan compare: {ctx.model_name} on {ctx.cluster.summary()}, planned for the {ctx.stack.name} stack"
+    )
     doc = f"""<!doctype html>
 <html><head><meta charset="utf-8"><title>{_html.escape(title)}</title>
 <style>{_CSS}</style>
