@@ -665,6 +665,8 @@ def render(est: Estimate, title: str, reserved: ReservedMemory | None = None) ->
     # an uneven pipeline: the blocks of each chunk, as given or as the stack splits them
     split = f" layers={'/'.join(map(str, c.stage_layers))}" if c.stage_layers is not None else ""
     fsdp = " (FSDP gathered through the step)" if c.fsdp_per_step else ""
+    if c.hybrid_group is not None:
+        fsdp += f" (HSDP: sharded in groups of {c.hybrid_group})"
     console.print(
         f"tp={c.tp} pp={c.pp}{split} dp={c.dp}{cp_text} vpp={c.vpp} microbatch={c.microbatch} "
         f"global batch={c.global_batch} "
