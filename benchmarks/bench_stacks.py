@@ -40,7 +40,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 from bench_published import CONTRACT_MODEL_FIELDS, _contract_fields, run_config
 
 from coplan.cost import CostModel, TrainingConfig, load_stack
-from coplan.cost.checkpoint import checkpointed_blocks, selective_op_names
+from coplan.cost.checkpoint import checkpointed_blocks
 from coplan.cost.config import production_overlaps
 from coplan.hardware import load_cluster
 from coplan.models.spec import ModelSpec
@@ -155,8 +155,7 @@ def _checkpointed(model: CostModel, config, policy: str, count: int | None, n_la
     the step's graph (``--recompute selective-op``), or the count of fully checkpointed blocks
     (``--recompute full --recompute-layers N``)."""
     if policy == "selective-op":
-        graph = model.profile(config.microbatch, model.seq_of(config), config.fusion).graph
-        config = config.with_(recompute=selective_op_names(graph))
+        config = config.with_(recompute=model.selective_op_set(config))
     if count:
         config = config.with_(recompute="full", recompute_layers=min(count, n_layers))
     return config

@@ -492,10 +492,7 @@ def estimate(
     cm = CostModel(spec=spec)
     if per_op:
         # the policy's saved set over this step's graph (its kernels decide what a block writes)
-        from coplan.cost.checkpoint import selective_op_names
-
-        graph = cm.profile(config.microbatch, cm.seq_of(config), config.fusion).graph
-        config = config.with_(recompute=selective_op_names(graph))
+        config = config.with_(recompute=cm.selective_op_set(config))
     est = cm.estimate(hw, config)
     # what PyTorch's caching allocator reserves for it (None on a CPU)
     reserved = cm.reserved(hw, est, the_stack)

@@ -220,15 +220,13 @@ def _kernel_notes(env: _Envelope, cfg: TrainingConfig, kernels: str | None = Non
     a stack that runs other options too), which is judged by its name."""
     notes = []
     kinds = env.bounds["fusion"]
-    if kernels is not None and not isinstance(cfg.fusion, str):
-        if kernels not in kinds:
-            notes.append(f"fusion {kernels}: validated runs are priced with {'/'.join(kinds)} kernels")
-    elif not isinstance(cfg.fusion, str):
+    named = cfg.fusion if isinstance(cfg.fusion, str) else kernels
+    if named is None:
         notes.append(
             f"fusion: {len(cfg.fusion)} planned kernel groups (validated runs: {'/'.join(kinds)} kernels)"
         )
-    elif cfg.fusion not in kinds:
-        notes.append(f"fusion {cfg.fusion}: validated runs are priced with {'/'.join(kinds)} kernels")
+    elif named not in kinds:
+        notes.append(f"fusion {named}: validated runs are priced with {'/'.join(kinds)} kernels")
     modes = env.bounds["recompute"]
     chosen = cfg.recompute_per_stage if cfg.recompute_per_stage is not None else (cfg.recompute,)
     sets = [m for m in chosen if not isinstance(m, str)]

@@ -18,6 +18,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 
 from coplan.capture.synthetic import build_graph
+from coplan.cost.checkpoint import selective_op_names
 from coplan.cost.config import ConfigError, TrainingConfig, check_against
 from coplan.cost.estimate import Estimate, estimate
 from coplan.cost.parts import GraphProfile, Precision
@@ -64,6 +65,13 @@ class CostModel:
             return self.spec.resolve_seq(config.seq)
         assert self.graph is not None
         return config.seq or self.graph.meta.seq
+
+    def selective_op_set(self, config: TrainingConfig) -> frozenset[str]:
+        """torchtitan's per-op checkpointing policy as a recompute set of ``config``'s step: the
+        policy over the graph its kernels make (``coplan.cost.checkpoint.selective_op_names``), what
+        `coplan estimate --recompute selective-op` prices."""
+        graph = self.profile(config.microbatch, self.seq_of(config), config.fusion).graph
+        return selective_op_names(graph)
 
     def profile(
         self,
