@@ -312,7 +312,9 @@ def _trust(ctx: PlanContext, r: StrategyResult) -> Validated:
     from coplan.cost.envelope import validated
     from coplan.plan.capabilities import named_fusion
 
-    return validated(r.estimate, ctx.model.spec, ctx.stack.name, named_fusion(ctx, r.plan))
+    return validated(
+        r.estimate, ctx.model.spec, ctx.stack.kernels_for(r.plan.fusion.label).name, named_fusion(ctx, r.plan)
+    )
 
 
 def _mfu(r: StrategyResult) -> str:
@@ -447,7 +449,12 @@ def _emit(ctx: PlanContext, r: StrategyResult, target: Emit, out: Path | None, m
     if spec is None:  # pragma: no cover - the CLI always plans a spec
         raise SpecError("--emit", None, "needs a model spec")
     return emit(
-        r.plan, spec, target.value, plan_path=str(out) if out is not None else "plan.json", model=model
+        r.plan,
+        spec,
+        target.value,
+        plan_path=str(out) if out is not None else "plan.json",
+        model=model,
+        async_tp=ctx.stack.async_tp,
     )
 
 

@@ -71,7 +71,8 @@ def render_presets(presets: dict[str, StackSpec], console: Console) -> None:
         layouts = " ".join(_yes(f) for f in (s.tensor_parallel, s.pipeline_parallel, s.context_parallel))
         table.add_row(
             name,
-            s.kernels,
+            # a stack with a compile flag runs either kernel set, as a plan decides
+            s.kernels + (" or inductor" if s.compile_preset else ""),
             s.attention_kernel,
             s.sharding + (" (HSDP)" if s.hybrid_shard else ""),
             ",".join(str(z) for z in s.zero_stages),

@@ -104,6 +104,7 @@ SETTINGS: tuple[str, ...] = (
     "cp_exchange",
     "layer_checkpointing",
     "hybrid_shard",
+    "compile_preset",
 )
 #: Where FSDP2 allocates a unit's reduce-scatter input (``coplan.cost.steptrace``): on the
 #: compute stream, kept until the next unit's reduction (``compute``: PyTorch since
@@ -214,6 +215,10 @@ class StackSpec:
         hybrid_shard: its FSDP units can shard within groups of the data-parallel ranks and
             replicate across them (HSDP: ``ParallelPlan.fsdp_shard``, ``TrainingConfig.fsdp_shard``),
             which a plan then may choose.
+        compile_preset: the preset that prices this stack's plans which turn ``torch.compile`` on
+            (fusion option ``compiled``): the same stack with its compile flag set, whose kernels
+            (``with_kernels``) such a plan runs (``kernels_for``); ``""`` where the stack has no
+            compile flag or compiles always.
         reserved_fraction: reserved bytes beyond what the caching allocator's replay gives
             (``coplan.cost.steptrace.reserved_memory``), as a fraction of the allocated peak: what
             a stack's own allocator or memory pools hold besides; 0 in every preset.
@@ -267,6 +272,7 @@ class StackSpec:
     cp_exchange: str = "p2p"
     layer_checkpointing: str = "none"
     hybrid_shard: bool = False
+    compile_preset: str = ""
     about: str = ""
     sources: tuple[tuple[str, str], ...] = ()
 
@@ -341,6 +347,16 @@ class StackSpec:
         object.__setattr__(
             self, "fusion", _choices(src, "fusion", self.fusion, FUSION_CHOICES, "fusion option")
         )
+        if not isinstance(self.compile_preset, str):
+            raise StackError(
+                src, "compile_preset", f"must name a preset or be empty, got {self.compile_preset!r}"
+            )
+        if self.compile_preset and (self.kernels != "eager" or "compiled" not in self.fusion):
+            raise StackError(
+                src,
+                "compile_preset",
+                "prices plans that turn torch.compile on: needs eager kernels and the 'compiled' fusion",
+            )
         r = self.reserved_fraction
         if isinstance(r, bool) or not isinstance(r, int | float) or not 0.0 <= r < 1.0:
             raise StackError(src, "reserved_fraction", f"must be a number in [0, 1), got {r!r}")
@@ -353,6 +369,14 @@ class StackSpec:
             if not v.strip():
                 raise StackError(src, "sources", f"the citation of {k!r} is empty")
         object.__setattr__(self, "sources", srcs)
+
+    def kernels_for(self, fusion_label: str) -> StackSpec:
+        """The stack whose kernels price a plan of this stack with fusion ``fusion_label``: its
+        ``compile_preset`` for a plan that turns ``torch.compile`` on (``compiled``), else this
+        stack. The plan's other decisions stay this stack's (its layouts, precisions, async TP)."""
+        if fusion_label == "compiled" and self.compile_preset:
+            return load_stack(self.compile_preset)
+        return self
 
     @property
     def megatron_kernels_only(self) -> bool:
@@ -545,9 +569,22 @@ def stack_from_dict(data: object, source: str) -> StackSpec:
             kw[key] = tuple(kw[key])
     kw["sources"] = tuple(cited.items())
     try:
-        return StackSpec(**kw)
+        stack = StackSpec(**kw)
     except TypeError as exc:
         raise StackError(source, None, str(exc)) from None
+    if stack.compile_preset:
+        _compiled(stack.compile_preset, source)
+    return stack
+
+
+def _compiled(name: str, source: str) -> None:
+    """Refuse a ``compile_preset`` that names no preset running torch.compile's kernels."""
+    if name not in stack_names():
+        raise StackError(
+            source, "compile_preset", f"must name a preset ({', '.join(stack_names())}), got {name!r}"
+        )
+    if load_stack(name).kernels != "inductor":
+        raise StackError(source, "compile_preset", f"preset {name!r} does not run torch.compile's kernels")
 
 
 def _extended(name: object, source: str) -> StackSpec | None:

@@ -405,9 +405,10 @@ class PlanContext:
             stage_layers=p.stage_layers,
             fsdp_shard=p.fsdp_shard,
         )
-        # the stack's kernels (and the loss they imply), as ``coplan estimate --stack`` prices them;
+        # the stack's kernels (and the loss they imply), as ``coplan estimate --stack`` prices them:
+        # its compiled preset's where the plan turns torch.compile on (``StackSpec.kernels_for``);
         # the fusion groups, attention kernel and layout stay the plan's
-        config = self.stack.with_kernels(config)
+        config = self.stack.kernels_for(plan.fusion.label).with_kernels(config)
         self._configs[key] = config
         return config
 
@@ -526,6 +527,10 @@ def plan_summary(
         ),
         "fusion": "Megatron-LM's fused kernels"
         if f.label == "megatron" and not f.groups
+        else "torch.compile (Inductor fuses as it decides)"
+        if f.label == "compiled" and not f.groups
+        else "none (eager: each op its own kernel)"
+        if f.label == "eager" and not f.groups
         else f"{len(f.groups)} fused groups ({f.fused_ops} ops), {f.label}",
         "precision": c.compute
         + (f", {len(c.ops)} ops overridden" if c.ops else "")

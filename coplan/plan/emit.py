@@ -63,18 +63,26 @@ class Emitted:
 
 
 def emit(
-    plan: Plan, spec: ModelSpec, target: str, *, plan_path: str = "plan.json", model: str | None = None
+    plan: Plan,
+    spec: ModelSpec,
+    target: str,
+    *,
+    plan_path: str = "plan.json",
+    model: str | None = None,
+    async_tp: bool = True,
 ) -> Emitted:
     """The recipe that runs ``plan`` (made for the model ``spec``) on ``target``.
 
     ``plan_path`` is where the plan file is (``coplan plan --out``), ``model`` the ``--model``
-    argument that names the model to ``coplan run`` (default: the plan's model)."""
+    argument that names the model to ``coplan run`` (default: the plan's model). ``async_tp``: the
+    plan was priced with PyTorch's async TP where it compiles sequence-parallel TP (the stack's
+    ``StackSpec.async_tp``), so a torchtitan recipe turns it on there."""
     if target not in TARGETS:
         raise SpecError("--emit", None, f"unknown target {target!r}; choose from {', '.join(TARGETS)}")
     if target == "megatron":
         return _megatron(plan, spec)
     if target == "torchtitan":
-        return _torchtitan(plan, spec)
+        return _torchtitan(plan, spec, async_tp)
     return _coplan(plan, spec, plan_path, model or plan.model)
 
 
@@ -416,7 +424,7 @@ def _torchtitan_recompute(r: _Remat) -> tuple[dict[str, Any], list[str]]:
     return {"mode": "selective", "selective_ac_option": "op"}, notes
 
 
-def _torchtitan(plan: Plan, spec: ModelSpec) -> Emitted:
+def _torchtitan(plan: Plan, spec: ModelSpec, async_tp: bool = True) -> Emitted:
     p, c = plan.parallel, plan.precision
     notes: list[str] = [
         f"[model] names a torchtitan model and flavor: register one with the sizes of {spec.name} "
@@ -491,7 +499,7 @@ def _torchtitan(plan: Plan, spec: ModelSpec) -> Emitted:
         training["local_batch_size"] = p.microbatch
     if p.tp > 1 and not p.sequence_parallel:
         notes.append("torchtitan's tensor parallelism always shards norms and residuals by sequence")
-    if p.tp > 1 and p.sequence_parallel and plan.fusion.label == "compiled":
+    if async_tp and p.tp > 1 and p.sequence_parallel and plan.fusion.label == "compiled":
         # priced as async TP where the stack compiles (``StackSpec.async_tp``): the recipe runs it
         par["enable_async_tensor_parallel"] = True
     training["mixed_precision_param"] = "float32" if c.compute in ("fp32", "tf32") else "bfloat16"

@@ -303,8 +303,9 @@ class Plan:
                 "recompute_in_backward": sorted(f.recompute_in_backward),
                 # only where used, so plans without duplication keep their fingerprint
                 **({"duplicated": sorted(f.duplicated)} if f.duplicated else {}),
-                # a stack's own kernel set named instead of groups is a decision of its own
-                **({"kernels": "megatron"} if f.label == "megatron" and not f.groups else {}),
+                # a stack's own kernel set named instead of groups is a decision of its own, as is
+                # handing the step to the stack's compiler (torch.compile on) instead of none
+                **({"kernels": f.label} if f.label in ("megatron", "compiled") and not f.groups else {}),
             },
             "remat": {
                 "recompute": sorted(r.recompute),

@@ -1,0 +1,102 @@
+"""torch.compile as a plan decision of the stacks that have a compile flag (torchtitan's
+``--training.compile``, fms-fsdp's ``use_torch_compile``, nanoGPT's ``compile``): the fusion option
+``compiled`` of the ``torchtitan``, ``fsdp`` and ``eager`` presets, priced with the kernels of their
+``-compile`` preset (``StackSpec.compile_preset``), the rest of the plan the stack's own."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import pytest
+
+from coplan.cost import CostModel, load_stack
+from coplan.cost.stacks import StackError, stack_from_dict
+from coplan.hardware import load_cluster
+from coplan.models.spec import PRESETS
+from coplan.plan import PlanContext
+from coplan.plan.emit import emit
+from coplan.plan.types import FusionPlan, ParallelPlan
+from coplan.search import run_strategy
+
+
+def ctx_for(stack: str, gpus: int = 8) -> PlanContext:
+    return PlanContext(
+        CostModel(spec=PRESETS["llama2-7b"]),
+        load_cluster("dgx-h100", gpus),
+        global_batch=16,
+        seq=4096,
+        stack=load_stack(stack),
+    )
+
+
+def test_the_stacks_with_a_compile_flag_price_compiled_plans_with_their_compile_preset() -> None:
+    for name in ("torchtitan", "fsdp", "eager"):
+        stack = load_stack(name)
+        assert stack.fusion == ("eager", "compiled")
+        assert stack.kernels_for("compiled").name == f"{name}-compile"
+        assert stack.kernels_for("compiled").kernels == "inductor"
+        assert stack.kernels_for("eager") is stack
+    for name in ("megatron", "deepspeed", "coplan", "torchtitan-compile"):
+        assert load_stack(name).kernels_for("compiled") is load_stack(name)
+
+
+def test_a_compiled_plan_is_priced_exactly_as_the_compile_preset_prices_it() -> None:
+    eager_ctx, compiled_ctx = ctx_for("torchtitan"), ctx_for("torchtitan-compile")
+    plan = run_strategy("sequential", eager_ctx).plan.with_(
+        parallel=ParallelPlan(dp=8, zero=3, microbatch=1), fusion=FusionPlan(label="compiled")
+    )
+    # data parallel only: nothing of torchtitan-compile's float8 or async TP applies
+    assert eager_ctx.config_of(plan) == compiled_ctx.config_of(plan)
+    assert eager_ctx.config_of(plan).kernels == "inductor"
+    eager = plan.with_(fusion=FusionPlan(label="eager"))
+    assert eager_ctx.config_of(eager).kernels == "eager"
+    # two decisions: two fingerprints, and the compiled step is the faster (fewer kernels)
+    assert eager.fingerprint != plan.fingerprint
+    assert eager_ctx.price(plan).step_time_s < eager_ctx.price(eager).step_time_s
+
+
+def test_the_planner_decides_compile_jointly_and_keeps_the_stacks_precisions() -> None:
+    ctx = ctx_for("torchtitan")
+    best = run_strategy("joint", ctx)
+    eager_only = replace(ctx.stack, fusion=("eager",), compile_preset="")
+    pinned = run_strategy(
+        "joint", PlanContext(ctx.model, ctx.cluster, global_batch=16, seq=4096, stack=eager_only)
+    )
+    assert best.plan.fusion.label in ("eager", "compiled")
+    assert best.estimate.step_time_s <= pinned.estimate.step_time_s
+    assert pinned.plan.fusion.label == "eager"
+    # torchtitan runs float8 only compiled, which this preset leaves to torchtitan-compile
+    assert best.plan.precision.compute != "fp8"
+
+
+def test_a_compiled_torchtitan_plan_turns_compile_on_and_async_tp_only_where_priced() -> None:
+    ctx = ctx_for("torchtitan")
+    plan = run_strategy("sequential", ctx).plan.with_(
+        parallel=ParallelPlan(tp=2, dp=4, zero=3, sequence_parallel=True), fusion=FusionPlan(label="compiled")
+    )
+    spec = PRESETS["llama2-7b"]
+    assert not ctx.config_of(plan).async_tp  # the torchtitan preset prices no async TP
+    text = emit(plan, spec, "torchtitan", async_tp=ctx.stack.async_tp).text
+    assert "[compile]\nenable = true" in text and "enable_async_tensor_parallel" not in text
+    compiled = ctx_for("torchtitan-compile")
+    assert compiled.config_of(plan).async_tp
+    assert "enable_async_tensor_parallel = true" in emit(plan, spec, "torchtitan", async_tp=True).text
+    eager = emit(plan.with_(fusion=FusionPlan(label="eager")), spec, "torchtitan", async_tp=False).text
+    assert "[compile]\nenable = false" in eager
+
+
+@pytest.mark.parametrize(
+    ("settings", "why"),
+    [
+        ({"extends": "torchtitan", "compile_preset": "nope"}, "must name a preset"),
+        ({"extends": "torchtitan", "compile_preset": "megatron"}, "does not run torch.compile's kernels"),
+        ({"extends": "torchtitan-compile", "compile_preset": "torchtitan-compile"}, "needs eager kernels"),
+        ({"extends": "torchtitan", "fusion": ["eager"]}, "needs eager kernels and the 'compiled' fusion"),
+        ({"extends": "torchtitan", "compile_preset": 3}, "must name a preset or be empty"),
+    ],
+)
+def test_a_stack_file_names_a_compile_preset_that_compiles(settings: dict[str, object], why: str) -> None:
+    with pytest.raises(StackError) as info:
+        cited = {k: "my fork" for k in settings if k != "extends"}
+        stack_from_dict({"name": "mine", **settings, "sources": cited}, "mine.json")
+    assert info.value.field == "compile_preset" and why in str(info.value)
