@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import statistics
 import time
 from pathlib import Path
@@ -210,12 +211,62 @@ def main() -> None:
     sources = {label: _stats(subset) for label, subset in sorted(by_source.items())}
     for label, s in sources.items():
         _print_stats(label, s)
+    trend = scale_trend(runs, rows)
+    print(
+        f"\nscale trend: {trend['series']} series of one configuration on several GPU counts "
+        f"({trend['runs']} runs); the error moves {trend['mean_slope']:+.2%} per doubling of the GPUs "
+        f"on average (median {trend['median_slope']:+.2%}; {trend['negative']} of {trend['series']} "
+        "series more negative at scale)"
+    )
     if args.json:
-        out = {"summary": summary, "by_source": sources, "rows": rows}
+        out = {"summary": summary, "by_source": sources, "scale_trend": trend, "rows": rows}
         args.json.write_text(json.dumps(out, indent=2) + "\n")
     if args.markdown:
         print()
         print(markdown_table(scoped))
+
+
+def scale_trend(runs: list[dict], rows: list[dict]) -> dict:
+    """How the Megatron-LM runs' step-time error moves with the GPU count within a series (one
+    source's runs of one model, layout, microbatch, sequence, recomputation and dtype on several
+    GPU counts, weak or strong scaling): the least-squares slope of each series' errors on
+    ``log2(GPUs)``, and their mean and median over the series. A cost model that prices what a
+    job waits for at scale would show no slope; a negative one is measured steps slowing with scale
+    beyond what is priced (stragglers, jitter, network contention)."""
+    series: dict[tuple, list[tuple[float, float]]] = {}
+    for run, row in zip(runs, rows, strict=True):
+        if row["stack"] != "megatron-lm":
+            continue
+        key = (
+            run["id"].split("-")[0],
+            run["cluster"],
+            json.dumps(run["model"], sort_keys=True),
+            run["tp"],
+            run["pp"],
+            run.get("vpp", 1),
+            run.get("cp", 1),
+            run["microbatch"],
+            run["seq"],
+            run.get("recompute"),
+            run.get("dtype"),
+        )
+        series.setdefault(key, []).append((math.log2(run["gpus"]), row["error"]))
+    slopes = []
+    counted = 0
+    for points in series.values():
+        xs = [x for x, _ in points]
+        if len(set(xs)) < 2:
+            continue
+        mx, my = statistics.fmean(xs), statistics.fmean(y for _, y in points)
+        slopes.append(sum((x - mx) * (y - my) for x, y in points) / sum((x - mx) ** 2 for x in xs))
+        counted += len(points)
+    return {
+        "series": len(slopes),
+        "runs": counted,
+        "mean_slope": statistics.fmean(slopes) if slopes else 0.0,
+        "median_slope": statistics.median(slopes) if slopes else 0.0,
+        "negative": sum(1 for s in slopes if s < 0),
+    }
 
 
 def markdown_table(rows: list[dict]) -> str:
