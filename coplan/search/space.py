@@ -89,8 +89,9 @@ class SearchSpace:
 
     def fusions(self, ctx: PlanContext) -> list[FusionPlan]:
         """The space's fusion options the stack executes; where it executes none of them, the
-        stack's own (its first option)."""
-        names = [n for n in self.fusion if n in ctx.stack.fusion] or [ctx.stack.fusion[0]]
+        stack's own options, each a setting of the stack (Megatron-DeepSpeed's fused kernels or
+        its ``--no-*-fusion`` flags, torchtitan's ``training.compile`` on or off)."""
+        names = [n for n in self.fusion if n in ctx.stack.fusion] or list(ctx.stack.fusion)
         return [fusion_option(ctx, name) for name in names]
 
     def parallel(self, ctx: PlanContext) -> Iterator[ParallelPlan]:

@@ -17,6 +17,7 @@ from coplan.plan import PlanContext
 from coplan.plan.emit import emit
 from coplan.plan.types import FusionPlan, ParallelPlan
 from coplan.search import run_strategy
+from coplan.search.space import SearchSpace
 
 
 def ctx_for(stack: str, gpus: int = 8) -> PlanContext:
@@ -57,6 +58,8 @@ def test_a_compiled_plan_is_priced_exactly_as_the_compile_preset_prices_it() -> 
 
 def test_the_planner_decides_compile_jointly_and_keeps_the_stacks_precisions() -> None:
     ctx = ctx_for("torchtitan")
+    # the search space itself holds both settings of the flag, not only a warm start's
+    assert {f.label for f in SearchSpace().fusions(ctx)} == {"eager", "compiled"}
     best = run_strategy("joint", ctx)
     eager_only = replace(ctx.stack, fusion=("eager",), compile_preset="")
     pinned = run_strategy(
