@@ -293,11 +293,16 @@ def _entry(ctx: PlanContext, r: StrategyResult) -> dict[str, Any]:
         "plan_time_s",
         "plan",
     )
-    return (
+    out = (
         {k: d[k] for k in keys}
         | {k: d[k] for k in ("evaluations", "violations", "notes", "passes")}
         | {"validated": _trust(ctx, r).to_dict(), "decisions": _op_decisions(ctx, r)}
     )
+    if ctx.stack.compile_preset or ctx.stack.kernels == "inductor":
+        # a PyTorch stack with a compile flag (or one that always compiles): whether the plan's
+        # step runs under torch.compile (``StackSpec.kernels_for``)
+        out["compile"] = ctx.stack.kernels_for(r.plan.fusion.label).kernels == "inductor"
+    return out
 
 
 def _op_decisions(ctx: PlanContext, r: StrategyResult) -> dict[str, Any]:

@@ -5,6 +5,8 @@
 
 from __future__ import annotations
 
+import json
+from collections.abc import Callable
 from dataclasses import replace
 
 import pytest
@@ -18,6 +20,8 @@ from coplan.plan.emit import emit
 from coplan.plan.types import FusionPlan, ParallelPlan
 from coplan.search import run_strategy
 from coplan.search.space import SearchSpace
+
+Cli = Callable[..., tuple[int, str, str]]
 
 
 def ctx_for(stack: str, gpus: int = 8) -> PlanContext:
@@ -103,3 +107,14 @@ def test_a_stack_file_names_a_compile_preset_that_compiles(settings: dict[str, o
         cited = {k: "my fork" for k in settings if k != "extends"}
         stack_from_dict({"name": "mine", **settings, "sources": cited}, "mine.json")
     assert info.value.field == "compile_preset" and why in str(info.value)
+
+
+def test_plan_json_says_whether_the_step_runs_compiled(cli: Cli) -> None:
+    args = ("plan", "--gpus", "8", "--cluster", "dgx-h100", "--json")
+    code, out, err = cli(*args, "--stack", "torchtitan")
+    assert code == 0, err
+    body = json.loads(out)
+    assert body["compile"] is (body["plan"]["fusion"]["label"] == "compiled")
+    code, out, err = cli(*args)  # megatron: no torch.compile flag, no key
+    assert code == 0, err
+    assert "compile" not in json.loads(out)
