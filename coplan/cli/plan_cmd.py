@@ -301,7 +301,7 @@ def _entry(ctx: PlanContext, r: StrategyResult) -> dict[str, Any]:
     if ctx.stack.compile_preset or ctx.stack.kernels == "inductor":
         # a PyTorch stack with a compile flag (or one that always compiles): whether the plan's
         # step runs under torch.compile (``StackSpec.kernels_for``)
-        out["compile"] = ctx.stack.kernels_for(r.plan.fusion.label).kernels == "inductor"
+        out["compile"] = ctx.kernels_stack(r.plan).kernels == "inductor"
     return out
 
 
@@ -317,9 +317,7 @@ def _trust(ctx: PlanContext, r: StrategyResult) -> Validated:
     from coplan.cost.envelope import validated
     from coplan.plan.capabilities import named_fusion
 
-    return validated(
-        r.estimate, ctx.model.spec, ctx.stack.kernels_for(r.plan.fusion.label).name, named_fusion(ctx, r.plan)
-    )
+    return validated(r.estimate, ctx.model.spec, ctx.kernels_stack(r.plan).name, named_fusion(ctx, r.plan))
 
 
 def _mfu(r: StrategyResult) -> str:

@@ -169,9 +169,7 @@ def figure(ctx: PlanContext, results: dict[str, StrategyResult]) -> Any:
     for i, (name, r) in enumerate(results.items()):
         e = r.estimate
         same = first_with.setdefault(r.plan.fingerprint, name)
-        trust = validated(
-            e, ctx.model.spec, ctx.stack.kernels_for(r.plan.fusion.label).name, named_fusion(ctx, r.plan)
-        )
+        trust = validated(e, ctx.model.spec, ctx.kernels_stack(r.plan).name, named_fusion(ctx, r.plan))
         lines = [
             f"chosen by {name}" + (f" (the same plan as {same})" if same != name else ""),
             *describe(e.step_time_s, e.memory.peak_bytes, r.fits, budget, Decisions.of(r.plan), labels),

@@ -339,6 +339,11 @@ class PlanContext:
                         self._policies[names] = name
         return self._policies
 
+    def kernels_stack(self, plan: Plan) -> StackSpec:
+        """The stack whose kernels ``plan`` runs: its stack's compile preset where the plan turns
+        ``torch.compile`` on, else its stack (``StackSpec.kernels_for``)."""
+        return self.stack.kernels_for(plan.fusion.label)
+
     def config_of(self, plan: Plan) -> TrainingConfig:
         """The cost model's configuration for ``plan`` (raises ``ConfigError`` when impossible)."""
         key = _decisions(plan)
@@ -408,7 +413,7 @@ class PlanContext:
         # the stack's kernels (and the loss they imply), as ``coplan estimate --stack`` prices them:
         # its compiled preset's where the plan turns torch.compile on (``StackSpec.kernels_for``);
         # the fusion groups, attention kernel and layout stay the plan's
-        config = self.stack.kernels_for(plan.fusion.label).with_kernels(config)
+        config = self.kernels_stack(plan).with_kernels(config)
         self._configs[key] = config
         return config
 
