@@ -139,7 +139,21 @@ def build() -> dict[str, Any]:
         # each validated stack's own
         "envelope": _bounds(inside),
         "by_stack": {s: _bounds([r for r in inside if r["stack"] == s]) for s in stacks},
+        "scale_trend": _scale_trend(),
         "runs": rows,
+    }
+
+
+def _scale_trend() -> dict[str, Any]:
+    """How the Megatron-LM runs' error moves per doubling of the GPUs within a series
+    (``bench_published.scale_trend``, in ``results/published.json``): a caution for plans far above
+    the validated runs' scale (``coplan.cost.envelope``)."""
+    t = json.loads((ROOT / "results" / "published.json").read_text())["scale_trend"]
+    return {
+        "per_doubling": round(t["mean_slope"], 4),
+        "series": t["series"],
+        "runs": t["runs"],
+        "more_negative": t["negative"],
     }
 
 

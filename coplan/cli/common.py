@@ -106,11 +106,15 @@ def mfu_words(e: Any) -> str:
 
 def show_trust(console: Console, trust: Validated) -> None:
     """Whether the configuration lies inside what the cost model was validated on, and if not, what
-    is extrapolated (one line each)."""
+    is extrapolated (one line each); then what qualifies its price either way (``cautions``)."""
     if trust.inside:
         near = ", ".join(trust.nearest)
         console.print(f"[green]inside the validated envelope[/green] (nearest published runs: {near})")
-        return
-    console.print("[yellow]extrapolated[/yellow] beyond the published runs the cost model was checked on:")
-    for what in trust.extrapolated:
-        console.print(f"  - {what}")
+    else:
+        console.print(
+            "[yellow]extrapolated[/yellow] beyond the published runs the cost model was checked on:"
+        )
+        for what in trust.extrapolated:
+            console.print(f"  - {what}")
+    for what in trust.cautions:
+        console.print(f"[yellow]caution[/yellow]: {what}")

@@ -513,6 +513,8 @@ def estimate(
     if json or record_db is not None:
         out = est.to_dict()
         out["validated"] = trust.to_dict()
+        if trust.cautions:
+            out["cautions"] = list(trust.cautions)
         out["model"] = spec.name
         out["seq"] = spec.resolve_seq(seq)
         out["stack"] = the_stack.name

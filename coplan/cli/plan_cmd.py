@@ -293,11 +293,15 @@ def _entry(ctx: PlanContext, r: StrategyResult) -> dict[str, Any]:
         "plan_time_s",
         "plan",
     )
+    trust = _trust(ctx, r)
     out = (
         {k: d[k] for k in keys}
         | {k: d[k] for k in ("evaluations", "violations", "notes", "passes")}
-        | {"validated": _trust(ctx, r).to_dict(), "decisions": _op_decisions(ctx, r)}
+        | {"validated": trust.to_dict(), "decisions": _op_decisions(ctx, r)}
     )
+    if trust.cautions:
+        # what qualifies the price, inside the envelope or not (``Validated.cautions``)
+        out["cautions"] = list(trust.cautions)
     if ctx.stack.compile_preset or ctx.stack.kernels == "inductor":
         # a PyTorch stack with a compile flag (or one that always compiles): whether the plan's
         # step runs under torch.compile (``StackSpec.kernels_for``)

@@ -177,6 +177,7 @@ def figure(ctx: PlanContext, results: dict[str, StrategyResult]) -> Any:
             "inside the validated envelope"
             if trust.inside
             else "EXTRAPOLATED: " + "; ".join(trust.extrapolated),
+            *("caution: " + c for c in trust.cautions),
         ]
         fig.add_trace(
             go.Scatter(

@@ -17,6 +17,12 @@ beyond any bound is extrapolated, and ``validated`` says which part.
 Only MFU *above* the validated maximum is flagged: an optimistic price is what a search exploits,
 while a low MFU comes with small models or short sequences, which their own ranges flag.
 
+Inside or not, a configuration at ``SCALE_CAUTION_DOUBLINGS`` doublings or more above the median GPU
+count of the runs it is compared with carries a caution (``Validated.cautions``): the scale trend
+the published series show (``scale_trend`` in ``envelope.json``, from ``bench_published.py``:
+error moving by a fixed number of points per doubling of the GPUs within one configuration) times
+its doublings, what the price likely misses.
+
 ``nearest`` names up to three published runs of the same stack (of the validated runs when the stack
 has none) by the distance ``sqrt(sum((log2 a - log2 b)^2))`` over GPUs, parameters, sequence, TP, PP,
 VPP and DP (without parameters and sequence for a traced graph), plus 1 for each of a different dtype,
@@ -28,6 +34,7 @@ from __future__ import annotations
 import heapq
 import json
 import math
+import statistics
 from dataclasses import dataclass, replace
 from functools import cache
 from importlib import resources
@@ -60,6 +67,9 @@ class Validated:
     inside: bool
     nearest: tuple[str, ...]
     extrapolated: tuple[str, ...]
+    #: what qualifies the price inside or outside the envelope (``SCALE_CAUTION_DOUBLINGS``); not
+    #: in ``to_dict``, whose keys stay those above (the CLI gives them as a key of their own)
+    cautions: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         if self.inside != (not self.extrapolated):
@@ -92,6 +102,13 @@ class _Envelope:
     validated_runs: tuple[_Run, ...]
     bar: float
     min_runs: int
+    scale_trend: dict[str, Any] | None = None
+
+
+#: Doublings of the GPUs above the median of the runs a configuration is compared with beyond which
+#: the measured scale trend (``scale_trend`` in ``envelope.json``) is named as a caution: one, so a
+#: plan at twice the runs' usual scale or more hears how steps slowed with scale beyond their price.
+SCALE_CAUTION_DOUBLINGS = 1.0
 
 
 @cache
@@ -121,6 +138,7 @@ def _load() -> _Envelope:
         validated_runs=tuple(r for r in runs if r.validated),
         bar=data["bar_mean_abs_error"],
         min_runs=data["min_runs"],
+        scale_trend=data.get("scale_trend"),
     )
 
 
@@ -296,4 +314,28 @@ def validated(
     axes = _AXES if spec is not None else _LAYOUT_AXES
     point = tuple(math.log2(max(values[a], 1)) for a in axes)
     nearest = _nearest(env, stack, point, cfg.dtype, cfg.zero, "+".join(devices), spec is not None)
-    return Validated(inside=not notes, nearest=nearest, extrapolated=tuple(notes))
+    cautions = _scale_caution(env, stack, estimate.gpus)
+    return Validated(inside=not notes, nearest=nearest, extrapolated=tuple(notes), cautions=cautions)
+
+
+def _scale_caution(env: _Envelope, stack: str, gpus: int) -> tuple[str, ...]:
+    """The measured scale trend, for ``gpus`` at least ``SCALE_CAUTION_DOUBLINGS`` doublings above
+    the median GPU count of the validated runs it is compared with (the stack's own where it has
+    them): within one configuration on several GPU counts the published steps slowed with scale
+    beyond their price, so a price this far above the runs' usual scale is likely optimistic by
+    about the trend times the doublings."""
+    trend = env.scale_trend
+    own = [r for r in env.by_stack.get(stack, ()) if r.validated] or list(env.validated_runs)
+    if not trend or not own or trend["per_doubling"] >= 0:
+        return ()
+    median = 2 ** statistics.median(r.logs[0] for r in own)
+    doublings = math.log2(gpus / median) if gpus > 0 else 0.0
+    if doublings < SCALE_CAUTION_DOUBLINGS:
+        return ()
+    slope = -trend["per_doubling"]
+    return (
+        f"scale: {gpus:,} GPUs, {doublings:.1f} doublings above the validated runs' median "
+        f"({median:,.0f}); within one configuration published steps slowed {slope * 100:.2f} points "
+        f"per doubling beyond their price ({trend['more_negative']} of {trend['series']} series), so "
+        f"this step is likely about {slope * doublings:.0%} slower than priced",
+    )

@@ -158,3 +158,17 @@ def test_stacks_lists_the_presets_and_shows_one_with_its_citations(cli: Cli, tmp
     for bad in (("nope",), ("fsdp", "--stack-file", str(mine))):
         code, _, err = cli("stacks", *bad)
         assert code == 2 and err.startswith("error: stacks:") and err.count("\n") == 1, err
+
+
+def test_estimate_json_names_the_scale_caution_beside_the_envelope(cli: Cli) -> None:
+    base = ("estimate", "--model", "gpt3-175b", "--cluster", "dgx-a100-80gb", "--tp", "8", "--pp", "8")
+    base += ("--seq", "2048", "--recompute", "selective", "--json")
+    code, out, err = cli(*base, "--gpus", "2048", "--global-batch", "2048")
+    assert code == 0, err
+    body = json.loads(out)
+    assert set(body["validated"]) == {"inside", "nearest", "extrapolated"}
+    (caution,) = body["cautions"]
+    assert caution.startswith("scale: 2,048 GPUs") and "slower than priced" in caution
+    code, out, err = cli(*base, "--gpus", "128", "--global-batch", "128")
+    assert code == 0, err
+    assert "cautions" not in json.loads(out)

@@ -242,3 +242,28 @@ def test_a_run_priced_far_off_bounds_nothing() -> None:
     near = [r for r in rows if abs(r["error"]) <= build.WORST]
     assert bounds["max"]["cp"] == max(r["cp"] for r in near) < max(r["cp"] for r in far)
     assert bounds["seq"][1] == max(r["seq"] for r in near) < max(r["seq"] for r in far)
+
+
+def test_a_price_far_above_the_runs_usual_scale_carries_the_measured_scale_trend() -> None:
+    """The scale trend of the published series (``envelope.json``'s ``scale_trend``, from
+    ``bench_published.py``) is named for a configuration at least one doubling above the median GPU
+    count of the runs it is compared with, scaled by its doublings; never below, and never in
+    ``to_dict``, whose keys stay the contract's."""
+    import math
+    import statistics
+
+    env = _load()
+    trend = env.scale_trend
+    assert trend is not None and trend["per_doubling"] < 0 and trend["series"] >= 10
+    own = [r for r in env.by_stack["megatron"] if r.validated]
+    median = 2 ** statistics.median(r.logs[0] for r in own)
+    run = RUNS["korthikanti22-gpt-530b-full-recompute-2240gpu"]
+    big = validated(*_priced(run))
+    doublings = math.log2(run["gpus"] / median)
+    assert doublings >= 1
+    (caution,) = big.cautions
+    assert f"{doublings:.1f} doublings" in caution
+    assert f"about {-trend['per_doubling'] * doublings:.0%} slower" in caution
+    assert set(big.to_dict()) == {"inside", "nearest", "extrapolated"}
+    small = validated(*_priced(RUNS[RUN]))
+    assert RUNS[RUN]["gpus"] < 2 * median and small.cautions == ()
