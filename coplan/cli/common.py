@@ -9,6 +9,7 @@ from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any
 
 from rich.console import Console
+from rich.markup import escape
 
 from coplan.errors import Interrupted, SpecError
 
@@ -117,4 +118,4 @@ def show_trust(console: Console, trust: Validated) -> None:
         for what in trust.extrapolated:
             console.print(f"  - {what}")
     for what in trust.cautions:
-        console.print(f"[yellow]caution[/yellow]: {what}")
+        console.print(f"[yellow]caution[/yellow]: {escape(what)}")

@@ -688,6 +688,9 @@ def compare(
         console.print(_header(ctx), soft_wrap=False)
         console.print(_figures(ctx, results, "predicted by the coplan cost model"))
         _footer(console)
+        # what qualifies the prices, once for the strategies it applies to (``Validated.cautions``)
+        for caution in dict.fromkeys(c for r in results.values() for c in _trust(ctx, r).cautions):
+            console.print(f"[yellow]caution[/yellow]: {escape(caution)}", soft_wrap=False)
         console.print()
         console.print("[bold]what each strategy decided[/bold]")
         console.print(_decisions(ctx, results))
