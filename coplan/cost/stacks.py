@@ -357,6 +357,19 @@ class StackSpec:
                 "compile_preset",
                 "prices plans that turn torch.compile on: needs eager kernels and the 'compiled' fusion",
             )
+        if self.compile_preset:
+            if self.compile_preset not in stack_names():
+                raise StackError(
+                    src,
+                    "compile_preset",
+                    f"must name a preset ({', '.join(stack_names())}), got {self.compile_preset!r}",
+                )
+            if load_stack(self.compile_preset).kernels != "inductor":
+                raise StackError(
+                    src,
+                    "compile_preset",
+                    f"preset {self.compile_preset!r} does not run torch.compile's kernels",
+                )
         r = self.reserved_fraction
         if isinstance(r, bool) or not isinstance(r, int | float) or not 0.0 <= r < 1.0:
             raise StackError(src, "reserved_fraction", f"must be a number in [0, 1), got {r!r}")
@@ -569,22 +582,9 @@ def stack_from_dict(data: object, source: str) -> StackSpec:
             kw[key] = tuple(kw[key])
     kw["sources"] = tuple(cited.items())
     try:
-        stack = StackSpec(**kw)
+        return StackSpec(**kw)
     except TypeError as exc:
         raise StackError(source, None, str(exc)) from None
-    if stack.compile_preset:
-        _compiled(stack.compile_preset, source)
-    return stack
-
-
-def _compiled(name: str, source: str) -> None:
-    """Refuse a ``compile_preset`` that names no preset running torch.compile's kernels."""
-    if name not in stack_names():
-        raise StackError(
-            source, "compile_preset", f"must name a preset ({', '.join(stack_names())}), got {name!r}"
-        )
-    if load_stack(name).kernels != "inductor":
-        raise StackError(source, "compile_preset", f"preset {name!r} does not run torch.compile's kernels")
 
 
 def _extended(name: object, source: str) -> StackSpec | None:
