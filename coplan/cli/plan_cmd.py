@@ -180,7 +180,7 @@ def _runnable_dtypes(ctx: PlanContext, kinds: tuple[str, ...] | None) -> None:
     def why(d: str) -> str | None:
         if d not in native:  # tf32 too: the devices that have it list it (SearchSpace.precisions)
             return f"{ctx.cluster.name}'s devices have no {d} units"
-        if d == "fp8" and ctx.stack.fp8 != "native":
+        if d == "fp8" and not ctx.stack.runs_fp8:
             how = "emulates fp8" if ctx.stack.fp8 == "emulated" else "runs no fp8"
             return f"stack {ctx.stack.name!r} {how}"
         return None
@@ -461,7 +461,7 @@ def _emit(ctx: PlanContext, r: StrategyResult, target: Emit, out: Path | None, m
         target.value,
         plan_path=str(out) if out is not None else "plan.json",
         model=model,
-        async_tp=ctx.stack.async_tp,
+        async_tp=ctx.kernels_stack(r.plan).async_tp,
     )
 
 

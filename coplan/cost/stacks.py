@@ -217,8 +217,9 @@ class StackSpec:
             which a plan then may choose.
         compile_preset: the preset that prices this stack's plans which turn ``torch.compile`` on
             (fusion option ``compiled``): the same stack with its compile flag set, whose kernels
-            (``with_kernels``) such a plan runs (``kernels_for``); ``""`` where the stack has no
-            compile flag or compiles always.
+            (``with_kernels``) such a plan runs (``kernels_for``), and whose fp8 GEMMs, fp8
+            weights and async TP such a plan may use (torchtitan runs those compiled only);
+            ``""`` where the stack has no compile flag or compiles always.
         reserved_fraction: reserved bytes beyond what the caching allocator's replay gives
             (``coplan.cost.steptrace.reserved_memory``), as a fraction of the allocated peak: what
             a stack's own allocator or memory pools hold besides; 0 in every preset.
@@ -384,12 +385,31 @@ class StackSpec:
         object.__setattr__(self, "sources", srcs)
 
     def kernels_for(self, fusion_label: str) -> StackSpec:
-        """The stack whose kernels price a plan of this stack with fusion ``fusion_label``: its
+        """The stack that runs a plan of this stack with fusion ``fusion_label``: its
         ``compile_preset`` for a plan that turns ``torch.compile`` on (``compiled``), else this
-        stack. The plan's other decisions stay this stack's (its layouts, precisions, async TP)."""
+        stack. Its kernels price the plan, and what a stack runs only compiled is its to allow
+        (fp8 GEMMs, fp8 weights, async TP: ``fp8``, ``fp8_params``, ``async_tp``); the plan's
+        layouts and checkpointing stay this stack's."""
         if fusion_label == "compiled" and self.compile_preset:
             return load_stack(self.compile_preset)
         return self
+
+    @property
+    def variants(self) -> tuple[StackSpec, ...]:
+        """This stack as each of its fusion options runs it (``kernels_for``), first its own:
+        where a precision is open to some option (``runs_fp8``), a search offers it."""
+        out = [self]
+        for name in self.fusion:
+            s = self.kernels_for(name)
+            if all(s is not o for o in out):
+                out.append(s)
+        return tuple(out)
+
+    @property
+    def runs_fp8(self) -> bool:
+        """Whether some fusion option of the stack runs fp8 GEMMs natively (torchtitan's float8
+        linears only with ``torch.compile`` on)."""
+        return any(s.fp8 == "native" for s in self.variants)
 
     @property
     def megatron_kernels_only(self) -> bool:

@@ -177,7 +177,8 @@ def _variants(ctx: Any, plan: Plan, per_op: bool, k: int) -> list[Plan]:
 
     names = plan.remat.all_names
     if not per_op:
-        return [with_remat(plan.with_(fusion=f), names, ctx) for f in SearchSpace().fusions(ctx)]
+        options = SearchSpace().fusions(ctx, plan.precision)  # those that run its precision
+        return [with_remat(plan.with_(fusion=f), names, ctx) for f in options]
     out = [plan]
     if k > 1:
         out.append(with_remat(plan.with_(fusion=fusion_option(ctx, "greedy")), names, ctx))

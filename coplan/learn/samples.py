@@ -57,7 +57,7 @@ def sample_plans(ctx: Any, seeds: list[Plan], n: int, rng: random.Random) -> lis
         if "greedy" not in ctx.stack.fusion:
             from coplan.search.space import SearchSpace
 
-            opts = SearchSpace().fusions(ctx)
+            opts = SearchSpace().fusions(ctx, p.precision)
             p = with_remat(p.with_(fusion=opts[rng.randrange(len(opts))]), p.remat.all_names, ctx)
         if is_valid(p, ctx):
             out.append(p)

@@ -22,7 +22,7 @@ from coplan.cost.config import TrainingConfig
 from coplan.cost.stacks import StackError, StackSpec, load_stack, load_stack_file
 from coplan.cost.stages import split_layers
 from coplan.plan.context import PlanContext, policy_sets
-from coplan.plan.types import ParallelPlan, Plan
+from coplan.plan.types import ParallelPlan, Plan, PrecisionPlan
 
 #: the stack a plan is made for unless one is named: Megatron-LM, the full space
 DEFAULT_STACK = "megatron"
@@ -84,7 +84,9 @@ def config_problems(stack: StackSpec, config: TrainingConfig) -> list[str]:
     if why is not None:
         out.append(f"stack {stack.name!r} cannot run {why}")
     if stack.fp8 == "none" and config.dtype == "fp8":
-        out.append(f"stack {stack.name!r} cannot run fp8 GEMMs")
+        # torchtitan's float8 runs only compiled: estimate --compile prices it so
+        compiled = " only compiled (--compile)" if stack.runs_fp8 else ""
+        out.append(f"stack {stack.name!r} {'runs' if compiled else 'cannot run'} fp8 GEMMs{compiled}")
     modes = config.recompute_per_stage or (config.recompute,)
     for mode in modes:
         if isinstance(mode, str) and mode not in stack.checkpointing:
@@ -168,6 +170,23 @@ def named_fusion(ctx: PlanContext, plan: Plan) -> str | None:
     return None
 
 
+def precision_problem(ctx: PlanContext, c: PrecisionPlan, fusion_label: str) -> str | None:
+    """Why ``ctx.stack`` cannot run precision ``c`` under the fusion option ``fusion_label``
+    (None: it can). fp8 GEMMs and fp8 weights are the stack's as that option runs it
+    (``StackSpec.kernels_for``): torchtitan runs its float8 linears only compiled."""
+    stack = ctx.stack
+    runs = stack.kernels_for(fusion_label)
+    only = f"only with torch.compile on (fusion 'compiled', as {stack.compile_preset!r})"
+    if runs.fp8 == "none" and (c.compute == "fp8" or any(d == "fp8" for _, d in c.ops)):
+        return f"runs fp8 GEMMs {only}" if stack.runs_fp8 else "cannot run fp8 GEMMs"
+    if c.grad_reduce != "fp32" and not stack.reduce_16bit:
+        return f"cannot reduce gradients in {c.grad_reduce} (it reduces fp32)"
+    if c.fp8_params and not runs.fp8_params:
+        compiled = any(s.fp8_params for s in stack.variants)
+        return f"keeps fp8 weights {only}" if compiled else "cannot keep fp8 weights"
+    return None
+
+
 def chunk_sizes(plan: Plan, ctx: PlanContext) -> list[int]:
     """Blocks of each model chunk (virtual pipeline stage) under ``plan``'s layout, as the cost
     model splits them (``cost.stages.split_layers``)."""
@@ -185,12 +204,9 @@ def problems(plan: Plan, ctx: PlanContext) -> Iterator[str]:
     if why is not None:
         yield f"stack {stack.name!r} cannot run {why}"
     c = plan.precision
-    if stack.fp8 == "none" and (c.compute == "fp8" or any(d == "fp8" for _, d in c.ops)):
-        yield f"stack {stack.name!r} cannot run fp8 GEMMs"
-    if c.grad_reduce != "fp32" and not stack.reduce_16bit:
-        yield f"stack {stack.name!r} cannot reduce gradients in {c.grad_reduce} (it reduces fp32)"
-    if c.fp8_params and not stack.fp8_params:
-        yield f"stack {stack.name!r} cannot keep fp8 weights"
+    why = precision_problem(ctx, c, plan.fusion.label)
+    if why is not None:
+        yield f"stack {stack.name!r} {why}"
     r = plan.remat
     if r.layers is not None:
         if stack.layer_checkpointing == "none":
@@ -228,5 +244,6 @@ __all__ = [
     "named_fusion",
     "plan_stack",
     "policy_sets",
+    "precision_problem",
     "problems",
 ]

@@ -400,7 +400,8 @@ class PlanContext:
             overlap_param_gather=p.zero >= 1 and self.stack.overlap,
             tp_comm_overlap=self.stack.tp_comm_overlap
             and userbuffers_overlap(self.cluster.devices, p.tp, p.sequence_parallel),
-            async_tp=self.stack.async_tp and p.tp > 1 and p.sequence_parallel,
+            # async TP where the stack runs it as the plan does (torchtitan: compiled only)
+            async_tp=self.kernels_stack(plan).async_tp and p.tp > 1 and p.sequence_parallel,
             overlap_zero=self.stack.overlap,
             pipeline_keeps_outputs=self.stack.pipeline_keeps_outputs,
             fsdp_units=self.stack.fsdp_units,

@@ -10,6 +10,7 @@ from coplan.passes.fusion import _as_plan, greedy_groups, megatron_fusion, scope
 from coplan.passes.parallel import candidates
 from coplan.passes.precision import PRECISION_VARIANTS, block_assignments, precision_variant
 from coplan.passes.remat import with_remat
+from coplan.plan.capabilities import precision_problem
 from coplan.plan.checker import SENSITIVE_16BIT_ERROR
 from coplan.plan.context import PlanContext
 from coplan.plan.types import FusionPlan, ParallelPlan, Plan, PrecisionPlan, RematPlan
@@ -61,7 +62,7 @@ class SearchSpace:
         want = self.dtypes if self.dtypes is not None else (ctx.dtypes or ("fp32", "bf16", "fp16", "fp8"))
         out = []
         for d in want:
-            if d not in native or (d == "fp8" and ctx.stack.fp8 != "native"):
+            if d not in native or (d == "fp8" and not ctx.stack.runs_fp8):
                 continue
             if d == "fp16" and "bf16" in native and self.dtypes is None and ctx.dtypes is None:
                 continue  # bf16 has fp16's speed without loss scaling: fp16 is never better
@@ -83,15 +84,18 @@ class SearchSpace:
         if self.reduce16 and ctx.stack.reduce_16bit and p.compute in ("bf16", "fp16", "fp8") and ctx.gpus > 1:
             half = "fp16" if p.compute == "fp16" else "bf16"
             out.append(replace(p, grad_reduce=half))
-        if self.fp8_params and ctx.stack.fp8_params and p.compute == "fp8":
+        if self.fp8_params and any(s.fp8_params for s in ctx.stack.variants) and p.compute == "fp8":
             out += [replace(q, fp8_params=True) for q in out]
         return out
 
-    def fusions(self, ctx: PlanContext) -> list[FusionPlan]:
+    def fusions(self, ctx: PlanContext, precision: PrecisionPlan | None = None) -> list[FusionPlan]:
         """The space's fusion options the stack executes; where it executes none of them, the
         stack's own options, each a setting of the stack (Megatron-DeepSpeed's fused kernels or
-        its ``--no-*-fusion`` flags, torchtitan's ``training.compile`` on or off)."""
+        its ``--no-*-fusion`` flags, torchtitan's ``training.compile`` on or off). With
+        ``precision``, only the options that run it (torchtitan's float8 only compiled)."""
         names = [n for n in self.fusion if n in ctx.stack.fusion] or list(ctx.stack.fusion)
+        if precision is not None:
+            names = [n for n in names if precision_problem(ctx, precision, n) is None]
         return [fusion_option(ctx, name) for name in names]
 
     def parallel(self, ctx: PlanContext) -> Iterator[ParallelPlan]:
@@ -123,15 +127,20 @@ class SearchSpace:
         )
         layouts = [base.parallel] if "parallel" in fixed else list(self.parallel(ctx))
         start = base.with_(remat=RematPlan())
+        # a precision only under the fusion options that run it (``precision_problem``)
+        pairs = [(prec, fus) for prec in precisions for fus in fusions if runs(ctx, prec, fus)]
         out = [
-            start.with_(parallel=par, precision=prec, fusion=fus)
-            for par in layouts
-            for prec in precisions
-            for fus in fusions
+            start.with_(parallel=par, precision=prec, fusion=fus) for par in layouts for prec, fus in pairs
         ]
         if "remat" in fixed:
             out = [keep_remat(p, base.remat, ctx) for p in out]
         return out
+
+
+def runs(ctx: PlanContext, precision: PrecisionPlan, fusion: FusionPlan) -> bool:
+    """Whether the stack runs ``precision`` under ``fusion``'s option: an option's own grouping
+    (no label of the stack's) runs what the stack's own kernels run."""
+    return precision_problem(ctx, precision, fusion.label) is None
 
 
 def keep_remat(plan: Plan, remat: RematPlan, ctx: PlanContext) -> Plan:

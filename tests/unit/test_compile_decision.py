@@ -72,8 +72,32 @@ def test_the_planner_decides_compile_jointly_and_keeps_the_stacks_precisions() -
     assert best.plan.fusion.label in ("eager", "compiled")
     assert best.estimate.step_time_s <= pinned.estimate.step_time_s
     assert pinned.plan.fusion.label == "eager"
-    # torchtitan runs float8 only compiled, which this preset leaves to torchtitan-compile
-    assert best.plan.precision.compute != "fp8"
+    # torchtitan runs float8 only compiled: the search pairs fp8 with the compiled option alone,
+    # and the eager-only stack offers no fp8 at all
+    assert pinned.plan.precision.compute != "fp8"
+    assert best.plan.precision.compute != "fp8" or best.plan.fusion.label == "compiled"
+    pairs = {(p.precision.compute, p.fusion.label) for p in SearchSpace().plans(ctx, ctx.default_plan())}
+    assert ("fp8", "compiled") in pairs and ("fp8", "eager") not in pairs
+    assert {("bf16", "eager"), ("bf16", "compiled")} <= pairs
+    # on H100s at this size float8 is torchtitan's fastest setting (its own tables: 1.2-1.5x)
+    assert best.plan.precision.compute == "fp8"
+
+
+def test_the_checker_refuses_fp8_on_an_eager_torchtitan_plan_and_says_why() -> None:
+    from coplan.plan.capabilities import problems
+
+    ctx = ctx_for("torchtitan")
+    best = run_strategy("joint", ctx).plan
+    assert best.precision.compute == "fp8" and not list(problems(best, ctx))
+    eager = best.with_(fusion=FusionPlan(label="eager"))
+    found = list(problems(eager, ctx))
+    assert any("runs fp8 GEMMs only with torch.compile on" in why for why in found), found
+    # a stack without any fp8 says it cannot run it at all
+    fsdp = ctx_for("fsdp")
+    assert any(
+        "cannot run fp8 GEMMs" in why
+        for why in problems(best.with_(fusion=FusionPlan(label="compiled")), fsdp)
+    )
 
 
 def test_a_compiled_torchtitan_plan_turns_compile_on_and_async_tp_only_where_priced() -> None:
@@ -82,14 +106,16 @@ def test_a_compiled_torchtitan_plan_turns_compile_on_and_async_tp_only_where_pri
         parallel=ParallelPlan(tp=2, dp=4, zero=3, sequence_parallel=True), fusion=FusionPlan(label="compiled")
     )
     spec = PRESETS["llama2-7b"]
-    assert not ctx.config_of(plan).async_tp  # the torchtitan preset prices no async TP
-    text = emit(plan, spec, "torchtitan", async_tp=ctx.stack.async_tp).text
-    assert "[compile]\nenable = true" in text and "enable_async_tensor_parallel" not in text
-    compiled = ctx_for("torchtitan-compile")
-    assert compiled.config_of(plan).async_tp
-    assert "enable_async_tensor_parallel = true" in emit(plan, spec, "torchtitan", async_tp=True).text
-    eager = emit(plan.with_(fusion=FusionPlan(label="eager")), spec, "torchtitan", async_tp=False).text
-    assert "[compile]\nenable = false" in eager
+    # torchtitan runs async TP compiled only: a compiled plan is priced with it, an eager one not
+    assert ctx.config_of(plan).async_tp
+    eager_plan = plan.with_(fusion=FusionPlan(label="eager"))
+    assert not ctx.config_of(eager_plan).async_tp
+    assert ctx.config_of(plan) == ctx_for("torchtitan-compile").config_of(plan)
+    text = emit(plan, spec, "torchtitan", async_tp=ctx.kernels_stack(plan).async_tp).text
+    assert "[compile]\nenable = true" in text and "enable_async_tensor_parallel = true" in text
+    assert "enable_async_tensor_parallel" not in emit(plan, spec, "torchtitan", async_tp=False).text
+    eager = emit(eager_plan, spec, "torchtitan", async_tp=ctx.kernels_stack(eager_plan).async_tp).text
+    assert "[compile]\nenable = false" in eager and "enable_async_tensor_parallel" not in eager
 
 
 @pytest.mark.parametrize(
@@ -118,3 +144,38 @@ def test_plan_json_says_whether_the_step_runs_compiled(cli: Cli) -> None:
     code, out, err = cli(*args)  # megatron: no torch.compile flag, no key
     assert code == 0, err
     assert "compile" not in json.loads(out)
+
+
+def test_estimate_compile_prices_the_stacks_compiled_preset(cli: Cli) -> None:
+    args = ("estimate", "--model", "llama3-8b", "--gpus", "8", "--zero", "3", "--seq", "8192", "-b", "8")
+    runs = {}
+    for extra in ((), ("--compile",), ("--no-compile",)):
+        code, out, err = cli(*args, "--stack", "torchtitan", *extra, "--json")
+        assert code == 0, err
+        runs[extra] = json.loads(out)
+    code, out, err = cli(*args, "--stack", "torchtitan-compile", "--json")
+    assert code == 0, err
+    preset = json.loads(out)
+    assert runs[("--compile",)]["step_time_s"] == preset["step_time_s"]
+    assert runs[("--compile",)]["stack"] == "torchtitan" and runs[("--compile",)]["compile"] is True
+    assert runs[()]["compile"] is False and runs[()]["step_time_s"] == runs[("--no-compile",)]["step_time_s"]
+    assert runs[()]["step_time_s"] > preset["step_time_s"]  # eager kernels: more launches, more bytes
+    # float8 runs only compiled: priced either way, said where the stack cannot run it
+    fp8 = ("--dtype", "fp8", "--json")
+    code, out, _ = cli(*args, "--stack", "torchtitan", *fp8)
+    assert code == 0 and any("only compiled (--compile)" in w for w in json.loads(out)["stack_problems"])
+    code, out, _ = cli(*args, "--stack", "torchtitan", "--compile", *fp8)
+    assert code == 0 and json.loads(out)["stack_problems"] == []
+
+
+@pytest.mark.parametrize(
+    ("args", "why"),
+    [
+        (("--compile",), "error: --compile: stack 'megatron' has no torch.compile flag"),
+        (("--stack", "eager-compile", "--no-compile"), "always compiles; its eager form is --stack eager"),
+    ],
+)
+def test_estimate_refuses_a_compile_flag_the_stack_lacks(cli: Cli, args: tuple[str, ...], why: str) -> None:
+    code, out, err = cli("estimate", *args)
+    assert code == 2 and out == "" and why in err and "Traceback" not in err
+    assert len(err.strip().splitlines()) == 1

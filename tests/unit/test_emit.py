@@ -443,11 +443,14 @@ def test_torchtitan_compile_plans_run_async_tp_where_tp_is_sequence_parallel() -
     plain = plan.with_(parallel=ParallelPlan(tp=1, pp=1, dp=2, microbatch=2))
     assert not ctx.config_of(plain).async_tp
     assert "enable_async_tensor_parallel" not in _toml(emit(plain, spec, "torchtitan"))["parallelism"]
-    # eager torchtitan cannot (async TP needs torch.compile)
-    eager = PlanContext(
+    # the torchtitan stack runs it in its compiled plans only (async TP needs torch.compile)
+    from coplan.plan.types import FusionPlan
+
+    titan = PlanContext(
         CostModel(spec=spec), load_cluster("dgx-h100", 2), 4, 64, stack=load_stack("torchtitan")
     )
-    assert not eager.config_of(tp.with_(fusion=run_strategy("sequential", eager).plan.fusion)).async_tp
+    assert not titan.config_of(tp.with_(fusion=FusionPlan(label="eager"))).async_tp
+    assert titan.config_of(tp.with_(fusion=FusionPlan(label="compiled"))).async_tp
 
 
 def test_plan_prints_a_recipe_note_as_written(cli) -> None:  # type: ignore[no-untyped-def]

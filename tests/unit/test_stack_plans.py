@@ -69,8 +69,12 @@ def allowed(plan: Plan, ctx: PlanContext) -> list[str]:
     elif not any(fused == {frozenset(g) for g in fusion_option(ctx, f).groups} for f in s.fusion):
         bad.append("fusion")
     c = plan.precision
-    if s.fp8 != "native" and (c.compute == "fp8" or any(d == "fp8" for _, d in c.ops)):
+    # fp8 as the plan's fusion option runs the stack: torchtitan's float8 only compiled
+    runs = s.kernels_for(plan.fusion.label)
+    if runs.fp8 != "native" and (c.compute == "fp8" or any(d == "fp8" for _, d in c.ops)):
         bad.append("fp8")
+    if c.fp8_params and not runs.fp8_params:
+        bad.append("fp8 weights")
     if not s.recompute_sets and plan.remat.recompute not in policy_sets(ctx).values():
         bad.append("remat")
     return bad
