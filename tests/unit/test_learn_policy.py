@@ -31,6 +31,7 @@ from coplan.learn.train import PolicyError, examples, load_policy, save_policy, 
 from coplan.models.spec import PRESETS
 from coplan.plan import PlanContext, check
 from coplan.search import run_strategy
+from coplan.search.space import SearchSpace
 
 
 def ctx_for(stack: str = "coplan", budget: float | None = None) -> PlanContext:
@@ -102,10 +103,11 @@ def test_roofline_features_follow_their_formulas():
 
 
 @pytest.mark.parametrize("seed", [0, 1])
-@pytest.mark.parametrize("stack", ["coplan", "megatron"])
+@pytest.mark.parametrize("stack", ["coplan", "megatron", "torchtitan"])
 def test_any_network_decodes_to_a_valid_plan_that_fits_where_one_can(seed, stack):
     """Untrained networks (random outputs) still yield checked, legal plans: the decoder only
-    picks legal kernels and the repair recomputes until the plan fits."""
+    picks legal kernels (on torchtitan, fp8 layouts under torch.compile only) and the repair
+    recomputes until the plan fits."""
     torch.manual_seed(seed)
     net = PolicyNet(PolicyConfig(hidden=16, layers=1)).eval()
     # a budget the default plan does not meet: the repair must recompute or pick another layout
@@ -115,6 +117,11 @@ def test_any_network_decodes_to_a_valid_plan_that_fits_where_one_can(seed, stack
     plan, priced, _ = plan_with_policy(ctx, net, 4)
     assert priced >= 1
     assert check(plan, ctx, memory=False) == []
+    if stack == "torchtitan":
+        # the H100s run fp8: its layouts are candidates, decoded under torch.compile only
+        fp8 = {prec for _, prec in layout_candidates(ctx) if prec.compute == "fp8"}
+        assert fp8
+        assert all([f.label for f in SearchSpace().fusions(ctx, prec)] == ["compiled"] for prec in fp8)
     if run_strategy("joint", ctx_for(stack, budget=tight.budget_bytes)).fits:
         assert ctx.fits(ctx.price(plan))
 
