@@ -32,6 +32,7 @@ from coplan.cli.options import (
     DEFAULT_GPUS,
     DEFAULT_MODEL,
     ClusterOpt,
+    CompileOpt,
     GlobalBatchOpt,
     GpusOpt,
     JsonOpt,
@@ -40,6 +41,7 @@ from coplan.cli.options import (
     SeqOpt,
     StackFileOpt,
     StackOpt,
+    compiled_stack,
     default_global_batch,
     resolve_stack,
 )
@@ -48,7 +50,6 @@ if TYPE_CHECKING:
     from coplan.cost import CostModel
     from coplan.cost.estimate import Estimate
     from coplan.cost.explain import KernelCost
-    from coplan.cost.stacks import StackSpec
     from coplan.cost.steptrace import ReservedMemory
     from coplan.hardware.cluster import ClusterSpec
 
@@ -281,17 +282,7 @@ def estimate(
             show_default=False,
         ),
     ] = None,
-    compile_: Annotated[
-        bool | None,
-        typer.Option(
-            "--compile/--no-compile",
-            help="Blocks compiled with torch.compile, on a stack with a compile flag (torchtitan's "
-            "training.compile, fms-fsdp's use_torch_compile, nanoGPT's compile): priced with its "
-            "compiled preset's kernels (the stack's compile_preset), with its float8 and async TP "
-            r"\[default: the stack's own kernels].",
-            show_default=False,
-        ),
-    ] = None,
+    compile_: CompileOpt = None,
     launch_blocking: Annotated[
         bool,
         typer.Option(
@@ -415,7 +406,7 @@ def estimate(
         )
     named = resolve_stack(stack, stack_file)
     # the stack as it runs the step: its compiled preset where --compile turns torch.compile on
-    the_stack = _compiled(named, compile_)
+    the_stack = compiled_stack(named, compile_)
     spec = load_model_spec(model)
     # the run's dropout, where it differs from the model's (Megatron's GPT runs use 0.1); the spec
     # checks the values, and its error names the flag that set them
@@ -605,27 +596,6 @@ def render_kernels(est: Estimate, stage: int, rows: list[KernelCost]) -> None:
     stdout().print(table)
     stdout().print(
         "ms: all launches of the kernel on the stage; GEMM sizes as one GPU runs them", soft_wrap=True
-    )
-
-
-def _compiled(stack: StackSpec, on: bool | None) -> StackSpec:
-    """``stack`` as ``--compile`` / ``--no-compile`` runs it: its ``compile_preset`` compiled, itself
-    eager; unchanged where neither is given. A flag the stack has no setting for is bad input."""
-    from coplan.cost.stacks import load_stack, stack_names
-    from coplan.errors import SpecError
-
-    if on is None or (not on and stack.kernels != "inductor"):
-        return stack
-    if stack.compile_preset:
-        return stack.kernels_for("compiled")
-    if stack.kernels == "inductor":
-        if on:
-            return stack
-        eager = [n for n in stack_names() if load_stack(n).compile_preset == stack.name]
-        alt = f"; its eager form is --stack {eager[0]}" if eager else ""
-        raise SpecError("--no-compile", None, f"stack {stack.name!r} always compiles{alt}")
-    raise SpecError(
-        "--compile", None, f"stack {stack.name!r} has no torch.compile flag (it runs {stack.kernels} kernels)"
     )
 
 

@@ -132,3 +132,37 @@ def resolve_stack(stack: StackName | None, stack_file: Path | None) -> StackSpec
     from coplan.plan.capabilities import plan_stack
 
     return plan_stack(stack.value if stack is not None else None, stack_file)
+
+
+CompileOpt = Annotated[
+    bool | None,
+    typer.Option(
+        "--compile/--no-compile",
+        help="Blocks compiled with torch.compile, on a stack with a compile flag (torchtitan's "
+        "training.compile, fms-fsdp's use_torch_compile, nanoGPT's compile): priced with its "
+        "compiled preset's kernels (the stack's compile_preset), with its float8 and async TP "
+        r"\[default: the stack's own kernels].",
+        show_default=False,
+    ),
+]
+
+
+def compiled_stack(stack: StackSpec, on: bool | None) -> StackSpec:
+    """``stack`` as ``--compile`` / ``--no-compile`` runs it: its ``compile_preset`` compiled, itself
+    eager; unchanged where neither is given. A flag the stack has no setting for is bad input."""
+    from coplan.cost.stacks import load_stack, stack_names
+    from coplan.errors import SpecError
+
+    if on is None or (not on and stack.kernels != "inductor"):
+        return stack
+    if stack.compile_preset:
+        return stack.kernels_for("compiled")
+    if stack.kernels == "inductor":
+        if on:
+            return stack
+        eager = [n for n in stack_names() if load_stack(n).compile_preset == stack.name]
+        alt = f"; its eager form is --stack {eager[0]}" if eager else ""
+        raise SpecError("--no-compile", None, f"stack {stack.name!r} always compiles{alt}")
+    raise SpecError(
+        "--compile", None, f"stack {stack.name!r} has no torch.compile flag (it runs {stack.kernels} kernels)"
+    )
