@@ -504,7 +504,11 @@ def estimate(
     listed = _kernels(cm, hw, est, kernels) if kernels else None
     from coplan.cost.envelope import validated
 
-    trust = validated(est, spec, the_stack.name)
+    # torchtitan's per-op policy, priced as its set over this step's graph, is judged as its runs
+    per_op_set = (
+        {config.recompute: "selective-op"} if per_op and isinstance(config.recompute, frozenset) else None
+    )
+    trust = validated(est, spec, the_stack.name, policies=per_op_set)
     from coplan.plan.capabilities import config_problems
 
     # what of the configuration the named stack cannot run: priced as asked, and said

@@ -318,10 +318,9 @@ def _op_decisions(ctx: PlanContext, r: StrategyResult) -> dict[str, Any]:
 
 def _trust(ctx: PlanContext, r: StrategyResult) -> Validated:
     """Whether the plan's configuration lies inside what the cost model was validated on."""
-    from coplan.cost.envelope import validated
-    from coplan.plan.capabilities import named_fusion
+    from coplan.plan.capabilities import validated_plan
 
-    return validated(r.estimate, ctx.model.spec, ctx.kernels_stack(r.plan).name, named_fusion(ctx, r.plan))
+    return validated_plan(ctx, r.plan, r.estimate)
 
 
 def _mfu(r: StrategyResult) -> str:

@@ -18,9 +18,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from coplan.cli.common import human_bytes
-from coplan.cost.envelope import validated
 from coplan.fileio import write_text
-from coplan.plan.capabilities import named_fusion
+from coplan.plan.capabilities import validated_plan
 from coplan.plan.context import Decisions, GiB
 
 if TYPE_CHECKING:
@@ -169,7 +168,7 @@ def figure(ctx: PlanContext, results: dict[str, StrategyResult]) -> Any:
     for i, (name, r) in enumerate(results.items()):
         e = r.estimate
         same = first_with.setdefault(r.plan.fingerprint, name)
-        trust = validated(e, ctx.model.spec, ctx.kernels_stack(r.plan).name, named_fusion(ctx, r.plan))
+        trust = validated_plan(ctx, r.plan, e)
         lines = [
             f"chosen by {name}" + (f" (the same plan as {same})" if same != name else ""),
             *describe(e.step_time_s, e.memory.peak_bytes, r.fits, budget, Decisions.of(r.plan), labels),

@@ -35,6 +35,7 @@ import heapq
 import json
 import math
 import statistics
+from collections.abc import Mapping
 from dataclasses import dataclass, replace
 from functools import cache
 from importlib import resources
@@ -57,6 +58,10 @@ _DEGREES: tuple[tuple[str, str], ...] = (
 _AXES: tuple[str, ...] = ("gpus", "params", "seq", "tp", "pp", "vpp", "dp")
 _LAYOUT_AXES: tuple[str, ...] = ("gpus", "tp", "pp", "vpp", "dp")
 NEAREST = 3
+#: the published runs' name for a stack's checkpointing policy where it differs from the stack's:
+#: torchtitan's per-op policy is ``partial`` in the data (``published_stack_runs.json``'s
+#: assumptions: "recompute 'partial' means the per-op policy in stack_settings")
+POLICY_MODES = {"selective-op": "partial"}
 
 
 @dataclass(frozen=True, slots=True)
@@ -231,11 +236,18 @@ def _model_notes(env: _Envelope, params: int, seq: int, moe: bool, causal: bool 
     return notes
 
 
-def _kernel_notes(env: _Envelope, cfg: TrainingConfig, kernels: str | None = None) -> list[str]:
+def _kernel_notes(
+    env: _Envelope,
+    cfg: TrainingConfig,
+    kernels: str | None = None,
+    policies: Mapping[frozenset[str], str] | None = None,
+) -> list[str]:
     """The kernels and recomputation the step is priced with, against those of the validated runs:
     planned fusion groups and per-tensor recompute sets are priced by paths no published run checked.
     ``kernels`` names the kernel set a plan's groups are exactly (Megatron-LM's, given as groups by
-    a stack that runs other options too), which is judged by its name."""
+    a stack that runs other options too), which is judged by its name; ``policies`` names the
+    recompute sets that are a stack's checkpointing policy (torchtitan's per-op set), each judged
+    as the published runs of that policy (``POLICY_MODES``)."""
     notes = []
     kinds = env.bounds["fusion"]
     named = cfg.fusion if isinstance(cfg.fusion, str) else kernels
@@ -247,6 +259,8 @@ def _kernel_notes(env: _Envelope, cfg: TrainingConfig, kernels: str | None = Non
         notes.append(f"fusion {named}: validated runs are priced with {'/'.join(kinds)} kernels")
     modes = env.bounds["recompute"]
     chosen = cfg.recompute_per_stage if cfg.recompute_per_stage is not None else (cfg.recompute,)
+    by_set = {frozenset(s): POLICY_MODES.get(p, p) for s, p in (policies or {}).items()}
+    chosen = tuple(m if isinstance(m, str) else by_set.get(frozenset(m), m) for m in chosen)
     sets = [m for m in chosen if not isinstance(m, str)]
     if sets:
         notes.append(f"recompute: chosen tensor sets (validated runs recompute {'/'.join(modes)})")
@@ -278,14 +292,20 @@ def _nearest(
 
 
 def validated(
-    estimate: Estimate, spec: ModelSpec | None, stack: str = "megatron", kernels: str | None = None
+    estimate: Estimate,
+    spec: ModelSpec | None,
+    stack: str = "megatron",
+    kernels: str | None = None,
+    policies: Mapping[frozenset[str], str] | None = None,
 ) -> Validated:
     """``estimate`` (of ``spec`` under the ``stack`` preset's name) against the validated envelope.
 
     ``spec`` is None for a model known only as a traced graph (``CostModel.spec``): its size and
     shape are not compared, it is marked extrapolated as such, and nearest runs go by layout alone.
     ``kernels``: the named kernel set a plan's fusion groups are exactly, if any
-    (``coplan.plan.capabilities.named_fusion``).
+    (``coplan.plan.capabilities.named_fusion``); ``policies``: recompute sets that are the stack's
+    checkpointing policies, by policy name (``coplan.plan.context.policy_sets`` inverted, or the
+    per-op set ``coplan estimate --recompute selective-op`` prices).
     """
     env = _load()
     own = env.stack_bounds.get(stack)
@@ -301,7 +321,7 @@ def validated(
         notes.append(stack_note)
     notes += _device_notes(env, stack, devices, cfg.dtype)
     notes += _layout_notes(env, values, cfg.zero)
-    notes += _kernel_notes(env, cfg, kernels)
+    notes += _kernel_notes(env, cfg, kernels, policies)
     if spec is None:
         notes.append("model: a traced graph, where the validated runs are transformer specs")
     else:

@@ -19,6 +19,8 @@ from collections.abc import Iterator
 from pathlib import Path
 
 from coplan.cost.config import TrainingConfig
+from coplan.cost.envelope import Validated
+from coplan.cost.results import Estimate
 from coplan.cost.stacks import StackError, StackSpec, load_stack, load_stack_file
 from coplan.cost.stages import split_layers
 from coplan.plan.context import PlanContext, policy_sets
@@ -187,6 +189,22 @@ def precision_problem(ctx: PlanContext, c: PrecisionPlan, fusion_label: str) -> 
     return None
 
 
+def validated_plan(ctx: PlanContext, plan: Plan, estimate: Estimate) -> Validated:
+    """Whether ``plan``'s priced configuration lies inside what the cost model was validated on,
+    judged as its stack runs it: a compiled plan against the compile preset's runs, a named kernel
+    set by its name, a recompute set that is one of the stack's checkpointing policies (torchtitan's
+    per-op set) as that policy's runs (``coplan.cost.envelope.validated``)."""
+    from coplan.cost.envelope import validated
+
+    # where the stack recomputes only by policy, a plan's set is the policy it runs; where it
+    # recomputes any set, the set is the plan's own choice, priced as such
+    sets = policy_sets(ctx) if not ctx.stack.recompute_sets else {}
+    policies = {names: name for name, names in sets.items() if names}
+    return validated(
+        estimate, ctx.model.spec, ctx.kernels_stack(plan).name, named_fusion(ctx, plan), policies
+    )
+
+
 def chunk_sizes(plan: Plan, ctx: PlanContext) -> list[int]:
     """Blocks of each model chunk (virtual pipeline stage) under ``plan``'s layout, as the cost
     model splits them (``cost.stages.split_layers``)."""
@@ -246,4 +264,5 @@ __all__ = [
     "policy_sets",
     "precision_problem",
     "problems",
+    "validated_plan",
 ]

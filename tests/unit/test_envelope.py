@@ -197,6 +197,31 @@ def test_planned_fusion_and_recompute_sets_are_extrapolated(inside: tuple[Estima
     assert any(m.startswith("recompute: chosen tensor sets") for m in v.extrapolated), v.extrapolated
 
 
+def test_a_recompute_set_that_is_a_stacks_policy_is_judged_as_that_policys_runs() -> None:
+    """torchtitan's per-op checkpointing is a set over the step's graph, as its published runs
+    (``partial`` in the data) were priced: a plan or estimate recomputing it is inside on that
+    count, where a set of the plan's own choosing is not."""
+    from coplan.plan import PlanContext
+    from coplan.plan.capabilities import validated_plan
+    from coplan.plan.context import policy_sets
+
+    spec = ModelSpec(
+        name="tiny", n_layers=2, d_model=256, n_heads=4, vocab_size=1000, seq_len=128, activation="swiglu"
+    )
+    stack = load_stack("torchtitan-compile")
+    ctx = PlanContext(CostModel(spec=spec), load_cluster("grand-teton-h100", 8), 8, 128, stack=stack)
+    per_op = policy_sets(ctx)["selective-op"]
+    plan = ctx.default_plan().with_(remat=replace(ctx.default_plan().remat, recompute=per_op))
+    est = ctx.price(plan)
+    assert isinstance(est.config.recompute, frozenset)
+    assert "partial" in _load().stack_bounds["torchtitan-compile"]["recompute"]
+    assert not any(m.startswith("recompute") for m in validated_plan(ctx, plan, est).extrapolated)
+    bare = validated(est, spec, stack.name).extrapolated  # no policy named: a chosen set
+    assert any(m.startswith("recompute: chosen tensor sets") for m in bare), bare
+    named = validated(est, spec, stack.name, policies={est.config.recompute: "selective-op"}).extrapolated
+    assert not any(m.startswith("recompute") for m in named), named
+
+
 def test_groups_that_are_a_named_kernel_set_are_judged_by_its_name(
     inside: tuple[Estimate, ModelSpec],
 ) -> None:
@@ -267,3 +292,10 @@ def test_a_price_far_above_the_runs_usual_scale_carries_the_measured_scale_trend
     assert set(big.to_dict()) == {"inside", "nearest", "extrapolated"}
     small = validated(*_priced(RUNS[RUN]))
     assert RUNS[RUN]["gpus"] < 2 * median and small.cautions == ()
+
+
+def test_estimate_judges_its_per_op_checkpointing_as_torchtitans_runs(cli) -> None:  # type: ignore[no-untyped-def]
+    args = ("estimate", "--model", "llama3-8b", "--cluster", "grand-teton-h100", "--gpus", "8", "--zero", "3")
+    code, out, err = cli(*args, "--stack", "torchtitan-compile", "--recompute", "selective-op", "--json")
+    assert code == 0, err
+    assert not any(m.startswith("recompute") for m in json.loads(out)["validated"]["extrapolated"])
