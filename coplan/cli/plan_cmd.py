@@ -449,11 +449,15 @@ class Emit(enum.StrEnum):  # coplan.plan.emit.TARGETS
 
 
 def _emit(ctx: PlanContext, r: StrategyResult, target: Emit, out: Path | None, model: str) -> Emitted:
+    from coplan.plan.context import policy_sets
     from coplan.plan.emit import emit
 
     spec = ctx.model.spec
     if spec is None:  # pragma: no cover - the CLI always plans a spec
         raise SpecError("--emit", None, "needs a model spec")
+    # the checkpointing policy of the stack whose set the plan recomputes, which a recipe names
+    rec = r.plan.remat.recompute
+    policy = next((k for k, v in policy_sets(ctx).items() if rec and v == rec), None)
     return emit(
         r.plan,
         spec,
@@ -461,6 +465,7 @@ def _emit(ctx: PlanContext, r: StrategyResult, target: Emit, out: Path | None, m
         plan_path=str(out) if out is not None else "plan.json",
         model=model,
         async_tp=ctx.kernels_stack(r.plan).async_tp,
+        policy=policy,
     )
 
 

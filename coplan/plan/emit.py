@@ -70,19 +70,22 @@ def emit(
     plan_path: str = "plan.json",
     model: str | None = None,
     async_tp: bool = True,
+    policy: str | None = None,
 ) -> Emitted:
     """The recipe that runs ``plan`` (made for the model ``spec``) on ``target``.
 
     ``plan_path`` is where the plan file is (``coplan plan --out``), ``model`` the ``--model``
     argument that names the model to ``coplan run`` (default: the plan's model). ``async_tp``: the
     plan was priced with PyTorch's async TP where it compiles sequence-parallel TP (the stack's
-    ``StackSpec.async_tp``), so a torchtitan recipe turns it on there."""
+    ``StackSpec.async_tp``), so a torchtitan recipe turns it on there. ``policy``: the stack's
+    checkpointing policy the plan's recompute set is, where it is one
+    (``coplan.plan.context.policy_sets``): a torchtitan recipe runs its per-op policy by name."""
     if target not in TARGETS:
         raise SpecError("--emit", None, f"unknown target {target!r}; choose from {', '.join(TARGETS)}")
     if target == "megatron":
         return _megatron(plan, spec)
     if target == "torchtitan":
-        return _torchtitan(plan, spec, async_tp)
+        return _torchtitan(plan, spec, async_tp, policy)
     return _coplan(plan, spec, plan_path, model or plan.model)
 
 
@@ -392,10 +395,14 @@ def _nodes(plan: Plan) -> tuple[int, int]:
 # --- torchtitan -----------------------------------------------------------------------------------
 
 
-def _torchtitan_recompute(r: _Remat) -> tuple[dict[str, Any], list[str]]:
+def _torchtitan_recompute(r: _Remat, policy: str | None = None) -> tuple[dict[str, Any], list[str]]:
     notes = _common_remat_notes(r, "torchtitan")
     if not r.inside:
         return {"mode": "none"}, notes
+    if policy == "selective-op" and not r.per_stage_differs:
+        # the plan's set is torchtitan's own per-op policy over this model (every second matmul's
+        # output recomputed too), as the planner priced it: the recipe names the policy
+        return {"mode": "selective", "selective_ac_option": "op"}, notes
     every = set(r.block.saved) - {r.block.output}
     if r.full and r.layers is not None and r.layers < r.chunk:
         # every N-th block: the chunk's blocks // N of them (``StackSpec.layer_counts``)
@@ -424,7 +431,7 @@ def _torchtitan_recompute(r: _Remat) -> tuple[dict[str, Any], list[str]]:
     return {"mode": "selective", "selective_ac_option": "op"}, notes
 
 
-def _torchtitan(plan: Plan, spec: ModelSpec, async_tp: bool = True) -> Emitted:
+def _torchtitan(plan: Plan, spec: ModelSpec, async_tp: bool = True, policy: str | None = None) -> Emitted:
     p, c = plan.parallel, plan.precision
     notes: list[str] = [
         f"[model] names a torchtitan model and flavor: register one with the sizes of {spec.name} "
@@ -516,7 +523,7 @@ def _torchtitan(plan: Plan, spec: ModelSpec, async_tp: bool = True) -> Emitted:
         model["converters"] = ["quantize.linear.float8"]
     if c.grad_reduce != "fp32":
         notes.append("gradients reduced in 16 bits: torchtitan's FSDP2 reduces in float32 only")
-    ac, why = _torchtitan_recompute(_remat(plan, spec))
+    ac, why = _torchtitan_recompute(_remat(plan, spec), policy)
     notes += why
     fused = bool(plan.fusion.groups)
     if fused:

@@ -335,6 +335,30 @@ def test_torchtitan_pipeline_fp8_and_checkpointing() -> None:
     assert _toml(emit(_recompute(spec, set()), spec, "torchtitan"))["activation_checkpoint"]["mode"] == "none"
 
 
+def test_a_plan_recomputing_torchtitans_per_op_policy_runs_that_policy() -> None:
+    """The per-op policy recomputes every second matmul's output too (``cost.checkpoint``): a plan
+    whose set is that policy's runs it by name, not as full checkpointing."""
+    from coplan.cost import CostModel, load_stack
+    from coplan.hardware import load_cluster
+    from coplan.models.spec import PRESETS
+    from coplan.plan import PlanContext
+    from coplan.plan.context import policy_sets
+
+    spec = PRESETS["llama-tiny"]
+    ctx = PlanContext(
+        CostModel(spec=spec), load_cluster("dgx-h100", 2), 4, 64, stack=load_stack("torchtitan")
+    )
+    per_op = policy_sets(ctx)["selective-op"]
+    plan = ctx.default_plan().with_(remat=RematPlan(recompute=per_op))
+    named = _toml(emit(plan, spec, "torchtitan", policy="selective-op"))["activation_checkpoint"]
+    assert named == {"mode": "selective", "selective_ac_option": "op"}
+    # without the policy's name the recipe reads the set's matmul output as the plan's own choice,
+    # which only full checkpointing drops
+    bare = emit(plan, spec, "torchtitan")
+    assert _toml(bare)["activation_checkpoint"]["mode"] == "full"
+    assert any("mlp.c_fc.out" in n for n in bare.notes), bare.notes
+
+
 def test_torchtitan_uneven_split_and_zero3() -> None:
     plan = _plan(LLAMA, 8, parallel=ParallelPlan(pp=2, dp=4, zero=3, microbatch=1, stage_layers=(3, 5)))
     out = emit(plan, LLAMA, "torchtitan")
