@@ -83,6 +83,11 @@ class CpExchange(enum.StrEnum):  # coplan.cost.config.CP_EXCHANGES
     allgather = "allgather"
 
 
+class PpSend(enum.StrEnum):  # coplan.cost.config.PP_SENDS
+    scatter_gather = "scatter-gather"
+    whole = "whole"
+
+
 class LossCast(enum.StrEnum):  # coplan.cost.config.LOSS_CASTS
     float = "float"
     autocast = "autocast"

@@ -22,6 +22,7 @@ from coplan.cli.choices import (
     LossCast,
     LossFusion,
     Optimizer,
+    PpSend,
     Recompute,
     Zero3Gather,
 )
@@ -271,6 +272,16 @@ def estimate(
             show_default=False,
         ),
     ] = None,
+    pp_send: Annotated[
+        PpSend | None,
+        typer.Option(
+            "--pp-send",
+            help="How a pipeline stage sends on under tensor parallelism: Megatron-LM's scatter-gather "
+            "(each TP rank 1/t, all-gathered over NVLink), or the whole activation from every TP rank "
+            "and the causal mask beside it (DeepSpeed's pipeline engine) \\[default: the stack's].",
+            show_default=False,
+        ),
+    ] = None,
     eager_loss_cast: Annotated[
         LossCast | None,
         typer.Option(
@@ -488,6 +499,8 @@ def estimate(
         config = config.with_(fsdp_pipeline=fsdp_pipeline.value)
     if cp_exchange is not None:
         config = config.with_(cp_exchange=cp_exchange.value)
+    if pp_send is not None:
+        config = config.with_(pp_send=pp_send.value)
     if eager_loss_cast is not None:
         config = config.with_(eager_loss_cast=eager_loss_cast.value)
     if not zero3_overlap:

@@ -90,6 +90,11 @@ FSDP_PIPELINES: tuple[str, ...] = ("microbatch", "step")
 #: steps' outputs and gradients merged in fp32 and the key/value gradients sent on in fp32
 #: (PyTorch's ``context_parallel``, torchtitan's)
 CP_EXCHANGES: tuple[str, ...] = ("p2p", "allgather")
+#: How a pipeline stage sends its activation on under tensor parallelism without sequence
+#: parallelism: ``scatter-gather``, each TP rank sends 1/t and the receivers all-gather it
+#: (Megatron-LM's p2p_communication); ``whole``, every TP rank sends the stage's whole outputs,
+#: the causal mask with the activation in the forward (DeepSpeed's pipeline engine)
+PP_SENDS: tuple[str, ...] = ("scatter-gather", "whole")
 #: How a model written for eager PyTorch rotates q and k (``coplan.cost.eager``): ``complex`` as a
 #: complex product (torchtitan's and Meta's Llama: ``torch.view_as_complex`` times ``freqs_cis``),
 #: ``pairs`` as a 2 x 2 rotation matrix applied to real pairs by a broadcast product and a sum
@@ -305,6 +310,7 @@ class TrainingConfig:
             (``torch/distributed/tensor/experimental/_context_parallel/_attention.py``:
             ``_ContextParallelOptions`` rotates by all-gather and merges in fp32 by default), priced
             by ``coplan.cost.context.torch_ring``.
+        pp_send: how a pipeline stage sends on under tensor parallelism (``PP_SENDS``).
         grad_storage: where the gradients live (``GRAD_STORAGES``; ``coplan.cost.stages.peak_of``):
             ``"buffer"``, buffers allocated once and held through the run (Megatron-LM's and
             DeepSpeed's gradient buffers); ``"autograd"``, autograd's ``.grad`` tensors (FSDP's
@@ -386,6 +392,7 @@ class TrainingConfig:
     grad_accumulation: str = "fused"
     fsdp_pipeline: str = "microbatch"
     cp_exchange: str = "p2p"
+    pp_send: str = "scatter-gather"
     launch_blocking: bool = False
     gather_copies: bool = False
     grad_storage: str = "buffer"
@@ -524,6 +531,8 @@ class TrainingConfig:
             raise ConfigError(
                 "cp_exchange", f"must be one of {', '.join(CP_EXCHANGES)}, got {self.cp_exchange!r}"
             )
+        if self.pp_send not in PP_SENDS:
+            raise ConfigError("pp_send", f"must be one of {', '.join(PP_SENDS)}, got {self.pp_send!r}")
         if self.fsdp_pipeline not in FSDP_PIPELINES:
             raise ConfigError(
                 "fsdp_pipeline",
@@ -693,6 +702,7 @@ class TrainingConfig:
             **({"grad_accumulation": self.grad_accumulation} if self.grad_accumulation != "fused" else {}),
             **({"fsdp_pipeline": self.fsdp_pipeline} if self.fsdp_pipeline != "microbatch" else {}),
             **({"cp_exchange": self.cp_exchange} if self.cp_exchange != "p2p" else {}),
+            **({"pp_send": self.pp_send} if self.pp_send != "scatter-gather" else {}),
             **({"overlap_zero": False} if not self.overlap_zero else {}),
             **({"launch_blocking": True} if self.launch_blocking else {}),
             **({"gather_copies": True} if self.gather_copies else {}),

@@ -300,22 +300,24 @@ def estimate(profile: GraphProfile, cluster: ClusterSpec, config: TrainingConfig
         # pipeline sends: the block output, forward and backward, once per chunk boundary
         pp_comm = 0.0
         if p > 1:
-            boundary = boundary_elems * ab / (t if t > 1 else 1)
-            sends = (0 if s == p - 1 and v == 1 else 1) + (0 if s == 0 and v == 1 else 1)
+            # Megatron's scatter-gather (Narayanan et al. 2021, arXiv 2104.04473, Sec. 4.1): each
+            # TP rank sends 1/t of the replicated activation and the receivers all-gather it over
+            # NVLink; DeepSpeed's engine sends it whole from every rank, the causal mask beside it
+            split = t > 1 and not config.sequence_parallel and config.pp_send == "scatter-gather"
+            boundary = boundary_elems * ab / (t if t > 1 and (split or config.sequence_parallel) else 1)
+            forward_sends = 0 if s == p - 1 and v == 1 else 1
+            sends = forward_sends + (0 if s == 0 and v == 1 else 1)
             one = p2p_time(cluster, boundary, pp_cross, net)
-            if t > 1 and not config.sequence_parallel:
-                # each tensor-parallel rank sends 1/t of the (replicated) activation over its own
-                # link and the receiving ranks all-gather it over NVLink: Narayanan et al. 2021
-                # (arXiv 2104.04473) Sec. 4.1, megatron/p2p_communication.py's scatter-gather
-                one += tp_group.all_gather(boundary * t)
+            one += tp_group.all_gather(boundary * t) if split else 0.0
             if v > 1 and config.overlap_p2p:
                 # the interleaved schedule overlaps sends with the next chunk's compute (Megatron-Core
                 # overlaps p2p communication whenever vpp > 1): only what compute cannot cover shows
                 chunk = (fwd + bwd) / v
                 pp_comm = v * sends * max(one - chunk / 2, cluster_latency(cluster, pp_cross))
-            else:
-                # 1F1B's sends, and interleaved ones without overlap, block the stage
+            else:  # 1F1B's sends, and interleaved ones without overlap, block the stage
                 pp_comm = v * sends * one
+            if config.pp_send == "whole":  # the causal mask rides with each forward activation
+                pp_comm += v * forward_sends * p2p_time(cluster, 2.0 * profile.seq**2, pp_cross, net)
         # ZeRO-3: gather parameters for forward and backward, reduce-scatter gradients, each
         # microbatch; prefetching hides what compute can cover
         p_local = params[REPL] + params[TP] / t

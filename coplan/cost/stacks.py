@@ -29,6 +29,7 @@ from coplan.cost.config import (
     KERNEL_SETS,
     LOSS_CASTS,
     OPTIMIZER_IMPLEMENTATIONS,
+    PP_SENDS,
     ROPE_FORMS,
     ZERO3_GATHERS,
     TrainingConfig,
@@ -102,6 +103,7 @@ SETTINGS: tuple[str, ...] = (
     "fsdp_pipeline",
     "pipeline_split",
     "cp_exchange",
+    "pipeline_send",
     "layer_checkpointing",
     "hybrid_shard",
     "compile_preset",
@@ -207,6 +209,9 @@ class StackSpec:
             divide them (``coplan.cost.stages.PIPELINE_SPLITS``): not at all (``even``), or as
             torchtitan does, the embedding and the output counting as a block each
             (``weighted``; ``stage_split``).
+        pipeline_send: how its pipeline stages send on under tensor parallelism
+            (``TrainingConfig.pp_send``): Megatron-LM's scatter-gather, or every tensor-parallel
+            rank the whole outputs (DeepSpeed's pipeline engine).
         cp_exchange: how its context parallelism exchanges keys and values
             (``TrainingConfig.cp_exchange``): Transformer Engine's ring, or PyTorch's all-gather
             with fp32 merging.
@@ -271,6 +276,7 @@ class StackSpec:
     fsdp_pipeline: str = "microbatch"
     pipeline_split: str = "even"
     cp_exchange: str = "p2p"
+    pipeline_send: str = "scatter-gather"
     layer_checkpointing: str = "none"
     hybrid_shard: bool = False
     compile_preset: str = ""
@@ -292,6 +298,7 @@ class StackSpec:
         _choice(src, "fsdp_pipeline", self.fsdp_pipeline, FSDP_PIPELINES)
         _choice(src, "pipeline_split", self.pipeline_split, PIPELINE_SPLITS)
         _choice(src, "cp_exchange", self.cp_exchange, CP_EXCHANGES)
+        _choice(src, "pipeline_send", self.pipeline_send, PP_SENDS)
         _choice(src, "eager_rope", self.eager_rope, ROPE_FORMS)
         _choice(src, "eager_loss_cast", self.eager_loss_cast, LOSS_CASTS)
         _choice(src, "reduce_input", self.reduce_input, REDUCE_INPUTS)
@@ -505,6 +512,8 @@ class StackSpec:
             config = config.with_(fsdp_pipeline=self.fsdp_pipeline)
         if self.cp_exchange != "p2p" and config.cp_exchange == "p2p":
             config = config.with_(cp_exchange=self.cp_exchange)
+        if self.pipeline_send != "scatter-gather" and config.pp_send == "scatter-gather":
+            config = config.with_(pp_send=self.pipeline_send)
         if self.zero3_gather != "unit" and config.zero3_gather == "unit":
             config = config.with_(zero3_gather=self.zero3_gather)
         if self.grad_accumulation != "fused" and config.grad_accumulation == "fused":

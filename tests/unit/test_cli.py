@@ -293,6 +293,12 @@ def test_estimate_stack_flags_reach_the_cost_model(cli: Cli) -> None:
     # blocking sends cost more than overlapped ones with an interleaved schedule
     inter = ("--vpp", "2")
     assert est(*inter, "--no-overlap-p2p")["breakdown_s"]["pp_comm"] > est(*inter)["breakdown_s"]["pp_comm"]
+    # DeepSpeed's engine sends the whole activation from every TP rank: its stack's default, and a flag
+    whole = est("--pp-send", "whole")
+    assert whole["config"]["pp_send"] == "whole" and "pp_send" not in ref["config"]
+    assert whole["breakdown_s"]["pp_comm"] != ref["breakdown_s"]["pp_comm"]
+    assert est("--stack", "deepspeed")["config"]["pp_send"] == "whole"
+    assert "pp_send" not in est("--stack", "deepspeed", "--pp-send", "scatter-gather")["config"]
     # a bad split is one line naming the option, exit 2
     code, _, err = cli(*base, "--stage-layers", "5,x")
     assert code == 2 and "--stage-layers" in err and len(err.strip().splitlines()) == 1

@@ -717,3 +717,28 @@ def test_a_tied_embedding_is_held_once_per_stage_holding_both_ends() -> None:
     )
     embedding = spec.vocab_size * spec.d_model
     assert sum(st.memory.params_bytes for st in two.stages) == 4 * (real + embedding)
+
+
+def test_deepspeeds_pipeline_engine_sends_the_whole_activation_from_every_tensor_parallel_rank():
+    """``pp_send="whole"`` (DeepSpeed's ``_exec_send_activations``): each tensor-parallel rank sends
+    the stage's whole activation, and the forward send carries the causal mask in fp16, where
+    Megatron's scatter-gather sends 1/t and all-gathers it: exactly one point-to-point time each."""
+    from coplan.cost.comm import p2p_time
+
+    # TP inside a node, the two stages on two nodes: the sends cross the network
+    config = TrainingConfig(tp=8, pp=2, dp=1, microbatch=2, global_batch=8, seq=512, zero=1)
+    cluster = load_cluster("dgx-h100", config.gpus)
+    net = cluster.groups[0].device.efficiency_of("network")
+    whole = _est(config.with_(pp_send="whole"))
+    activation = 512 * 2 * GPT.d_model * 2  # [seq, microbatch, hidden] in 16 bits
+    send = p2p_time(cluster, activation, True, net)
+    first, last = whole.stages[0].pp_comm_s, whole.stages[1].pp_comm_s
+    assert first == pytest.approx(send + p2p_time(cluster, 2 * 512**2, True, net))
+    assert last == pytest.approx(send)  # the gradient: no mask
+    split = _est(config)
+    assert split.stages[1].pp_comm_s < last  # 1/t over the network, the gather over NVLink
+    # sequence-parallel activations are already split: only the mask differs
+    sp = config.with_(sequence_parallel=True)
+    assert _est(sp.with_(pp_send="whole")).stages[1].pp_comm_s == pytest.approx(_est(sp).stages[1].pp_comm_s)
+    with pytest.raises(ConfigError, match="pp_send"):
+        TrainingConfig(pp_send="broadcast")
