@@ -3,7 +3,9 @@ with its stack's preset (``coplan/cost/stacks/*.json``) beside the Megatron-pric
 
     python benchmarks/bench_stacks.py [--runs RUNS.json] [--json OUT]
 
-Each run of ``benchmarks/data/published_stack_runs.json`` is priced twice: as ``megatron`` (the
+Each run of ``benchmarks/data/published_stack_runs.json`` (and the runs another stack made that are
+kept with the Megatron runs, ``other_stack_runs``: MT-NLG's Megatron-DeepSpeed rows, with the
+``deepspeed`` preset) is priced twice: as ``megatron`` (the
 cost model before stacks were named: Megatron + Transformer Engine kernels, per-op checkpointing as
 Megatron's selective) and with the preset of its stack (``torchtitan``, ``fsdp``, ``deepspeed``,
 ``eager``; the ``-compile`` preset where ``stack_settings.compile``, its loss eager where
@@ -47,6 +49,22 @@ from coplan.models.spec import ModelSpec
 
 DATA = Path(__file__).parent / "data" / "published_stack_runs.json"
 OUT = Path(__file__).parent / "results" / "published_stacks.json"
+#: runs of the Megatron data (``published_runs.json``, where ``bench_published.py`` reports them
+#: apart) that another stack made, and the preset that prices that stack: MT-NLG 530B ran
+#: Megatron-DeepSpeed, DeepSpeed's pipeline engine driving Megatron's model
+MEGATRON_DATA = Path(__file__).parent / "data" / "published_runs.json"
+OTHER_STACKS = {"megatron-deepspeed": "deepspeed"}
+
+
+def other_stack_runs(path: Path = MEGATRON_DATA) -> list[dict]:
+    """The runs of ``path`` another stack made (``OTHER_STACKS``), as rows of this benchmark: its
+    preset's stack, no setting of its own beyond the data's (its source gives none)."""
+    out = []
+    for run in json.loads(path.read_text())["runs"]:
+        stack = OTHER_STACKS.get(run.get("stack", "megatron-lm"))
+        if stack is not None:
+            out.append({**run, "stack": stack, "stack_settings": {"compile": False}})
+    return out
 
 
 def stack_of(run: dict) -> str:
@@ -364,6 +382,8 @@ def main() -> None:
     ap.add_argument("--json", type=Path, default=OUT)
     args = ap.parse_args()
     runs = json.loads(args.runs.read_text())["runs"]
+    if args.runs == DATA:
+        runs += other_stack_runs()  # the other stacks' runs kept with the Megatron data
     rows = []
     estimates = {}  # each run's estimate under its preset, for the split by part
     for run in runs:

@@ -278,3 +278,19 @@ def test_a_runs_own_gemm_padding_overrides_its_presets() -> None:
     assert bench_stacks.configured(unpadded, "eager-compile")[2].gemm_padding is True
     # and it is priced slower for it: the LM head's gradient GEMMs run unaligned
     assert bench_stacks.price(run, "eager-compile")[0] > bench_stacks.price(unpadded, "eager-compile")[0]
+
+
+def test_the_other_stacks_runs_kept_with_the_megatron_data_are_priced_with_their_preset() -> None:
+    """MT-NLG 530B ran Megatron-DeepSpeed: ``bench_stacks`` prices its rows of ``published_runs.json``
+    with the ``deepspeed`` preset (DeepSpeed's pipeline engine, whole sends), where the Megatron
+    benchmark reports them apart under Megatron's schedule; a Megatron-LM run is not taken."""
+    bench_stacks = _bench_module("bench_stacks")
+    megatron = json.loads((ROOT / "benchmarks" / "data" / "published_runs.json").read_text())["runs"]
+    others = bench_stacks.other_stack_runs()
+    assert {r["id"] for r in others} == {r["id"] for r in megatron if r.get("stack") == "megatron-deepspeed"}
+    assert others and all(r["stack"] == "deepspeed" and not r["stack_settings"]["compile"] for r in others)
+    assert not {r["id"] for r in others} & set(BY_ID)  # no run twice
+    run = others[0]
+    assert bench_stacks.configured(run, "deepspeed")[2].pp_send == "whole"
+    megatron_step = bench_stacks.price(run, "megatron")[0]
+    assert bench_stacks.price(run, "deepspeed")[0] > megatron_step  # its engine: blocking, whole sends
