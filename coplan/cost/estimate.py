@@ -32,12 +32,7 @@ from coplan.cost.contention import slowdown, sm_share
 from coplan.cost.context import kv_elements, ring_exposed, torch_ring
 from coplan.cost.eager import repeat_kv_saved, unpad_saved
 from coplan.cost.fp8 import runs_fp8
-from coplan.cost.kernels import (
-    Rates,
-    Scale,
-    matmul_dtype,
-    precision_notes,
-)
+from coplan.cost.kernels import Rates, Scale, matmul_dtype, precision_notes
 from coplan.cost.optimizer import accumulation_s
 from coplan.cost.partcost import PartCost, rematerialised, saved_under
 from coplan.cost.parts import (
