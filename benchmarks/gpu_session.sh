@@ -3,9 +3,9 @@
 # checks in order of what they decide, each under its own time limit so that a slow compile
 # costs only its own part. Results land under $OUT; run from the repository root:
 #
-#   OUT=/some/dir [CAL_S=0] [BENCH_S=360] [PROBE_S=150] [SUSTAIN_S=0] bash benchmarks/gpu_session.sh [gpt2-124m|llama3.2-1b] [tight|loose]
+#   OUT=/some/dir [CAL_S=0] [BENCH_S=360] [PROBE_S=150] [SUSTAIN_S=0] [CP_S=0] bash benchmarks/gpu_session.sh [gpt2-124m|llama3.2-1b] [tight|loose]
 #
-# CAL_S, BENCH_S, PROBE_S and SUSTAIN_S bound the parts in seconds (0 skips a part). Each of bench_gpu's runs is
+# CAL_S, BENCH_S, PROBE_S, SUSTAIN_S and CP_S bound the parts in seconds (0 skips a part). Each of bench_gpu's runs is
 # a process of its own (a run that runs out of memory leaves the next one its GPU); on one H200,
 # GPT-2 124M's ten runs took 350 s, and Llama 3.2 1B's joint plan compiled for 275 s.
 #
@@ -20,6 +20,9 @@
 # 3. (SUSTAIN_S > 0) The sustained-load probe: bf16 GEMMs back to back for SUSTAIN_S - 15 seconds,
 #    the GEMM rate per half second beside nvidia-smi's SM clock, power and temperature: whether a
 #    short measurement's GEMM rate holds under minutes of load (sustained.json).
+# 4. (CP_S > 0) The ring-attention probe: one rank's flash-attention calls and fp32 merges of
+#    PyTorch's context parallelism at 262,144 tokens over CP 8, beside coplan's price of them
+#    (cp_ring_probe.json): whether torchtitan's CP rows' excess is in the kernels or the ring.
 set -u
 OUT="${OUT:?set OUT to the folder results go to}"
 MODEL="${1:-gpt2-124m}"
@@ -59,4 +62,11 @@ if [ "$SUSTAIN_S" -gt 15 ]; then
         > "$OUT/sustained.json" 2> "$OUT/sustained.txt"
     echo "sustained probe exit $?" >> "$OUT/sustained.txt"
     tail -n 2 "$OUT/sustained.txt"
+fi
+CP_S="${CP_S:-0}"
+if [ "$CP_S" -gt 0 ]; then
+    (cd benchmarks/data && timeout "$CP_S" "$PY" cp_ring_probe.py --seq 262144 --cp 8 \
+        > "$OUT/cp_ring_probe.json" 2> "$OUT/cp_ring_probe.txt")
+    echo "cp ring probe exit $?" >> "$OUT/cp_ring_probe.txt"
+    tail -n 2 "$OUT/cp_ring_probe.txt"
 fi

@@ -248,3 +248,41 @@ def test_cli_prices_the_exchange_as_named(cli) -> None:  # type: ignore[no-untyp
         assert data["config"].get("cp_exchange", "p2p") == mode
         got[mode] = data["breakdown_s"]["cp_comm"]
     assert got["allgather"] > got["p2p"]
+
+
+def _cp_probe():  # benchmarks/data is not a package: the probe loaded by path
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[2] / "benchmarks" / "data" / "cp_ring_probe.py"
+    spec = importlib.util.spec_from_file_location("cp_ring_probe", path)
+    assert spec is not None and spec.loader is not None
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+@pytest.mark.parametrize("cp", [2, 4, 8])
+def test_the_ring_probes_steps_are_pytorchs_load_balanced_share_of_the_causal_scores(cp: int) -> None:
+    """``cp_ring_probe.ring_steps`` follows ``_templated_ring_attention``: one causal call on the
+    rank's own keys, then ``rank`` calls of all its queries against half the keys and the rest of
+    half its queries against all of them, so every rank computes exactly 1/cp of the causal score
+    matrix of the whole sequence (the counted FLOPs coplan prices under context parallelism)."""
+    probe = _cp_probe()
+    local = 4096
+    whole = 4.0 * probe.HEADS * probe.HEAD_DIM * (cp * local) ** 2 / 2  # causal, the whole sequence
+    for rank in range(cp):
+        steps = probe.ring_steps(cp, rank, local)
+        assert len(steps) == cp and steps[0] == probe.Step(local, local, True, False)
+        assert sum(s.partial for s in steps) == cp - 1 - rank
+        assert sum(probe.step_flops(s) for s in steps) == pytest.approx(whole / cp, rel=1e-12)
+    with pytest.raises(ValueError, match="rank"):
+        probe.ring_steps(cp, cp, local)
+
+
+def test_the_ring_probe_prices_one_ranks_attention_without_a_gpu() -> None:
+    probe = _cp_probe()
+    two, four = probe.priced(32768, 2, "grand-teton-h100"), probe.priced(65536, 4, "grand-teton-h100")
+    assert 0 < two["forward_s"] < two["backward_s"]
+    # twice the sequence over twice the ranks: each rank's share of the scores doubles
+    assert four["forward_s"] == pytest.approx(2 * two["forward_s"], rel=0.15)
