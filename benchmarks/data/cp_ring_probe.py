@@ -30,14 +30,18 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from pathlib import Path
 from typing import NamedTuple
+
+sys.path.insert(0, str(Path(__file__).parent))  # this folder's probes, run or loaded by path
+
+from h100_step_probe import spec_of  # the same LLaMA-3 8B-shaped blocks
 
 from coplan.cost import CostModel, TrainingConfig, load_stack
 from coplan.cost.explain import kernel_costs
 from coplan.hardware import load_cluster
-from coplan.models.spec import ModelSpec
 
-HEADS, KV_HEADS, HEAD_DIM = 32, 8, 128
+HEADS, HEAD_DIM = 32, 128  # spec_of's query heads (its 8 key/value heads repeated) and head size
 
 
 class Step(NamedTuple):
@@ -70,31 +74,12 @@ def step_flops(step: Step, heads: int = HEADS, head_dim: int = HEAD_DIM) -> floa
     return 4.0 * heads * head_dim * step.queries * step.keys * (0.5 if step.causal else 1.0)
 
 
-def spec_of(seq: int) -> ModelSpec:
-    return ModelSpec(
-        name="llama3-8b-1l",
-        n_layers=1,
-        d_model=HEADS * HEAD_DIM,
-        n_heads=HEADS,
-        n_kv_heads=KV_HEADS,
-        ffn_hidden=14336,
-        vocab_size=128256,
-        seq_len=seq,
-        activation="swiglu",
-        norm="rmsnorm",
-        position="rope",
-        tied_embeddings=False,
-        bias=False,
-        rope_theta=500000.0,
-    )
-
-
 def priced(seq: int, cp: int, cluster_name: str) -> dict[str, object]:
     """coplan's attention kernels of one block on one rank of ``cp`` (forward and backward seconds)."""
     stack = load_stack("torchtitan-compile")
     config = stack.configure(TrainingConfig(cp=cp, microbatch=1, global_batch=1, seq=seq))
     cluster = load_cluster(cluster_name, cp)
-    cm = CostModel(spec=spec_of(seq))
+    cm = CostModel(spec=spec_of(1, seq))
     out = {"forward_s": 0.0, "backward_s": 0.0}
     for row in kernel_costs(cm.profile_for(config), cluster, config):
         if row.kind == "attention" and row.part.startswith("block"):

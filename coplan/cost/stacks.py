@@ -419,6 +419,12 @@ class StackSpec:
         return any(s.fp8 == "native" for s in self.variants)
 
     @property
+    def keeps_fp8_params(self) -> bool:
+        """Whether some fusion option of the stack keeps fp8 primary weights (torchtitan's float8
+        all-gathers only with ``torch.compile`` on)."""
+        return any(s.fp8_params for s in self.variants)
+
+    @property
     def megatron_kernels_only(self) -> bool:
         """It runs Megatron-LM's own kernel set and no other grouping: a plan for it names that set
         instead of grouping ops itself, and is priced by name (``fusion="megatron"``)."""

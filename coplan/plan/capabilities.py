@@ -184,8 +184,7 @@ def precision_problem(ctx: PlanContext, c: PrecisionPlan, fusion_label: str) -> 
     if c.grad_reduce != "fp32" and not stack.reduce_16bit:
         return f"cannot reduce gradients in {c.grad_reduce} (it reduces fp32)"
     if c.fp8_params and not runs.fp8_params:
-        compiled = any(s.fp8_params for s in stack.variants)
-        return f"keeps fp8 weights {only}" if compiled else "cannot keep fp8 weights"
+        return f"keeps fp8 weights {only}" if stack.keeps_fp8_params else "cannot keep fp8 weights"
     return None
 
 

@@ -84,7 +84,7 @@ class SearchSpace:
         if self.reduce16 and ctx.stack.reduce_16bit and p.compute in ("bf16", "fp16", "fp8") and ctx.gpus > 1:
             half = "fp16" if p.compute == "fp16" else "bf16"
             out.append(replace(p, grad_reduce=half))
-        if self.fp8_params and any(s.fp8_params for s in ctx.stack.variants) and p.compute == "fp8":
+        if self.fp8_params and ctx.stack.keeps_fp8_params and p.compute == "fp8":
             out += [replace(q, fp8_params=True) for q in out]
         return out
 
