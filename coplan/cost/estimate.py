@@ -395,7 +395,9 @@ def estimate(profile: GraphProfile, cluster: ClusterSpec, config: TrainingConfig
             elif config.fsdp_units:
                 # FSDP's units: one per block and the root (embedding, final norm, head), which
                 # stays gathered from the start of forward to the end of backward
-                transient += fsdp_transient(block_local, root, units, param_bytes, grad_bytes)
+                # FSDP1's flat parameters (no copies around its collectives) free late (``zero.py``)
+                flat = not config.gather_copies
+                transient += fsdp_transient(block_local, root, units, param_bytes, grad_bytes, flat)
             else:
                 # the pieces gathered at once: a layer, or (on average) a module or a tensor
                 transient += zero3_transient(p_local, pieces, param_bytes, grad_bytes)

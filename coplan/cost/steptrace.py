@@ -114,6 +114,7 @@ class _Tracer:
         self.made: set[int] = set()  # backward segments whose ``.grad`` this step holds
         self.reduce_input: int | None = None  # FSDP2's retained reduce-scatter input
         self.resharded: list[int] = []  # FSDP1's last freed unit buffer, pending its stream event
+        self.flat_grad: int | None = None  # FSDP1's last flat gradient, pending its stream event
 
     def alloc(self, nbytes: float, stream: int = COMPUTE) -> int:
         h = next(self._handles)
@@ -174,6 +175,9 @@ class _Tracer:
         is allocated in the RS stream"), where it stays as ``.grad`` until ``zero_grad``; its
         freed blocks then sit in that stream's pool, which the compute stream cannot use."""
         n = sum(self.units.get(unit, {}).values())
+        if self.sharding == "fsdp1":
+            self._reduce_flat(unit, produced, n)
+            return
         retain = self.retain_input
         if retain:
             self.release_reduce_input()
@@ -187,6 +191,31 @@ class _Tracer:
             self.reduce_input = flat
         else:
             self.free(flat)
+
+    def _reduce_flat(self, unit: int | None, produced: list[int], n: float) -> None:
+        """FSDP1: the backward of the unit's split concatenates its gradients into autograd's
+        flat gradient (compute stream, parameter dtype); the post-backward stream casts that to
+        the reduce dtype where they differ (its reduce-scatter's input, dropped after it) or
+        reduce-scatters it as it is, and frees it after ``record_stream``
+        (torch/distributed/fsdp/_runtime_utils.py ``_post_backward_hook``): it is held until that
+        stream is done, as the resharded flat parameter is (``reshard``), about a unit later."""
+        grad = self.alloc(n * self.act)
+        for h in produced:
+            self.free(h)
+        cast = self.alloc(n * self.reduce_bytes, SCATTER) if self.reduce_bytes != self.act else None
+        if unit not in self.reduced:
+            self.reduced.add(unit)
+            self.grads.append(self.alloc(n * 4 / self.d, SCATTER))
+        if cast is not None:
+            self.free(cast)
+        self.release_flat_grad()
+        self.flat_grad = grad
+
+    def release_flat_grad(self) -> None:
+        """FSDP1's last flat gradient, back in its pool."""
+        if self.flat_grad is not None:
+            self.free(self.flat_grad)
+            self.flat_grad = None
 
     def release_reduce_input(self) -> None:
         """FSDP2's last reduce-scatter input, kept until the next reduction or the end of
@@ -268,6 +297,7 @@ class _Tracer:
             self._unit_done(cur, segment, pgrads)
         self.release_reduce_input()
         self.release_resharded()
+        self.release_flat_grad()
         for h in live.values():
             self.free(h)
 

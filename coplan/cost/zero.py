@@ -128,7 +128,12 @@ def zero3_exposed(
 
 
 def fsdp_transient(
-    block_params: float, root_params: float, units: int, param_bytes: float, grad_bytes: float
+    block_params: float,
+    root_params: float,
+    units: int,
+    param_bytes: float,
+    grad_bytes: float,
+    flat: bool = False,
 ) -> float:
     """Bytes PyTorch FSDP holds beyond the shards at the peak, with the blocks as units and the rest
     of the model (embedding, final norm, head) as the root unit: the root's gathered parameters,
@@ -138,9 +143,18 @@ def fsdp_transient(
     too), the block computed and the one prefetched
     (FSDP2 prefetches one unit, FSDP1's ``limit_all_gathers`` allows two in flight) in the
     parameter dtype, and one block's unsharded gradients in the reduce dtype before their
-    reduce-scatter."""
+    reduce-scatter.
+
+    ``flat``: FSDP1's flat parameters, whose frees wait on another stream's work
+    (torch/distributed/fsdp/_flat_param.py ``_free_unsharded_flat_param``:
+    ``_no_dispatch_record_stream``): a block freed so stays held (the caching allocator's active
+    memory, which no other tensor can take) until that stream has run what was queued, about one
+    unit later with the host a unit ahead, so one more unit is gathered than FSDP2 holds: the
+    unsharded flat parameter of the unit resharded last (``coplan.cost.steptrace`` replays it).
+    """
     per_unit = block_params / max(1, units)
-    return root_params * param_bytes + per_unit * (2 * param_bytes + grad_bytes)
+    held = param_bytes if flat else 0.0
+    return root_params * param_bytes + per_unit * (2 * param_bytes + grad_bytes + held)
 
 
 def fsdp_copies(

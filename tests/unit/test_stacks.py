@@ -314,6 +314,10 @@ def test_fsdp_holds_the_root_unit_gathered_beside_two_blocks_and_one_gradient() 
     block, root = 8e9, 1e9
     # root in the parameter dtype, two of 32 blocks gathered, one block's fp32 gradients
     assert fsdp_transient(block, root, 32, 2, 4) == pytest.approx(root * 2 + block / 32 * (2 * 2 + 4))
+    # FSDP1's flat parameters: the unit resharded last is still held (``record_stream``)
+    assert fsdp_transient(block, root, 32, 2, 4, flat=True) == pytest.approx(
+        root * 2 + block / 32 * (3 * 2 + 4)
+    )
     cm = CostModel(spec=SPEC)
     cluster = load_cluster("dgx-h100", 8)
     config = TrainingConfig(dp=8, global_batch=8, zero=3)

@@ -3,6 +3,7 @@ caching allocator gives it (``CostModel.reserved``)."""
 
 from __future__ import annotations
 
+import itertools
 import json
 from dataclasses import replace
 
@@ -118,6 +119,36 @@ def test_fsdp1_returns_a_unit_buffer_to_its_pool_one_unit_later() -> None:
 
     assert most_live("fsdp2") == 1
     assert most_live("fsdp1") == 3
+
+
+@pytest.mark.parametrize(("reduce_fp32", "casts"), [(True, 1), (False, 0)])
+def test_fsdp1_holds_autograds_flat_gradient_until_the_next_unit(reduce_fp32: bool, casts: int) -> None:
+    """FSDP1's unit gradient is autograd's flat gradient in the parameter dtype, made on the
+    compute stream and freed after ``record_stream`` on the post-backward stream: it is held
+    through the next unit's backward, until that unit's gradient takes its place. The cast to an
+    fp32 reduce dtype is one copy on the post-backward stream; a 16-bit reduction needs none."""
+    g = _graph()
+    c = _config(zero=3, dp=8, fsdp_units=True, grad_reduce_fp32=reduce_fp32)
+    flat = int(LLAMA.block_params() * 2)  # a block's gradients in bf16
+    events = step_events(g, c, "fsdp1")
+    made = [i for i, (_, n, s) in enumerate(events) if n == flat and s == COMPUTE]
+    assert len(made) == 2 * LLAMA.n_layers  # a unit a step, two steps
+    freed_at = {h: k for k, (h, n, _) in enumerate(events) if n < 0}
+    for step in range(2):
+        ours = made[step * LLAMA.n_layers : (step + 1) * LLAMA.n_layers]
+        for mine, nxt in itertools.pairwise(ours):
+            assert freed_at[events[mine][0]] > nxt  # held until the next unit's is made
+    live: set[int] = set()
+    most = 0
+    for h, n, s in events:
+        if n == flat and s == COMPUTE:
+            live.add(h)
+        elif n < 0:
+            live.discard(h)
+        most = max(most, len(live))
+    assert most == 2  # the unit's and the one before it, never more
+    cast = int(LLAMA.block_params() * 4)
+    assert sum(1 for _, n, s in events if n == cast and s == SCATTER) == casts * 2 * LLAMA.n_layers
 
 
 def test_the_reserved_peak_holds_the_allocated_one_and_the_device_caps_it() -> None:
