@@ -4,7 +4,8 @@
 
 Reads the Megatron-stack runs (``data/published_runs.json``, priced by ``bench_published.py`` into
 ``results/published.json``) and the other stacks' runs (``data/published_stack_runs.json``, priced
-by ``bench_stacks.py`` into ``results/published_stacks.json``). A stack is validated on a device
+by ``bench_stacks.py`` into ``results/published_stacks.json``, which also prices the runs of other
+stacks kept with Megatron's, MT-NLG's Megatron-DeepSpeed, with their own preset: they enter so). A stack is validated on a device
 where at least ``MIN_RUNS`` (10) of its runs there are priced within the accuracy bar (``BAR``:
 mean absolute step-time error at most 10%). The runs of those (stack, device) pairs bound the
 envelope: devices, dtypes per device, the largest TP / PP / VPP / CP / DP / GPU count, each ZeRO stage
@@ -85,15 +86,18 @@ def _run_row(run: dict, stack: str, mfu: float | None, error: float) -> dict[str
 def _rows() -> list[dict[str, Any]]:
     megatron = json.loads((ROOT / "data" / "published_runs.json").read_text())["runs"]
     priced = {r["id"]: r for r in json.loads((ROOT / "results" / "published.json").read_text())["rows"]}
+    results = {
+        r["id"]: r for r in json.loads((ROOT / "results" / "published_stacks.json").read_text())["runs"]
+    }
     rows = []
     for run in megatron:
+        if run["id"] in results:
+            continue  # another stack's run kept with Megatron's (MT-NLG): priced with its preset, below
         res = priced[run["id"]]
         stack = STACK_NAMES.get(res["stack"], res["stack"])
         rows.append(_run_row(run, stack, res["mfu"], res["error"]))
     others = json.loads((ROOT / "data" / "published_stack_runs.json").read_text())["runs"]
-    results = {
-        r["id"]: r for r in json.loads((ROOT / "results" / "published_stacks.json").read_text())["runs"]
-    }
+    others += [run for run in megatron if run["id"] in results]
     for run in others:
         res = results[run["id"]]
         # the stack as coplan prices it (the preset, compiled or not), not the data's family name
