@@ -5,16 +5,16 @@
 Reads the Megatron-stack runs (``data/published_runs.json``, priced by ``bench_published.py`` into
 ``results/published.json``) and the other stacks' runs (``data/published_stack_runs.json``, priced
 by ``bench_stacks.py`` into ``results/published_stacks.json``, which also prices the runs of other
-stacks kept with Megatron's, MT-NLG's Megatron-DeepSpeed, with their own preset: they enter so). A stack is validated on a device
-where at least ``MIN_RUNS`` (10) of its runs there are priced within the accuracy bar (``BAR``:
-mean absolute step-time error at most 10%). The runs of those (stack, device) pairs bound the
-envelope: devices, dtypes per device, the largest TP / PP / VPP / CP / DP / GPU count, each ZeRO stage
-with the largest GPU count it was run at, the highest predicted MFU (16-bit dense peak) per dtype,
-the sequence and model-size ranges, whether any ran FSDP's hybrid sharding (HSDP), the recompute
-modes and the kernels (fusion) they were priced with; a run of such a pair priced more than
-``WORST`` (20%) off bounds nothing. Every run is kept, compactly, for the nearest-run search of
-``coplan.cost.envelope``. ``--check`` exits 1 when the committed file differs from what this script
-builds (the unit tests check the same).
+stacks kept with Megatron's, MT-NLG's Megatron-DeepSpeed, with their own preset: they enter so). A
+stack is validated on a device where at least ``MIN_RUNS`` (10) of its runs there are priced within
+the accuracy bar (``BAR``: mean absolute step-time error at most 10%). The runs of those (stack,
+device) pairs bound the envelope: devices, dtypes per device, the largest TP / PP / VPP / CP / DP /
+GPU count, each ZeRO stage with the largest GPU count it was run at, the highest predicted MFU
+(16-bit dense peak) per dtype, the sequence and model-size ranges, whether any ran FSDP's hybrid
+sharding (HSDP), the recompute modes and the kernels (fusion) they were priced with; a run of such a
+pair priced more than ``WORST`` (20%) off bounds nothing. Every run is kept, compactly, for the
+nearest-run search of ``coplan.cost.envelope``. ``--check`` exits 1 when the committed file differs
+from what this script builds (the unit tests check the same).
 """
 
 from __future__ import annotations
