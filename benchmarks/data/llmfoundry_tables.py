@@ -374,6 +374,8 @@ def table() -> list[dict[str, Any]]:
                 "measured_s": measured,
                 "predicted_s": est.step_time_s,
                 "error": est.step_time_s / measured - 1,
+                # each row ran: its allocated peak must fit the device
+                "fits": est.fits,
                 "fitted": r["size"] == FITTED
                 and r["gpus"] == 8
                 and r["dtype"] == "bf16"
@@ -418,6 +420,8 @@ def main() -> None:
             f"{r['id']:58s} {r['measured_s']:10.3f} {r['predicted_s']:8.3f} {r['error'] * 100:+6.1f}%{mark}"
         )
     print(f"parameter counts equal to the table's: {sum(r['params_match'] for r in rows)} of {len(rows)}")
+    unfit = [r["id"] for r in rows if not r["fits"]]
+    print(f"configurations that ran, priced as not fitting: {len(unfit)} of {len(rows)} {unfit if unfit else ''}")
     for name, n, mean_abs, signed, worst in summary(rows):
         print(f"{name:28s} {n:3d} runs: mean abs {mean_abs:.1%}, signed {signed:+.1%}, worst {worst:+.1%}")
     if args.json:

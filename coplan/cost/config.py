@@ -252,10 +252,11 @@ class TrainingConfig:
             ``torch.autocast``: a 16-bit log-softmax, then ``nll_loss``'s cast of the
             log-probabilities to fp32;
             ``"none"``, the loss in the logits' 16 bits; ``"fused"``, a fused cross-entropy
-            kernel each way, priced as the IR's own loss kernels (flash-attn's
-            ``CrossEntropyLoss``, llm-foundry's default ``fused_crossentropy``;
-            ``coplan.cost.eager``); ``"parallel"``, the model's ``.float()`` and then DTensor's
-            ``loss_parallel`` over vocabulary-sharded logits (torchtitan under tensor
+            kernel each way, priced as the IR's own loss kernels, that keeps the 16-bit logits
+            and writes a new 16-bit gradient (flash-attn's ``CrossEntropyLoss``, llm-foundry's
+            default ``fused_crossentropy``; ``coplan.cost.parts.FUSED_LOSS``); ``"parallel"``,
+            the model's ``.float()`` and then DTensor's ``loss_parallel`` over vocabulary-sharded
+            logits (torchtitan under tensor
             parallelism): a log-softmax written out op by op that holds one more fp32 logits
             tensor than ATen's at its peak, and a backward fused into ``nll_loss``'s.
         fused_rmsnorm: RMSNorm runs as one fused kernel each way that keeps its input and row

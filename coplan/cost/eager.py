@@ -57,7 +57,8 @@ statistics), which cost a launch. The IR's own kernel for the op is replaced by 
 - ``fused``: a fused cross-entropy kernel (flash-attn's ``CrossEntropyLoss``, a Triton kernel
   reading the 16-bit logits once and writing their gradient in its backward: llm-foundry's
   default ``fused_crossentropy``) is priced as the IR's own log-softmax and loss kernels: no plan
-  replaces them.
+  replaces them; its memory is the eager head's own loss variant's (``parts.FUSED_LOSS``: the
+  16-bit logits kept, a new 16-bit gradient).
 - ``nll_loss``: forward gathers one log-probability a token (token-sized); backward zero-fills the
   fp32 input gradient (one fp32 write: ``FillFunctor<float>``, 0.45 ms in the same profile) and
   scatters into it (token-sized).

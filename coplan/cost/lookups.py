@@ -63,6 +63,7 @@ class GraphLookups:
                 self._f32_ops.add(op.id)  # Megatron computes the vocab-parallel loss on fp32 logits
         self.group_of = group_of or {}
         self.megatron_loss = False
+        self.fused_loss = False  # the eager head's fused cross-entropy variant (``parts.FUSED_LOSS``)
         self.eager = False
         # Megatron's fused kernels recompute their intermediates in backward (``_fused_recomputed``)
         self.fused_backward = False

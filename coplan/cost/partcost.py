@@ -27,6 +27,7 @@ from coplan.cost.parts import (
     Kernel,
     Part,
     Vec,
+    loss_variant,
     run_kernels,
     vadd,
     vdot,
@@ -100,8 +101,9 @@ def _base_prices(cost: PartCost, part: Part, fp8: bool) -> _Base:
         points = part.cast_transient()
     else:
         points = part.transient
+    want = loss_variant(part, c.loss_fusion, c.eager_loss_cast)
     for name, _, _, delta, pts in part.loss_variants:
-        if name == c.loss_fusion:  # Megatron's own loss kernels (``loss.py``)
+        if name == want:  # Megatron's own loss kernels, or a fused cross-entropy's memory
             saved, points = vadd(saved, delta), pts
     post = part is cost.profile.post
     if post and c.eager_loss_cast == "parallel" and (c.kernels == "eager" or c.eager_loss):

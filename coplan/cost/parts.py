@@ -208,12 +208,38 @@ def part_dtype(part: Part, dtype: str) -> str:
     return dtype if part.blocks or dtype != "fp8" else "bf16"
 
 
+#: The eager head's one loss variant (``Part.loss_variants``): a fused cross-entropy kernel each
+#: way where eager PyTorch calls one (``TrainingConfig.eager_loss_cast`` "fused": flash-attn's
+#: ``CrossEntropyLoss``, llm-foundry's default), with the memory of the ``loss.py`` kernels that
+#: work as it does, Inductor's: the 16-bit logits kept for backward and a new 16-bit gradient
+#: written there (Dao-AILab/flash-attention flash_attn/ops/triton/cross_entropy.py
+#: ``CrossEntropyLoss`` at v2.4.2, llm-foundry's pin: ``ctx.save_for_backward(logits, lse,
+#: labels)``, backward ``torch.empty_like(logits)`` unless ``inplace_backward``, off by default),
+#: where the IR's log-softmax and loss keep fp32 log-probabilities and hold two fp32 logit-sized
+#: gradients. Its time stays the IR's loss kernels' (``run_kernels``): the kernel's forward holds a
+#: whole row of up to 64K columns in one Triton program, whose rate is not measured, and priced at
+#: one read forward and a read and a write backward at the memory rate, llm-foundry's own MPT-125M
+#: rows (the loss a large share of their steps) move 1-12 points faster, to as much as 23% fast
+#: (``docs/stacks.md``).
+FUSED_LOSS, FUSED_LOSS_AS = "fused", "inductor"
+
+
+def loss_variant(part: Part, loss_fusion: str, loss_cast: str) -> str:
+    """The loss variant whose memory a configuration holds for ``part``: the eager head's fused
+    cross-entropy where the configuration's eager loss cast is that and ``part`` carries it, else
+    Megatron's kernels as ``loss_fusion`` selects them (``loss.py``; an eager head carries none)."""
+    if loss_cast == FUSED_LOSS and any(v[0] == FUSED_LOSS for v in part.loss_variants):
+        return FUSED_LOSS
+    return loss_fusion
+
+
 def run_kernels(
     part: Part, loss_fusion: str, activation_fusion: bool
 ) -> tuple[tuple[Kernel, ...], tuple[Kernel, ...]]:
     """The (forward, backward) kernels a configuration runs for ``part``: Megatron's loss kernels
-    where ``loss_fusion`` selects them (``loss.py``), the MLP activation op by op where it is not
-    fused (``activation.py``), else the part's own."""
+    where ``loss_fusion`` selects them (``loss.py``; the eager head's ``FUSED_LOSS`` variant is
+    priced on the IR's kernels), the MLP activation op by op where it is not fused
+    (``activation.py``), else the part's own."""
     fwd, bwd = part.forward, part.backward
     for name, f, b, _, _ in part.loss_variants:
         if name == loss_fusion:

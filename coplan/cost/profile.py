@@ -16,7 +16,7 @@ vocabulary-parallel. Collectives sit on the boundaries between the two classes.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from functools import partial
 
 from coplan.cost.activation import eager_variant, extra_passes
@@ -31,6 +31,8 @@ from coplan.cost.looped import loop_reads
 from coplan.cost.loss import LOSS_FUSIONS, loss_ops, megatron_loss
 from coplan.cost.parts import (
     CAUSAL_FRACTION,
+    FUSED_LOSS,
+    FUSED_LOSS_AS,
     NV,
     REPL,
     ZERO,
@@ -72,6 +74,8 @@ def profile_graph(
     # override, autocast's choice for softmax and the loss, is what its kernels do anyway)
     loss32 = all(ctx._dtype.get(i, "fp32") == "fp32" for i in ctx._f32_ops)
     ctx.megatron_loss = fusion == "megatron" and loss32
+    # eager PyTorch's head may instead call a fused cross-entropy kernel (``parts.FUSED_LOSS``)
+    ctx.fused_loss = fusion == "none" and loss32
     ctx.fused_backward = fusion == "megatron"
     # eager PyTorch (fusion "none") runs some IR ops as several kernels (``activation.py``)
     ctx.eager = fusion == "none"
@@ -210,7 +214,11 @@ class _Ctx(GraphLookups):
                 into.extend(extra_passes(g, g.ops[grp[0]], self.vec, self._shard[grp[0]]))
         for k in self.cast_kernels(ops):
             (fwd if k.phase is Phase.FORWARD else bwd).append(k)
-        variants = self.loss_variants(ops, ids, fwd, bwd) if self.megatron_loss and not blocks else ()
+        variants: tuple[tuple[str, tuple[Kernel, ...], tuple[Kernel, ...], Vec, tuple[Vec, ...]], ...] = ()
+        if self.megatron_loss and not blocks:
+            variants = self.loss_variants(ops, ids, fwd, bwd, {impl: impl for impl in LOSS_FUSIONS})
+        elif self.fused_loss and not blocks:
+            variants = self.loss_variants(ops, ids, fwd, bwd, {FUSED_LOSS: FUSED_LOSS_AS})
         eager_act = (
             eager_variant(g, ops, fwd, bwd, self.kernel, self.vec, lambda op: self._shard[op.id])
             if blocks and not self.eager
@@ -296,15 +304,23 @@ class _Ctx(GraphLookups):
         )
 
     def loss_variants(
-        self, ops: Sequence[Op], ids: set[int], fwd: Sequence[Kernel], bwd: Sequence[Kernel]
+        self,
+        ops: Sequence[Op],
+        ids: set[int],
+        fwd: Sequence[Kernel],
+        bwd: Sequence[Kernel],
+        named: Mapping[str, str],
     ) -> tuple[tuple[str, tuple[Kernel, ...], tuple[Kernel, ...], Vec, tuple[Vec, ...]], ...]:
-        """The part's kernels with its loss run as each of Megatron's cross-entropy kernels, and the
-        part's temporaries then. Megatron's kernels work in place on the fp32 copy of the logits they
-        keep (the softmax, then the gradient: ``loss.py``), so what they add to the rest of the
-        head's temporaries is the 16-bit logits before the copy and the 16-bit gradient after the
-        cast back, which a walk over the head without the IR's loss ops counts (the logits until
-        their last reader, the gradient as it enters the output layer's backward); the IR's own
-        formulation instead holds fp32 log-probabilities' gradients (two fp32 logit-sized tensors)."""
+        """The part's kernels with its loss run as each of the cross-entropy kernels of ``loss.py``
+        that ``named`` gives (variant name -> its implementation), and the part's temporaries then.
+        Megatron's kernels work in place on the fp32 copy of the logits they keep (the softmax, then
+        the gradient: ``loss.py``), so what they add to the rest of the head's temporaries is the
+        16-bit logits before the copy and the 16-bit gradient after the cast back, which a walk over
+        the head without the IR's loss ops counts (the logits until their last reader, the gradient
+        as it enters the output layer's backward); the IR's own formulation instead holds fp32
+        log-probabilities' gradients (two fp32 logit-sized tensors). Inductor's kernels, which a
+        fused cross-entropy of eager PyTorch runs as (``parts.FUSED_LOSS``), keep the 16-bit logits
+        and write a new 16-bit gradient: the same walk."""
         mine = loss_ops(self.g, ops, self._f32_ops)
         if not mine:
             return ()
@@ -322,10 +338,10 @@ class _Ctx(GraphLookups):
             self.g, self.vec, self._act_vec, ops, ids, skip=mine, skip_returns=False, kept=kept
         )
         out = []
-        for impl in LOSS_FUSIONS:
+        for name, impl in named.items():
             lf, lb, saved = megatron_loss(self.g, loss, impl)
             points = in_place if impl == "te" else transient
-            out.append((impl, keep_f + tuple(lf), tuple(lb) + keep_b, saved, points))
+            out.append((name, keep_f + tuple(lf), tuple(lb) + keep_b, saved, points))
         return tuple(out)
 
     def flash_saved(self, ops: Sequence[Op]) -> Vec:

@@ -383,17 +383,23 @@ def test_the_logits_reach_the_loss_as_each_stack_casts_them():
     assert step["none"] < step["autocast"] < step["float"]
 
 
-def test_a_fused_cross_entropy_keeps_the_irs_loss_kernels():
-    """``eager_loss_cast="fused"`` (llm-foundry's flash-attn cross-entropy): no eager plan replaces
-    the loss's kernels, so the loss launches what the IR's own kernels do, fewer than any eager
-    form, and the step prices below the ``.float()`` form's."""
+def test_a_fused_cross_entropy_keeps_the_16_bit_logits_on_the_irs_kernels():
+    """``eager_loss_cast="fused"`` (llm-foundry's flash-attn cross-entropy, ``parts.FUSED_LOSS``):
+    the loss keeps the 16-bit logits for backward where the IR's keeps fp32 log-probabilities (two
+    bytes a logit fewer saved) and holds one 16-bit gradient where the IR's holds two fp32 ones (a
+    smaller transient); its time is the IR's own loss kernels', which no eager plan replaces, so
+    the step prices below the ``.float()`` form's."""
     from coplan.cost.eager import FUSED_RMSNORM, eager_kernels, shard_class
-    from coplan.cost.parts import run_kernels
+    from coplan.cost.parts import FUSED_LOSS, loss_variant, run_kernels
 
     spec = _spec(1, 8)
     model = CostModel(spec=spec)
     prof = model.profile(MB, SEQ, "none")
+    logits = MB * SEQ * spec.vocab_size
+    assert loss_variant(prof.post, "none", "fused") == FUSED_LOSS
+    assert loss_variant(prof.post, "none", "float") == "none"  # no such variant: the IR's loss
     fwd, bwd = run_kernels(prof.post, "none", True)
+    assert (fwd, bwd) == (prof.post.forward, prof.post.backward)
     # the loss side less its final norm (a fused one here): the IR's kernels as they are
     fused = eager_kernels(prof.graph, fwd, bwd, shard_class, FUSED_RMSNORM, loss="fused")
     assert fused == (tuple(fwd), tuple(bwd))
@@ -402,10 +408,10 @@ def test_a_fused_cross_entropy_keeps_the_irs_loss_kernels():
         assert len(got[0]) + len(got[1]) >= len(fwd) + len(bwd)
     cluster = load_cluster("dgx-h100", 1)
     config = load_stack("fsdp").configure(TrainingConfig(microbatch=MB, global_batch=MB, seq=SEQ))
-    step = {
-        f: model.estimate(cluster, config.with_(eager_loss_cast=f)).step_time_s for f in ("float", "fused")
-    }
-    assert step["fused"] < step["float"]
+    est = {f: model.estimate(cluster, config.with_(eager_loss_cast=f)) for f in ("float", "fused")}
+    assert est["float"].memory.activations_bytes - est["fused"].memory.activations_bytes == 2 * logits
+    assert est["fused"].memory.transient_bytes < est["float"].memory.transient_bytes
+    assert est["fused"].step_time_s < est["float"].step_time_s
 
 
 def test_cli_prices_the_loss_cast_as_named(cli) -> None:  # type: ignore[no-untyped-def]

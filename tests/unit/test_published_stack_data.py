@@ -233,7 +233,7 @@ def test_llm_foundrys_tables_build_every_size_as_published() -> None:
     """``benchmarks/data/llmfoundry_tables.py``: each row of llm-foundry's H100 and A100 80GB tables
     becomes a run whose model has exactly the table's parameter count (sizes 125M to 70B, learned
     positions for the row's sequence), whose step time is the row's tokens per second, and which
-    prices to a finite step."""
+    prices to a finite step that fits the device (the sweep ran it)."""
     tables = _bench_module("llmfoundry_tables")
     runs = tables.runs()
     every = tables.ROWS + tables.FP8_ROWS + tables.A100_40GB_ROWS
@@ -245,6 +245,8 @@ def test_llm_foundrys_tables_build_every_size_as_published() -> None:
         assert run["measured"]["step_time_s"] == pytest.approx(run["global_batch"] * seq / (tps * gpus))
     rows = tables.table()
     assert all(-1.0 < r["error"] < 1.0 for r in rows)
+    # every row ran, so each is priced as fitting its device
+    assert [r["id"] for r in rows if not r["fits"]] == []
     assert sum(r["fitted"] for r in rows) == sum(1 for r in tables.ROWS if r[2] == "1b" and r[4] == 8)
     assert not any(r["fitted"] for r in rows if r["cluster"] == "dgx-a100-40gb")
     assert {r["dtype"] for r in rows} == {"bf16", "fp8"}
