@@ -153,7 +153,8 @@ def mode_stack(stack: StackSpec, mode: str, device: str = "cuda") -> StackSpec:
     loss-path output already cast (the stack's ``fused_output_casts``); eager runs write all. An
     eager run on a GPU launches each op the model writes in Python as eager PyTorch decomposes it
     (``kernels="eager"``, ``coplan.cost.eager``): ``F.cross_entropy``'s 16-bit log-softmax over the
-    vocabulary and the fp32 cast autocast makes for ``nll_loss``, RMSNorm's ATen ops. With
+    vocabulary and the fp32 cast autocast makes for ``nll_loss``, ``nn.RMSNorm`` as the fused kernel
+    PyTorch dispatches it to (the stack's ``fused_rmsnorm``). With
     autocast's fp32 residual stream (``baseline_plan``) this moved the eager / compiled ratios
     priced for GPT-2 124M and Llama 3.2 1B on one H200 from 23-38 points under the measured to
     6-34 (``benchmarks/reprice_gpu.py``). On a CPU the runner's profile was fitted to

@@ -97,6 +97,7 @@ SETTINGS: tuple[str, ...] = (
     "fused_output_casts",
     "eager_rope",
     "eager_loss_cast",
+    "fused_rmsnorm",
     "optimizer",
     "zero3_gather",
     "grad_accumulation",
@@ -195,6 +196,10 @@ class StackSpec:
             ``nll_loss``), none (the loss in 16 bits), a fused cross-entropy kernel, or the
             ``.float()`` then DTensor's ``loss_parallel`` (``"parallel"``: taken only under tensor
             parallelism, which shards the logits; without it the ``.float()`` alone).
+        fused_rmsnorm: where its kernels are eager, its model's RMSNorm runs as one fused kernel
+            each way (``TrainingConfig.fused_rmsnorm``): ``nn.RMSNorm`` / ``F.rms_norm``, which
+            PyTorch's CUDA build dispatches to ``_fused_rms_norm`` where input and weight share a
+            dtype, not a model's own RMSNorm written in tensor ops.
         optimizer: how its AdamW update runs (``TrainingConfig.optimizer``, ``coplan.cost.optimizer``):
             ``""`` as a plan's optimizer kernels say, ``"fused"``, ``"foreach"`` or ``"for-loop"``.
         zero3_gather: how its ZeRO-3 issues the parameter all-gathers and gradient reduce-scatters
@@ -270,6 +275,7 @@ class StackSpec:
     fused_output_casts: bool = False
     eager_rope: str = "complex"
     eager_loss_cast: str = "float"
+    fused_rmsnorm: bool = False
     optimizer: str = ""
     zero3_gather: str = "unit"
     grad_accumulation: str = "fused"
@@ -326,6 +332,7 @@ class StackSpec:
             "gemm_padding",
             "kernel_local_buffers",
             "fused_output_casts",
+            "fused_rmsnorm",
             "expandable_segments",
             "hybrid_shard",
         ):
@@ -470,6 +477,7 @@ class StackSpec:
             and self.tp_comm_overlap
             and self.eager_rope == "complex"
             and self.eager_loss_cast == "float"
+            and not self.fused_rmsnorm
             and not self.kernel_local_buffers
             and not self.fused_output_casts
         ):
@@ -508,6 +516,9 @@ class StackSpec:
             config = config.with_(eager_loss_cast=self.eager_loss_cast)
         if self.optimizer and not config.optimizer:
             config = config.with_(optimizer=self.optimizer)
+        if self.fused_rmsnorm and self.kernels == "eager" and not config.fused_rmsnorm:
+            # the model's RMSNorm as PyTorch dispatches it where the kernels are eager
+            config = config.with_(fused_rmsnorm=True)
         if self.sharding == "fsdp2" and self.fsdp_units:
             # FSDP2's copies around its collectives, on the compute stream (``zero.fsdp_copies``)
             config = config.with_(gather_copies=True)

@@ -132,6 +132,24 @@ def test_fused_rmsnorm_keeps_no_normalized_tensor_and_launches_one_kernel_each_w
     assert full[0].memory.activations_bytes == full[1].memory.activations_bytes
 
 
+def test_a_stack_whose_model_calls_nn_rmsnorm_runs_the_fused_kernel_where_its_kernels_are_eager():
+    """``StackSpec.fused_rmsnorm``: PyTorch dispatches ``nn.RMSNorm`` to its fused kernel on CUDA
+    where input and weight share a dtype, as coplan's runner's fp32 stream and weights do, so the
+    runner's eager baseline on a GPU prices the fused norm; on a CPU (no fused kernel) its profile
+    keeps the IR's kernels, and torchtitan's and fms's RMSNorms are tensor ops of their own."""
+    from coplan.apply.predict import mode_stack
+
+    config = TrainingConfig(microbatch=MB, global_batch=MB, seq=SEQ)
+    coplan = load_stack("coplan")
+    assert coplan.fused_rmsnorm and not coplan.configure(config).fused_rmsnorm  # its own kernels
+    assert mode_stack(coplan, "eager", "cuda").configure(config).fused_rmsnorm
+    assert not mode_stack(coplan, "eager", "cpu").configure(config).fused_rmsnorm
+    assert not mode_stack(coplan, "compile", "cuda").configure(config).fused_rmsnorm
+    for name in ("torchtitan", "fsdp", "eager", "megatron", "deepspeed"):
+        assert not load_stack(name).fused_rmsnorm
+        assert not load_stack(name).configure(config).fused_rmsnorm, name
+
+
 def test_written_out_attention_moves_the_scores_op_by_op() -> None:
     from dataclasses import replace as dc_replace
 
