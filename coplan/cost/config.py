@@ -256,9 +256,9 @@ class TrainingConfig:
             and writes a new 16-bit gradient (flash-attn's ``CrossEntropyLoss``, llm-foundry's
             default ``fused_crossentropy``; ``coplan.cost.parts.FUSED_LOSS``); ``"parallel"``,
             the model's ``.float()`` and then DTensor's ``loss_parallel`` over vocabulary-sharded
-            logits (torchtitan under tensor
-            parallelism): a log-softmax written out op by op that holds one more fp32 logits
-            tensor than ATen's at its peak, and a backward fused into ``nll_loss``'s.
+            logits (torchtitan under tensor parallelism): a log-softmax written out op by op that
+            holds one more fp32 logits tensor than ATen's at its peak, and a backward fused into
+            ``nll_loss``'s.
         fused_rmsnorm: RMSNorm runs as one fused kernel each way that keeps its input and row
             statistics for backward, not the normalized tensor, and recomputes that inside its
             backward kernel (torchtitan's ``norm_type = "fused_rmsnorm"``, a Triton kernel:

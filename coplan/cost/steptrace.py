@@ -184,9 +184,7 @@ class _Tracer:
         flat = self.alloc(n * self.reduce_bytes, COMPUTE if retain else SCATTER)
         for h in produced:
             self.free(h)
-        if unit not in self.reduced:  # later microbatches accumulate into the shard
-            self.reduced.add(unit)
-            self.grads.append(self.alloc(n * 4 / self.d, SCATTER))
+        self._shard(unit, n)
         if retain:
             self.reduce_input = flat
         else:
@@ -203,13 +201,18 @@ class _Tracer:
         for h in produced:
             self.free(h)
         cast = self.alloc(n * self.reduce_bytes, SCATTER) if self.reduce_bytes != self.act else None
-        if unit not in self.reduced:
-            self.reduced.add(unit)
-            self.grads.append(self.alloc(n * 4 / self.d, SCATTER))
+        self._shard(unit, n)
         if cast is not None:
             self.free(cast)
         self.release_flat_grad()
         self.flat_grad = grad
+
+    def _shard(self, unit: int | None, n: float) -> None:
+        """The unit's fp32 gradient shard, made on the side stream by the step's first reduction
+        of the unit (later microbatches accumulate into it)."""
+        if unit not in self.reduced:
+            self.reduced.add(unit)
+            self.grads.append(self.alloc(n * 4 / self.d, SCATTER))
 
     def release_flat_grad(self) -> None:
         """FSDP1's last flat gradient, back in its pool."""
