@@ -138,12 +138,8 @@ def estimate(profile: GraphProfile, cluster: ClusterSpec, config: TrainingConfig
         recompute ``rec`` (``ckpt``: how many blocks of each template run under it, the others
         under none; None: all). Interior pipeline stages usually run the same parts on the same
         device: each distinct (device, recompute, parts) is priced once per estimate."""
-        key = (
-            device,
-            rec,
-            tuple((id(part), n) for part, n in parts),
-            None if ckpt is None else tuple(sorted(ckpt.items())),
-        )
+        ck = None if ckpt is None else tuple(sorted(ckpt.items()))
+        key = (device, rec, tuple((id(part), n) for part, n in parts), ck)
         got = sums.get(key)
         if got is not None:
             return got
@@ -152,7 +148,7 @@ def estimate(profile: GraphProfile, cluster: ClusterSpec, config: TrainingConfig
         params = [0.0, 0.0]
         saved: Vec = (0.0,) * NV  # type: ignore[assignment]
         saved_head: Vec = (0.0,) * NV  # type: ignore[assignment]
-        transient = 0.0
+        transient = pre_transient = 0.0
         weight_cache = 0.0
         block_local = 0.0  # this GPU's parameters in the stage's blocks
         regathered = 0.0  # of them, gathered again after a DeepSpeed recompute (``zero.py``)
@@ -244,12 +240,15 @@ def estimate(profile: GraphProfile, cluster: ClusterSpec, config: TrainingConfig
             else:
                 tp_comm += n * pc.tp_comm(part, "none")
                 saved_head = vadd(saved_head, pc.saved)
-                transient = max(transient, pc.transient(part))
+                if part is profile.pre:
+                    pre_transient = max(pre_transient, pc.transient(part))
+                else:
+                    transient = max(transient, pc.transient(part))
         got = sums[key] = _Sums(
             fwd=fwd, bwd=bwd, recompute=recompute, tp_comm=tp_comm, cp_comm=cp_comm, opt=opt, kern=kern,
             params=params, saved=saved, saved_head=saved_head, transient=transient,
-            weight_cache=weight_cache, block_local=block_local, tensors=tensors, modules=modules,
-            regathered=regathered,
+            pre_transient=pre_transient, weight_cache=weight_cache, block_local=block_local,
+            tensors=tensors, modules=modules, regathered=regathered,
         )  # fmt: skip
         return got
 
@@ -274,14 +273,12 @@ def estimate(profile: GraphProfile, cluster: ClusterSpec, config: TrainingConfig
                     ckpt[id(part)] = ckpt.get(id(part), 0) + 1
         ps = sum_parts(device, rec, parts, ckpt)
         fwd, bwd, recompute, opt, kern = ps.fwd, ps.bwd, ps.recompute, ps.opt, ps.kern
-        tp_comm, cp_comm, params, saved, saved_head = (
-            ps.tp_comm,
-            ps.cp_comm,
-            ps.params,
-            ps.saved,
-            ps.saved_head,
-        )
+        tp_comm, cp_comm, params = ps.tp_comm, ps.cp_comm, ps.params
+        saved, saved_head = ps.saved, ps.saved_head
         transient, weight_cache, block_local = ps.transient, ps.weight_cache, ps.block_local
+        # the embedding's working set comes before a microbatch's blocks run forward and after
+        # their backward: that microbatch's block activations are not held beside it
+        transient = max(transient, ps.pre_transient - vdot(saved, weights) / v)
         # gradients accumulated over microbatches outside the GEMMs, where no ZeRO stage shards
         # them between microbatches (``TrainingConfig.grad_accumulation``): one memory-bound pass
         # over this GPU's parameters after each backward, averaged over the microbatches
@@ -669,9 +666,10 @@ class _Sums(NamedTuple):
     """One microbatch of a pipeline stage's parts on one device (``estimate``'s ``sum_parts``):
     seconds forward, backward, recomputing, in TP and CP collectives and in the optimizer; kernels
     launched; parameters (replicated, TP-sharded); saved activations of the blocks and of the parts
-    outside them; the largest transient working set; fp8 weight-cache bytes; this GPU's block
-    parameters; the parameter tensors and the modules owning them; the block parameter elements
-    DeepSpeed gathers a third time after a recompute (``zero.recompute_regathered``)."""
+    outside them; the largest transient working set, the embedding's apart; fp8 weight-cache bytes;
+    this GPU's block parameters; the parameter tensors and the modules owning them; the block
+    parameter elements DeepSpeed gathers a third time after a recompute
+    (``zero.recompute_regathered``)."""
 
     fwd: float
     bwd: float
@@ -684,6 +682,7 @@ class _Sums(NamedTuple):
     saved: Vec
     saved_head: Vec
     transient: float
+    pre_transient: float
     weight_cache: float
     block_local: float
     tensors: int
