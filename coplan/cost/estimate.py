@@ -275,10 +275,10 @@ def estimate(profile: GraphProfile, cluster: ClusterSpec, config: TrainingConfig
         fwd, bwd, recompute, opt, kern = ps.fwd, ps.bwd, ps.recompute, ps.opt, ps.kern
         tp_comm, cp_comm, params = ps.tp_comm, ps.cp_comm, ps.params
         saved, saved_head = ps.saved, ps.saved_head
-        transient, weight_cache, block_local = ps.transient, ps.weight_cache, ps.block_local
+        weight_cache, block_local = ps.weight_cache, ps.block_local
         # the embedding's working set comes before a microbatch's blocks run forward and after
         # their backward: that microbatch's block activations are not held beside it
-        transient = max(transient, ps.pre_transient - vdot(saved, weights) / v)
+        transient = max(ps.transient, ps.pre_transient - vdot(saved, weights) / v)
         # gradients accumulated over microbatches outside the GEMMs, where no ZeRO stage shards
         # them between microbatches (``TrainingConfig.grad_accumulation``): one memory-bound pass
         # over this GPU's parameters after each backward, averaged over the microbatches
