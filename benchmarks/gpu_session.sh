@@ -23,6 +23,9 @@
 # 4. (CP_S > 0) The ring-attention probe: one rank's flash-attention calls and fp32 merges of
 #    PyTorch's context parallelism at 262,144 tokens over CP 8, beside coplan's price of them
 #    (cp_ring_probe.json): whether torchtitan's CP rows' excess is in the kernels or the ring.
+# 5. Always (seconds): which ATen ops nn.RMSNorm dispatches to on this GPU, fused or composite, for
+#    the runner's fp32 norm under autocast, bf16 and mixed dtypes (rmsnorm_dispatch.json): whether
+#    the coplan preset's fused_rmsnorm is what ran.
 set -u
 OUT="${OUT:?set OUT to the folder results go to}"
 MODEL="${1:-gpt2-124m}"
@@ -70,3 +73,6 @@ if [ "$CP_S" -gt 0 ]; then
     echo "cp ring probe exit $?" >> "$OUT/cp_ring_probe.txt"
     tail -n 2 "$OUT/cp_ring_probe.txt"
 fi
+timeout 60 "$PY" benchmarks/data/rmsnorm_dispatch.py > "$OUT/rmsnorm_dispatch.json" 2> "$OUT/rmsnorm_dispatch.log"
+echo "rmsnorm dispatch exit $?" >> "$OUT/rmsnorm_dispatch.log"
+grep -o '"fused": [a-z]*' "$OUT/rmsnorm_dispatch.json" | tr '\n' ' '; echo

@@ -150,6 +150,27 @@ def test_a_stack_whose_model_calls_nn_rmsnorm_runs_the_fused_kernel_where_its_ke
         assert not load_stack(name).configure(config).fused_rmsnorm, name
 
 
+def test_the_rmsnorm_dispatch_probe_sees_the_composite_ops_on_a_cpu():
+    """``benchmarks/data/rmsnorm_dispatch.py`` (run by ``gpu_session.sh`` on a lent GPU, where the
+    runner's case should show ``_fused_rms_norm``): on a CPU, which has no fused kernel, every case
+    runs ``nn.RMSNorm`` as its composite ops, the mixed-dtype one with PyTorch's fallback warning."""
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[2] / "benchmarks" / "data" / "rmsnorm_dispatch.py"
+    spec = importlib.util.spec_from_file_location("rmsnorm_dispatch", path)
+    assert spec is not None and spec.loader is not None
+    probe = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(probe)
+    got = {name: probe.dispatched("cpu", *case) for name, case in probe.CASES.items()}
+    assert set(got) == {"runner", "bf16", "mixed"}
+    for name, r in got.items():
+        assert not r["fused"], name
+        assert {"pow", "mean", "rsqrt"} <= set(r["forward"]), name
+        assert r["backward"], name
+    assert got["mixed"]["fallback_warning"] and not got["runner"]["fallback_warning"]
+
+
 def test_written_out_attention_moves_the_scores_op_by_op() -> None:
     from dataclasses import replace as dc_replace
 
